@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create or update .venv (Python 3.11) from requirements-cpu.txt and install tierckpt editable.
+# pip's "Location ... is ignored" lines come from this machine's local index config; they are
+# filtered out, pip's own exit status is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3.11}
+VENV=.venv
+quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements-cpu.txt
+quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+"$VENV/bin/python" - <<'PY'
+import torch, xxhash, rich, tomli, fsspec, tierckpt
+assert torch.__version__.startswith("2.13.0"), f"expected torch 2.13.0 (CPU wheel), got {torch.__version__}"
+PY
+touch "$VENV/.installed-stamp"

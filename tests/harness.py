@@ -1,0 +1,109 @@
+"""Run a function on N gloo ranks (separate processes), one rank per simulated node unless
+the test says otherwise, and collect each rank's return value or traceback."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    exitcode: int | None
+    value: Any = None
+    error: str | None = None
+
+
+def _entry(fn, rank, world, port, args, q, env):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        value = fn(rank, world, *args)
+        q.put((rank, value, None))
+    except BaseException:
+        q.put((rank, None, traceback.format_exc()))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_world(fn, world: int, *args, timeout: float = 240, env: dict | None = None,
+              allow_killed: bool = False) -> list[RankResult]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return their results.
+
+    When a rank dies by a signal and ``allow_killed`` is set, the others are terminated (they
+    would wait in a collective for the dead rank) and the run ends; otherwise any failure
+    raises AssertionError with every rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, q, env or {})) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {r: RankResult(r, None) for r in range(world)}
+    deadline = time.time() + timeout
+    got = 0
+    killed = False
+    while time.time() < deadline:
+        while not q.empty() or got < world:
+            try:
+                rank, value, err = q.get(timeout=0.2)
+            except Exception:
+                break
+            results[rank].value, results[rank].error = value, err
+            got += 1
+        if all(not p.is_alive() for p in procs):
+            break
+        if any(p.exitcode is not None and p.exitcode < 0 for p in procs):
+            killed = True
+            time.sleep(0.5)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            break
+    else:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join()
+        raise AssertionError(f"run_world timed out after {timeout}s: {results}")
+    for p in procs:
+        p.join()
+    while not q.empty():
+        rank, value, err = q.get()
+        results[rank].value, results[rank].error = value, err
+    for r, p in enumerate(procs):
+        results[r].exitcode = p.exitcode
+    if not (killed and allow_killed):
+        errs = [f"rank {r}: exit {x.exitcode}\n{x.error}" for r, x in results.items() if x.exitcode != 0]
+        if errs:
+            raise AssertionError("\n".join(errs))
+    return [results[r] for r in range(world)]

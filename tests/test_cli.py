@@ -1,0 +1,330 @@
+"""Tests of the ``tierckpt`` command line (ls, verify, ledger) on real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tierckpt import cli, manifest
+from tierckpt.layout import LEDGER, MANIFEST, local_step, persistent_step, replica_step
+from tierckpt.ledger import Ledger
+from tierckpt.storage import Store
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_step(store: Store, step_rel: str, files: dict[str, bytes], commit: bool = True, **meta) -> None:
+    """Write ``files`` into ``step_rel`` of ``store`` and (optionally) commit them."""
+    for name, data in files.items():
+        with store.open(f"{step_rel}/{name}", "wb") as f:
+            f.write(data)
+    if commit:
+        step_store = store.sub(step_rel)
+        entries = [manifest.hash_file(step_store, name) for name in sorted(files)]
+        manifest.commit(store, step_rel, entries, **meta)
+
+
+def dcp_files(seed: int, size: int = 4096) -> dict[str, bytes]:
+    body = bytes((seed * 31 + i) % 251 for i in range(size))
+    return {"__0_0.distcp": body, "__1_0.distcp": body[::-1][: size // 2], ".metadata": b"meta-%d" % seed}
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> dict:
+    """Two node roots, one replica, a persistent root, and one torn (uncommitted) local step.
+
+    Layout::
+
+        job/nodes/node-0/local/step-10            committed, node 0
+        job/nodes/node-0/local/step-20            torn: data only, no manifest/marker
+        job/nodes/node-0/replicas/node-1/step-10  byte copy of node 1's step 10
+        job/nodes/node-1/local/step-10            committed, node 1
+        job/persist/step-10                       committed, persistent
+    """
+    job = tmp_path / "job"
+    n0 = Store(str(job / "nodes" / "node-0"))
+    n1 = Store(str(job / "nodes" / "node-1"))
+    persist = Store(str(job / "persist"))
+    write_step(n0, local_step(10), dcp_files(0), tier="local", step=10, node=0)
+    write_step(n0, local_step(20), dcp_files(5), commit=False)
+    write_step(n1, local_step(10), dcp_files(1), tier="local", step=10, node=1)
+    shutil.copytree(n1.path(local_step(10)), n0.path(replica_step(1, 10)))
+    write_step(persist, persistent_step(10), dcp_files(2, 8192), tier="persistent", step=10)
+    return {"job": job, "n0": n0, "n1": n1, "persist": persist}
+
+
+def run_json(capsys, *argv) -> tuple[int, object]:
+    rc = cli.main([*argv, "--json"])
+    out = capsys.readouterr().out
+    return rc, json.loads(out)
+
+
+# -- ls ----------------------------------------------------------------------------------------
+def test_ls_lists_every_tier(tree, capsys):
+    rc, rows = run_json(capsys, "ls", str(tree["job"]))
+    assert rc == 0
+    assert all(
+        set(r) == {"tier", "node", "source_node", "step", "committed", "files", "bytes", "path"}
+        for r in rows
+    )
+    got = [(r["tier"], r["node"], r["source_node"], r["step"], r["committed"]) for r in rows]
+    assert got == [
+        ("local", 0, None, 10, True),
+        ("local", 0, None, 20, False),
+        ("local", 1, None, 10, True),
+        ("replica", 0, 1, 10, True),
+        ("persistent", None, None, 10, True),
+    ]
+    by_path = {r["path"]: r for r in rows}
+    p_local = tree["n0"].path(local_step(10))
+    assert by_path[p_local]["files"] == 3
+    assert by_path[p_local]["bytes"] == sum(len(v) for v in dcp_files(0).values())
+    torn = by_path[tree["n0"].path(local_step(20))]
+    assert torn["files"] == 3 and torn["bytes"] == sum(len(v) for v in dcp_files(5).values())
+    assert by_path[tree["persist"].path("step-10")]["bytes"] == sum(len(v) for v in dcp_files(2, 8192).values())
+
+
+def test_ls_table_and_single_node_root(tree, capsys):
+    assert cli.main(["ls", tree["n0"].root]) == 0
+    out = capsys.readouterr().out
+    assert "replica of node 1" in out
+    assert "step directories, 2 committed, 1 uncommitted" in out
+    assert "KiB" in out
+    # node inferred from the path (node-0) when the step is not committed
+    rc, rows = run_json(capsys, "ls", tree["n0"].root)
+    torn = [r for r in rows if r["step"] == 20]
+    assert torn == [dict(torn[0], tier="local", node=0, committed=False)]
+
+
+def test_ls_does_not_descend_into_step_dirs(tree, capsys):
+    # a directory named like a step nested inside a step is data, not another step
+    nested = tree["persist"].path("step-10/step-99")
+    os.makedirs(nested)
+    rc, rows = run_json(capsys, "ls", str(tree["job"]))
+    assert rc == 0
+    assert 99 not in [r["step"] for r in rows]
+
+
+def test_ls_on_fsspec_memory_url(capsys):
+    url = f"memory://tierckpt-cli-{uuid.uuid4().hex}"
+    store = Store(url)
+    try:
+        write_step(store, "node-3/" + local_step(7), dcp_files(3), tier="local", step=7, node=3)
+        write_step(store, "persist/step-7", dcp_files(4), tier="persistent", step=7)
+        rc, rows = run_json(capsys, "ls", url)
+        assert rc == 0
+        assert [(r["tier"], r["node"], r["step"], r["committed"]) for r in rows] == [
+            ("local", 3, 7, True),
+            ("persistent", None, 7, True),
+        ]
+        assert all(r["path"].startswith("memory://") for r in rows)
+        assert cli.main(["verify", url]) == 0
+    finally:
+        store.rmtree("")
+
+
+# -- verify ------------------------------------------------------------------------------------
+def test_verify_intact_tree_passes_and_ignores_uncommitted(tree, capsys):
+    assert cli.main(["verify", str(tree["job"])]) == 0
+    out = capsys.readouterr().out
+    assert "4 steps verified, 0 corrupt, 1 uncommitted" in out
+    assert "uncommitted (ignored by restore)" in out
+    rc, doc = run_json(capsys, "verify", str(tree["job"]))
+    assert rc == 0
+    assert (doc["verified"], doc["corrupt"], doc["uncommitted"]) == (4, 0, 1)
+
+
+def test_verify_detects_bit_flip(tree, capsys):
+    victim = Path(tree["n1"].path(local_step(10))) / "__0_0.distcp"
+    data = bytearray(victim.read_bytes())
+    data[1234] ^= 0x01
+    victim.write_bytes(bytes(data))
+    assert cli.main(["verify", str(tree["job"])]) == 1
+    out = capsys.readouterr().out
+    assert "CORRUPT" in out and "4 steps verified, 1 corrupt, 1 uncommitted" in out
+    rc, doc = run_json(capsys, "verify", str(tree["job"]))
+    assert rc == 1
+    bad = [s for s in doc["steps"] if s["status"] == "CORRUPT"]
+    assert [(s["tier"], s["node"]) for s in bad] == [("local", 1)]
+    assert "xxh3_64" in bad[0]["problems"][0] and "__0_0.distcp" in bad[0]["problems"][0]
+
+
+def test_verify_detects_truncation(tree, capsys):
+    victim = Path(tree["persist"].path("step-10")) / "__1_0.distcp"
+    with open(victim, "r+b") as f:
+        f.truncate(100)
+    rc, doc = run_json(capsys, "verify", str(tree["job"]))
+    assert rc == 1
+    bad = [s for s in doc["steps"] if s["status"] == "CORRUPT"]
+    assert [s["tier"] for s in bad] == ["persistent"]
+    assert "size 100" in bad[0]["problems"][0]
+
+
+def test_verify_detects_missing_file_in_replica(tree, capsys):
+    os.remove(Path(tree["n0"].path(replica_step(1, 10))) / ".metadata")
+    rc, doc = run_json(capsys, "verify", str(tree["job"]))
+    assert rc == 1
+    bad = [s for s in doc["steps"] if s["status"] == "CORRUPT"]
+    assert [(s["tier"], s["node"], s["source_node"]) for s in bad] == [("replica", 0, 1)]
+    assert "missing" in bad[0]["problems"][0]
+
+
+def test_verify_marker_without_matching_manifest_is_corrupt(tree, capsys):
+    mpath = Path(tree["persist"].path("step-10")) / MANIFEST
+    mpath.write_bytes(mpath.read_bytes().replace(b'"total_bytes"', b'"total_bytez"'))
+    rc, doc = run_json(capsys, "verify", str(tree["job"]))
+    assert rc == 1
+    bad = [s for s in doc["steps"] if s["status"] == "CORRUPT"]
+    assert [s["tier"] for s in bad] == ["persistent"]
+    assert "marker" in bad[0]["problems"][0]
+
+
+def test_verify_single_step_dir_as_root(tree, capsys):
+    rc, doc = run_json(capsys, "verify", tree["persist"].path("step-10"))
+    assert rc == 0
+    assert [(s["tier"], s["step"], s["status"]) for s in doc["steps"]] == [("persistent", 10, "OK")]
+    rc, doc = run_json(capsys, "verify", tree["n0"].path(local_step(20)))
+    assert rc == 0 and doc["uncommitted"] == 1 and doc["verified"] == 0
+
+
+# -- ledger ------------------------------------------------------------------------------------
+@pytest.fixture
+def ledger_root(tmp_path: Path) -> Store:
+    """A ledger with a failed run (no run_end), a clean run with a restore, and a torn tail."""
+    store = Store(str(tmp_path / "persist"))
+    a = Ledger(store, enabled=True, run_id="run-aaaaaaaaaaaaaaaa", job="j1")
+    a.append("run_start", world_size=8, nodes=2, ranks_per_node=4, restart_count=0, host="h0")
+    a.append("checkpoint", tier="local", step=10, blocking_s=0.5, background_s=2.0, bytes=3 << 30, ok=True)
+    a.append("checkpoint", tier="persistent", step=10, blocking_s=0.0, background_s=0.0, bytes=0,
+             ok=False, error="disk full")
+    # run a dies here: no run_end
+    b = Ledger(store, enabled=True, run_id="run-bbbbbbbbbbbbbbbb", job="j1")
+    b.append("run_start", world_size=8, nodes=2, ranks_per_node=4, restart_count=1, host="h0")
+    b.append("restore", step=10, sources={"0": {"tier": "local", "holder": 0},
+                                          "1": {"tier": "replica", "holder": 0}},
+             bytes=6 << 30, seconds=4.2, attempts=1, persistent_bytes=0)
+    b.append("checkpoint", tier="local", step=20, blocking_s=1.5, background_s=3.0, bytes=2 << 30, ok=True)
+    b.append("run_end", clean=True, exposure_s=123.0, reason="finished")
+    with open(store.path(LEDGER), "ab") as f:
+        f.write(b'{"kind": "checkpoint", "time": 1.0, "run_id": "run-cc')  # writer died mid-line
+    return store
+
+
+def test_ledger_summary_tables(ledger_root, capsys):
+    assert cli.main(["ledger", ledger_root.root]) == 0
+    out = capsys.readouterr().out
+    assert "runs: 2, failures (no clean end): 1" in out
+    assert "no clean end" in out and "clean" in out
+    assert "node 0: local" in out and "node 1: replica@0" in out
+    assert "2.0 GiB" in out  # last local checkpoint
+    assert "1.000" in out  # mean local blocking s: (0.5 + 1.5) / 2
+
+
+def test_ledger_json_counts_failure(ledger_root, capsys):
+    rc, summary = run_json(capsys, "ledger", ledger_root.root)
+    assert rc == 0
+    assert [r["run_id"] for r in summary["runs"]] == ["run-aaaaaaaaaaaaaaaa", "run-bbbbbbbbbbbbbbbb"]
+    assert [r["run_id"] for r in summary["failures"]] == ["run-aaaaaaaaaaaaaaaa"]
+    assert summary["runs"][1]["clean"] is True and summary["runs"][1]["restart_count"] == 1
+    local = summary["checkpoints"]["local"]
+    assert (local["count"], local["ok"], local["failed"], local["last_step"]) == (2, 2, 0, 20)
+    assert summary["checkpoints"]["persistent"]["failed"] == 1
+    assert len(summary["restores"]) == 1 and summary["restores"][0]["step"] == 10
+
+
+def test_ledger_append_after_torn_line_stays_parseable(ledger_root, capsys):
+    before = Ledger.read(ledger_root)
+    c = Ledger(ledger_root, enabled=True, run_id="run-c", job="j1")
+    rec = c.append("run_start", world_size=8, nodes=2, ranks_per_node=4, restart_count=2, host="h1")
+    after = Ledger.read(ledger_root)
+    assert len(after) == len(before) + 1
+    assert after[-1] == json.loads(json.dumps(rec))
+    raw = Path(ledger_root.path(LEDGER)).read_bytes()
+    assert raw.endswith(b"\n")
+    assert raw.splitlines()[-2].startswith(b'{"kind": "checkpoint", "time": 1.0')  # torn line kept apart
+    rc, summary = run_json(capsys, "ledger", ledger_root.root)
+    assert rc == 0
+    assert len(summary["runs"]) == 3
+    # run-c has started and not ended: it counts as no clean end (it may still be running)
+    assert [r["run_id"] for r in summary["failures"]] == ["run-aaaaaaaaaaaaaaaa", "run-c"]
+
+
+# -- bad input ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["ls", "verify", "ledger"])
+def test_nonexistent_root_exits_2(tmp_path, capsys, command):
+    missing = str(tmp_path / "nope")
+    assert cli.main([command, missing]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and missing in err
+
+
+def test_root_is_a_file_exits_2(tmp_path, capsys):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    assert cli.main(["ls", str(f)]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_ledger_missing_file_exits_2(tmp_path, capsys):
+    assert cli.main(["ledger", str(tmp_path)]) == 2
+    assert "no ledger" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys):
+    assert cli.main([]) == 2
+    assert cli.main(["frobnicate"]) == 2
+    assert cli.main(["--help"]) == 0
+    assert "ledger" in capsys.readouterr().out
+
+
+def test_register_command_adds_subcommand(capsys):
+    def register(subparsers):
+        p = subparsers.add_parser("hello")
+        p.set_defaults(func=lambda args: print("hi") or 0)
+
+    cli.register_command(register)
+    try:
+        assert cli.main(["hello"]) == 0
+        assert capsys.readouterr().out.strip() == "hi"
+    finally:
+        cli.REGISTRARS.remove(register)
+
+
+def test_human_bytes():
+    assert cli.human_bytes(None) == "-"
+    assert cli.human_bytes(0) == "0 B"
+    assert cli.human_bytes(1023) == "1023 B"
+    assert cli.human_bytes(1536) == "1.5 KiB"
+    assert cli.human_bytes(int(1.2 * (1 << 30))) == "1.2 GiB"
+    assert cli.human_bytes(5 << 50) == "5.0 PiB"
+
+
+# -- the installed console script --------------------------------------------------------------
+def _console_script() -> list[str]:
+    script = Path(sys.executable).parent / "tierckpt"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tierckpt.cli"]
+
+
+def test_console_script_subprocess(tree):
+    env = dict(os.environ, COLUMNS="200")
+    p = subprocess.run([*_console_script(), "ls", str(tree["job"]), "--json"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)) == 5
+    victim = Path(tree["persist"].path("step-10")) / ".metadata"
+    victim.write_bytes(b"x" + victim.read_bytes()[1:])
+    p = subprocess.run([sys.executable, "-m", "tierckpt.cli", "verify", str(tree["job"])], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "4 steps verified, 1 corrupt, 1 uncommitted" in p.stdout
+    p = subprocess.run([*_console_script(), "ls", str(tree["job"] / "missing")], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2 and "does not exist" in p.stderr and p.stdout == ""
+

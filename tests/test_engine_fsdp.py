@@ -1,0 +1,61 @@
+"""Acceptance tests of the engine on FSDP2 + AdamW over gloo, several simulated nodes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests import scenarios
+from tests.harness import run_world
+
+K, EXTRA = 3, 3
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (4, 1), (4, 2)], ids=["2nodes", "4nodes", "2nodes-x2ranks"])
+def saved(request, tmp_path_factory):
+    """A checkpoint at step K in every tier plus the uninterrupted reference run."""
+    world, rpn = request.param
+    base = str(tmp_path_factory.mktemp(f"w{world}r{rpn}"))
+    run_world(scenarios.phase_train_and_save, world, base, rpn, K, EXTRA)
+    return base, world, rpn
+
+
+def _copy(saved, tmp_path):
+    base, world, rpn = saved
+    dst = str(tmp_path / "run")
+    shutil.copytree(base, dst)
+    return dst, world, rpn
+
+
+def _restore(base, world, rpn):
+    return run_world(scenarios.phase_restore_and_check, world, base, rpn, K, EXTRA)[0].value
+
+
+def test_restore_own_local_bitwise(saved, tmp_path):
+    base, world, rpn = _copy(saved, tmp_path)
+    out = _restore(base, world, rpn)
+    assert out["step"] == K
+    assert all(src == ("own-local", n) for n, src in out["sources"].items()), out
+    assert out["persistent_bytes"] == 0
+
+
+def test_wiped_node_restores_from_peer_without_persistent(saved, tmp_path):
+    base, world, rpn = _copy(saved, tmp_path)
+    shutil.rmtree(os.path.join(base, "nvme", "node-1"))
+    out = _restore(base, world, rpn)
+    assert out["sources"][1] == ("peer-replica", 0), out
+    assert out["persistent_bytes"] == 0, "the persistent tier must not be read"
+    # the pulled copy is now node 1's own committed local step again
+    assert os.path.exists(os.path.join(base, "nvme", "node-1", "local", f"step-{K}", "tierckpt.committed"))
+
+
+def test_wiped_node_and_replica_fall_back_to_persistent(saved, tmp_path):
+    base, world, rpn = _copy(saved, tmp_path)
+    shutil.rmtree(os.path.join(base, "nvme", "node-1"))
+    shutil.rmtree(os.path.join(base, "nvme", "node-0", "replicas", "node-1"))
+    out = _restore(base, world, rpn)
+    assert out["sources"][1] == ("persistent", None), out
+    assert out["sources"][0] == ("own-local", 0), out
+    assert out["persistent_bytes"] > 0

@@ -1,0 +1,339 @@
+"""Unit tests (no torch.distributed) of config, manifest, layout, storage and ledger."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tierckpt import layout, manifest
+from tierckpt.config import TIERS, TierConfig
+from tierckpt.errors import ConfigError, VerificationError
+from tierckpt.ledger import Ledger, summarize
+from tierckpt.storage import Store
+
+
+# -- config ------------------------------------------------------------------------------------
+def cfg(**kw) -> TierConfig:
+    base = dict(local_root="/nvme/{job}/node-{node}", persistent_root="/lustre/run")
+    base.update(kw)
+    return TierConfig(**base)
+
+
+def test_config_valid_defaults():
+    c = cfg().validate()
+    assert c.tiers == TIERS
+    assert c.keep_latest_k == {"local": 2, "persistent": 3}
+    c = cfg(tiers=["persistent"], local_root=None, keep_latest_k={"local": 0}).validate()
+    assert c.tiers == ("persistent",) and c.keep_latest_k == {"local": 0, "persistent": 3}
+
+
+def test_config_unknown_tier_names_option_and_allowed():
+    with pytest.raises(ConfigError) as ei:
+        cfg(tiers=("local", "nvme")).validate()
+    msg = str(ei.value)
+    assert ei.value.option == "tiers"
+    assert msg.startswith("tiers:") and "'nvme'" in msg
+    assert all(t in msg for t in TIERS)
+
+
+def test_config_empty_tiers():
+    with pytest.raises(ConfigError, match="^tiers:.*local, persistent"):
+        cfg(tiers=()).validate()
+
+
+def test_config_negative_keep_latest_k():
+    with pytest.raises(ConfigError) as ei:
+        cfg(keep_latest_k={"local": -1}).validate()
+    assert ei.value.option == "keep_latest_k.local"
+    assert "keep_latest_k.local" in str(ei.value) and ">= 0" in str(ei.value)
+
+
+def test_config_keep_latest_k_unknown_tier():
+    with pytest.raises(ConfigError, match="^keep_latest_k:.*'ram'.*local, persistent"):
+        cfg(keep_latest_k={"ram": 1}).validate()
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 1.5])
+def test_config_replication_factor(bad):
+    with pytest.raises(ConfigError) as ei:
+        cfg(replication_factor=bad).validate()
+    assert ei.value.option == "replication_factor"
+    assert "replication_factor" in str(ei.value) and ">= 1" in str(ei.value)
+
+
+def test_config_local_root_without_node():
+    with pytest.raises(ConfigError) as ei:
+        cfg(local_root="/nvme/{job}/ckpt").validate()
+    assert ei.value.option == "local_root" and "{node}" in str(ei.value)
+    # allowed when each node's path is on its own disk, or with {hostname}
+    cfg(local_root="/nvme/{job}/ckpt", local_root_is_node_private=True).validate()
+    cfg(local_root="/nvme/{hostname}").validate()
+
+
+def test_config_local_root_unknown_field():
+    with pytest.raises(ConfigError) as ei:
+        cfg(local_root="/nvme/{rank}/node-{node}").validate()
+    msg = str(ei.value)
+    assert ei.value.option == "local_root" and "rank" in msg and "{job}" in msg and "{node}" in msg
+
+
+def test_config_local_root_malformed_and_missing():
+    with pytest.raises(ConfigError, match="^local_root:.*malformed"):
+        cfg(local_root="/nvme/{node").validate()
+    with pytest.raises(ConfigError, match="^local_root:"):
+        cfg(local_root=None).validate()
+
+
+def test_config_missing_persistent_root():
+    with pytest.raises(ConfigError) as ei:
+        cfg(persistent_root=None).validate()
+    assert ei.value.option == "persistent_root"
+    with pytest.raises(ConfigError, match="^persistent_root:"):
+        cfg(persistent_root="").validate()
+
+
+def test_config_local_root_for():
+    c = cfg(job_id="4242").validate()
+    assert c.local_root_for(3) == "/nvme/4242/node-3"
+
+
+# -- layout ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("step", [0, 1, 10, 123456789])
+def test_step_name_round_trip(step):
+    assert layout.parse_step(layout.step_name(step)) == step
+
+
+def test_step_name_rejects_negative():
+    with pytest.raises(ValueError):
+        layout.step_name(-1)
+
+
+@pytest.mark.parametrize("name", ["step--1", "step-", "step-1a", "step-1.tmp", "Step-1", "node-1", "step-+1", " step-1"])
+def test_parse_step_rejects(name):
+    assert layout.parse_step(name) is None
+
+
+def test_layout_paths():
+    assert layout.local_step(5) == "local/step-5"
+    assert layout.replica_step(2, 5) == "replicas/node-2/step-5"
+    assert layout.persistent_step(5) == "step-5"
+    assert layout.parse_node("node-7") == 7 and layout.parse_node("node-x") is None
+
+
+# -- manifest ----------------------------------------------------------------------------------
+def make_step(store: Store, step_rel: str, files: dict[str, bytes]) -> list[manifest.FileEntry]:
+    for name, data in files.items():
+        with store.open(f"{step_rel}/{name}", "wb") as f:
+            f.write(data)
+    step_store = store.sub(step_rel)
+    return [manifest.hash_file(step_store, name) for name in files]
+
+
+FILES = {"__0_0.distcp": bytes(range(256)) * 64, ".metadata": b"md", "sub/__1_0.distcp": b"z" * 100}
+
+
+def test_commit_then_read_committed(tmp_path):
+    store = Store(str(tmp_path))
+    entries = make_step(store, "step-3", FILES)
+    doc = manifest.commit(store, "step-3", entries, tier="persistent", step=3)
+    assert manifest.read_committed(store, "step-3") == doc
+    assert doc["tier"] == "persistent" and doc["step"] == 3
+    assert doc["total_bytes"] == sum(len(v) for v in FILES.values())
+    assert sorted(f["path"] for f in doc["files"]) == sorted(FILES)
+    assert manifest.verify_step(store, "step-3") == []
+    assert sorted(manifest.data_files(store, "step-3")) == sorted(FILES)
+    marker = json.loads(store.read_bytes(f"step-3/{layout.MARKER}"))
+    assert marker["tier"] == "persistent" and marker["step"] == 3
+
+
+def test_uncommitted_step_reads_none(tmp_path):
+    store = Store(str(tmp_path))
+    make_step(store, "step-1", FILES)
+    assert manifest.read_committed(store, "step-1") is None
+    assert manifest.read_committed(store, "step-404") is None
+    assert "not committed" in manifest.verify_step(store, "step-1")[0]
+
+
+def test_marker_not_matching_manifest(tmp_path):
+    store = Store(str(tmp_path))
+    entries = make_step(store, "step-1", FILES)
+    manifest.commit(store, "step-1", entries, tier="local", step=1, node=0)
+    # the manifest is replaced after the commit: same format, other bytes
+    other = manifest.manifest_bytes(entries[:1], tier="local", step=1, node=0)
+    store.write_atomic(f"step-1/{layout.MANIFEST}", other)
+    assert manifest.read_committed(store, "step-1") is None
+
+
+@pytest.mark.parametrize("marker", [b"[1, 2]", b"not json", b"", b"null"])
+def test_garbage_marker_is_not_committed(tmp_path, marker):
+    store = Store(str(tmp_path))
+    entries = make_step(store, "step-1", FILES)
+    manifest.commit(store, "step-1", entries, tier="local", step=1, node=0)
+    store.write_atomic(f"step-1/{layout.MARKER}", marker)
+    assert manifest.read_committed(store, "step-1") is None
+
+
+def test_uncommit_removes_marker(tmp_path):
+    store = Store(str(tmp_path))
+    entries = make_step(store, "step-1", FILES)
+    manifest.commit(store, "step-1", entries, tier="local", step=1, node=0)
+    manifest.uncommit(store, "step-1")
+    assert manifest.read_committed(store, "step-1") is None
+
+
+def test_verify_files_detects_size_change_and_bit_flip(tmp_path):
+    store = Store(str(tmp_path))
+    entries = make_step(store, "step-1", FILES)
+    assert manifest.verify_files(store, "step-1", entries) == []
+    p = Path(store.path("step-1/__0_0.distcp"))
+    data = bytearray(p.read_bytes())
+    data[4000] ^= 0x80
+    p.write_bytes(bytes(data))
+    problems = manifest.verify_files(store, "step-1", entries)
+    assert len(problems) == 1 and "__0_0.distcp" in problems[0] and "xxh3_64" in problems[0]
+    with open(store.path("step-1/sub/__1_0.distcp"), "ab") as f:
+        f.write(b"!")
+    problems = manifest.verify_files(store, "step-1", entries)
+    assert len(problems) == 2 and any("size 101 != manifest 100" in p for p in problems)
+    Path(store.path("step-1/.metadata")).unlink()
+    problems = manifest.verify_files(store, "step-1", entries)
+    assert len(problems) == 3 and any(".metadata: missing" in p for p in problems)
+    with pytest.raises(VerificationError, match="xxh3_64"):
+        manifest.require_intact(store, "step-1", entries)
+
+
+def test_hash_stream_chunks_match_whole():
+    import io
+
+    import xxhash
+
+    data = bytes(range(256)) * 1000
+    n, digest = manifest.hash_stream(io.BytesIO(data), bytearray(1000))
+    assert n == len(data) and digest == xxhash.xxh3_64_hexdigest(data)
+
+
+# -- storage -----------------------------------------------------------------------------------
+@pytest.fixture(params=["file", "memory"])
+def url_store(request, tmp_path):
+    if request.param == "file":
+        yield Store(f"file://{tmp_path}/root")
+        return
+    store = Store(f"memory://tierckpt-units-{uuid.uuid4().hex}/root")
+    yield store
+    store.rmtree("")
+
+
+def test_store_file_url_is_local(tmp_path):
+    s = Store(f"file://{tmp_path}")
+    assert s.local and s.root == str(tmp_path) and s.url_of("a") == f"{tmp_path}/a"
+
+
+def test_store_operations(url_store):
+    s = url_store
+    s.write_atomic("a/b/c.bin", b"hello")
+    s.write_atomic("a/d.bin", b"xy")
+    s.write_atomic("a/d.bin", b"xyz")  # overwrite
+    assert s.read_bytes("a/b/c.bin") == b"hello"
+    assert s.read_bytes("a/d.bin") == b"xyz" and s.size("a/d.bin") == 3
+    assert s.exists("a/b") and s.isdir("a/b") and not s.isdir("a/d.bin")
+    assert s.listdir("") == ["a"]
+    assert s.listdir("a") == ["b", "d.bin"]
+    assert s.listdir("a/d.bin") == []  # a file has no entries
+    assert s.listdir("missing") == []
+    assert list(s.walk_files("")) == ["a/b/c.bin", "a/d.bin"]
+    assert list(s.walk_files("a")) == ["b/c.bin", "d.bin"]
+    assert not [p for p in s.walk_files("") if p.endswith(".tmp")]
+    sub = s.sub("a")
+    assert sub.read_bytes("b/c.bin") == b"hello"
+    s.rename("a/d.bin", "a/e.bin")
+    assert s.listdir("a") == ["b", "e.bin"]
+    s.remove("a/e.bin")
+    s.remove("a/e.bin")  # missing is fine
+    s.rmtree("a/b")
+    assert not s.exists("a/b/c.bin") and list(s.walk_files("")) == []
+    s.rmtree("never-there")
+    with pytest.raises(FileNotFoundError):
+        s.read_bytes("a/b/c.bin")
+
+
+def test_store_manifest_round_trip(url_store):
+    entries = make_step(url_store, "step-9", FILES)
+    doc = manifest.commit(url_store, "step-9", entries, tier="persistent", step=9)
+    assert manifest.read_committed(url_store, "step-9") == doc
+    assert manifest.verify_step(url_store, "step-9") == []
+    with url_store.open("step-9/.metadata", "wb") as f:
+        f.write(b"mD")
+    assert ".metadata" in manifest.verify_step(url_store, "step-9")[0]
+
+
+# -- ledger ------------------------------------------------------------------------------------
+def write_runs(store: Store) -> None:
+    a = Ledger(store, enabled=True, run_id="a", job="j")
+    a.append("run_start", world_size=2, nodes=1, ranks_per_node=2, restart_count=0, host="h")
+    a.append("checkpoint", tier="local", step=1, blocking_s=0.2, background_s=1.0, bytes=100, ok=True)
+    b = Ledger(store, enabled=True, run_id="b", job="j")
+    b.append("run_start", world_size=2, nodes=1, ranks_per_node=2, restart_count=1, host="h")
+    b.append("restore", step=1, sources={"0": {"tier": "local", "holder": 0}}, bytes=100,
+             seconds=0.5, attempts=1, persistent_bytes=0)
+    b.append("checkpoint", tier="local", step=2, blocking_s=0.4, background_s=3.0, bytes=200, ok=True)
+    b.append("checkpoint", tier="persistent", step=2, blocking_s=0.1, background_s=9.0, bytes=0,
+             ok=False, error="boom")
+    b.append("run_end", clean=True, exposure_s=60.0, reason="done")
+
+
+@pytest.mark.parametrize("kind", ["file", "memory"])
+def test_ledger_append_read_summarize(tmp_path, kind):
+    url = str(tmp_path) if kind == "file" else f"memory://tierckpt-ledger-{uuid.uuid4().hex}"
+    store = Store(url)
+    try:
+        write_runs(store)
+        recs = Ledger.read(store)
+        assert [r["kind"] for r in recs] == [
+            "run_start", "checkpoint", "run_start", "restore", "checkpoint", "checkpoint", "run_end"]
+        assert all({"time", "run_id", "job"} <= set(r) for r in recs)
+        s = summarize(recs)
+        assert [r["run_id"] for r in s["runs"]] == ["a", "b"]
+        assert [r["run_id"] for r in s["failures"]] == ["a"]
+        assert s["runs"][1]["exposure_s"] == 60.0 and s["runs"][1]["restart_count"] == 1
+        loc = s["checkpoints"]["local"]
+        assert (loc["count"], loc["ok"], loc["last_step"], loc["last_bytes"]) == (2, 2, 2, 200)
+        assert loc["mean_blocking_s"] == pytest.approx(0.3)
+        assert loc["mean_background_s"] == pytest.approx(2.0)
+        per = s["checkpoints"]["persistent"]
+        assert (per["ok"], per["failed"], per["mean_blocking_s"]) == (0, 1, None)
+        assert len(s["restores"]) == 1
+        # a torn tail is skipped on read and terminated by the next append
+        with store.open(layout.LEDGER, "rb") as f:
+            raw = f.read()
+        store.write_atomic(layout.LEDGER, raw + b'{"kind": "run_end", "cle')
+        assert len(Ledger.read(store)) == 7
+        Ledger(store, enabled=True, run_id="c", job="j").append("run_start", restart_count=2)
+        recs = Ledger.read(store)
+        assert len(recs) == 8 and recs[-1]["run_id"] == "c"
+        assert [r["run_id"] for r in summarize(recs)["failures"]] == ["a", "c"]
+    finally:
+        if kind == "memory":
+            store.rmtree("")
+
+
+def test_ledger_disabled_writes_nothing(tmp_path):
+    store = Store(str(tmp_path))
+    rec = Ledger(store, enabled=False, run_id="r", job="j").append("run_start", restart_count=0)
+    assert rec["kind"] == "run_start" and rec["run_id"] == "r"
+    assert not store.exists(layout.LEDGER) and Ledger.read(store) == []
+
+
+def test_ledger_serialises_non_json_values(tmp_path):
+    store = Store(str(tmp_path))
+
+    class Scalar:
+        def item(self):
+            return 7
+
+    Ledger(store, enabled=True, run_id="r", job="j").append(
+        "checkpoint", tier="local", step=Scalar(), ranks={3, 1}, where=Path("/x"))
+    (rec,) = Ledger.read(store)
+    assert rec["step"] == 7 and sorted(rec["ranks"]) == [1, 3] and rec["where"] == "/x"

@@ -1,0 +1,630 @@
+"""The ``tierckpt`` command: inspect and verify the tiers of a tierckpt checkpoint tree.
+
+Subcommands::
+
+    tierckpt ls <root> [--json]        every step directory under <root>, by tier and node
+    tierckpt verify <root> [--json]    re-hash every committed step; exit 1 if one is corrupt
+    tierckpt ledger <root> [--json]    runs, failures, checkpoints and restores of the ledger
+
+``<root>`` is a local path or an fsspec URL (``s3://bucket/run``, ``memory://x``). It may be one
+node's local root, a directory holding several node roots (``/nvme/job/node-0``,
+``/nvme/job/node-1``), a persistent root, a single step directory, or any ancestor of these.
+All file access goes through :class:`tierckpt.storage.Store`.
+
+Exit codes: 0 success; 1 ``verify`` found a corrupt committed step; 2 bad input (root missing,
+no ledger, unreadable URL).
+
+Adding a subcommand: write ``register(subparsers)`` in your module; it calls
+``subparsers.add_parser(...)`` and ``parser.set_defaults(func=handler)``, where
+``handler(args) -> int`` returns the exit code. Then append it to :data:`REGISTRARS` (or call
+:func:`register_command` before :func:`main` runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import posixpath
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Callable, Iterator
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from . import manifest
+from .layout import LEDGER, MARKER, parse_node, parse_step
+from .ledger import Ledger, summarize
+from .storage import Store
+
+EXIT_OK = 0
+EXIT_CORRUPT = 1
+EXIT_USAGE = 2
+
+DEFAULT_MAX_DEPTH = 10
+"""How many directory levels below ``<root>`` the step search descends (symlink-loop guard)."""
+
+TIER_ORDER = {"local": 0, "replica": 1, "persistent": 2}
+
+
+class CliError(Exception):
+    """Bad input the user can fix (missing root, no ledger); reported on stderr, exit 2."""
+
+
+# --------------------------------------------------------------------------------------------
+# formatting helpers
+# --------------------------------------------------------------------------------------------
+def human_bytes(n: int | float | None) -> str:
+    """Binary-prefixed size, e.g. ``1536`` → ``"1.5 KiB"``; ``None`` → ``"-"``."""
+    if n is None:
+        return "-"
+    n = float(n)
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        n /= 1024.0
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.3f}" if abs(s) < 10 else f"{s:.1f}"
+
+
+def _fmt_time(t: float | None) -> str:
+    """UNIX seconds → local ISO-8601 time with UTC offset."""
+    if t is None:
+        return "-"
+    try:
+        return datetime.fromtimestamp(float(t)).astimezone().isoformat(timespec="seconds")
+    except (TypeError, ValueError, OverflowError, OSError):
+        return str(t)
+
+
+def _short(s: str, n: int = 12) -> str:
+    s = str(s)
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _fmt_sources(sources) -> str:
+    """A restore record's per-node ``sources`` as ``node 0: local, node 1: replica@2``."""
+
+    def one(node, v) -> str:
+        if isinstance(v, dict):
+            tier = v.get("tier", "?")
+            holder = v.get("holder")
+            txt = f"{tier}@{holder}" if holder is not None and tier != "persistent" else str(tier)
+        else:
+            txt = str(v)
+        return f"node {node}: {txt}"
+
+    if isinstance(sources, dict):
+        def key(k):
+            return (0, int(k)) if str(k).isdigit() else (1, str(k))
+        return ", ".join(one(k, sources[k]) for k in sorted(sources, key=key))
+    if isinstance(sources, list):
+        return ", ".join(
+            one(v.get("node", i) if isinstance(v, dict) else i, v) for i, v in enumerate(sources)
+        )
+    return "-" if sources is None else str(sources)
+
+
+PIPE_WIDTH = 240
+"""Console width when stdout is not a terminal and COLUMNS is unset (rich would use 80 and
+fold paths); tables still take only the width they need."""
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe (``tierckpt ls | head``): send further output to /dev/null so the
+    command still finishes and returns its real exit code (``verify`` keeps its 1)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:  # rich's default exits with status 1
+        self.quiet = True
+        _silence_stdout()
+
+
+def _stdout() -> Console:
+    # Created per call so output follows sys.stdout as it is at that moment (pytest capture).
+    width = None
+    if "COLUMNS" not in os.environ and not sys.stdout.isatty():
+        width = PIPE_WIDTH
+    # markup off: paths and ledger strings may contain "[...]"; styling uses Text objects.
+    return _Console(highlight=False, markup=False, width=width)
+
+
+def _print_json(obj) -> None:
+    try:
+        sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+
+
+def _error(msg: str) -> None:
+    print(f"tierckpt: error: {msg}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# finding and classifying step directories
+# --------------------------------------------------------------------------------------------
+@dataclass
+class StepDir:
+    """One ``step-<N>`` directory found under the root.
+
+    Attributes:
+        store: the store ``rel`` is relative to.
+        rel: path of the step directory inside ``store`` (never empty).
+        tier: ``"local"``, ``"replica"`` or ``"persistent"`` (from the directory's position).
+        step: N.
+        node: node whose local root holds it (the holder, for a replica); None if unknown or
+            persistent.
+        source_node: for a replica, the node whose checkpoint it copies; else None.
+        manifest: the committed manifest, or None when the step is not committed.
+        marker_present: a commit marker file exists (even if it does not match the manifest).
+    """
+
+    store: Store
+    rel: str
+    tier: str
+    step: int
+    node: int | None
+    source_node: int | None
+    manifest: dict | None = None
+    marker_present: bool = False
+    _size_cache: tuple[int, int] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None
+
+    @property
+    def path(self) -> str:
+        """Absolute path or URL of the step directory."""
+        return self.store.url_of(self.rel)
+
+    def files_and_bytes(self) -> tuple[int, int]:
+        """(file count, bytes): from the manifest if committed, else the data files on disk."""
+        if self.manifest is not None:
+            files = self.manifest.get("files", [])
+            total = self.manifest.get("total_bytes")
+            if total is None:
+                total = sum(int(f.get("size", 0)) for f in files)
+            return len(files), int(total)
+        if self._size_cache is None:
+            names = manifest.data_files(self.store, self.rel)
+            total = 0
+            for name in names:
+                try:
+                    total += self.store.size(f"{self.rel}/{name}")
+                except OSError:
+                    pass
+            self._size_cache = (len(names), total)
+        return self._size_cache
+
+    def node_label(self) -> str:
+        node = "?" if self.node is None else str(self.node)
+        if self.tier == "replica":
+            return f"{node} (replica of node {self.source_node})"
+        if self.tier == "persistent":
+            return "-"
+        return node
+
+    def sort_key(self):
+        big = 1 << 62
+        return (
+            TIER_ORDER.get(self.tier, 9),
+            big if self.node is None else self.node,
+            big if self.source_node is None else self.source_node,
+            self.step,
+            self.rel,
+        )
+
+
+def _nearest_node(parts: list[str]) -> int | None:
+    """The id of the nearest ``node-<n>`` component, searching from the end of ``parts``."""
+    for p in reversed(parts):
+        n = parse_node(p)
+        if n is not None:
+            return n
+    return None
+
+
+def classify(parts: list[str]) -> tuple[str, int | None, int | None]:
+    """Tier, holder node and source node of a step directory from its path components.
+
+    Args:
+        parts: components of the step directory's path, the last one being ``step-<N>``.
+
+    Returns:
+        ``(tier, node, source_node)``: ``local`` when the parent is ``local`` (node from a
+        ``node-<n>`` component above it); ``replica`` when the parent is ``node-<m>`` inside
+        ``replicas`` (source m, holder from a ``node-<n>`` component above ``replicas``);
+        otherwise ``persistent`` with no node.
+    """
+    parent = parts[-2] if len(parts) >= 2 else ""
+    if parent == "local":
+        return "local", _nearest_node(parts[:-2]), None
+    m = parse_node(parent)
+    if m is not None and len(parts) >= 3 and parts[-3] == "replicas":
+        return "replica", _nearest_node(parts[:-3]), m
+    return "persistent", None, None
+
+
+def open_root(root: str) -> Store:
+    """A :class:`Store` for ``root`` after checking it is an existing directory.
+
+    Raises:
+        CliError: the URL cannot be opened, or it is missing or not a directory.
+    """
+    try:
+        store = Store(root)
+        exists = store.exists("")
+        isdir = store.isdir("") if exists else False
+    except (ImportError, ValueError, OSError) as e:
+        raise CliError(f"cannot open {root!r}: {e}") from None
+    if not exists:
+        raise CliError(f"{root!r} does not exist")
+    if not isdir:
+        raise CliError(f"{root!r} is not a directory")
+    return store
+
+
+def _parent_store(store: Store) -> tuple[Store, str]:
+    """(store of the parent directory, name of ``store``'s root in it)."""
+    if store.local:
+        return Store(os.path.dirname(store.root)), os.path.basename(store.root)
+    url = store.url_of().rstrip("/")
+    return Store(posixpath.dirname(url)), posixpath.basename(url)
+
+
+def _walk_steps(store: Store, rel: str, depth: int, max_depth: int) -> Iterator[str]:
+    for name in store.listdir(rel):
+        child = f"{rel}/{name}" if rel else name
+        if not store.isdir(child):
+            continue
+        if parse_step(name) is not None:
+            yield child  # never descend into a step directory
+        elif depth < max_depth:
+            yield from _walk_steps(store, child, depth + 1, max_depth)
+
+
+def find_steps(root: str, max_depth: int = DEFAULT_MAX_DEPTH) -> list[StepDir]:
+    """Every ``step-<N>`` directory under ``root`` (or ``root`` itself), classified and sorted.
+
+    Args:
+        root: local path or fsspec URL.
+        max_depth: directory levels below ``root`` searched.
+
+    Returns:
+        :class:`StepDir` list sorted by tier (local, replica, persistent), node, step.
+
+    Raises:
+        CliError: ``root`` is missing or not a directory.
+    """
+    store = open_root(root)
+    base = store.root.rstrip("/")
+    if parse_step(posixpath.basename(base)) is not None:
+        store, name = _parent_store(store)
+        rels = [name]
+    else:
+        rels = list(_walk_steps(store, "", 0, max_depth))
+    out = []
+    for rel in rels:
+        parts = [p for p in store.path(rel).split("/") if p]
+        tier, node, source = classify(parts)
+        doc = manifest.read_committed(store, rel)
+        if doc is not None and tier == "local" and isinstance(doc.get("node"), int):
+            node = doc["node"]
+        out.append(
+            StepDir(
+                store=store,
+                rel=rel,
+                tier=tier,
+                step=parse_step(parts[-1]),
+                node=node,
+                source_node=source,
+                manifest=doc,
+                marker_present=doc is not None or store.exists(f"{rel}/{MARKER}"),
+            )
+        )
+    out.sort(key=StepDir.sort_key)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# ls
+# --------------------------------------------------------------------------------------------
+def _committed_label(s: StepDir) -> str:
+    if s.committed:
+        return "yes"
+    return "no (bad marker)" if s.marker_present else "no"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``tierckpt ls``: table (or JSON list) of every step directory under ``args.root``."""
+    steps = find_steps(args.root, args.max_depth)
+    rows = []
+    for s in steps:
+        files, nbytes = s.files_and_bytes()
+        rows.append(
+            {
+                "tier": s.tier,
+                "node": s.node,
+                "source_node": s.source_node,
+                "step": s.step,
+                "committed": s.committed,
+                "files": files,
+                "bytes": nbytes,
+                "path": s.path,
+            }
+        )
+    if args.json:
+        _print_json(rows)
+        return EXIT_OK
+    table = Table(title=f"step directories under {args.root}")
+    for col, kw in (
+        ("tier", {}),
+        ("node", {}),
+        ("step", {"justify": "right"}),
+        ("committed", {}),
+        ("files", {"justify": "right"}),
+        ("bytes", {"justify": "right"}),
+        ("path", {"overflow": "fold"}),
+    ):
+        table.add_column(col, **kw)
+    for s, r in zip(steps, rows):
+        table.add_row(
+            s.tier, s.node_label(), str(s.step), _committed_label(s), str(r["files"]),
+            human_bytes(r["bytes"]), r["path"],
+        )
+    con = _stdout()
+    con.print(table)
+    n_c = sum(1 for s in steps if s.committed)
+    con.print(f"{len(steps)} step directories, {n_c} committed, {len(steps) - n_c} uncommitted")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------
+# verify
+# --------------------------------------------------------------------------------------------
+UNCOMMITTED = "uncommitted (ignored by restore)"
+
+
+def verify_one(s: StepDir) -> tuple[str, list[str]]:
+    """Re-hash one step directory.
+
+    Returns:
+        ``(status, problems)``: status ``"OK"``, ``"CORRUPT"`` or :data:`UNCOMMITTED`.
+        A commit marker that no longer matches its manifest counts as ``CORRUPT``: the step
+        was committed and has since been damaged.
+    """
+    if not s.committed:
+        if s.marker_present:
+            return "CORRUPT", [f"{s.rel}: commit marker present but the manifest is missing, "
+                               "unreadable or does not match the marker"]
+        return UNCOMMITTED, []
+    try:
+        problems = manifest.verify_step(s.store, s.rel)
+    except OSError as e:
+        problems = [f"{s.rel}: unreadable ({e.__class__.__name__}: {e})"]
+    return ("CORRUPT" if problems else "OK"), problems
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``tierckpt verify``: re-hash every committed step; exit 1 if any is corrupt."""
+    steps = find_steps(args.root, args.max_depth)
+    results = []
+    for s in steps:
+        status, problems = verify_one(s)
+        results.append((s, status, problems))
+    n_ok = sum(1 for _, st, _ in results if st == "OK")
+    n_bad = sum(1 for _, st, _ in results if st == "CORRUPT")
+    n_unc = sum(1 for _, st, _ in results if st == UNCOMMITTED)
+    n_verified = n_ok + n_bad
+    if args.json:
+        _print_json(
+            {
+                "steps": [
+                    {"path": s.path, "tier": s.tier, "node": s.node, "source_node": s.source_node,
+                     "step": s.step, "committed": s.committed, "status": st, "problems": pr}
+                    for s, st, pr in results
+                ],
+                "verified": n_verified,
+                "corrupt": n_bad,
+                "uncommitted": n_unc,
+            }
+        )
+    else:
+        table = Table(title=f"verification of {args.root}")
+        table.add_column("path", overflow="fold")
+        table.add_column("tier")
+        table.add_column("step", justify="right")
+        table.add_column("status", overflow="fold")
+        for s, st, pr in results:
+            if st == "CORRUPT":
+                more = f" (+{len(pr) - 1} more)" if len(pr) > 1 else ""
+                first = pr[0].removeprefix(f"{s.rel}/")  # the path column already names the step
+                status = Text.assemble(("CORRUPT", "bold red"), f": {first}{more}")
+            elif st == "OK":
+                status = Text("OK", style="green")
+            else:
+                status = st
+            table.add_row(s.path, s.tier, str(s.step), status)
+        con = _stdout()
+        con.print(table)
+        con.print(f"{n_verified} steps verified, {n_bad} corrupt, {n_unc} uncommitted")
+    return EXIT_CORRUPT if n_bad else EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------
+# ledger
+# --------------------------------------------------------------------------------------------
+def cmd_ledger(args: argparse.Namespace) -> int:
+    """``tierckpt ledger``: summary of ``<root>/tierckpt-ledger.jsonl``."""
+    store = open_root(args.root)
+    if not store.exists(LEDGER):
+        raise CliError(f"no ledger at {store.url_of(LEDGER)} (pass the persistent root)")
+    summary = summarize(Ledger.read(store))
+    if args.json:
+        _print_json(summary)
+        return EXIT_OK
+    con = _stdout()
+
+    runs = Table(title="runs")
+    for col in ("run", "start", "end", "clean"):
+        runs.add_column(col)
+    for col in ("exposure s", "restart", "checkpoints", "restores"):
+        runs.add_column(col, justify="right")
+    for r in summary["runs"]:
+        runs.add_row(
+            _short(r["run_id"]),
+            _fmt_time(r["start"]),
+            _fmt_time(r["end"]),
+            "clean" if r["clean"] is True else Text("no clean end", style="red"),
+            _fmt_seconds(r["exposure_s"]),
+            "-" if r.get("restart_count") is None else str(r["restart_count"]),
+            str(r["checkpoints"]),
+            str(r["restores"]),
+        )
+    con.print(runs)
+
+    tiers = Table(title="checkpoints per tier")
+    tiers.add_column("tier")
+    for col in ("count", "ok", "failed", "mean blocking s", "mean background s", "last step", "last bytes"):
+        tiers.add_column(col, justify="right")
+    for name in sorted(summary["checkpoints"], key=lambda t: (TIER_ORDER.get(t, 9), t)):
+        t = summary["checkpoints"][name]
+        tiers.add_row(
+            name, str(t["count"]), str(t["ok"]), str(t["failed"]),
+            _fmt_seconds(t["mean_blocking_s"]), _fmt_seconds(t["mean_background_s"]),
+            "-" if t["last_step"] is None else str(t["last_step"]),
+            human_bytes(t["last_bytes"]) if t["ok"] else "-",
+        )
+    con.print(tiers)
+
+    rest = Table(title="restores")
+    rest.add_column("time")
+    rest.add_column("step", justify="right")
+    rest.add_column("sources", overflow="fold")
+    for col in ("bytes", "seconds", "attempts", "persistent bytes"):
+        rest.add_column(col, justify="right")
+    for r in summary["restores"]:
+        rest.add_row(
+            _fmt_time(r.get("time")),
+            str(r.get("step", "-")),
+            _fmt_sources(r.get("sources")),
+            human_bytes(r.get("bytes")),
+            _fmt_seconds(r.get("seconds")),
+            str(r.get("attempts", "-")),
+            human_bytes(r.get("persistent_bytes")),
+        )
+    con.print(rest)
+    con.print(f"runs: {len(summary['runs'])}, failures (no clean end): {len(summary['failures'])}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------
+# parser
+# --------------------------------------------------------------------------------------------
+def _add_root_and_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("root", help="local path or fsspec URL (s3://bucket/run, memory://x)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _register_ls(subparsers) -> None:
+    p = subparsers.add_parser(
+        "ls", help="list step directories of every tier under a root",
+        description="List every step-<N> directory under ROOT (local, replica and persistent "
+        "tiers), with its node, commit state, file count and size.",
+    )
+    _add_root_and_json(p)
+    p.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH,
+                   help=f"directory levels searched below ROOT (default {DEFAULT_MAX_DEPTH})")
+    p.set_defaults(func=cmd_ls)
+
+
+def _register_verify(subparsers) -> None:
+    p = subparsers.add_parser(
+        "verify", help="re-hash every committed step; exit 1 if any is corrupt",
+        description="Re-check size and xxh3-64 of every file of every committed step under "
+        "ROOT. Uncommitted steps are listed and ignored (restore ignores them too). Exit 1 if "
+        "any committed step is corrupt.",
+    )
+    _add_root_and_json(p)
+    p.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH,
+                   help=f"directory levels searched below ROOT (default {DEFAULT_MAX_DEPTH})")
+    p.set_defaults(func=cmd_verify)
+
+
+def _register_ledger(subparsers) -> None:
+    p = subparsers.add_parser(
+        "ledger", help="summarise the ledger of a persistent root",
+        description=f"Summarise ROOT/{LEDGER}: runs and failures, checkpoints per tier, restores.",
+    )
+    _add_root_and_json(p)
+    p.set_defaults(func=cmd_ledger)
+
+
+Registrar = Callable[[argparse._SubParsersAction], None]
+
+REGISTRARS: list[Registrar] = [_register_ls, _register_verify, _register_ledger]
+"""Functions that add subcommands; each takes the ``subparsers`` object of the top parser."""
+
+
+def register_command(fn: Registrar) -> Registrar:
+    """Add a subcommand registrar (usable as a decorator); it runs on the next :func:`build_parser`."""
+    if fn not in REGISTRARS:
+        REGISTRARS.append(fn)
+    return fn
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="tierckpt", description="Inspect, verify and summarise tierckpt checkpoints."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for register in REGISTRARS:
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``tierckpt`` command line.
+
+    Args:
+        argv: arguments without the program name; default ``sys.argv[1:]``.
+
+    Returns:
+        the exit code: 0 ok, 1 corruption found by ``verify``, 2 bad input (argparse errors
+        included).
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help
+        return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+    try:
+        return int(args.func(args))
+    except CliError as e:
+        _error(str(e))
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""The tiered checkpoint engine: what adapters and users call.
+
+``save()`` stages the state into reusable host buffers and returns (its duration is the
+blocking time δ); each due tier then runs in its own background worker thread:
+
+- local: DCP save over the node group → checksums → manifest → marker; then replication to
+  the clique peers; then stats to the ledger; then retention of the node's local root.
+- persistent: DCP save over all ranks (through :class:`PersistentIO`, which adapters route
+  through the framework's own DCP path) → manifest → marker; ledger; retention.
+
+The next save of a tier first waits for that tier's previous one. A local-tier failure
+(disk full, dead disk) is logged as a warning and recorded in the ledger; training and the
+persistent tier carry on. ``restore()`` runs in the foreground after all background work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterable
+
+import torch.distributed as dist
+
+from . import retention
+from .collectives import all_gather
+from .config import TierConfig, validate_tiers
+from .errors import ConfigError
+from .ledger import Ledger
+from .local_tier import LocalTier
+from .persistent import PersistentIO, PersistentTier
+from .replication import replicate
+from .restore import RestoreResult, Restorer
+from .staging import StagingPool, StagingSlot, resolve_stateful
+from .storage import Store
+from .topology import discover
+
+log = logging.getLogger(__name__)
+
+
+class TieredCheckpointer:
+    """Multi-tier checkpointing for one job (create on every rank, collectively).
+
+    Args:
+        config: tiers, roots, J/F, retention (validated here).
+        node_id: explicit node id of this rank (simulation/tests); otherwise from the
+            environment (see :mod:`tierckpt.topology`).
+        persistent_io: how persistent steps are written/read (default: plain DCP).
+
+    Raises:
+        ConfigError: invalid option, impossible J/F for the node count, local root that
+            cannot be written (names the option).
+        RuntimeError: torch.distributed not initialised.
+    """
+
+    def __init__(self, config: TierConfig, *, node_id: int | None = None,
+                 persistent_io: PersistentIO | None = None):
+        self.cfg = config.validate()
+        factor = self.cfg.replication_factor if "local" in self.cfg.tiers else 1
+        self.topo, self.groups = discover(
+            self.cfg.replication_jump, factor, node_id=node_id, timeout_s=self.cfg.collective_timeout_s
+        )
+        topo = self.topo
+        self.in_use = retention.InUse()
+        self.local: LocalTier | None = None
+        err = None
+        if "local" in self.cfg.tiers:
+            root = self.cfg.local_root_for(topo.node, topo.hostname)
+            try:
+                _probe_writable(root)
+            except OSError as e:
+                err = ConfigError("local_root", f"{root!r} (node {topo.node}) is not writable: {e}")
+            self.local = LocalTier(Store(root), topo, self.groups.node)
+        pstore = Store(self.cfg.persistent_root)
+        if topo.rank == 0 and err is None:
+            try:
+                pstore.makedirs("")
+            except OSError as e:
+                err = ConfigError("persistent_root", f"{self.cfg.persistent_root!r} cannot be created: {e}")
+        errors = [e for e in all_gather(None if err is None else (err.option, str(err)), self.groups.local_world) if e]
+        if errors:
+            raise err if err is not None else ConfigError(errors[0][0], f"failed on another rank: {errors[0][1]}")
+        self.persistent = PersistentTier(pstore, persistent_io)
+        run_id = all_gather(uuid.uuid4().hex[:12] if topo.rank == 0 else None, self.groups.local_world)[0]
+        self.ledger = Ledger(pstore, enabled=topo.rank == 0, run_id=run_id, job=self.cfg.resolved_job_id())
+        self._t_start = time.time()
+        self.ledger.append(
+            "run_start", world_size=topo.world_size, nodes=topo.nodes, ranks_per_node=topo.ranks_per_node,
+            restart_count=_restart_count(), host=socket.gethostname(), tiers=list(self.cfg.tiers),
+            replication_jump=topo.jump, replication_factor=topo.factor,
+        )
+        self.pool = StagingPool(self.cfg.staging_buffers)
+        self._workers = {t: ThreadPoolExecutor(1, thread_name_prefix=f"tierckpt-{t}") for t in self.cfg.tiers}
+        self._pending: dict[str, Future | None] = {t: None for t in self.cfg.tiers}
+        self._lock = threading.Lock()
+        self.history: list[dict] = []
+        self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
+                                 self.cfg.transfer_chunk_bytes)
+        self._closed = False
+        log.info("tierckpt: rank %d node %d/%d (%s), peers %s, local root %s, persistent %s",
+                 topo.rank, topo.node, topo.nodes, topo.source, topo.peers(),
+                 self.local.store.url if self.local else None, pstore.url)
+
+    # -- save ----------------------------------------------------------------------------------
+    def save(self, step: int, state_dict: dict, tiers: Iterable[str] | None = None) -> float:
+        """Stage ``state_dict`` and start writing it to ``tiers`` in the background.
+
+        Collective: every rank calls it with the same ``step`` and ``tiers``. Returns once the
+        host copy is complete, so the caller may modify parameters immediately; the bytes
+        written are the values at the time of the call.
+
+        Args:
+            step: training step (>= 0).
+            state_dict: DCP state dict (tensors, DTensors, picklable objects, top-level
+                ``Stateful`` values).
+            tiers: subset of the configured tiers (default: all configured).
+        Returns:
+            blocking time δ of this call, seconds.
+        Raises:
+            ConfigError: unknown or unconfigured tier.
+        """
+        if self._closed:
+            raise RuntimeError("TieredCheckpointer is closed")
+        tiers = self.cfg.tiers if tiers is None else validate_tiers(tiers)
+        for t in tiers:
+            if t not in self.cfg.tiers:
+                raise ConfigError("tiers", f"tier {t!r} is not configured; configured: {', '.join(self.cfg.tiers)}")
+        if not tiers:
+            return 0.0
+        t0 = time.perf_counter()
+        for t in tiers:
+            self._wait_tier(t)
+        t_wait = time.perf_counter() - t0
+        slot = self.pool.acquire()
+        try:
+            staged = slot.stage(resolve_stateful(state_dict), users=len(tiers))
+        except BaseException:
+            slot.refs = 1
+            slot.release()
+            raise
+        delta = time.perf_counter() - t0
+        for t in tiers:
+            job = self._local_job if t == "local" else self._persistent_job
+            self._pending[t] = self._workers[t].submit(job, staged, step, delta, t_wait, slot)
+        return delta
+
+    def _wait_tier(self, tier: str) -> None:
+        fut = self._pending.get(tier)
+        if fut is not None:
+            fut.result()  # jobs never raise; failures were logged and recorded
+
+    def wait(self, tiers: Iterable[str] | None = None) -> None:
+        """Block until the background work of ``tiers`` (default: all) is finished."""
+        for t in (self.cfg.tiers if tiers is None else validate_tiers(tiers)):
+            if t in self._pending:
+                self._wait_tier(t)
+
+    def _record(self, tier, step, ok, error, delta, t_wait, nbytes, background_s, extra=None):
+        """All-gather a job's stats over the tier's world group; rank 0 writes the ledger."""
+        group = self.groups.local_world if tier == "local" else self.groups.persistent_world
+        parts = all_gather((ok, error, nbytes, background_s, delta), group)
+        rec = dict(
+            tier=tier, step=step, ok=all(p[0] for p in parts),
+            error=next((p[1] for p in parts if p[1]), None),
+            blocking_s=max(p[4] for p in parts), wait_s=t_wait,
+            bytes=sum(p[2] for p in parts), background_s=max(p[3] for p in parts), **(extra or {}),
+        )
+        with self._lock:
+            self.history.append(rec)
+        self.ledger.append("checkpoint", **rec)
+        return rec
+
+    def _local_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> None:
+        t0 = time.perf_counter()
+        key = f"local:local/step-{step}"
+        self.in_use.hold(key)
+        ok, error, nbytes = True, None, 0
+        try:
+            try:
+                nbytes = self.local.save(staged, step)
+            except Exception as e:  # degrade: the persistent tier and training go on
+                ok, error = False, f"{type(e).__name__}: {e}"
+                log.warning("tierckpt: local tier save of step %d failed on node %d; training continues, "
+                            "the persistent tier still saves: %s", step, self.topo.node, error)
+        finally:
+            slot.release()
+        rep = None
+        try:
+            rep = replicate(self.local.store, self.topo, self.groups.local_world, self.groups.node,
+                            step, ok, self.cfg.transfer_chunk_bytes)
+        except Exception as e:
+            log.warning("tierckpt: replication of step %d failed on node %d: %s", step, self.topo.node, e)
+        self.in_use.drop(key)
+        bg = time.perf_counter() - t0
+        try:
+            self._record("local", step, ok, error, delta, t_wait,
+                         nbytes if self.topo.is_node_leader else 0, bg,
+                         extra={"replicas_failed": (rep.failed if rep else "replication error")} if (rep is None or rep.failed) else None)
+        except Exception as e:
+            log.warning("tierckpt: could not record local step %d: %s", step, e)
+        try:
+            if self.topo.is_node_leader:
+                retention.purge_local(self.local.store, self.cfg.keep_latest_k["local"], self.in_use)
+        except Exception as e:
+            log.warning("tierckpt: local retention failed: %s", e)
+
+    def _persistent_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> None:
+        t0 = time.perf_counter()
+        key = f"persistent:step-{step}"
+        self.in_use.hold(key)
+        ok, error, nbytes = True, None, 0
+        try:
+            nbytes = self.persistent.save(staged, step, self.groups.persistent_world)
+        except Exception as e:
+            ok, error = False, f"{type(e).__name__}: {e}"
+            log.error("tierckpt: persistent save of step %d failed: %s", step, error)
+        finally:
+            slot.release()
+            self.in_use.drop(key)
+        try:
+            self._record("persistent", step, ok, error, delta, t_wait,
+                         nbytes if self.topo.rank == 0 else 0, time.perf_counter() - t0)
+        except Exception as e:
+            log.warning("tierckpt: could not record persistent step %d: %s", step, e)
+        try:
+            if self.topo.rank == 0:
+                retention.purge_persistent(self.persistent.store, self.cfg.keep_latest_k["persistent"], self.in_use)
+        except Exception as e:
+            log.warning("tierckpt: persistent retention failed: %s", e)
+
+    # -- restore -------------------------------------------------------------------------------
+    def restore(self, state_dict: dict, step: int | None = None) -> RestoreResult | None:
+        """Load ``state_dict`` in place from the newest step every node can be served from.
+
+        Collective. Waits for background saves first. See :mod:`tierckpt.restore`.
+
+        Returns:
+            RestoreResult, or None if no committed checkpoint exists (fresh start).
+        Raises:
+            NoCheckpointError: checkpoints exist but none could be restored.
+        """
+        self.wait()
+        res = self.restorer.restore(state_dict, step)
+        if res is not None:
+            self.ledger.append(
+                "restore", step=res.step, seconds=res.seconds, attempts=res.attempts,
+                persistent_bytes=res.persistent_bytes_read,
+                bytes=sum(o.bytes for o in res.sources.values()),
+                sources={str(n): {"source": o.source.kind, "holder": o.source.holder, "bytes": o.bytes,
+                                  "seconds": o.seconds} for n, o in res.sources.items()},
+                failures=[{"node": f.node, "source": f.source.kind, "holder": f.source.holder,
+                           "step": f.step, "error": f.error} for f in res.failures],
+            )
+        return res
+
+    def committed_steps(self) -> dict[str, list[int]]:
+        """This rank's view: {"local": own node's steps, "persistent": steps} (not collective)."""
+        return {
+            "local": self.local.committed_steps() if self.local else [],
+            "persistent": self.persistent.committed_steps(),
+        }
+
+    # -- shutdown ------------------------------------------------------------------------------
+    def close(self, clean: bool = True, reason: str = "") -> None:
+        """Finish background work, record the run's end, release buffers and threads.
+
+        ``clean=False`` records a failed run (the MTBF estimator counts it as a failure).
+        """
+        if self._closed:
+            return
+        self.wait()
+        for w in self._workers.values():
+            w.shutdown(wait=True)
+        self.ledger.append("run_end", clean=bool(clean), exposure_s=time.time() - self._t_start, reason=reason)
+        self.pool.close()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(clean=exc_type is None, reason=repr(exc) if exc else "")
+
+
+def _probe_writable(root: str) -> None:
+    os.makedirs(root, exist_ok=True)
+    probe = os.path.join(root, f".tierckpt-probe-{os.getpid()}")
+    with open(probe, "wb") as f:
+        f.write(b"x")
+    os.remove(probe)
+
+
+def _restart_count() -> int | None:
+    for k in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "TIERCKPT_RESTART_COUNT"):
+        if k in os.environ:
+            try:
+                return int(os.environ[k])
+            except ValueError:
+                pass
+    return None

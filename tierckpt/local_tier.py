@@ -1,0 +1,143 @@
+"""Local tier: one DCP checkpoint per node, in the node-local root, saved over the node group.
+
+Each node's checkpoint keeps global chunk coordinates (DTensor/ShardedTensor offsets), so the
+node's ``.metadata`` lists exactly the global chunks the node holds; dedup of replicated
+values happens inside the node only. Every node is self-sufficient for a same-topology
+restore, and the planning cost grows with ranks per node, not with the world.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from . import layout, manifest
+from .collectives import all_gather, run_agreed
+from .planner import NodeLocalSavePlanner, VerifyingLoadPlanner
+from .storage import Store
+from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+def hash_split(store: Store, step_rel: str, files: list[str], index: int, count: int) -> list[manifest.FileEntry]:
+    """Checksum this rank's share (``files[index::count]``) of a step's files."""
+    return [
+        manifest.FileEntry(f, *_hash(store, f"{step_rel}/{f}")) for f in files[index::count]
+    ]
+
+
+def _hash(store: Store, rel: str) -> tuple[int, str]:
+    e = manifest.hash_file(store, rel)
+    return e.size, e.xxh3_64
+
+
+class LocalTier:
+    """A node's local-tier directory and its save/verify/load operations.
+
+    Args:
+        store: the node's local root (``TierConfig.local_root`` expanded for this node).
+        topo: the job topology.
+        node_group: gloo group of this node's ranks.
+    """
+
+    def __init__(self, store: Store, topo: Topology, node_group: dist.ProcessGroup):
+        self.store = store
+        self.topo = topo
+        self.group = node_group
+
+    # -- save ---------------------------------------------------------------------------------
+    def save(self, staged: dict, step: int) -> int:
+        """Write and commit ``local/step-<step>`` (collective over the node group).
+
+        Returns:
+            bytes of the node's committed step (the same on every rank of the node).
+        Raises:
+            PeerFailure / CheckpointException: any rank of the node failed; the step is left
+            uncommitted (invisible to restore and retention) on every rank.
+        """
+        rel = layout.local_step(step)
+        topo = self.topo
+
+        def prepare():
+            if topo.is_node_leader:
+                manifest.uncommit(self.store, rel)
+                self.store.rmtree(rel)
+                self.store.makedirs(rel)
+
+        run_agreed(prepare, self.group, f"local step {step}: prepare")
+        dcp.save(
+            staged,
+            storage_writer=FileSystemWriter(self.store.path(rel), sync_files=True, overwrite=True),
+            planner=NodeLocalSavePlanner(),
+            process_group=self.group,
+        )
+        files = manifest.data_files(self.store, rel)
+        entries = run_agreed(
+            lambda: hash_split(self.store, rel, files, topo.local_rank, topo.ranks_per_node),
+            self.group, f"local step {step}: checksum",
+        )
+        gathered = all_gather(entries, self.group)
+
+        def do_commit():
+            if topo.is_node_leader:
+                self.store.fsync_tree(rel)  # DCP fsyncs its files; this also covers the dirs
+                manifest.commit(
+                    self.store, rel, [e for part in gathered for e in part],
+                    tier="local", step=step, node=topo.node, ranks=topo.local_ranks,
+                    world_size=topo.world_size, nodes=topo.nodes,
+                )
+
+        run_agreed(do_commit, self.group, f"local step {step}: commit")
+        return sum(e.size for part in gathered for e in part)
+
+    # -- inventory -----------------------------------------------------------------------------
+    def committed_steps(self) -> list[int]:
+        """Steps of ``local/`` with a valid commit marker, ascending."""
+        steps = []
+        for name in self.store.listdir("local"):
+            s = layout.parse_step(name)
+            if s is not None and manifest.read_committed(self.store, layout.local_step(s)):
+                steps.append(s)
+        return sorted(steps)
+
+    def committed_replicas(self) -> dict[int, list[int]]:
+        """Committed replica steps held here, per source node: {node: [steps ascending]}."""
+        out: dict[int, list[int]] = {}
+        for name in self.store.listdir("replicas"):
+            n = layout.parse_node(name)
+            if n is None:
+                continue
+            for sname in self.store.listdir(layout.replica_dir(n)):
+                s = layout.parse_step(sname)
+                if s is not None and manifest.read_committed(self.store, layout.replica_step(n, s)):
+                    out.setdefault(n, []).append(s)
+        return {n: sorted(v) for n, v in out.items()}
+
+
+def verify_split(store: Store, rel: str, index: int, count: int) -> list[str]:
+    """Verify this rank's share of a committed step's files; returns problems ([] = intact)."""
+    doc = manifest.read_committed(store, rel)
+    if doc is None:
+        return [f"{store.url_of(rel)}: not committed"]
+    entries = manifest.entries_of(doc)[index::count]
+    return manifest.verify_files(store, rel, entries)
+
+
+def load_dir(state_dict: dict, path: str, group: dist.ProcessGroup) -> int:
+    """DCP-load ``state_dict`` in place from a checkpoint directory over ``group``.
+
+    Uses :class:`VerifyingLoadPlanner`: nothing is read unless the checkpoint covers every
+    local chunk with the same dtype. Returns bytes read by this rank.
+    """
+    from .persistent import CountingFileSystemReader
+
+    reader = CountingFileSystemReader(path)
+    t0 = time.perf_counter()
+    dcp.load(state_dict, storage_reader=reader, planner=VerifyingLoadPlanner(), process_group=group)
+    log.debug("loaded %s in %.3fs", path, time.perf_counter() - t0)
+    return reader.bytes_read

@@ -1,0 +1,183 @@
+"""Manifests, commit markers and checksum verification.
+
+Commit protocol of one step directory (DESIGN.md "Commit protocol"):
+data files written and fsynced → ``tierckpt.manifest.json`` (relative path, size and
+xxh3-64 of every file) written atomically → ``tierckpt.committed`` written by atomic rename
+→ directory fsynced. A step directory without a valid marker does not exist for restore or
+retention. The marker records the xxh3-64 of the manifest bytes, so a manifest swapped or
+torn after the commit is detected too.
+
+Checksums: xxHash XXH3 64-bit (https://xxhash.com), via the ``xxhash`` package.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import xxhash
+
+from .errors import VerificationError
+from .layout import COMMIT_FILES, MANIFEST, MARKER
+from .storage import Store
+
+HASH_NAME = "xxh3_64"
+FORMAT = "tierckpt-manifest"
+VERSION = 1
+_READ_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a step: ``path`` relative to the step dir, ``size`` in bytes, xxh3-64 hex."""
+
+    path: str
+    size: int
+    xxh3_64: str
+
+
+def hash_stream(f, buf: bytearray | None = None) -> tuple[int, str]:
+    """Stream ``f`` through XXH3-64; return (bytes read, hex digest)."""
+    h = xxhash.xxh3_64()
+    buf = buf or bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    n_total = 0
+    readinto = getattr(f, "readinto", None)
+    while True:
+        if readinto is not None:
+            n = readinto(view)
+            if not n:
+                break
+            h.update(view[:n])
+        else:
+            chunk = f.read(len(buf))
+            if not chunk:
+                break
+            n = len(chunk)
+            h.update(chunk)
+        n_total += n
+    return n_total, h.hexdigest()
+
+
+def hash_file(store: Store, rel: str) -> FileEntry:
+    """Checksum one file of ``store``; ``rel`` is kept as the entry's path."""
+    with store.open(rel, "rb") as f:
+        size, digest = hash_stream(f)
+    return FileEntry(rel, size, digest)
+
+
+def data_files(store: Store, step_rel: str) -> list[str]:
+    """Files of a step directory other than the commit files and leftovers ``*.tmp``."""
+    return [
+        p
+        for p in store.walk_files(step_rel)
+        if p not in COMMIT_FILES and not p.endswith(".tmp")
+    ]
+
+
+def manifest_bytes(entries: list[FileEntry], **meta) -> bytes:
+    """Serialise a manifest: ``meta`` (tier, step, node, …) plus the sorted file entries."""
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "hash": HASH_NAME,
+        **meta,
+        "total_bytes": sum(e.size for e in entries),
+        "files": [
+            {"path": e.path, "size": e.size, HASH_NAME: e.xxh3_64}
+            for e in sorted(entries, key=lambda e: e.path)
+        ],
+    }
+    return json.dumps(doc, indent=1, sort_keys=False).encode()
+
+
+def commit(store: Store, step_rel: str, entries: list[FileEntry], **meta) -> dict:
+    """Make ``step_rel`` a committed step (see the module docstring for the order).
+
+    The caller has already fsynced the data files. Returns the manifest as a dict.
+    """
+    mbytes = manifest_bytes(entries, **meta)
+    commit_bytes(store, step_rel, mbytes)
+    return json.loads(mbytes)
+
+
+def commit_bytes(store: Store, step_rel: str, mbytes: bytes) -> None:
+    """Commit ``step_rel`` with an existing manifest's exact bytes (replicas and pulled copies
+    keep the source's manifest, so one marker check covers every copy)."""
+    meta = json.loads(mbytes)
+    store.write_atomic(f"{step_rel}/{MANIFEST}", mbytes)
+    marker = {
+        "format": "tierckpt-marker",
+        "version": VERSION,
+        "manifest_" + HASH_NAME: xxhash.xxh3_64_hexdigest(mbytes),
+        "committed_at": time.time(),
+        **{k: v for k, v in meta.items() if k in ("tier", "step", "node")},
+    }
+    store.write_atomic(f"{step_rel}/{MARKER}", json.dumps(marker).encode())
+
+
+def uncommit(store: Store, step_rel: str) -> None:
+    """Remove the marker first, so a step being deleted is never seen half-deleted."""
+    store.remove(f"{step_rel}/{MARKER}")
+
+
+def read_committed(store: Store, step_rel: str) -> dict | None:
+    """The manifest of ``step_rel`` if it is committed (marker present and matching), else None."""
+    try:
+        marker = json.loads(store.read_bytes(f"{step_rel}/{MARKER}"))
+        mbytes = store.read_bytes(f"{step_rel}/{MANIFEST}")
+    except (FileNotFoundError, NotADirectoryError, ValueError, OSError):
+        return None
+    if not isinstance(marker, dict) or marker.get("manifest_" + HASH_NAME) != xxhash.xxh3_64_hexdigest(mbytes):
+        return None
+    try:
+        doc = json.loads(mbytes)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("hash") != HASH_NAME:
+        return None
+    return doc
+
+
+def entries_of(manifest: dict) -> list[FileEntry]:
+    """The file entries of a manifest dict."""
+    return [FileEntry(f["path"], int(f["size"]), f[HASH_NAME]) for f in manifest["files"]]
+
+
+def verify_files(store: Store, step_rel: str, entries: list[FileEntry]) -> list[str]:
+    """Re-check size and checksum of ``entries``; return one message per problem ([] = intact)."""
+    problems = []
+    for e in entries:
+        rel = f"{step_rel}/{e.path}"
+        try:
+            size = store.size(rel)
+        except (FileNotFoundError, OSError) as ex:
+            problems.append(f"{rel}: missing ({ex.__class__.__name__})")
+            continue
+        if size != e.size:
+            problems.append(f"{rel}: size {size} != manifest {e.size}")
+            continue
+        got = hash_file(store, rel)
+        if got.xxh3_64 != e.xxh3_64:
+            problems.append(f"{rel}: {HASH_NAME} {got.xxh3_64} != manifest {e.xxh3_64}")
+    return problems
+
+
+def verify_step(store: Store, step_rel: str) -> list[str]:
+    """Verify a whole step directory: committed, and every file intact.
+
+    Returns:
+        problem messages; empty when the step is committed and every byte matches.
+    """
+    doc = read_committed(store, step_rel)
+    if doc is None:
+        return [f"{step_rel}: not committed (no valid {MARKER}/{MANIFEST})"]
+    return verify_files(store, step_rel, entries_of(doc))
+
+
+def require_intact(store: Store, step_rel: str, entries: list[FileEntry]) -> None:
+    """Raise :class:`VerificationError` listing every problem of ``entries``."""
+    problems = verify_files(store, step_rel, entries)
+    if problems:
+        raise VerificationError("; ".join(problems[:5]) + (" …" if len(problems) > 5 else ""))

@@ -1,0 +1,329 @@
+"""Restore from the fastest valid source, with agreed fallback (DESIGN.md "Restore data flow").
+
+1. Every node leader lists the committed steps of its local root (own steps and the replicas
+   it holds); global rank 0 lists the persistent tier. The lists are all-gathered.
+2. :func:`plan_restore` picks the newest step every node can be served from, and per node the
+   first usable source in the order own local > peer replica > persistent.
+3. A node served from a peer replica pulls the files into its own ``local/step-<N>`` first
+   (checksummed on receipt, committed with the source manifest).
+4. Every other chosen source is checksum-verified (files split across the node's ranks)
+   before DCP reads a byte; the load uses :class:`~tierckpt.planner.VerifyingLoadPlanner`
+   over the node group.
+5. Outcomes are all-gathered. A failed (node, source, step) is marked bad and the plan is
+   recomputed — possibly an older step for everyone — until every node loaded the same step.
+
+Every decision is logged (step, tier, source node, bytes, seconds) and, on global rank 0,
+appended to the ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from . import layout, manifest
+from .collectives import all_gather, run_agreed
+from .errors import NoCheckpointError, VerificationError
+from .local_tier import LocalTier, load_dir, verify_split
+from .persistent import PersistentTier
+from .replication import commit_received
+from .retention import InUse
+from .topology import Groups, Topology
+from .transfer import Transfer, run_transfers
+
+log = logging.getLogger(__name__)
+
+OWN, REPLICA, PERSISTENT = "own-local", "peer-replica", "persistent"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one node's state comes from: ``kind`` (own-local | peer-replica | persistent)
+    and ``holder`` (the node whose disk has it; None for persistent)."""
+
+    kind: str
+    holder: int | None
+
+
+@dataclass
+class Inventory:
+    """Committed steps visible to the job.
+
+    Attributes:
+        local: {node: steps in its own ``local/``}.
+        replicas: {source node: {holder node: steps}}.
+        persistent: steps of the persistent tier.
+    """
+
+    local: dict[int, set[int]] = field(default_factory=dict)
+    replicas: dict[int, dict[int, set[int]]] = field(default_factory=dict)
+    persistent: set[int] = field(default_factory=set)
+
+    def all_steps(self) -> set[int]:
+        out = set(self.persistent)
+        for s in self.local.values():
+            out |= s
+        for by_holder in self.replicas.values():
+            for s in by_holder.values():
+                out |= s
+        return out
+
+
+def sources_for(inv: Inventory, node: int, step: int, bad: set) -> list[Source]:
+    """Usable sources of ``node``'s state at ``step`` in preference order."""
+    out = []
+    if step in inv.local.get(node, ()) and (node, OWN, node, step) not in bad:
+        out.append(Source(OWN, node))
+    for holder in sorted(inv.replicas.get(node, {})):
+        if step in inv.replicas[node][holder] and (node, REPLICA, holder, step) not in bad:
+            out.append(Source(REPLICA, holder))
+    if step in inv.persistent and (node, PERSISTENT, None, step) not in bad:
+        out.append(Source(PERSISTENT, None))
+    return out
+
+
+def plan_restore(inv: Inventory, nodes: int, bad: set, step: int | None = None
+                 ) -> tuple[int, dict[int, Source]] | None:
+    """Newest step (or exactly ``step``) that every node can be served from.
+
+    Args:
+        bad: {(node, kind, holder, step)} sources that already failed.
+    Returns:
+        (step, {node: Source}) or None when no step is servable.
+    """
+    candidates = [step] if step is not None else sorted(inv.all_steps(), reverse=True)
+    for s in candidates:
+        choice = {}
+        for n in range(nodes):
+            srcs = sources_for(inv, n, s, bad)
+            if not srcs:
+                break
+            choice[n] = srcs[0]
+        else:
+            return s, choice
+    return None
+
+
+@dataclass
+class NodeOutcome:
+    """One node's result of one restore attempt."""
+
+    node: int
+    step: int
+    source: Source
+    ok: bool
+    error: str | None = None
+    bytes: int = 0
+    seconds: float = 0.0
+    persistent_bytes: int = 0
+
+
+@dataclass
+class RestoreResult:
+    """What a restore did.
+
+    Attributes:
+        step: restored step.
+        sources: {node: NodeOutcome of the attempt that succeeded}.
+        attempts: restore rounds run (1 = no fallback needed).
+        failures: NodeOutcomes of sources that failed and were skipped.
+        seconds: wall time of the whole restore (seconds).
+        persistent_bytes_read: bytes read from the persistent tier by all ranks.
+    """
+
+    step: int
+    sources: dict[int, NodeOutcome]
+    attempts: int
+    failures: list[NodeOutcome]
+    seconds: float
+    persistent_bytes_read: int
+
+    def source_of(self, node: int) -> str:
+        return self.sources[node].source.kind
+
+
+class Restorer:
+    """Runs a restore over the engine's groups. All ranks call :meth:`restore` together."""
+
+    def __init__(self, topo: Topology, groups: Groups, local: LocalTier | None,
+                 persistent: PersistentTier | None, in_use: InUse, chunk_bytes: int):
+        self.topo, self.groups = topo, groups
+        self.local, self.persistent = local, persistent
+        self.in_use = in_use
+        self.chunk_bytes = chunk_bytes
+
+    # -- inventory -----------------------------------------------------------------------------
+    def inventory(self) -> Inventory:
+        """All-gather the committed steps of every node and of the persistent tier."""
+        mine = None
+        if self.topo.is_node_leader and self.local is not None:
+            mine = (self.topo.node, self.local.committed_steps(), self.local.committed_replicas())
+        pers = None
+        if self.topo.rank == 0 and self.persistent is not None:
+            pers = self.persistent.committed_steps()
+        gathered = all_gather((mine, pers), self.groups.local_world)
+        inv = Inventory(persistent=set(gathered[0][1] or []))
+        for m, _ in gathered:
+            if m is None:
+                continue
+            node, steps, reps = m
+            inv.local[node] = set(steps)
+            for src, st in reps.items():
+                inv.replicas.setdefault(int(src), {})[node] = set(st)
+        return inv
+
+    # -- restore -------------------------------------------------------------------------------
+    def restore(self, state_dict: dict, step: int | None = None) -> RestoreResult | None:
+        """Load ``state_dict`` in place from the best source (see the module docstring).
+
+        Returns:
+            RestoreResult, or None when no committed checkpoint exists anywhere (fresh start).
+        Raises:
+            NoCheckpointError: checkpoints exist but no step could be restored on every node
+                (or ``step`` was requested and cannot be served).
+        """
+        t0 = time.perf_counter()
+        topo = self.topo
+        self._persistent_bytes = 0
+        inv = self.inventory()
+        if not inv.all_steps():
+            log.info("tierckpt restore: no committed checkpoint in any tier; starting fresh")
+            return None
+        bad: set = set()
+        loaded: dict[int, NodeOutcome] = {}
+        failures: list[NodeOutcome] = []
+        max_attempts = 2 + 4 * (len(inv.all_steps()) * (topo.factor + 1))
+        for attempt in range(1, max_attempts + 1):
+            choice = plan_restore(inv, topo.nodes, bad, step)
+            if choice is None:
+                raise NoCheckpointError(
+                    f"no step can be restored on every node (requested step={step}); "
+                    f"failed sources: {[(f.node, f.source.kind, f.source.holder, f.step, f.error) for f in failures]}"
+                )
+            s, sources = choice
+            todo = {n for n in range(topo.nodes) if n not in loaded or loaded[n].step != s}
+            log.info("tierckpt restore attempt %d: step %d, sources %s", attempt, s,
+                     {n: (sources[n].kind, sources[n].holder) for n in sorted(todo)})
+            outcome = self._attempt(state_dict, s, sources, todo)
+            for o in all_gather(outcome, self.groups.local_world):
+                if o is None or not self.topo.is_leader_rank(o[0]):
+                    continue
+                no = o[1]
+                if no.ok:
+                    loaded[no.node] = no
+                else:
+                    failures.append(no)
+                    bad.add((no.node, no.source.kind, no.source.holder, no.step))
+                    loaded.pop(no.node, None)
+                    log.warning("tierckpt restore: node %d step %d from %s (node %s) failed: %s",
+                                no.node, no.step, no.source.kind, no.source.holder, no.error)
+            if all(n in loaded and loaded[n].step == s for n in range(topo.nodes)):
+                pbytes = sum(all_gather(self._persistent_bytes, self.groups.local_world))
+                res = RestoreResult(step=s, sources=dict(sorted(loaded.items())), attempts=attempt,
+                                    failures=failures, seconds=time.perf_counter() - t0,
+                                    persistent_bytes_read=pbytes)
+                for n, o in res.sources.items():
+                    log.info("tierckpt restore: node %d step %d from %s (holder %s): %d bytes in %.3fs",
+                             n, o.step, o.source.kind, o.source.holder, o.bytes, o.seconds)
+                return res
+        raise NoCheckpointError(f"restore did not converge after {max_attempts} attempts")
+
+    def _attempt(self, state_dict: dict, s: int, sources: dict[int, Source], todo: set[int]):
+        """Run one round; returns (global rank, NodeOutcome for this node) or None."""
+        topo, node = self.topo, self.topo.node
+        src = sources[node]
+        t0 = time.perf_counter()
+        pulls = self._plan_pulls(s, sources, todo)
+        pulled_ok, pull_err, nbytes = self._pull(pulls, s)
+        if node not in todo:
+            return None
+        out = NodeOutcome(node=node, step=s, source=src, ok=False)
+        if src.kind == REPLICA and not pulled_ok:
+            out.error = pull_err or "pull failed"
+            out.seconds = time.perf_counter() - t0
+            return (topo.rank, out)
+        key_rel = layout.local_step(s) if src.kind != PERSISTENT else layout.persistent_step(s)
+        key = ("persistent:" if src.kind == PERSISTENT else "local:") + key_rel
+        self.in_use.hold(key)
+        try:
+            if src.kind == OWN:
+                store, rel = self.local.store, layout.local_step(s)
+            elif src.kind == REPLICA:
+                store, rel = self.local.store, layout.local_step(s)  # pulled into own local
+            else:
+                store, rel = self.persistent.store, layout.persistent_step(s)
+            group = self.groups.node
+
+            def verify():
+                if src.kind == REPLICA:
+                    return  # every byte was checksummed on receipt
+                problems = verify_split(store, rel, topo.local_rank, topo.ranks_per_node)
+                if problems:
+                    raise VerificationError("; ".join(problems[:3]))
+
+            run_agreed(verify, group, f"verify {store.url_of(rel)}")
+            if src.kind == PERSISTENT:
+                read = self.persistent.io.load(state_dict, store.url_of(rel), group)
+                out.persistent_bytes = read
+            else:
+                read = load_dir(state_dict, store.path(rel), group)
+            out.bytes = read + nbytes
+            out.ok = True
+        except Exception as e:  # any verification or load failure → next source, agreed by all
+            out.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.in_use.drop(key)
+        out.seconds = time.perf_counter() - t0
+        self._persistent_bytes += out.persistent_bytes
+        # the node's ranks agree on ok (DCP and run_agreed already raised on all of them)
+        parts = all_gather((out.ok, out.bytes, out.persistent_bytes), self.groups.node)
+        out.bytes = sum(p[1] for p in parts)
+        out.persistent_bytes = sum(p[2] for p in parts)
+        if not all(p[0] for p in parts):
+            out.ok = False
+            out.error = out.error or "another rank of the node failed"
+        return (topo.rank, out)
+
+    def _plan_pulls(self, s: int, sources: dict[int, Source], todo: set[int]) -> list[Transfer]:
+        topo = self.topo
+        out = []
+        for n in sorted(todo):
+            if sources[n].kind != REPLICA:
+                continue
+            h = sources[n].holder
+            for r in range(topo.ranks_per_node):
+                out.append(Transfer(
+                    src_rank=topo.ranks_of(h)[r], dst_rank=topo.ranks_of(n)[r],
+                    src_rel=layout.replica_step(n, s), dst_rel=layout.local_step(s),
+                    share=(r, topo.ranks_per_node), tag=f"pull node-{n} step-{s} from node-{h}",
+                ))
+        return out
+
+    def _pull(self, pulls: list[Transfer], s: int) -> tuple[bool, str | None, int]:
+        """Run the pulls (collective over the world group when any exist)."""
+        if not pulls:
+            return False, None, 0
+        topo = self.topo
+        receiving = any(topo.node_of_rank[t.dst_rank] == topo.node for t in pulls)
+        if receiving and topo.is_node_leader:
+            manifest.uncommit(self.local.store, layout.local_step(s))
+            self.local.store.rmtree(layout.local_step(s))
+        import torch.distributed as dist
+
+        dist.barrier(group=self.groups.node)
+        holding = [layout.replica_step(topo.node_of_rank[t.dst_rank], s) for t in pulls if t.src_rank == topo.rank]
+        for rel in holding:
+            self.in_use.hold("local:" + rel)
+        try:
+            results = run_transfers(pulls, topo.rank, self.local.store, self.groups.local_world, self.chunk_bytes)
+        finally:
+            for rel in holding:
+                self.in_use.drop("local:" + rel)
+        ok, bad = commit_received(self.local.store, topo, self.groups.node, results, pulls)
+        nbytes = sum(r.nbytes for r in results.values())
+        if not receiving:
+            return False, None, nbytes
+        if ok:
+            return True, None, nbytes
+        return False, "; ".join(bad.values()) or "pull failed", nbytes

@@ -1,0 +1,91 @@
+"""Retention: keep the newest ``keep_latest_k`` committed steps of each tier.
+
+Rules (FIELD-NOTES failure class 7):
+- a step in ``in_use`` (being written or read right now) is never deleted;
+- fewer than k committed steps are never left: only committed steps beyond the newest k
+  are deleted, plus uncommitted (torn) directories older than the newest committed step;
+- deletion removes the commit marker first, so a half-deleted step is simply uncommitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from . import layout, manifest
+from .storage import Store
+
+log = logging.getLogger(__name__)
+
+
+class InUse:
+    """Thread-safe registry of (tier, step-directory) pairs that retention must not touch."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+
+    def hold(self, key: str) -> None:
+        with self._lock:
+            self._held[key] = self._held.get(key, 0) + 1
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            c = self._held.get(key, 0) - 1
+            if c <= 0:
+                self._held.pop(key, None)
+            else:
+                self._held[key] = c
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._held
+
+
+def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix: str) -> list[int]:
+    """Apply the rules to the ``step-<N>`` directories under ``parent`` of ``store``.
+
+    Args:
+        keep_k: committed steps to keep (0 = keep everything).
+        key_prefix: prefix of the ``in_use`` keys of this directory (``key_prefix + step_rel``).
+    Returns:
+        steps deleted.
+    """
+    if keep_k <= 0:
+        return []
+    steps = sorted(s for s in (layout.parse_step(n) for n in store.listdir(parent)) if s is not None)
+    rel = (lambda s: f"{parent}/{layout.step_name(s)}") if parent else layout.step_name
+    committed = [s for s in steps if manifest.read_committed(store, rel(s)) is not None]
+    if not committed:
+        return []
+    keep = set(committed[-keep_k:])
+    newest = committed[-1]
+    doomed = [s for s in steps if s not in keep and (s in committed or s < newest)]
+    deleted = []
+    for s in doomed:
+        r = rel(s)
+        if key_prefix + r in in_use:
+            continue
+        try:
+            manifest.uncommit(store, r)
+            store.rmtree(r)
+            deleted.append(s)
+        except OSError as e:
+            log.warning("tierckpt retention: could not delete %s: %s", store.url_of(r), e)
+    if deleted:
+        log.info("tierckpt retention: deleted %s under %s (keep %d)", deleted, store.url_of(parent), keep_k)
+    return deleted
+
+
+def purge_local(store: Store, keep_k: int, in_use: InUse) -> dict[str, list[int]]:
+    """Retention of a node's local root: its own steps and every replica it holds."""
+    out = {"local": purge_dir(store, "local", keep_k, in_use, "local:")}
+    for name in store.listdir("replicas"):
+        if layout.parse_node(name) is not None:
+            out[name] = purge_dir(store, f"replicas/{name}", keep_k, in_use, "local:")
+    return out
+
+
+def purge_persistent(store: Store, keep_k: int, in_use: InUse) -> list[int]:
+    """Retention of the persistent root (run by global rank 0 only)."""
+    return purge_dir(store, "", keep_k, in_use, "persistent:")

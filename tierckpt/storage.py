@@ -1,0 +1,184 @@
+"""Filesystem access for the tiers: a local directory (with fsync) or any fsspec URL.
+
+The local tier and a persistent tier on a POSIX path need fsync for the commit protocol;
+object stores have no fsync but make an object visible only once it is fully written, so the
+same protocol (data → manifest → marker) holds there too. Paths handed to a :class:`Store`
+are always relative, '/'-separated, so ``s3://`` URLs never go through ``os.path``.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from typing import IO, Iterator
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+
+def _is_local_url(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+class Store:
+    """A directory tree rooted at ``root`` (path or fsspec URL).
+
+    Args:
+        root: local path or fsspec URL, e.g. ``/lustre/run1`` or ``s3://bucket/run1``.
+        storage_options: passed to ``fsspec.core.url_to_fs`` for remote URLs.
+
+    All ``rel`` arguments are '/'-separated paths relative to ``root``.
+    """
+
+    def __init__(self, root: str, **storage_options):
+        self.url = str(root)
+        self.local = _is_local_url(self.url)
+        if self.local:
+            path = self.url[len("file://"):] if self.url.startswith("file://") else self.url
+            self.root = os.path.abspath(path)
+            self.fs = LocalFileSystem()
+        else:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options)
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    # -- paths -------------------------------------------------------------------------------
+    def path(self, rel: str = "") -> str:
+        """Absolute path (local) or protocol-less fsspec path of ``rel``."""
+        return posixpath.join(self.root, rel) if rel else self.root
+
+    def url_of(self, rel: str = "") -> str:
+        """A path DCP's FileSystemWriter/FsspecWriter accepts for ``rel``."""
+        if self.local:
+            return self.path(rel)
+        return self.fs.unstrip_protocol(self.path(rel))
+
+    def sub(self, rel: str) -> "Store":
+        return Store(self.url_of(rel)) if not self.local else Store(self.path(rel))
+
+    # -- queries -----------------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(self.path(rel)) if self.local else self.fs.exists(self.path(rel))
+
+    def isdir(self, rel: str) -> bool:
+        return os.path.isdir(self.path(rel)) if self.local else self.fs.isdir(self.path(rel))
+
+    def listdir(self, rel: str = "") -> list[str]:
+        """Names (not paths) of the entries of ``rel``; [] when it does not exist."""
+        if self.local:
+            try:
+                return sorted(os.listdir(self.path(rel)))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        target = self.path(rel).rstrip("/")
+        try:
+            paths = self.fs.ls(target, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        # fsspec's ls of a file returns the file itself; a file has no entries.
+        return sorted(posixpath.basename(p.rstrip("/")) for p in paths if p.rstrip("/") != target)
+
+    def size(self, rel: str) -> int:
+        return os.path.getsize(self.path(rel)) if self.local else int(self.fs.size(self.path(rel)))
+
+    def walk_files(self, rel: str = "") -> Iterator[str]:
+        """Relative paths (to ``rel``) of every regular file under ``rel``, sorted."""
+        base = self.path(rel)
+        if self.local:
+            out = []
+            for d, _, files in os.walk(base):
+                for f in files:
+                    out.append(os.path.relpath(os.path.join(d, f), base).replace(os.sep, "/"))
+            return iter(sorted(out))
+        return iter(sorted(posixpath.relpath(p, base) for p in self.fs.find(base)))
+
+    # -- I/O ---------------------------------------------------------------------------------
+    def open(self, rel: str, mode: str = "rb") -> IO:
+        if self.local:
+            if any(c in mode for c in "wa"):
+                os.makedirs(os.path.dirname(self.path(rel)), exist_ok=True)
+            return open(self.path(rel), mode)
+        return self.fs.open(self.path(rel), mode)
+
+    def read_bytes(self, rel: str) -> bytes:
+        with self.open(rel, "rb") as f:
+            return f.read()
+
+    def makedirs(self, rel: str = "") -> None:
+        if self.local:
+            os.makedirs(self.path(rel), exist_ok=True)
+        else:
+            self.fs.makedirs(self.path(rel), exist_ok=True)
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        """Write ``data`` so readers see either nothing or all of it.
+
+        Local: write ``rel.tmp`` → fsync → rename → fsync the directory (POSIX rename is
+        atomic). Remote: a single put, which object stores make visible only when complete.
+        """
+        if self.local:
+            p = self.path(rel)
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            tmp = p + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+            fsync_dir(os.path.dirname(p))
+        else:
+            with self.fs.open(self.path(rel), "wb") as f:
+                f.write(data)
+
+    def remove(self, rel: str) -> None:
+        """Remove a file; missing is fine."""
+        try:
+            if self.local:
+                os.remove(self.path(rel))
+            else:
+                self.fs.rm(self.path(rel))
+        except FileNotFoundError:
+            pass
+
+    def rmtree(self, rel: str) -> None:
+        """Remove a directory tree; missing is fine."""
+        import shutil
+
+        if self.local:
+            shutil.rmtree(self.path(rel), ignore_errors=True)
+        else:
+            try:
+                self.fs.rm(self.path(rel), recursive=True)
+            except FileNotFoundError:
+                pass
+
+    def rename(self, src: str, dst: str) -> None:
+        if self.local:
+            os.replace(self.path(src), self.path(dst))
+            fsync_dir(os.path.dirname(self.path(dst)))
+        else:
+            self.fs.mv(self.path(src), self.path(dst), recursive=True)
+
+    def fsync_tree(self, rel: str = "") -> None:
+        """fsync every file and directory under ``rel`` (local only; no-op for object stores)."""
+        if not self.local:
+            return
+        base = self.path(rel)
+        for d, _, files in os.walk(base):
+            for name in files:
+                fd = os.open(os.path.join(d, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fsync_dir(d)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so a rename or create inside it survives a power loss."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

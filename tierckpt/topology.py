@@ -1,0 +1,234 @@
+"""Nodes, ranks per node, the engine's process groups, and replica peers.
+
+Node ids come, in this order, from:
+
+1. an explicit override: ``node_id`` argument, or env ``TIERCKPT_NODE_ID``, or env
+   ``TIERCKPT_RANKS_PER_NODE=k`` (node = rank // k) — used to simulate several nodes on one
+   machine;
+2. torchrun: ``GROUP_RANK`` (the node rank of torchrun's static rendezvous);
+3. Slurm: ``SLURM_NODEID``;
+4. otherwise the hostnames of all ranks, gathered at start (nodes numbered in order of their
+   lowest global rank).
+
+Every rank contributes its id to an all-gather, so all ranks agree on the node map. Replica
+placement is by node id, never by global rank number, so a restart that maps ranks to nodes
+differently still finds each node's data.
+
+Replica peers (``replication_jump`` J, ``replication_factor`` F) follow nvidia-resiliency-ext's
+CliqueReplicationStrategy (the ``--replication-jump/--replication-factor`` flags of
+Megatron-LM): nodes are split into blocks of J·F consecutive nodes; inside a block, node n
+belongs to the clique ``{b·J·F + (n mod J) + k·J : k = 0..F-1}`` with b = n // (J·F). Each
+node's local checkpoint is copied to the other F-1 members of its clique.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from .errors import ConfigError
+
+
+def check_replication(nodes: int, jump: int, factor: int) -> None:
+    """Validate J and F for ``nodes`` nodes.
+
+    Raises:
+        ConfigError: J < 1, F < 1, F > nodes, or J·F not dividing ``nodes``.
+    """
+    if jump < 1:
+        raise ConfigError("replication_jump", f"must be >= 1, got {jump}")
+    if factor < 1:
+        raise ConfigError("replication_factor", f"must be >= 1, got {factor}")
+    if factor > nodes:
+        raise ConfigError(
+            "replication_factor",
+            f"F={factor} copies need at least {factor} nodes, but the job has {nodes}; allowed: 1..{nodes}",
+        )
+    if nodes % (jump * factor) != 0:
+        ok = [j for j in range(1, nodes + 1) if nodes % (j * factor) == 0]
+        raise ConfigError(
+            "replication_jump",
+            f"replication_jump·replication_factor = {jump}·{factor} = {jump * factor} must divide the "
+            f"number of nodes ({nodes}); with replication_factor={factor} allowed replication_jump: {ok}",
+        )
+
+
+def clique(node: int, nodes: int, jump: int, factor: int) -> list[int]:
+    """Members of ``node``'s replication clique, ``node`` included, in clique order."""
+    block = jump * factor
+    b, o = divmod(node, block)
+    return [b * block + (o % jump) + k * jump for k in range(factor)]
+
+
+def peers(node: int, nodes: int, jump: int, factor: int) -> list[int]:
+    """Nodes that hold replicas of ``node`` (and whose replicas ``node`` holds)."""
+    return [m for m in clique(node, nodes, jump, factor) if m != node]
+
+
+@dataclass
+class Topology:
+    """The job's node layout as seen by one rank.
+
+    Attributes:
+        rank, world_size: global rank and size of the default process group.
+        node: this rank's node id (0..nodes-1).
+        node_of_rank: node id of every global rank.
+        nodes: number of nodes.
+        jump, factor: J and F (validated against ``nodes``).
+        source: where the node ids came from (``override``, ``torchrun``, ``slurm``, ``hostname``).
+    """
+
+    rank: int
+    world_size: int
+    node: int
+    node_of_rank: list[int]
+    jump: int = 1
+    factor: int = 1
+    source: str = "override"
+    hostname: str = field(default_factory=socket.gethostname)
+
+    @property
+    def nodes(self) -> int:
+        return max(self.node_of_rank) + 1
+
+    def ranks_of(self, node: int) -> list[int]:
+        """Global ranks on ``node``, ascending."""
+        return [r for r, n in enumerate(self.node_of_rank) if n == node]
+
+    @property
+    def local_ranks(self) -> list[int]:
+        return self.ranks_of(self.node)
+
+    @property
+    def local_rank(self) -> int:
+        """Index of this rank among its node's ranks."""
+        return self.local_ranks.index(self.rank)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return len(self.local_ranks)
+
+    @property
+    def is_node_leader(self) -> bool:
+        """The node's first rank: coordinator of the node's DCP save and its commit."""
+        return self.local_rank == 0
+
+    def is_leader_rank(self, rank: int) -> bool:
+        """Whether global ``rank`` is the first rank of its node."""
+        return self.ranks_of(self.node_of_rank[rank])[0] == rank
+
+    def peers(self) -> list[int]:
+        """Nodes holding replicas of this node's local checkpoint."""
+        return peers(self.node, self.nodes, self.jump, self.factor)
+
+    def clique(self) -> list[int]:
+        return clique(self.node, self.nodes, self.jump, self.factor)
+
+    @classmethod
+    def build(cls, rank: int, node_ids: list[int], jump: int, factor: int, source: str) -> "Topology":
+        """Construct from every rank's node id (any hashable labels, renumbered 0..N-1 in
+        order of first appearance), validating J/F and uniform ranks per node.
+
+        Raises:
+            ConfigError: impossible J/F, or nodes with different rank counts.
+        """
+        relabel: dict = {}
+        for n in node_ids:
+            relabel.setdefault(n, len(relabel))
+        node_of_rank = [relabel[n] for n in node_ids]
+        nodes = len(relabel)
+        counts = {n: node_of_rank.count(n) for n in range(nodes)}
+        if len(set(counts.values())) != 1:
+            raise ConfigError(
+                "topology",
+                f"nodes must have the same number of ranks; got ranks per node {counts} (from {source})",
+            )
+        check_replication(nodes, jump, factor)
+        return cls(rank=rank, world_size=len(node_ids), node=node_of_rank[rank],
+                   node_of_rank=node_of_rank, jump=jump, factor=factor, source=source)
+
+
+def _local_node_label(rank: int, node_id: int | None) -> tuple[object, str]:
+    if node_id is not None:
+        return int(node_id), "override"
+    env = os.environ
+    if "TIERCKPT_NODE_ID" in env:
+        return int(env["TIERCKPT_NODE_ID"]), "override"
+    if "TIERCKPT_RANKS_PER_NODE" in env:
+        k = int(env["TIERCKPT_RANKS_PER_NODE"])
+        if k < 1:
+            raise ConfigError("TIERCKPT_RANKS_PER_NODE", f"must be >= 1, got {k}")
+        return rank // k, "override"
+    if "GROUP_RANK" in env and "LOCAL_WORLD_SIZE" in env:
+        return int(env["GROUP_RANK"]), "torchrun"
+    if "SLURM_NODEID" in env:
+        return int(env["SLURM_NODEID"]), "slurm"
+    return socket.gethostname(), "hostname"
+
+
+@dataclass
+class Groups:
+    """The engine's own gloo process groups (never the trainer's NCCL groups).
+
+    Attributes:
+        node: this node's ranks; DCP coordinator of the local tier is its first rank.
+        local_world: all ranks; used by the local-tier worker (replication, stats) and restore.
+        persistent_world: all ranks; used by the persistent-tier worker only, so the two
+            background workers never share a group (gloo collectives on one group must not
+            interleave across threads).
+    """
+
+    node: dist.ProcessGroup
+    local_world: dist.ProcessGroup
+    persistent_world: dist.ProcessGroup
+
+
+def discover(jump: int, factor: int, *, node_id: int | None = None,
+             timeout_s: float = 600.0) -> tuple[Topology, Groups]:
+    """Detect the topology and create the engine's gloo groups (collective: call on every rank).
+
+    Args:
+        jump, factor: ``replication_jump`` J and ``replication_factor`` F.
+        node_id: explicit node id of this rank (overrides the environment).
+        timeout_s: timeout of the created gloo groups, seconds.
+
+    Raises:
+        ConfigError: impossible J/F for the detected node count, or uneven nodes.
+        RuntimeError: torch.distributed is not initialised.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("tierckpt needs torch.distributed initialised (init_process_group) first")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    local_world = dist.new_group(backend="gloo", timeout=timeout)
+    persistent_world = dist.new_group(backend="gloo", timeout=timeout)
+    label, source = _local_node_label(rank, node_id)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (label, source), group=local_world)
+    labels = [g[0] for g in gathered]
+    sources = {g[1] for g in gathered}
+    topo_error = None
+    try:
+        topo = Topology.build(rank, labels, jump, factor, source if len(sources) == 1 else "mixed")
+    except ConfigError as e:
+        topo_error = e
+        topo = None
+    # Every rank must create every node group in the same order, even when it will raise.
+    node_lists: list[list[int]] = []
+    seen: dict = {}
+    for r, lab in enumerate(labels):
+        seen.setdefault(lab, []).append(r)
+    node_lists = list(seen.values())
+    mine = None
+    for ranks in node_lists:
+        g = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        if rank in ranks:
+            mine = g
+    if topo_error is not None:
+        raise topo_error
+    assert topo is not None and mine is not None
+    return topo, Groups(node=mine, local_world=local_world, persistent_world=persistent_world)

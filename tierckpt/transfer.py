@@ -1,0 +1,256 @@
+"""Point-to-point file transfer between ranks over a gloo group, in bounded chunks.
+
+Used for neighbour replication (node n's committed local step → its clique peers) and for
+restore pulls (a peer's replica → the node that lost its disk). A file never sits whole in
+memory: each side holds two buffers of ``chunk_bytes`` and pipelines disk I/O with the
+network (read/hash/write chunk k while chunk k+1 is in flight). The receiver checks every
+file's size and xxh3-64 against the source manifest before anything is committed.
+
+Ordering: each rank runs its sends (in a helper thread) and its receives (in the calling
+thread) in increasing transfer index. A sender waiting on transfer i is waiting for a
+receiver busy with a lower index, whose sender is busy with a lower index still, so the
+wait-for chain always ends (no deadlock for any set of transfers).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from . import manifest
+from .storage import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One (sender rank → receiver rank) stream of a step directory's files.
+
+    Attributes:
+        src_rank, dst_rank: global ranks (must be members of the group used).
+        src_rel: step directory, relative to the sender's store.
+        dst_rel: step directory, relative to the receiver's store.
+        share: (index, count): the sender streams ``files[index::count]`` of the manifest.
+        tag: free-form label for logs (e.g. ``replica node-1 step-20``).
+    """
+
+    src_rank: int
+    dst_rank: int
+    src_rel: str
+    dst_rel: str
+    share: tuple[int, int] = (0, 1)
+    tag: str = ""
+
+
+@dataclass
+class Received:
+    """What a receiver got for one :class:`Transfer`."""
+
+    transfer: Transfer
+    entries: list[manifest.FileEntry] = field(default_factory=list)
+    manifest_bytes: bytes | None = None
+    problems: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and self.manifest_bytes is not None
+
+
+def _send_header(obj: dict, dst: int, group) -> None:
+    data = json.dumps(obj).encode()
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)
+    if data:
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)
+
+
+def _recv_header(src: int, group) -> dict:
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, src, group=group)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8)
+    if buf.numel():
+        dist.recv(buf, src, group=group)
+    return json.loads(buf.numpy().tobytes())
+
+
+def _gsrc(rank: int, group) -> int:
+    return dist.get_group_rank(group, rank)
+
+
+def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
+    """Stream this rank's share of ``t.src_rel`` to ``t.dst_rank``. Returns bytes sent.
+
+    A missing or unreadable source still produces a header (with ``error``) so the receiver
+    never waits forever; a file that shrank is padded with zeros, which the receiver's
+    checksum rejects.
+    """
+    dst = _gsrc(t.dst_rank, group)
+    doc = None
+    try:
+        mbytes = store.read_bytes(f"{t.src_rel}/{manifest.MANIFEST}")
+        doc = manifest.read_committed(store, t.src_rel)
+        if doc is None:
+            raise FileNotFoundError(f"{store.url_of(t.src_rel)} is not committed")
+    except (OSError, ValueError) as e:
+        _send_header({"error": f"{type(e).__name__}: {e}"}, dst, group)
+        return 0
+    idx, cnt = t.share
+    entries = manifest.entries_of(doc)[idx::cnt]
+    _send_header({"manifest": mbytes.decode(), "files": [e.__dict__ for e in entries]}, dst, group)
+    bufs = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(2)]
+    works: list = [None, None]
+    k = 0
+    sent = 0
+    for e in entries:
+        try:
+            f = store.open(f"{t.src_rel}/{e.path}", "rb")
+        except OSError:
+            f = None
+        remaining = e.size
+        while remaining:
+            n = min(chunk_bytes, remaining)
+            b = k % 2
+            if works[b] is not None:
+                works[b].wait()
+            view = memoryview(bufs[b].numpy())[:n]
+            got = 0
+            if f is not None:
+                try:
+                    got = f.readinto(view) or 0
+                except OSError:
+                    got = 0
+            if got < n:
+                view[got:n] = bytes(n - got)
+            works[b] = dist.isend(bufs[b][:n], dst, group=group)
+            remaining -= n
+            sent += n
+            k += 1
+        if f is not None:
+            f.close()
+    for w in works:
+        if w is not None:
+            w.wait()
+    return sent
+
+
+def recv_step(store: Store, t: Transfer, group, chunk_bytes: int) -> Received:
+    """Receive one :class:`Transfer` into ``t.dst_rel`` of ``store``, verifying as it goes.
+
+    Files are written, hashed and fsynced; nothing is committed here (the node leader commits
+    once every share of the step arrived intact). After a write error (ENOSPC, …) the stream
+    is still drained so the sender never blocks.
+    """
+    src = _gsrc(t.src_rank, group)
+    res = Received(t)
+    header = _recv_header(src, group)
+    if "error" in header:
+        res.problems.append(f"sender rank {t.src_rank}: {header['error']}")
+        return res
+    res.manifest_bytes = header["manifest"].encode()
+    entries = [manifest.FileEntry(**d) for d in header["files"]]
+    chunks = []  # (entry index, nbytes)
+    for i, e in enumerate(entries):
+        left = e.size
+        while left:
+            n = min(chunk_bytes, left)
+            chunks.append((i, n))
+            left -= n
+    bufs = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(2)]
+    hashers = [xxhash.xxh3_64() for _ in entries]
+    files: dict[int, object] = {}
+    failed: dict[int, str] = {}
+
+    def open_file(i):
+        try:
+            path = store.path(f"{t.dst_rel}/{entries[i].path}")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            files[i] = open(path, "wb")
+        except OSError as ex:
+            failed[i] = f"{type(ex).__name__}: {ex}"
+
+    def finish_file(i):
+        f = files.pop(i, None)
+        if f is None:
+            return
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as ex:
+            failed.setdefault(i, f"{type(ex).__name__}: {ex}")
+        finally:
+            f.close()
+
+    for i, e in enumerate(entries):  # empty files have no chunks
+        if e.size == 0:
+            open_file(i)
+            finish_file(i)
+    work = dist.irecv(bufs[0][: chunks[0][1]], src, group=group) if chunks else None
+    for k, (i, n) in enumerate(chunks):
+        work.wait()
+        nxt = None
+        if k + 1 < len(chunks):
+            nxt = dist.irecv(bufs[(k + 1) % 2][: chunks[k + 1][1]], src, group=group)
+        view = memoryview(bufs[k % 2].numpy())[:n]
+        hashers[i].update(view)
+        res.nbytes += n
+        if i not in files and i not in failed:
+            open_file(i)
+        if i in files:
+            try:
+                files[i].write(view)
+            except OSError as ex:
+                failed[i] = f"{type(ex).__name__}: {ex}"
+                files.pop(i).close()
+        last_of_file = k + 1 == len(chunks) or chunks[k + 1][0] != i
+        if last_of_file:
+            finish_file(i)
+        work = nxt
+    for i, e in enumerate(entries):
+        if i in failed:
+            res.problems.append(f"{t.dst_rel}/{e.path}: write failed: {failed[i]}")
+        elif e.size and hashers[i].hexdigest() != e.xxh3_64:
+            res.problems.append(f"{t.dst_rel}/{e.path}: checksum mismatch on receipt")
+        else:
+            res.entries.append(e)
+    return res
+
+
+def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
+                  chunk_bytes: int) -> dict[int, Received]:
+    """Execute this rank's part of ``transfers`` (every rank passes the same list).
+
+    Returns:
+        {transfer index: Received} for the transfers this rank received.
+    Raises:
+        the sender thread's exception, if sending failed (after receives finished).
+    """
+    sends = [t for t in transfers if t.src_rank == rank]
+    send_error: list[BaseException] = []
+
+    def sender():
+        for t in sends:
+            try:
+                send_step(store, t, group, chunk_bytes)
+            except BaseException as e:  # reported to the caller after receives
+                send_error.append(e)
+                log.error("tierckpt transfer %s: send failed: %s", t.tag, e)
+                return
+
+    th = threading.Thread(target=sender, name="tierckpt-send", daemon=True)
+    th.start()
+    out = {}
+    for i, t in enumerate(transfers):
+        if t.dst_rank == rank:
+            out[i] = recv_step(store, t, group, chunk_bytes)
+    th.join()
+    if send_error:
+        raise send_error[0]
+    return out
