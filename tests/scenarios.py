@@ -161,3 +161,42 @@ def phase_restore_and_check(rank, world, base, rpn, k, extra_steps, cfg_kw=None)
         "failures": [(f.node, f.source.kind, f.source.holder, f.step, f.error) for f in res.failures],
         "attempts": res.attempts,
     }
+
+
+def phase_killed_mid_write(rank, world, base, victim_rank):
+    """Save step 2 completely, then start a local save of step 4 during which ``victim_rank``
+    SIGKILLs itself with a data file half written."""
+    import signal
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    eng = TieredCheckpointer(make_config(base), node_id=rank)
+    model, opt = build(seed=0)
+    for s in (1, 2):
+        train_step(model, opt, s, rank)
+    eng.save(2, app_state(model, opt))
+    eng.wait()
+    snap = snapshot(model, opt)
+    os.makedirs(os.path.join(base, "ref"), exist_ok=True)
+    losses = []
+    for s in (3, 4):
+        losses.append(train_step(model, opt, s, rank))
+    torch.save({"snap": snap, "losses": [], "after": losses}, os.path.join(base, "ref", f"rank{rank}.pt"))
+    dist.barrier()
+    if rank == victim_rank:
+        original = FileSystemWriter.write_data
+
+        def torn_write(self, plan, planner):
+            path = os.path.join(str(self.path), f"__{dist.get_rank()}_0.distcp")
+            with open(path, "wb") as f:
+                f.write(b"\x00" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+            return original(self, plan, planner)
+
+        FileSystemWriter.write_data = torn_write
+    eng.save(4, app_state(model, opt), tiers=["local"])
+    eng.wait()
+    dist.barrier()  # the survivor waits here for the dead rank until it is killed
+    return "unreachable"

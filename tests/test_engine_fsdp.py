@@ -59,3 +59,45 @@ def test_wiped_node_and_replica_fall_back_to_persistent(saved, tmp_path):
     assert out["sources"][1] == ("persistent", None), out
     assert out["sources"][0] == ("own-local", 0), out
     assert out["persistent_bytes"] > 0
+
+
+def _data_file(base, node):
+    d = os.path.join(base, "nvme", f"node-{node}", "local", f"step-{K}")
+    files = sorted(f for f in os.listdir(d) if f.endswith(".distcp"))
+    return os.path.join(d, files[0])
+
+
+def test_flipped_byte_is_detected_and_next_source_used(saved, tmp_path):
+    base, world, rpn = _copy(saved, tmp_path)
+    path = _data_file(base, 0)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    out = _restore(base, world, rpn)  # bitwise equality is asserted inside every rank
+    assert out["sources"][0] == ("peer-replica", 1), out
+    assert any(f[:4] == (0, "own-local", 0, K) and "VerificationError" in f[4] for f in out["failures"]), out
+    assert out["persistent_bytes"] == 0
+
+
+def test_truncated_file_is_detected_and_next_source_used(saved, tmp_path):
+    base, world, rpn = _copy(saved, tmp_path)
+    path = _data_file(base, 1)
+    os.truncate(path, os.path.getsize(path) - 7)
+    out = _restore(base, world, rpn)
+    assert out["sources"][1] == ("peer-replica", 0), out
+    assert any(f[:2] == (1, "own-local") for f in out["failures"]), out
+
+
+def test_corrupt_local_and_replica_fall_back_to_persistent(saved, tmp_path):
+    base, world, rpn = _copy(saved, tmp_path)
+    os.truncate(_data_file(base, 1), 10)
+    rep = os.path.join(base, "nvme", "node-0", "replicas", "node-1", f"step-{K}")
+    victim = sorted(f for f in os.listdir(rep) if f.endswith(".distcp"))[0]
+    with open(os.path.join(rep, victim), "r+b") as f:
+        f.seek(3)
+        f.write(b"\xff\xfe")
+    out = _restore(base, world, rpn)
+    assert out["sources"][1] == ("persistent", None), out
+    assert out["persistent_bytes"] > 0
