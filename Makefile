@@ -15,7 +15,7 @@ test: venv
 	$(VPY) -m pytest tests -q
 
 demo: venv
-	$(VPY) -m tierckpt.demo
+	$(VPY) launch/local_demo.py
 
 bench: venv
 	$(VPY) bench/bench_engine.py

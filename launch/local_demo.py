@@ -52,7 +52,7 @@ DEFAULT_OUT = os.path.join(REPO, "outputs", "demo")
 CORPUS_MODULES = ("argparse", "textwrap", "difflib", "heapq", "string", "fractions", "calendar")
 
 # model / data shape (byte-level tokens)
-VOCAB, DIM, LAYERS, HEADS, SEQ, BATCH = 256, 128, 2, 4, 64, 8
+VOCAB, DIM, LAYERS, HEADS, SEQ, BATCH = 256, 128, 4, 4, 128, 8
 
 
 # =============================================================================================
@@ -281,10 +281,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_JOBS: list["Job"] = []
+
+
 class Job:
     """The rank processes of one job attempt (one rank per simulated node)."""
 
     def __init__(self, name: str, args, mode: str, restart_count: int):
+        _JOBS.append(self)
         self.name = name
         self.status_dir = os.path.join(args.out, "status", name)
         os.makedirs(self.status_dir, exist_ok=True)
@@ -351,6 +355,11 @@ def launcher(args) -> int:
 
     con = Console()
     out = args.out
+    ours = {"logs", "status", "nvme", "pfs", "report.json", "report.json.tmp"}
+    if os.path.isdir(out) and set(os.listdir(out)) - ours:
+        con.print(f"[red]refusing to clear {out}: it holds files this demo did not write "
+                  f"({sorted(set(os.listdir(out)) - ours)[:5]}); pick another --out[/]")
+        return 2
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     t_begin = time.time()
@@ -473,6 +482,9 @@ def launcher(args) -> int:
     t.add_row("recovery (kill → first step)", f"{recovery:.2f} s (restore itself {restore['seconds']:.2f} s)")
     t.add_row("losses after resume", f"{len(after_steps)} steps, bitwise equal to reference: "
               + ("[green]yes[/]" if bitwise_equal else "[red]NO[/]"))
+    show = [s for s in (rstep + 1, rstep + 2, args.steps) if s in resumed]
+    t.add_row("loss: resumed / reference", "\n".join(
+        f"step {s}: {resumed[s]!r} / {ref_losses[s]!r}" for s in show))
     t.add_row("final model+optimizer state", "bitwise equal to reference" if final_equal else "[red]differs[/]")
     con.print(t)
     st = Table(title="checkpoints (ledger)")
@@ -511,7 +523,11 @@ def main(argv=None) -> int:
         p.error("need 0 < --local-every <= --kill-step < --steps")
     if not 0 <= args.victim < args.nodes:
         p.error("--victim must be a node id")
-    return launcher(args)
+    try:
+        return launcher(args)
+    finally:  # never leave rank processes behind (Ctrl-C, errors)
+        for job in _JOBS:
+            job.kill_all()
 
 
 if __name__ == "__main__":

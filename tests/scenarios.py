@@ -200,3 +200,154 @@ def phase_killed_mid_write(rank, world, base, victim_rank):
     eng.wait()
     dist.barrier()  # the survivor waits here for the dead rank until it is killed
     return "unreachable"
+
+
+class Flat(nn.Module):
+    """One parameter of ``rows`` × ``cols``: FSDP2 shards dim 0 unevenly across ranks."""
+
+    def __init__(self, rows, cols):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(rows, cols))
+
+    def forward(self, idx):
+        return self.w[idx].pow(2).sum()
+
+
+def _flat(rows, cols, seed):
+    torch.manual_seed(seed)
+    m = Flat(rows, cols)
+    fully_shard(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(seed)
+    m(torch.randint(0, rows, (5,), generator=g)).backward()
+    opt.step()
+    opt.zero_grad()
+    return m, opt
+
+
+def phase_uneven_every_tier(rank, world, base, rows, cols, factor):
+    """Save once, then restore from own-local, from a peer replica (node 1 wiped) and from the
+    persistent tier (node 1 and every replica of it wiped), bitwise each time."""
+    eng = TieredCheckpointer(make_config(base, replication_factor=factor), node_id=rank)
+    model, opt = _flat(rows, cols, seed=1)
+    local_rows = model.w.to_local().shape[0]
+    eng.save(1, app_state(model, opt))
+    eng.wait()
+    ref = snapshot(model, opt)
+    seen = []
+    for wipe in ("none", "node", "node+replicas"):
+        dist.barrier()
+        if rank == 0 and wipe != "none":
+            shutil.rmtree(os.path.join(base, "nvme", "node-1"), ignore_errors=True)
+            if wipe == "node+replicas":
+                for n in range(world):
+                    shutil.rmtree(os.path.join(base, "nvme", f"node-{n}", "replicas", "node-1"), ignore_errors=True)
+        dist.barrier()
+        m2, o2 = _flat(rows, cols, seed=7 + len(seen))
+        sd = app_state(m2, o2)
+        res = eng.restore(sd)
+        apply_state(m2, o2, sd)
+        assert_bitwise(snapshot(m2, o2), ref)
+        seen.append(res.source_of(1))
+        assert res.source_of(0) == "own-local"
+    eng.close()
+    return {"local_rows": local_rows, "sources_node1": seen}
+
+
+def phase_bad_input(rank, world, base):
+    """Every bad option fails on every rank with a ConfigError naming the option."""
+    from tierckpt.errors import ConfigError
+
+    def expect(option, fn):
+        try:
+            fn()
+        except ConfigError as e:
+            assert e.option == option and option in str(e), (option, str(e))
+            return str(e)
+        raise AssertionError(f"no ConfigError for {option}")
+
+    msgs = {}
+    msgs["F>nodes"] = expect("replication_factor", lambda: TieredCheckpointer(make_config(base, replication_factor=3), node_id=rank))
+    msgs["J*F"] = expect("replication_jump", lambda: TieredCheckpointer(make_config(base, replication_jump=2), node_id=rank))
+    msgs["J=0"] = expect("replication_jump", lambda: TieredCheckpointer(make_config(base, replication_jump=0), node_id=rank))
+    msgs["keep"] = expect("keep_latest_k.local", lambda: TieredCheckpointer(make_config(base, keep_latest_k={"local": -1}), node_id=rank))
+    msgs["tier"] = expect("tiers", lambda: TieredCheckpointer(make_config(base, tiers=("local", "nvme")), node_id=rank))
+    blocker = os.path.join(base, "roots", "node-1")
+    if rank == 0:
+        os.makedirs(os.path.dirname(blocker), exist_ok=True)
+        open(blocker, "w").close()  # a file where node 1's directory should be: unwritable even as root
+    dist.barrier()
+    cfg = make_config(base)
+    cfg.local_root = os.path.join(base, "roots", "node-{node}", "nvme")
+    msgs["root"] = expect("local_root", lambda: TieredCheckpointer(cfg, node_id=rank))
+    eng = TieredCheckpointer(make_config(base), node_id=rank)
+    model, opt = build(seed=0)
+    msgs["save-tier"] = expect("tiers", lambda: eng.save(1, app_state(model, opt), tiers=["nvme"]))
+    eng.close()
+    return msgs
+
+
+def phase_full_local_disk(rank, world, base):
+    """Node 1's local root is a tiny tmpfs: its local save hits ENOSPC, training goes on, the
+    persistent tier still saves, and restore serves node 1 from the persistent tier."""
+    eng = TieredCheckpointer(make_config(base), node_id=rank)
+    model, opt = build(seed=0)
+    train_step(model, opt, 1, rank)
+    eng.save(1, app_state(model, opt))
+    ref = snapshot(model, opt)
+    train_step(model, opt, 2, rank)  # training goes on while the local tier fails
+    eng.wait()
+    rec = {h["tier"]: h for h in eng.history}
+    m2, o2 = build(seed=5)
+    sd = app_state(m2, o2)
+    res = eng.restore(sd)
+    apply_state(m2, o2, sd)
+    assert_bitwise(snapshot(m2, o2), ref)
+    eng.close()
+    return {"local": rec["local"], "persistent": rec["persistent"],
+            "sources": {n: res.source_of(n) for n in res.sources}}
+
+
+def phase_retention_and_staging(rank, world, base):
+    """keep_latest_k per tier, torn-dir cleanup, and staging isolation under a slow writer."""
+    import time as _time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    eng = TieredCheckpointer(make_config(base, keep_latest_k={"local": 2, "persistent": 3}), node_id=rank)
+    model, opt = build(seed=0)
+    # a torn leftover of an earlier run, older than anything we will commit
+    torn = os.path.join(base, "nvme", f"node-{rank}", "local", "step-0")
+    os.makedirs(torn, exist_ok=True)
+    open(os.path.join(torn, "__0_0.distcp"), "wb").close()
+    original = FileSystemWriter.write_data
+
+    def slow_write(self, plan, planner):
+        _time.sleep(1.0)  # the trainer changes parameters while this write is pending
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = slow_write
+    train_step(model, opt, 1, rank)
+    eng.save(1, app_state(model, opt))
+    ref = snapshot(model, opt)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-3.0)
+    eng.wait()
+    FileSystemWriter.write_data = original
+    m2, o2 = build(seed=9)
+    sd = app_state(m2, o2)
+    assert eng.restore(sd, step=1).step == 1
+    apply_state(m2, o2, sd)
+    assert_bitwise(snapshot(m2, o2), ref)  # the values at save(), not the ones written later
+    for s in range(2, 6):
+        train_step(model, opt, s, rank)
+        eng.save(s, app_state(model, opt))
+    eng.wait()
+    dist.barrier()  # rank 0 purges the shared persistent tier; look after it finished
+    root = os.path.join(base, "nvme", f"node-{rank}")
+    local = sorted(os.listdir(os.path.join(root, "local")))
+    replicas = sorted(os.listdir(os.path.join(root, "replicas", f"node-{1 - rank}")))
+    pers = sorted(d for d in os.listdir(os.path.join(base, "pfs")) if d.startswith("step-"))
+    eng.close()
+    return {"local": local, "replicas": replicas, "persistent": pers}

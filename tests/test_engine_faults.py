@@ -22,3 +22,50 @@ def test_sigkill_mid_background_write_leaves_torn_step_invisible(tmp_path):
     out = run_world(scenarios.phase_restore_and_check, 2, base, 1, 2, 0)[0].value
     assert out["step"] == 2, out
     assert all(src[0] == "own-local" for src in out["sources"].values()), out
+
+
+@pytest.mark.parametrize("world,rows,cols,factor,expect_rows", [
+    (4, 6, 5, 2, [2, 2, 2, 0]),        # a length-6 dim on 4 ranks: the last shard is empty
+    (3, 32003, 8, 3, [10668, 10668, 10667]),  # a 32003-row embedding on 3 ranks
+], ids=["6rows-4ranks", "32003rows-3ranks"])
+def test_uneven_shards_round_trip_every_tier(tmp_path, world, rows, cols, factor, expect_rows):
+    res = run_world(scenarios.phase_uneven_every_tier, world, str(tmp_path), rows, cols, factor, timeout=300)
+    assert [r.value["local_rows"] for r in res] == expect_rows
+    assert res[0].value["sources_node1"] == ["own-local", "peer-replica", "persistent"]
+
+
+def test_bad_input_names_the_option(tmp_path):
+    res = run_world(scenarios.phase_bad_input, 2, str(tmp_path))
+    for r in res:
+        msgs = r.value
+        assert "allowed" in msgs["F>nodes"] and "1..2" in msgs["F>nodes"]
+        assert "must divide" in msgs["J*F"]
+        assert "nvme" in msgs["tier"] and "local, persistent" in msgs["tier"]
+        assert "not writable" in msgs["root"] or "another rank" in msgs["root"]
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    mnt = tmp_path / "nvme" / "node-1"
+    mnt.mkdir(parents=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"a full disk is simulated with a 16 KiB tmpfs, and mounting one failed: {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_local_disk_degrades_to_persistent(tmp_path, tiny_tmpfs):
+    res = run_world(scenarios.phase_full_local_disk, 2, str(tmp_path))
+    out = res[0].value
+    assert out["local"]["ok"] is False and "No space left" in (out["local"]["error"] or ""), out["local"]
+    assert out["persistent"]["ok"] is True
+    assert out["sources"] == {0: "own-local", 1: "persistent"}
+
+
+def test_retention_and_staging_isolation(tmp_path):
+    res = run_world(scenarios.phase_retention_and_staging, 2, str(tmp_path))
+    for r in res:
+        assert r.value["local"] == ["step-4", "step-5"], r.value   # torn step-0 cleaned too
+        assert r.value["replicas"] == ["step-4", "step-5"], r.value
+        assert r.value["persistent"] == ["step-3", "step-4", "step-5"], r.value

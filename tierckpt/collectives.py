@@ -8,6 +8,10 @@ exchanged with :func:`agree`, and all ranks raise (or continue) together.
 from __future__ import annotations
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+# DCP raises CheckpointException, a BaseException subclass: catch it wherever Exception is.
+FAILURES = (Exception, CheckpointException)
 
 
 class PeerFailure(RuntimeError):
@@ -41,7 +45,7 @@ def run_agreed(fn, group, what: str):
     result = None
     try:
         result = fn()
-    except Exception as e:  # exchanged with peers by agree(), then raised on every rank
+    except FAILURES as e:  # exchanged with peers by agree(), then raised on every rank
         err = e
     agree(err, group, what)
     return result

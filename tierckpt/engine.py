@@ -27,7 +27,7 @@ from typing import Iterable
 import torch.distributed as dist
 
 from . import retention
-from .collectives import all_gather
+from .collectives import FAILURES, all_gather
 from .config import TierConfig, validate_tiers
 from .errors import ConfigError
 from .ledger import Ledger
@@ -182,7 +182,7 @@ class TieredCheckpointer:
         try:
             try:
                 nbytes = self.local.save(staged, step)
-            except Exception as e:  # degrade: the persistent tier and training go on
+            except FAILURES as e:  # degrade: the persistent tier and training go on
                 ok, error = False, f"{type(e).__name__}: {e}"
                 log.warning("tierckpt: local tier save of step %d failed on node %d; training continues, "
                             "the persistent tier still saves: %s", step, self.topo.node, error)
@@ -192,7 +192,7 @@ class TieredCheckpointer:
         try:
             rep = replicate(self.local.store, self.topo, self.groups.local_world, self.groups.node,
                             step, ok, self.cfg.transfer_chunk_bytes)
-        except Exception as e:
+        except FAILURES as e:
             log.warning("tierckpt: replication of step %d failed on node %d: %s", step, self.topo.node, e)
         self.in_use.drop(key)
         bg = time.perf_counter() - t0
@@ -215,7 +215,7 @@ class TieredCheckpointer:
         ok, error, nbytes = True, None, 0
         try:
             nbytes = self.persistent.save(staged, step, self.groups.persistent_world)
-        except Exception as e:
+        except FAILURES as e:
             ok, error = False, f"{type(e).__name__}: {e}"
             log.error("tierckpt: persistent save of step %d failed: %s", step, error)
         finally:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import layout, manifest
-from .collectives import all_gather, run_agreed
+from .collectives import FAILURES, all_gather, run_agreed
 from .errors import NoCheckpointError, VerificationError
 from .local_tier import LocalTier, load_dir, verify_split
 from .persistent import PersistentTier
@@ -270,7 +270,7 @@ class Restorer:
                 read = load_dir(state_dict, store.path(rel), group)
             out.bytes = read + nbytes
             out.ok = True
-        except Exception as e:  # any verification or load failure → next source, agreed by all
+        except FAILURES as e:  # any verification or load failure → next source, agreed by all
             out.error = f"{type(e).__name__}: {e}"
         finally:
             self.in_use.drop(key)
