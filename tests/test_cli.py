@@ -207,8 +207,8 @@ def ledger_root(tmp_path: Path) -> Store:
     # run a dies here: no run_end
     b = Ledger(store, enabled=True, run_id="run-bbbbbbbbbbbbbbbb", job="j1")
     b.append("run_start", world_size=8, nodes=2, ranks_per_node=4, restart_count=1, host="h0")
-    b.append("restore", step=10, sources={"0": {"tier": "local", "holder": 0},
-                                          "1": {"tier": "replica", "holder": 0}},
+    b.append("restore", step=10, sources={"0": {"source": "own-local", "holder": 0},
+                                          "1": {"source": "peer-replica", "holder": 0}},
              bytes=6 << 30, seconds=4.2, attempts=1, persistent_bytes=0)
     b.append("checkpoint", tier="local", step=20, blocking_s=1.5, background_s=3.0, bytes=2 << 30, ok=True)
     b.append("run_end", clean=True, exposure_s=123.0, reason="finished")
@@ -222,7 +222,7 @@ def test_ledger_summary_tables(ledger_root, capsys):
     out = capsys.readouterr().out
     assert "runs: 2, failures (no clean end): 1" in out
     assert "no clean end" in out and "clean" in out
-    assert "node 0: local" in out and "node 1: replica@0" in out
+    assert "node 0: own-local@0" in out and "node 1: peer-replica@0" in out
     assert "2.0 GiB" in out  # last local checkpoint
     assert "1.000" in out  # mean local blocking s: (0.5 + 1.5) / 2
 

@@ -97,7 +97,7 @@ def _fmt_sources(sources) -> str:
 
     def one(node, v) -> str:
         if isinstance(v, dict):
-            tier = v.get("tier", "?")
+            tier = v.get("source", v.get("tier", "?"))
             holder = v.get("holder")
             txt = f"{tier}@{holder}" if holder is not None and tier != "persistent" else str(tier)
         else:

@@ -55,8 +55,9 @@ class TierConfig:
         replication_factor: F; copies of each node's local checkpoint, own included (1 = none).
         keep_latest_k: committed steps kept per tier (0 = keep all). Defaults: local 2,
             persistent 3.
-        job_id: substituted for ``{job}``; default from SLURM_JOB_ID, TORCHELASTIC_RUN_ID or
-            ``"job"``.
+        job_id: substituted for ``{job}``; default SLURM_JOB_ID (stable across requeues), else
+            ``"job"``. torchrun's TORCHELASTIC_RUN_ID is not used: ``--standalone`` makes it
+            random per launch, which would hide the previous launch's local checkpoints.
         transfer_chunk_bytes: largest piece of a file held in memory while replicating (bytes).
         staging_buffers: host copies of the state kept for overlapping saves (>=1).
         collective_timeout_s: timeout of the engine's own gloo groups (seconds).
@@ -122,13 +123,8 @@ class TierConfig:
         return self
 
     def resolved_job_id(self) -> str:
-        """The ``{job}`` value: ``job_id``, else SLURM_JOB_ID, TORCHELASTIC_RUN_ID, else ``"job"``."""
-        return (
-            self.job_id
-            or os.environ.get("SLURM_JOB_ID")
-            or os.environ.get("TORCHELASTIC_RUN_ID")
-            or "job"
-        )
+        """The ``{job}`` value: ``job_id``, else SLURM_JOB_ID, else ``"job"``."""
+        return self.job_id or os.environ.get("SLURM_JOB_ID") or "job"
 
     def local_root_for(self, node: int, hostname: str | None = None) -> str:
         """Expand ``local_root`` for ``node`` (see the class docstring for the fields)."""

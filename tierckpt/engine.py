@@ -145,13 +145,20 @@ class TieredCheckpointer:
         delta = time.perf_counter() - t0
         for t in tiers:
             job = self._local_job if t == "local" else self._persistent_job
-            self._pending[t] = self._workers[t].submit(job, staged, step, delta, t_wait, slot)
+            self._pending[t] = self._workers[t].submit(self._guard, job, t, staged, step, delta, t_wait, slot)
         return delta
+
+    def _guard(self, job, tier, *args) -> None:
+        """Run a tier job; nothing a background job hits may reach (and kill) the trainer."""
+        try:
+            job(*args)
+        except BaseException as e:
+            log.error("tierckpt: %s tier job failed unexpectedly: %s", tier, e, exc_info=True)
 
     def _wait_tier(self, tier: str) -> None:
         fut = self._pending.get(tier)
         if fut is not None:
-            fut.result()  # jobs never raise; failures were logged and recorded
+            fut.result()  # _guard never raises; failures were logged and recorded
 
     def wait(self, tiers: Iterable[str] | None = None) -> None:
         """Block until the background work of ``tiers`` (default: all) is finished."""

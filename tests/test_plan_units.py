@@ -1,0 +1,95 @@
+"""Pure-logic tests: topology detection, cliques, restore planning, retention rules."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tierckpt import layout, manifest
+from tierckpt.errors import ConfigError
+from tierckpt.restore import Inventory, Source, plan_restore
+from tierckpt.retention import InUse, purge_dir
+from tierckpt.storage import Store
+from tierckpt.topology import Topology, _local_node_label, check_replication, clique, peers
+
+
+def test_cliques_follow_jump_and_factor():
+    # 8 nodes, J=2, F=2: blocks of 4 → cliques {0,2}, {1,3}, {4,6}, {5,7}
+    assert clique(0, 8, 2, 2) == [0, 2] and clique(3, 8, 2, 2) == [1, 3] and clique(6, 8, 2, 2) == [4, 6]
+    assert peers(5, 8, 2, 2) == [7]
+    # 6 nodes, J=1, F=3: {0,1,2}, {3,4,5}
+    assert peers(4, 6, 1, 3) == [3, 5]
+    # F=1: no replicas
+    assert peers(2, 4, 1, 1) == []
+
+
+@pytest.mark.parametrize("nodes,j,f,option", [(2, 1, 3, "replication_factor"), (4, 3, 1, "replication_jump"),
+                                               (6, 2, 2, "replication_jump"), (2, 0, 2, "replication_jump")])
+def test_impossible_replication_rejected(nodes, j, f, option):
+    with pytest.raises(ConfigError) as e:
+        check_replication(nodes, j, f)
+    assert e.value.option == option
+
+
+def test_node_ids_from_environment(monkeypatch):
+    for k in ("TIERCKPT_NODE_ID", "TIERCKPT_RANKS_PER_NODE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "SLURM_NODEID"):
+        monkeypatch.delenv(k, raising=False)
+    assert _local_node_label(5, None)[1] == "hostname"
+    monkeypatch.setenv("SLURM_NODEID", "3")
+    assert _local_node_label(5, None) == (3, "slurm")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _local_node_label(5, None) == (1, "torchrun")
+    monkeypatch.setenv("TIERCKPT_RANKS_PER_NODE", "2")
+    assert _local_node_label(5, None) == (2, "override")
+    assert _local_node_label(5, 7) == (7, "override")
+
+
+def test_topology_from_hostnames_and_uneven_nodes():
+    t = Topology.build(3, ["b", "b", "a", "a"], 1, 2, "hostname")
+    assert t.node_of_rank == [0, 0, 1, 1] and t.node == 1 and t.local_rank == 1 and t.peers() == [0]
+    with pytest.raises(ConfigError, match="same number of ranks"):
+        Topology.build(0, ["a", "a", "b"], 1, 1, "hostname")
+
+
+def test_plan_prefers_own_then_replica_then_persistent_and_newest_common_step():
+    inv = Inventory(local={0: {10, 20}, 1: {10}}, replicas={1: {0: {10, 20}}, 0: {1: {10}}}, persistent={10})
+    step, src = plan_restore(inv, 2, set())
+    assert step == 20 and src == {0: Source("own-local", 0), 1: Source("peer-replica", 0)}
+    bad = {(1, "peer-replica", 0, 20)}
+    step, src = plan_restore(inv, 2, bad)
+    assert step == 10 and src[1] == Source("own-local", 1)
+    bad |= {(1, "own-local", 1, 10), (1, "peer-replica", 0, 10)}
+    assert plan_restore(inv, 2, bad)[1][1] == Source("persistent", None)
+    bad |= {(1, "persistent", None, 10)}
+    assert plan_restore(inv, 2, bad) is None
+    assert plan_restore(inv, 2, set(), step=15) is None
+
+
+def _commit_step(store, rel, step):
+    store.makedirs(rel)
+    with store.open(f"{rel}/__0_0.distcp", "wb") as f:
+        f.write(os.urandom(64))
+    manifest.commit(store, rel, [manifest.FileEntry("__0_0.distcp", *_h(store, f"{rel}/__0_0.distcp"))], tier="local", step=step)
+
+
+def _h(store, rel):
+    e = manifest.hash_file(store, rel)
+    return e.size, e.xxh3_64
+
+
+def test_retention_keeps_k_skips_in_use_and_torn_newer_steps(tmp_path):
+    store = Store(str(tmp_path))
+    for s in (1, 2, 3, 4):
+        _commit_step(store, layout.local_step(s), s)
+    store.makedirs("local/step-0")   # torn, older than newest committed → deleted
+    store.makedirs("local/step-9")   # torn but newer (being written) → kept
+    in_use = InUse()
+    in_use.hold("local:local/step-1")  # being read by a restore → kept
+    deleted = purge_dir(store, "local", 2, in_use, "local:")
+    assert sorted(deleted) == [0, 2]
+    assert store.listdir("local") == ["step-1", "step-3", "step-4", "step-9"]
+    in_use.drop("local:local/step-1")
+    assert purge_dir(store, "local", 2, in_use, "local:") == [1]
+    assert purge_dir(store, "local", 0, in_use, "local:") == []  # 0 keeps everything
