@@ -136,6 +136,7 @@ class TierConfig:
         )
 
     def replace(self, **kw) -> "TierConfig":
+        """A copy with fields replaced (not validated until :meth:`validate`)."""
         return dataclasses.replace(self, **kw)
 
 

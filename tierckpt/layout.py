@@ -52,6 +52,7 @@ def local_step(step: int) -> str:
 
 
 def replica_dir(node: int) -> str:
+    """Relative path, in a holder's local root, of all replicas of node ``node``."""
     return f"replicas/node-{int(node)}"
 
 

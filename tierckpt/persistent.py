@@ -35,11 +35,11 @@ class _Counting:
 
 
 class CountingFsspecReader(_Counting, FsspecReader):
-    pass
+    """DCP FsspecReader (object stores, ``s3://`` …) that counts ``bytes_read``."""
 
 
 class CountingFileSystemReader(_Counting, FileSystemReader):
-    pass
+    """DCP FileSystemReader (POSIX paths) that counts ``bytes_read``."""
 
 
 class PersistentIO:
@@ -51,10 +51,12 @@ class PersistentIO:
     """
 
     def save(self, state_dict: dict, url: str, process_group) -> None:
+        """Collective DCP save of ``state_dict`` to the directory or URL ``url``."""
         writer = FileSystemWriter(url, sync_files=True) if "://" not in url else FsspecWriter(url, sync_files=True)
         dcp.save(state_dict, storage_writer=writer, process_group=process_group)
 
     def load(self, state_dict: dict, url: str, process_group) -> int:
+        """Collective in-place DCP load from ``url``; returns bytes this rank read."""
         reader = CountingFileSystemReader(url) if "://" not in url else CountingFsspecReader(url)
         dcp.load(state_dict, storage_reader=reader, planner=VerifyingLoadPlanner(), process_group=process_group)
         return reader.bytes_read

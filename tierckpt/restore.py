@@ -61,6 +61,7 @@ class Inventory:
     persistent: set[int] = field(default_factory=set)
 
     def all_steps(self) -> set[int]:
+        """Every step committed anywhere (any tier, any node)."""
         out = set(self.persistent)
         for s in self.local.values():
             out |= s
@@ -140,6 +141,7 @@ class RestoreResult:
     persistent_bytes_read: int
 
     def source_of(self, node: int) -> str:
+        """Source kind node ``node`` was restored from (own-local | peer-replica | persistent)."""
         return self.sources[node].source.kind
 
 

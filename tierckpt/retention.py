@@ -26,10 +26,12 @@ class InUse:
         self._held: dict[str, int] = {}
 
     def hold(self, key: str) -> None:
+        """Protect ``key`` (reference counted) until the matching :meth:`drop`."""
         with self._lock:
             self._held[key] = self._held.get(key, 0) + 1
 
     def drop(self, key: str) -> None:
+        """Release one :meth:`hold` of ``key``."""
         with self._lock:
             c = self._held.get(key, 0) - 1
             if c <= 0:

@@ -86,6 +86,7 @@ class StagingSlot:
                 self.pool._cv.notify_all()
 
     def close(self) -> None:
+        """Free the host buffers."""
         self.stager.close()
 
 
@@ -110,5 +111,6 @@ class StagingPool:
             return self._free.pop(0)
 
     def close(self) -> None:
+        """Free every slot's host buffers."""
         for s in self._slots:
             s.close()

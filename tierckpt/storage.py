@@ -55,13 +55,16 @@ class Store:
         return self.fs.unstrip_protocol(self.path(rel))
 
     def sub(self, rel: str) -> "Store":
+        """A Store rooted at ``rel``."""
         return Store(self.url_of(rel)) if not self.local else Store(self.path(rel))
 
     # -- queries -----------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
+        """Whether ``rel`` exists."""
         return os.path.exists(self.path(rel)) if self.local else self.fs.exists(self.path(rel))
 
     def isdir(self, rel: str) -> bool:
+        """Whether ``rel`` is a directory."""
         return os.path.isdir(self.path(rel)) if self.local else self.fs.isdir(self.path(rel))
 
     def listdir(self, rel: str = "") -> list[str]:
@@ -80,6 +83,7 @@ class Store:
         return sorted(posixpath.basename(p.rstrip("/")) for p in paths if p.rstrip("/") != target)
 
     def size(self, rel: str) -> int:
+        """Size of file ``rel`` in bytes."""
         return os.path.getsize(self.path(rel)) if self.local else int(self.fs.size(self.path(rel)))
 
     def walk_files(self, rel: str = "") -> Iterator[str]:
@@ -95,6 +99,7 @@ class Store:
 
     # -- I/O ---------------------------------------------------------------------------------
     def open(self, rel: str, mode: str = "rb") -> IO:
+        """Open ``rel`` (parent directories are created for writes on local paths)."""
         if self.local:
             if any(c in mode for c in "wa"):
                 os.makedirs(os.path.dirname(self.path(rel)), exist_ok=True)
@@ -102,10 +107,12 @@ class Store:
         return self.fs.open(self.path(rel), mode)
 
     def read_bytes(self, rel: str) -> bytes:
+        """Whole content of ``rel``."""
         with self.open(rel, "rb") as f:
             return f.read()
 
     def makedirs(self, rel: str = "") -> None:
+        """Create directory ``rel`` and its parents; existing is fine."""
         if self.local:
             os.makedirs(self.path(rel), exist_ok=True)
         else:
@@ -154,6 +161,7 @@ class Store:
                 pass
 
     def rename(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst`` (atomic on POSIX; directory fsynced)."""
         if self.local:
             os.replace(self.path(src), self.path(dst))
             fsync_dir(os.path.dirname(self.path(dst)))

@@ -93,6 +93,7 @@ class Topology:
 
     @property
     def nodes(self) -> int:
+        """Number of nodes."""
         return max(self.node_of_rank) + 1
 
     def ranks_of(self, node: int) -> list[int]:
@@ -101,6 +102,7 @@ class Topology:
 
     @property
     def local_ranks(self) -> list[int]:
+        """Global ranks of this rank's node."""
         return self.ranks_of(self.node)
 
     @property
@@ -110,6 +112,7 @@ class Topology:
 
     @property
     def ranks_per_node(self) -> int:
+        """Ranks on each node (validated uniform)."""
         return len(self.local_ranks)
 
     @property
@@ -126,6 +129,7 @@ class Topology:
         return peers(self.node, self.nodes, self.jump, self.factor)
 
     def clique(self) -> list[int]:
+        """This node's replication clique, itself included."""
         return clique(self.node, self.nodes, self.jump, self.factor)
 
     @classmethod

@@ -62,6 +62,7 @@ class Received:
 
     @property
     def ok(self) -> bool:
+        """Every file of the share arrived with matching size and checksum."""
         return not self.problems and self.manifest_bytes is not None
 
 
