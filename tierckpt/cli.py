@@ -592,6 +592,14 @@ def register_command(fn: Registrar) -> Registrar:
     return fn
 
 
+# Subcommands defined in other modules (imported here, after the helpers they use lazily).
+from .schedule import register_cli as _register_interval  # noqa: E402
+from .simulate import register_cli as _register_simulate  # noqa: E402
+
+register_command(_register_interval)  # tierckpt interval
+register_command(_register_simulate)  # tierckpt simulate
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every registered subcommand."""
     parser = argparse.ArgumentParser(

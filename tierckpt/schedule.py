@@ -1,0 +1,736 @@
+"""Per-tier checkpoint intervals from measured stall time and observed MTBF.
+
+Formulas (all times in seconds)
+-------------------------------
+- δ: blocking time of one checkpoint (training stalls for δ), M: mean time between failures,
+  R: restart time (relaunch + restore until training resumes).
+- **Young** (J. W. Young, "A first order approximation to the optimum checkpoint interval",
+  CACM 17(9):530–531, 1974): the checkpoint *period* (start to start) minimising the
+  first-order waste is ``sqrt(2δM)`` (:func:`young_interval`).
+- **Daly** (J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart
+  dumps", Future Generation Computer Systems 22(3):303–312, 2006): with τ the *compute* time
+  between checkpoints (the period is τ + δ), the first-order optimum including the restart
+  time is ``τ = sqrt(2δ(M+R)) − δ`` for δ < 2M, and ``τ = M`` for δ >= 2M
+  (:func:`daly_interval`). With R = 0 its period τ + δ is Young's ``sqrt(2δM)``: the two agree;
+  they name different intervals. Daly's higher-order estimate is :func:`daly_higher_order_interval`.
+- **Waste** (first order, :func:`waste_fraction`): for a period P = τ + δ, the fraction of
+  wall time not spent on useful work is ``δ/P + P/(2M) + R/M`` (checkpoint stalls, half a
+  period recomputed per failure, one restart per failure). At P = sqrt(2δM) and R = 0 it is
+  ``sqrt(2δ/M)``. Daly's complete model for Poisson failures (failures may also hit
+  checkpoints and restarts) is :func:`daly_waste_fraction`.
+- **Lost work per failure** (:func:`expected_lost_work`): a failure falls uniformly in a period
+  of τ compute + δ checkpoint, and loses everything since the last completed checkpoint:
+  ``(τ + δ)/2`` on average, plus R to restart.
+
+The scheduler
+-------------
+:class:`Scheduler` applies Daly's formula per tier (DESIGN.md "Interval scheduling"):
+
+- δ_i: exponential moving average (EMA) of tier i's measured blocking time;
+  C_i: EMA of its background completion time; the step time: EMA of the trainer's step time
+  (excluding checkpoint stalls). EMA: ``e_1 = x_1``, ``e_n = e_{n-1} + a·(x_n − e_{n-1})``.
+- M: :mod:`tierckpt.mtbf` Gamma–Poisson estimate (prior, then ledger evidence).
+- R: prior until observed, then the mean of observed restart times.
+- The local tier uses M. The persistent tier uses M/p: only the share p of failures that the
+  local and replica tiers cannot serve (several nodes lost, a requeue on other nodes) needs
+  it. p has a Beta(a0, b0) prior with mean ``persistent_share`` and strength
+  ``persistent_share_weight`` pseudo-restores (a0 = share·weight, b0 = (1−share)·weight), updated
+  with restores after a failure: ``p = (a0 + k)/(a0 + b0 + n)`` where k of n such restores read
+  the persistent tier (posterior mean of the Beta–Binomial model). With no local tier, p = 1.
+- τ_i is clamped: user ``min_s``/``max_s``, then never below C_i (saves would queue behind the
+  previous background write), then turned into steps (``ceil(τ/step_time)``, >= 1), then user
+  ``min_steps``/``max_steps``, then again never below C_i.
+- ``fixed_steps={"local": 10}`` makes a tier save every 10 steps (the classic behaviour).
+
+Every decision is a pure function of the observations, so equal inputs give equal decisions;
+still, only global rank 0 decides (it alone reads the ledger) and the engine broadcasts its
+:meth:`Scheduler.due` result so that all ranks enter the collective save together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+from .config import TIERS, validate_tiers
+from .errors import ConfigError
+from .mtbf import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT, MTBFEstimator
+
+DEFAULT_DELTA_PRIOR_S = {"local": 5.0, "persistent": 60.0}
+"""Blocking time assumed for a tier before its first checkpoint is measured, seconds."""
+DEFAULT_RESTART_PRIOR_S = 300.0
+"""R assumed until a restart is observed, seconds (relaunch + restore)."""
+DEFAULT_PERSISTENT_SHARE = 0.1
+"""Prior share p of failures that only the persistent tier can serve."""
+DEFAULT_PERSISTENT_SHARE_WEIGHT = 10.0
+"""Strength of that prior, in pseudo-restores (Beta(1, 9) with the defaults)."""
+DEFAULT_EMA_ALPHA = 0.3
+"""Weight of the newest sample in the moving averages of δ, C and the step time."""
+
+DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+"""Units :func:`parse_duration` accepts (seconds, minutes, hours, days)."""
+_DURATION_RE = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+# --------------------------------------------------------------------------------------------
+# durations
+# --------------------------------------------------------------------------------------------
+def parse_duration(text, option: str = "duration") -> float:
+    """Seconds from ``"3.09h"``, ``"45m"``, ``"600s"``, ``"2d"`` or a plain number (seconds).
+
+    Raises:
+        ConfigError: naming ``option`` and the allowed units, for an unknown unit or a
+            malformed number. The sign is not checked here.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text)
+    allowed = ", ".join(DURATION_UNITS) + " (e.g. 600s, 45m, 3.09h, 2d; a plain number is seconds)"
+    m = _DURATION_RE.match(str(text))
+    if not m:
+        raise ConfigError(option, f"{text!r} is not a duration; units: {allowed}")
+    unit = m.group(2).lower()
+    if unit and unit not in DURATION_UNITS:
+        raise ConfigError(option, f"unknown unit {m.group(2)!r} in {text!r}; allowed units: {allowed}")
+    value = float(m.group(1)) * DURATION_UNITS.get(unit, 1.0)
+    if not math.isfinite(value):
+        raise ConfigError(option, f"{text!r} is not a finite duration")
+    return value
+
+
+def format_duration(seconds: float | None) -> str:
+    """Human form of a duration: ``"42.0 s"``, ``"50.9 min"``, ``"3.09 h"``, ``"2.5 d"``."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    s = float(seconds)
+    if abs(s) < 120:
+        return f"{s:.1f} s"
+    if abs(s) < 2 * 3600:
+        return f"{s / 60:.1f} min"
+    if abs(s) < 2 * 86400:
+        return f"{s / 3600:.2f} h"
+    return f"{s / 86400:.1f} d"
+
+
+# --------------------------------------------------------------------------------------------
+# formulas
+# --------------------------------------------------------------------------------------------
+def _check(value, option: str, *, positive: bool = False) -> float:
+    what = "a number of seconds > 0" if positive else "a number of seconds >= 0"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(option, f"must be {what}, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ConfigError(option, f"must be {what}, got {value!r}")
+    return float(value)
+
+
+def young_interval(delta: float, M: float) -> float:
+    """Young's optimum checkpoint period ``sqrt(2δM)``, seconds (Young 1974).
+
+    Args:
+        delta: blocking time per checkpoint δ, seconds (>= 0).
+        M: mean time between failures, seconds (> 0).
+
+    Raises:
+        ConfigError: naming ``delta`` or ``mtbf``.
+    """
+    d = _check(delta, "delta")
+    m = _check(M, "mtbf", positive=True)
+    return math.sqrt(2.0 * d * m)
+
+
+def daly_interval(delta: float, M: float, R: float = 0.0) -> float:
+    """Daly's first-order optimum compute time between checkpoints, seconds (Daly 2006).
+
+    ``τ = sqrt(2δ(M+R)) − δ`` for δ < 2M; ``τ = M`` for δ >= 2M (Daly's rule for checkpoints
+    as long as the MTBF). The checkpoint period is τ + δ.
+
+    Args:
+        delta: blocking time δ, seconds (>= 0; 0 gives 0: save at every opportunity).
+        M: MTBF, seconds (> 0).
+        R: restart time, seconds (>= 0).
+
+    Raises:
+        ConfigError: naming ``delta``, ``mtbf`` or ``restart``.
+    """
+    d = _check(delta, "delta")
+    m = _check(M, "mtbf", positive=True)
+    r = _check(R, "restart")
+    if d >= 2.0 * m:
+        return m
+    return math.sqrt(2.0 * d * (m + r)) - d
+
+
+def daly_higher_order_interval(delta: float, M: float) -> float:
+    """Daly's higher-order optimum compute interval, seconds (Daly 2006, perturbation solution).
+
+    ``τ = sqrt(2δM)·[1 + (1/3)·sqrt(δ/(2M)) + (1/9)·(δ/(2M))] − δ`` for δ < 2M, else M.
+    Daly's Fig. 3–5 examples (δ = 5 min, R = 10 min): M = 24 h → 117 min, M = 6 h → 57 min,
+    M = 15 min → 9.1 min.
+    """
+    d = _check(delta, "delta")
+    m = _check(M, "mtbf", positive=True)
+    if d >= 2.0 * m:
+        return m
+    x = d / (2.0 * m)
+    return math.sqrt(2.0 * d * m) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - d
+
+
+def waste_fraction(tau: float, delta: float, M: float, R: float = 0.0) -> float:
+    """First-order wasted fraction of wall time for a checkpoint period ``tau``.
+
+    ``f = δ/τ + τ/(2M) + R/M`` (the cost function of DESIGN.md plus one restart per failure).
+    ``tau`` is the period, start to start (compute + δ); Young's period minimises it, giving
+    ``sqrt(2δ/M) + R/M``. Valid while τ, δ, R ≪ M; see :func:`daly_waste_fraction` otherwise.
+
+    Args:
+        tau: checkpoint period, seconds (> 0).
+        delta: blocking time, seconds (>= 0).
+        M: MTBF, seconds (> 0).
+        R: restart time, seconds (>= 0).
+
+    Returns:
+        dimensionless fraction (0.1 = 10 % of wall time wasted).
+    """
+    t = _check(tau, "tau", positive=True)
+    d = _check(delta, "delta")
+    m = _check(M, "mtbf", positive=True)
+    r = _check(R, "restart")
+    return d / t + t / (2.0 * m) + r / m
+
+
+def daly_waste_fraction(tau: float, delta: float, M: float, R: float = 0.0) -> float:
+    """Wasted fraction under Daly's complete model with Poisson failures (Daly 2006).
+
+    With compute time ``tau`` between checkpoints, a segment of τ + δ restarts from its
+    beginning on every failure, each failure costs a restart R that failures may also
+    interrupt. The expected wall time per segment is ``M·e^(R/M)·(e^((τ+δ)/M) − 1)``, so the
+    wasted fraction is ``1 − τ / (M·e^(R/M)·(e^((τ+δ)/M) − 1))``. :mod:`tierckpt.simulate`
+    simulates exactly this model.
+
+    Args:
+        tau: compute time between checkpoints, seconds (> 0).
+        delta, M, R: as in :func:`daly_interval`.
+    """
+    t = _check(tau, "tau", positive=True)
+    d = _check(delta, "delta")
+    m = _check(M, "mtbf", positive=True)
+    r = _check(R, "restart")
+    expected = m * math.exp(r / m) * math.expm1((t + d) / m)
+    return 1.0 - t / expected
+
+
+def expected_lost_work(tau: float, delta: float, R: float = 0.0) -> float:
+    """Expected seconds lost per failure: ``(τ + δ)/2 + R``.
+
+    Model: failures are Poisson, so one falls uniformly within the period of τ seconds of
+    compute plus δ of checkpointing, and everything since the last completed checkpoint is
+    recomputed (a failure during a checkpoint loses that checkpoint too): (τ + δ)/2 on
+    average, valid while τ + δ ≪ M. R (restart + restore) is added; R = 0 gives the
+    recomputation alone.
+
+    Args:
+        tau: compute time between checkpoints, seconds (>= 0).
+        delta: blocking time, seconds (>= 0).
+        R: restart time, seconds (>= 0).
+    """
+    return (_check(tau, "tau") + _check(delta, "delta")) / 2.0 + _check(R, "restart")
+
+
+# --------------------------------------------------------------------------------------------
+# scheduler
+# --------------------------------------------------------------------------------------------
+class Ema:
+    """Exponential moving average: ``e_1 = x_1``, ``e_n = e_{n-1} + alpha·(x_n − e_{n-1})``.
+
+    Attributes:
+        value: current average (None before the first sample).
+        n: samples seen.
+    """
+
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+        self.value: float | None = None
+        self.n = 0
+
+    def add(self, x: float) -> float:
+        """Add one sample; return the new average."""
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+        self.n += 1
+        return self.value
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One tier's interval and the inputs it came from (logged to the ledger as ``schedule``).
+
+    Attributes:
+        tier: ``"local"`` or ``"persistent"``.
+        delta: δ used, seconds (EMA of measured blocking time, or the prior).
+        M: job MTBF estimate, seconds.
+        R: restart time used, seconds.
+        p: share of failures only the persistent tier can serve (used by the persistent tier).
+        tau_s: the interval after all clamps, seconds of training between saves.
+        tau_steps: the interval in steps (None while no step time is known, outside fixed mode).
+        reason: the rule that set the value: ``"daly"``, ``"daly (delta >= 2M: tau = M)"``,
+            ``"clamped to min_s"``, ``"clamped to max_s"``, ``"clamped to background time"``,
+            ``"clamped to min_steps"``, ``"clamped to max_steps"``, ``"fixed_steps"``, or
+            ``"no step time yet"``.
+        M_eff: MTBF the formula used (M for local, M/p for persistent), seconds.
+        C: background completion time (EMA), seconds, or None if never measured.
+        step_s: step time (EMA), seconds, or None.
+        tau_model_s: Daly's τ before any clamp, seconds.
+        sources: where each input came from: ``{"delta": "observed" | "ledger" | "prior",
+            "M": "prior" | "ledger" | "evidence" | "set", "R": ..., "p": ...}``.
+    """
+
+    tier: str
+    delta: float
+    M: float
+    R: float
+    p: float
+    tau_s: float | None
+    tau_steps: int | None
+    reason: str
+    M_eff: float
+    C: float | None = None
+    step_s: float | None = None
+    tau_model_s: float | None = None
+    sources: dict = field(default_factory=dict)
+
+    def as_record(self) -> dict:
+        """Fields for a ledger ``schedule`` record (JSON-ready)."""
+        return asdict(self)
+
+
+def _per_tier(value, option: str, tiers: tuple[str, ...], *, integer: bool) -> dict[str, float | int]:
+    """Normalise a scalar or ``{tier: value}`` bound to ``{tier: value}`` (absent = no bound)."""
+    if value is None:
+        return {}
+    items = value.items() if isinstance(value, dict) else [(t, value) for t in tiers]
+    out = {}
+    for tier, v in items:
+        if tier not in TIERS:
+            raise ConfigError(option, f"unknown tier {tier!r}; allowed: {', '.join(TIERS)}")
+        if v is None:
+            continue
+        if integer:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{option}.{tier}" if isinstance(value, dict) else option,
+                                  f"must be an integer number of steps >= 1, got {v!r}")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ConfigError(f"{option}.{tier}" if isinstance(value, dict) else option,
+                              f"must be a number of seconds >= 0, got {v!r}")
+        out[tier] = v
+    return out
+
+
+def _fraction(value, option: str, *, allow_zero: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value > 1 or value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(option, f"must be a number in {'[0, 1]' if allow_zero else '(0, 1]'}, got {value!r}")
+    return float(value)
+
+
+def _is_persistent_source(v) -> bool:
+    if isinstance(v, dict):
+        v = v.get("source", v.get("tier"))
+    return v == "persistent"
+
+
+class Scheduler:
+    """Chooses when each tier saves (see the module docstring for the formulas).
+
+    Args:
+        tiers: tiers to schedule, subset of :data:`tierckpt.config.TIERS`.
+        gpus: GPUs (ranks on CPU) of the job, for the MTBF prior.
+        gpu_mtbf_s: prior per-GPU MTBF, seconds (default from Llama 3).
+        mtbf_weight: prior weight, pseudo-failures.
+        restart_prior_s: R until a restart is observed, seconds.
+        delta_prior_s: δ per tier until measured, seconds (float for all tiers, or a dict).
+        persistent_share: prior mean of p, in (0, 1].
+        persistent_share_weight: prior strength of p, pseudo-restores (> 0).
+        ema_alpha: weight of the newest sample in the EMAs, in (0, 1].
+        min_s, max_s: bounds on τ in seconds (float for all tiers, or ``{tier: float}``).
+        min_steps, max_steps: bounds on τ in steps (int, or ``{tier: int}``).
+        fixed_steps: ``{tier: steps}`` tiers that save on a fixed step interval instead.
+
+    Raises:
+        ConfigError: naming the option and its allowed values.
+    """
+
+    def __init__(self, tiers=TIERS, *, gpus: int = 1, gpu_mtbf_s: float = DEFAULT_GPU_MTBF_S,
+                 mtbf_weight: float = DEFAULT_WEIGHT, restart_prior_s: float = DEFAULT_RESTART_PRIOR_S,
+                 delta_prior_s: float | dict | None = None,
+                 persistent_share: float = DEFAULT_PERSISTENT_SHARE,
+                 persistent_share_weight: float = DEFAULT_PERSISTENT_SHARE_WEIGHT,
+                 ema_alpha: float = DEFAULT_EMA_ALPHA,
+                 min_s=None, max_s=None, min_steps=None, max_steps=None,
+                 fixed_steps: dict | None = None):
+        self.tiers = validate_tiers(tiers)
+        if not self.tiers:
+            raise ConfigError("tiers", f"at least one tier is required; allowed: {', '.join(TIERS)}")
+        self.estimator = MTBFEstimator(gpus=gpus, gpu_mtbf_s=gpu_mtbf_s, weight=mtbf_weight)
+        self.restart_prior_s = _check(restart_prior_s, "restart_prior_s")
+        priors = dict(DEFAULT_DELTA_PRIOR_S)
+        priors.update(_per_tier(delta_prior_s, "delta_prior_s", self.tiers, integer=False))
+        self.delta_prior_s = priors
+        p0 = _fraction(persistent_share, "persistent_share")
+        w = persistent_share_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            raise ConfigError("persistent_share_weight", f"must be a positive number of pseudo-restores, got {w!r}")
+        self.share_a0, self.share_b0 = p0 * w, (1.0 - p0) * w
+        self.ema_alpha = _fraction(ema_alpha, "ema_alpha")
+        self.min_s = _per_tier(min_s, "min_s", self.tiers, integer=False)
+        self.max_s = _per_tier(max_s, "max_s", self.tiers, integer=False)
+        self.min_steps = _per_tier(min_steps, "min_steps", self.tiers, integer=True)
+        self.max_steps = _per_tier(max_steps, "max_steps", self.tiers, integer=True)
+        for lo, hi, lo_name, hi_name in ((self.min_s, self.max_s, "min_s", "max_s"),
+                                         (self.min_steps, self.max_steps, "min_steps", "max_steps")):
+            for t in set(lo) & set(hi):
+                if lo[t] > hi[t]:
+                    raise ConfigError(lo_name, f"{lo_name} ({lo[t]}) of tier {t!r} exceeds {hi_name} ({hi[t]}); "
+                                      f"allowed: {lo_name} <= {hi_name}")
+        self.fixed_steps = _per_tier(fixed_steps, "fixed_steps", self.tiers, integer=True)
+        for t in self.fixed_steps:
+            if t not in self.tiers:
+                raise ConfigError("fixed_steps", f"tier {t!r} is not scheduled; scheduled: {', '.join(self.tiers)}")
+
+        self._delta = {t: Ema(self.ema_alpha) for t in self.tiers}
+        self._bg = {t: Ema(self.ema_alpha) for t in self.tiers}
+        self._ledger_delta: dict[str, float] = {}
+        self._ledger_bg: dict[str, float] = {}
+        self._step = Ema(self.ema_alpha)
+        self._mtbf = self.estimator.prior_mtbf_s
+        self._mtbf_source = "prior"
+        self._restarts: list[float] = []
+        self._restart_source = "prior"
+        self._share_k = 0
+        self._share_n = 0
+        self._share_source = "prior"
+        self._last_step: dict[str, int] = {}
+        self._last_time: dict[str, float] = {}
+
+    # -- observations ---------------------------------------------------------------------------
+    def _tier(self, tier: str) -> str:
+        if tier not in self.tiers:
+            raise ConfigError("tier", f"unknown tier {tier!r}; scheduled: {', '.join(self.tiers)}")
+        return tier
+
+    def observe_step(self, seconds: float) -> None:
+        """One training step took ``seconds`` of wall time (exclude checkpoint stalls)."""
+        self._step.add(_check(seconds, "step_s", positive=True))
+
+    def observe_checkpoint(self, tier: str, blocking_s: float, background_s: float | None = None) -> None:
+        """A save of ``tier`` blocked training ``blocking_s`` s (δ, max over ranks) and finished
+        its background work ``background_s`` s later (C, max over ranks; None = unknown)."""
+        self._tier(tier)
+        self._delta[tier].add(_check(blocking_s, "blocking_s"))
+        if background_s is not None:
+            self._bg[tier].add(_check(background_s, "background_s"))
+
+    def observe_restart(self, seconds: float) -> None:
+        """A restart (relaunch + restore until training resumed) took ``seconds``."""
+        self._restarts.append(_check(seconds, "restart_s"))
+        self._restart_source = "observed"
+
+    def set_mtbf(self, M: float) -> None:
+        """Use ``M`` seconds as the MTBF (overrides the estimate until the next update)."""
+        self._mtbf = _check(M, "mtbf", positive=True)
+        self._mtbf_source = "set"
+
+    def update_mtbf(self, exposure_s: float, failures: float) -> float:
+        """Gamma–Poisson update from ``failures`` in ``exposure_s`` seconds; returns M (s)."""
+        self._mtbf = self.estimator.posterior(exposure_s, failures).mtbf_s
+        self._mtbf_source = "evidence"
+        return self._mtbf
+
+    def update_from_ledger(self, records: list[dict], current_run_id: str | None = None,
+                           gpus: int | None = None, now: float | None = None) -> None:
+        """Re-derive M, R, p (and δ, C of tiers not yet measured in this process) from a ledger.
+
+        - M: :meth:`tierckpt.mtbf.MTBFEstimator.from_ledger` (``gpus`` rebuilds the prior for a
+          new job size; ``now`` extends the current run's exposure).
+        - R: per ``restore`` record, its time minus its run's ``run_start`` time (process start
+          to restored state; the record's ``seconds`` if the start is unknown); R is their mean.
+          Queueing time before the new allocation started is not in the ledger and not counted.
+        - p: restores in a run that follows a run without a clean end are failure recoveries;
+          those whose ``sources`` include ``"persistent"`` are fallbacks.
+        - δ, C: EMA over the tier's successful ``checkpoint`` records, used only until this
+          process measures the tier itself.
+
+        Replaces M and p set by earlier updates, and R when the ledger has restores (the ledger
+        is the authority; the current run's restore is in it), so do not also
+        :meth:`observe_restart` the same restore.
+        """
+        if gpus is not None and gpus != self.estimator.gpus:
+            self.estimator = MTBFEstimator(gpus=gpus, gpu_mtbf_s=self.estimator.gpu_mtbf_s,
+                                           weight=self.estimator.weight)
+        est = self.estimator.from_ledger(records, current_run_id, now=now)
+        self._mtbf = est.mtbf_s
+        self._mtbf_source = "ledger" if est.failures or est.exposure_s else "prior"
+
+        starts: dict[str, float] = {}
+        clean_end: dict[str, bool] = {}  # run -> has a clean run_end (so far)
+        after_failure: dict[str, bool] = {}  # run -> the run before it did not end cleanly
+        restarts: list[float] = []
+        k = n = 0
+        counted_runs: set[str] = set()
+        delta: dict[str, Ema] = {t: Ema(self.ema_alpha) for t in self.tiers}
+        bg: dict[str, Ema] = {t: Ema(self.ema_alpha) for t in self.tiers}
+        prev: str | None = None
+        for r in records:
+            if not isinstance(r, dict):
+                continue
+            rid = str(r.get("run_id", "?"))
+            if rid not in clean_end:
+                after_failure[rid] = prev is not None and not clean_end[prev]
+                clean_end[rid] = False
+                prev = rid
+            kind = r.get("kind")
+            t = r.get("time")
+            if kind == "run_start" and isinstance(t, (int, float)):
+                starts[rid] = float(t)
+            elif kind == "run_end":
+                clean_end[rid] = r.get("clean") is True
+            elif kind == "checkpoint" and r.get("ok", True) and r.get("tier") in delta:
+                b = r.get("blocking_s")
+                if isinstance(b, (int, float)) and math.isfinite(b) and b >= 0:
+                    delta[r["tier"]].add(float(b))
+                c = r.get("background_s")
+                if isinstance(c, (int, float)) and math.isfinite(c) and c >= 0:
+                    bg[r["tier"]].add(float(c))
+            elif kind == "restore":
+                sample = None
+                if rid in starts and isinstance(t, (int, float)) and t >= starts[rid]:
+                    sample = float(t) - starts[rid]
+                elif isinstance(r.get("seconds"), (int, float)) and r["seconds"] >= 0:
+                    sample = float(r["seconds"])
+                if sample is not None:
+                    restarts.append(sample)
+                if rid not in counted_runs and after_failure[rid]:
+                    counted_runs.add(rid)
+                    n += 1
+                    srcs = r.get("sources")
+                    vals = srcs.values() if isinstance(srcs, dict) else (srcs if isinstance(srcs, list) else [])
+                    if any(_is_persistent_source(v) for v in vals):
+                        k += 1
+        if restarts:
+            self._restarts = restarts
+            self._restart_source = "ledger"
+        self._share_k, self._share_n = k, n
+        self._share_source = "ledger" if n else "prior"
+        self._ledger_delta = {t: e.value for t, e in delta.items() if e.value is not None}
+        self._ledger_bg = {t: e.value for t, e in bg.items() if e.value is not None}
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def mtbf_s(self) -> float:
+        """Current job MTBF M, seconds."""
+        return self._mtbf
+
+    @property
+    def restart_s(self) -> float:
+        """Current R: mean of observed restarts, else the prior; seconds."""
+        return sum(self._restarts) / len(self._restarts) if self._restarts else self.restart_prior_s
+
+    @property
+    def persistent_share(self) -> float:
+        """Current p (posterior mean of the Beta model); 1 when no local tier is scheduled."""
+        if "local" not in self.tiers:
+            return 1.0
+        return (self.share_a0 + self._share_k) / (self.share_a0 + self.share_b0 + self._share_n)
+
+    @property
+    def step_s(self) -> float | None:
+        """EMA of the step time, seconds (None before the first step)."""
+        return self._step.value
+
+    def delta_s(self, tier: str) -> tuple[float, str]:
+        """(δ of ``tier`` in seconds, source: "observed" | "ledger" | "prior")."""
+        self._tier(tier)
+        if self._delta[tier].value is not None:
+            return self._delta[tier].value, "observed"
+        if tier in self._ledger_delta:
+            return self._ledger_delta[tier], "ledger"
+        return float(self.delta_prior_s.get(tier, DEFAULT_DELTA_PRIOR_S["local"])), "prior"
+
+    def background_s(self, tier: str) -> float | None:
+        """C of ``tier``, seconds (measured here, else from the ledger, else None)."""
+        self._tier(tier)
+        if self._bg[tier].value is not None:
+            return self._bg[tier].value
+        return self._ledger_bg.get(tier)
+
+    # -- decisions --------------------------------------------------------------------------------
+    def interval(self, tier: str) -> Decision:
+        """The current interval of ``tier`` with its inputs (deterministic in the observations).
+
+        Raises:
+            ConfigError: ``tier`` is not scheduled.
+        """
+        self._tier(tier)
+        delta, d_src = self.delta_s(tier)
+        M, R, p = self._mtbf, self.restart_s, self.persistent_share
+        M_eff = M / p if tier == "persistent" else M
+        C = self.background_s(tier)
+        step = self.step_s
+        sources = {"delta": d_src, "M": self._mtbf_source, "R": self._restart_source, "p": self._share_source}
+        common = dict(tier=tier, delta=delta, M=M, R=R, p=p, M_eff=M_eff, C=C, step_s=step, sources=sources)
+        if tier in self.fixed_steps:
+            n = int(self.fixed_steps[tier])
+            return Decision(tau_s=None if step is None else n * step, tau_steps=n, reason="fixed_steps",
+                            tau_model_s=None, **common)
+        tau_model = daly_interval(delta, M_eff, R)
+        reason = "daly" if delta < 2 * M_eff else "daly (delta >= 2M: tau = M)"
+        tau = tau_model
+        if tier in self.min_s and tau < self.min_s[tier]:
+            tau, reason = float(self.min_s[tier]), "clamped to min_s"
+        if tier in self.max_s and tau > self.max_s[tier]:
+            tau, reason = float(self.max_s[tier]), "clamped to max_s"
+        if C is not None and tau < C:
+            tau, reason = C, "clamped to background time"
+        if step is None:
+            return Decision(tau_s=tau, tau_steps=None, reason="no step time yet", tau_model_s=tau_model, **common)
+        steps = first = max(1, math.ceil(tau / step - 1e-9))
+        if tier in self.min_steps and steps < self.min_steps[tier]:
+            steps, reason = int(self.min_steps[tier]), "clamped to min_steps"
+        if tier in self.max_steps and steps > self.max_steps[tier]:
+            steps, reason = int(self.max_steps[tier]), "clamped to max_steps"
+        if C is not None and steps * step < C - 1e-9:
+            steps, reason = max(1, math.ceil(C / step - 1e-9)), "clamped to background time"
+        if steps != first:
+            tau = steps * step
+        return Decision(tau_s=tau, tau_steps=steps, reason=reason, tau_model_s=tau_model, **common)
+
+    def decisions(self) -> dict[str, Decision]:
+        """:meth:`interval` of every scheduled tier."""
+        return {t: self.interval(t) for t in self.tiers}
+
+    def reset(self, step: int, now: float | None = None) -> None:
+        """Count every tier's interval from ``step`` (after a restore, or at the first step)."""
+        for t in self.tiers:
+            self._last_step[t] = int(step)
+            if now is not None:
+                self._last_time[t] = float(now)
+
+    def mark_saved(self, tier: str, step: int, now: float | None = None) -> None:
+        """``tier`` saved at ``step`` (UNIX time ``now`` if given)."""
+        self._tier(tier)
+        self._last_step[tier] = int(step)
+        if now is not None:
+            self._last_time[tier] = float(now)
+
+    def last_saved_step(self, tier: str) -> int | None:
+        """Step of the tier's last save (or of :meth:`reset`); None before either."""
+        self._tier(tier)
+        return self._last_step.get(tier)
+
+    def due(self, step: int, now: float | None = None) -> list[str]:
+        """Tiers due at ``step``, in :attr:`tiers` order.
+
+        A tier is due when ``step − last_saved_step ≥ tau_steps``. A tier never saved (and not
+        :meth:`reset`) counts from the first step this is called with. With ``now`` (UNIX s),
+        an adaptive tier is also due once ``tau_s`` seconds passed since its last save marked
+        with a time, which catches steps slower than the average; clocks differ between ranks,
+        so call it on rank 0 only and broadcast the result (the engine does this anyway).
+        Does not mark anything saved: call :meth:`mark_saved` after the save.
+        """
+        out = []
+        for t in self.tiers:
+            if t not in self._last_step:
+                self._last_step[t] = int(step)
+                if now is not None:
+                    self._last_time[t] = float(now)
+                continue
+            d = self.interval(t)
+            if d.tau_steps is not None and step - self._last_step[t] >= d.tau_steps:
+                out.append(t)
+            elif (now is not None and t not in self.fixed_steps and d.tau_s is not None
+                  and t in self._last_time and step > self._last_step[t]
+                  and now - self._last_time[t] >= d.tau_s):
+                out.append(t)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# CLI: tierckpt interval
+# --------------------------------------------------------------------------------------------
+def interval_report(delta: float, M: float, R: float = 0.0) -> dict:
+    """What ``tierckpt interval`` prints: Daly τ, the waste fraction and the lost time per
+    failure at that τ, plus Young's period for reference (all seconds / fractions)."""
+    tau = daly_interval(delta, M, R)
+    return {
+        "tau_s": tau,
+        "waste": waste_fraction(tau + delta, delta, M, R),
+        "lost_per_failure_s": expected_lost_work(tau, delta, R),
+        "period_s": tau + delta,
+        "young_period_s": young_interval(delta, M),
+        "daly_waste": daly_waste_fraction(tau, delta, M, R) if tau > 0 else None,
+    }
+
+
+def _duration_arg(option: str, *, positive: bool):
+    def parse(text: str) -> float:
+        try:
+            v = parse_duration(text, option)
+        except ConfigError as e:  # argparse prefixes "argument --mtbf: " itself
+            raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+        if v < 0 or (positive and v == 0):
+            raise argparse.ArgumentTypeError(f"must be {'> 0' if positive else '>= 0'}, got {text!r}")
+        return v
+    return parse
+
+
+def cmd_interval(args: argparse.Namespace) -> int:
+    """``tierckpt interval``: Daly's interval, waste and lost work for given δ, M, R."""
+    from . import cli
+
+    rep = interval_report(args.delta, args.mtbf, args.restart)
+    if args.json:
+        cli._print_json({k: rep[k] for k in ("tau_s", "waste", "lost_per_failure_s")})
+        return cli.EXIT_OK
+    from rich.table import Table
+
+    table = Table(title="checkpoint interval, Daly 2006")
+    table.add_column("quantity")
+    table.add_column("seconds", justify="right")
+    table.add_column("", justify="right")
+    rows = [
+        ("blocking time delta", args.delta, format_duration(args.delta)),
+        ("MTBF M", args.mtbf, format_duration(args.mtbf)),
+        ("restart time R", args.restart, format_duration(args.restart)),
+        ("tau: training between checkpoints", rep["tau_s"], format_duration(rep["tau_s"])),
+        ("period tau + delta", rep["period_s"], format_duration(rep["period_s"])),
+        ("Young's period sqrt(2 delta M)", rep["young_period_s"], format_duration(rep["young_period_s"])),
+        ("lost per failure (tau + delta)/2 + R", rep["lost_per_failure_s"], format_duration(rep["lost_per_failure_s"])),
+    ]
+    for name, s, human in rows:
+        table.add_row(name, f"{s:.1f}", human)
+    table.add_row("waste delta/P + P/2M + R/M", "", f"{100 * rep['waste']:.1f} %")
+    if rep["daly_waste"] is not None:
+        table.add_row("waste, Daly's complete model", "", f"{100 * rep['daly_waste']:.1f} %")
+    con = cli._stdout()
+    con.print(table)
+    return cli.EXIT_OK
+
+
+def register_cli(subparsers) -> None:
+    """Add ``tierckpt interval`` (see :data:`tierckpt.cli.REGISTRARS`)."""
+    p = subparsers.add_parser(
+        "interval", help="optimal checkpoint interval for a blocking time and an MTBF",
+        description="Daly's optimum interval tau = sqrt(2 delta (M + R)) - delta (seconds of training "
+        "between checkpoints; Young's period sqrt(2 delta M) when R = 0), the wasted fraction "
+        "delta/P + P/(2M) + R/M at period P = tau + delta, and the expected time lost per failure "
+        "(tau + delta)/2 + R. Durations: a number of seconds or a number with unit "
+        + ", ".join(DURATION_UNITS) + " (600s, 45m, 3.09h, 2d).",
+    )
+    p.add_argument("--delta", required=True, type=_duration_arg("--delta", positive=True), metavar="SECONDS",
+                   help="blocking time of one checkpoint")
+    p.add_argument("--mtbf", required=True, type=_duration_arg("--mtbf", positive=True), metavar="DURATION",
+                   help="mean time between failures of the job (e.g. 3.09h)")
+    p.add_argument("--restart", default=0.0, type=_duration_arg("--restart", positive=False), metavar="SECONDS",
+                   help="restart + restore time R (default 0)")
+    p.add_argument("--json", action="store_true", help="print {tau_s, waste, lost_per_failure_s} as JSON")
+    p.set_defaults(func=cmd_interval)
