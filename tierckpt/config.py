@@ -63,6 +63,8 @@ class TierConfig:
         collective_timeout_s: timeout of the engine's own gloo groups (seconds).
         local_root_is_node_private: the template may omit ``{node}`` because each node's path
             is on its own disk.
+        simulated_ranks_per_node: > 0 simulates nodes on one machine: node = rank // this
+            (tests and demos); 0 derives nodes from the environment (torchrun, Slurm, hostname).
     """
 
     local_root: str | None = None
@@ -76,6 +78,7 @@ class TierConfig:
     staging_buffers: int = 2
     collective_timeout_s: float = 600.0
     local_root_is_node_private: bool = False
+    simulated_ranks_per_node: int = 0
 
     def validate(self) -> "TierConfig":
         """Check every field; return ``self`` with normalised values.
@@ -114,6 +117,10 @@ class TierConfig:
             raise ConfigError(
                 "transfer_chunk_bytes", f"must be an integer >= 4096, got {self.transfer_chunk_bytes!r}"
             )
+        if isinstance(self.simulated_ranks_per_node, bool) or not isinstance(self.simulated_ranks_per_node, int) \
+                or self.simulated_ranks_per_node < 0:
+            raise ConfigError("simulated_ranks_per_node",
+                              f"must be an integer >= 0 (0 = real topology), got {self.simulated_ranks_per_node!r}")
         if not isinstance(self.staging_buffers, int) or self.staging_buffers < 1:
             raise ConfigError("staging_buffers", f"must be an integer >= 1, got {self.staging_buffers!r}")
         if not (isinstance(self.collective_timeout_s, (int, float)) and self.collective_timeout_s > 0):

@@ -62,7 +62,8 @@ class TieredCheckpointer:
         self.cfg = config.validate()
         factor = self.cfg.replication_factor if "local" in self.cfg.tiers else 1
         self.topo, self.groups = discover(
-            self.cfg.replication_jump, factor, node_id=node_id, timeout_s=self.cfg.collective_timeout_s
+            self.cfg.replication_jump, factor, node_id=node_id,
+            ranks_per_node=self.cfg.simulated_ranks_per_node, timeout_s=self.cfg.collective_timeout_s
         )
         topo = self.topo
         self.in_use = retention.InUse()

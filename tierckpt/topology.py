@@ -156,9 +156,11 @@ class Topology:
                    node_of_rank=node_of_rank, jump=jump, factor=factor, source=source)
 
 
-def _local_node_label(rank: int, node_id: int | None) -> tuple[object, str]:
+def _local_node_label(rank: int, node_id: int | None, ranks_per_node: int = 0) -> tuple[object, str]:
     if node_id is not None:
         return int(node_id), "override"
+    if ranks_per_node > 0:
+        return rank // ranks_per_node, "override"
     env = os.environ
     if "TIERCKPT_NODE_ID" in env:
         return int(env["TIERCKPT_NODE_ID"]), "override"
@@ -191,13 +193,14 @@ class Groups:
     persistent_world: dist.ProcessGroup
 
 
-def discover(jump: int, factor: int, *, node_id: int | None = None,
+def discover(jump: int, factor: int, *, node_id: int | None = None, ranks_per_node: int = 0,
              timeout_s: float = 600.0) -> tuple[Topology, Groups]:
     """Detect the topology and create the engine's gloo groups (collective: call on every rank).
 
     Args:
         jump, factor: ``replication_jump`` J and ``replication_factor`` F.
         node_id: explicit node id of this rank (overrides the environment).
+        ranks_per_node: > 0 simulates nodes: node = rank // ranks_per_node.
         timeout_s: timeout of the created gloo groups, seconds.
 
     Raises:
@@ -210,7 +213,7 @@ def discover(jump: int, factor: int, *, node_id: int | None = None,
     timeout = datetime.timedelta(seconds=timeout_s)
     local_world = dist.new_group(backend="gloo", timeout=timeout)
     persistent_world = dist.new_group(backend="gloo", timeout=timeout)
-    label, source = _local_node_label(rank, node_id)
+    label, source = _local_node_label(rank, node_id, ranks_per_node)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (label, source), group=local_world)
     labels = [g[0] for g in gathered]

@@ -1,0 +1,294 @@
+"""TOML front-end for torchtitan 0.3 (which dropped TOML configs).
+
+A file names the torchtitan module and config function in ``[job]`` and may override any
+section of the resulting ``Trainer.Config``; ``[checkpoint]`` holds torchtitan's checkpoint
+fields and the plugin's tier fields together (the checkpoint config is always a
+:class:`~titan_plugin.manager.TieredCheckpointManager.Config`)::
+
+    [job]
+    module = "llama3"              # torchtitan model/experiment name, or a package with
+    config = "llama3_debugmodel"   # a config_registry module (e.g. "titan_plugin")
+
+    [training]
+    steps = 30
+
+    [checkpoint]
+    enable = true
+    interval = 20                  # persistent tier (torchtitan's own field)
+    local_interval = 5
+    local_root = "/local_nvme/{job}/node-{node}"
+    replication_factor = 2
+
+Precedence: command line (``--section.key value``) > TOML > the registry function. Every key
+is checked against the config dataclasses before any process group exists: unknown keys,
+wrong types and invalid values raise :class:`ConfigError` with the full key path (e.g.
+``checkpoint.replication_factor``) and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+import tomli
+
+from tierckpt.errors import ConfigError
+
+JOB_KEYS = {"module": "torchtitan module (e.g. llama3) or package with a config_registry",
+            "config": "function of that config_registry returning a Trainer.Config"}
+
+
+def _registry(module: str):
+    """Import the config_registry of ``module`` the way torchtitan's ConfigManager does:
+    a torchtitan model/experiment name, else ``<module>.config_registry``, else ``module``."""
+    tried = []
+    for path in (f"torchtitan.models.{module}.config_registry",
+                 f"torchtitan.experiments.{module}.config_registry",
+                 f"{module}.config_registry", module):
+        try:
+            return importlib.import_module(path)
+        except ModuleNotFoundError as e:
+            if not e.name or not (path == e.name or path.startswith(e.name + ".")):
+                raise  # the module exists but one of its own imports is missing
+            tried.append(path)
+    raise ConfigError("job.module", f"cannot import a config_registry for {module!r} (tried {', '.join(tried)})")
+
+
+def _is_config(v: Any) -> bool:
+    return dataclasses.is_dataclass(v) and not isinstance(v, type)
+
+
+def _hints(obj) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(type(obj))
+    except Exception:  # forward references the module cannot resolve: fall back to raw annotations
+        return {f.name: f.type for f in dataclasses.fields(obj)}
+
+
+def _fields(obj) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(obj) if not f.name.startswith("_")}
+
+
+def _describe(tp) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        return "a list"
+    if tp is type(None):
+        return "none"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def convert(value: Any, tp, path: str, from_cli: bool = False) -> Any:
+    """Convert ``value`` (TOML value, or string from the command line) to the field type ``tp``.
+
+    Raises:
+        ConfigError: naming ``path`` and the allowed values/type.
+    """
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if type(None) in args and (value is None or (from_cli and str(value).lower() in ("none", "null"))):
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return convert(value, a, path, from_cli)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(path, f"expected {_describe(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value in allowed:
+            return value
+        if from_cli:
+            for a in allowed:
+                if str(a) == str(value):
+                    return a
+        raise ConfigError(path, f"invalid value {value!r}; allowed: {', '.join(repr(a) for a in allowed)}")
+    if origin in (list, tuple):
+        (inner, *_) = get_args(tp) or (Any,)
+        if from_cli and isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"expected a list, got {value!r}")
+        out = [convert(v, inner, f"{path}[{i}]", from_cli) for i, v in enumerate(value)]
+        return out if origin is list else tuple(out)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and str(value).lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return str(value).lower() in ("true", "1", "yes", "on")
+        raise ConfigError(path, f"expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_cli:
+            try:
+                return int(str(value))
+            except ValueError:
+                pass
+        raise ConfigError(path, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli:
+            try:
+                return float(str(value))
+            except ValueError:
+                pass
+        raise ConfigError(path, f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(path, f"expected a string, got {value!r}")
+    if tp is Any:
+        return value
+    raise ConfigError(path, f"cannot be set from TOML or the command line (type {tp})")
+
+
+def apply_table(obj, table: dict, prefix: str = "", from_cli: bool = False) -> None:
+    """Set ``table``'s keys on the config dataclass ``obj`` (recursively for sub-tables)."""
+    fields = _fields(obj)
+    hints = _hints(obj)
+    for key, value in table.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(path, f"unknown key; allowed keys of [{prefix.rstrip('.') or 'top level'}]: "
+                                    f"{', '.join(sorted(fields))}")
+        current = getattr(obj, key)
+        if isinstance(value, dict):
+            if not _is_config(current):
+                raise ConfigError(path, f"is not a table; expected {_describe(hints.get(key))}")
+            apply_table(current, value, f"{path}.", from_cli)
+            continue
+        if _is_config(current):
+            raise ConfigError(path, f"is a table; set its keys, e.g. {path}.<key>")
+        setattr(obj, key, convert(value, hints.get(key, Any), path, from_cli))
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """``["--a.b", "1", "--c=2", "--flag"]`` → nested dict of strings (True for bare flags).
+
+    Raises:
+        ConfigError: an argument that is not ``--key[=value]``.
+    """
+    out: dict = {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or len(a) < 3:
+            raise ConfigError("command line", f"expected --section.key VALUE, got {a!r}")
+        key, eq, val = a[2:].partition("=")
+        if not eq:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                val = args[i + 1]
+                i += 1
+            else:
+                val = "true"
+        d = out
+        parts = key.replace("-", "_").split(".")
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+            if not isinstance(d, dict):
+                raise ConfigError(key, "set both as a value and as a table")
+        d[parts[-1]] = val
+        i += 1
+    return out
+
+
+def _post_init_all(obj, path: str = "") -> None:
+    """Re-run every nested config's ``__post_init__`` (torchtitan's validation) bottom-up."""
+    for name in _fields(obj):
+        v = getattr(obj, name)
+        if _is_config(v):
+            _post_init_all(v, f"{path}{name}.")
+    post = getattr(obj, "__post_init__", None)
+    if post is not None:
+        try:
+            post()
+        except ConfigError:
+            raise
+        except (ValueError, AssertionError, TypeError) as e:
+            raise ConfigError(path.rstrip(".") or "config", str(e)) from None
+
+
+def to_tiered_checkpoint(ckpt):
+    """The same checkpoint settings as a ``TieredCheckpointManager.Config``."""
+    from titan_plugin.manager import TieredCheckpointManager
+
+    cls = TieredCheckpointManager.Config
+    if isinstance(ckpt, cls):
+        return ckpt
+    kw = {f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt)
+          if f.init and f.name in {g.name for g in dataclasses.fields(cls)}}
+    return cls(**kw)
+
+
+def load_config(toml_path: str | None, overrides: list[str] | None = None):
+    """Build the ``Trainer.Config`` from a TOML file and ``--section.key value`` overrides.
+
+    Raises:
+        ConfigError: the full key path and allowed values of the first bad key.
+        FileNotFoundError: the TOML file does not exist.
+    """
+    data: dict = {}
+    if toml_path:
+        with open(toml_path, "rb") as f:
+            try:
+                data = tomli.load(f)
+            except tomli.TOMLDecodeError as e:
+                raise ConfigError(os.path.basename(toml_path), f"invalid TOML: {e}") from None
+    cli = parse_overrides(overrides or [])
+    job = {**data.pop("job", {}), **cli.pop("job", {})}
+    for k in job:
+        if k not in JOB_KEYS:
+            raise ConfigError(f"job.{k}", f"unknown key; allowed: {', '.join(JOB_KEYS)}")
+    for k, what in JOB_KEYS.items():
+        if not isinstance(job.get(k), str) or not job[k]:
+            raise ConfigError(f"job.{k}", f"required: {what}")
+    reg = _registry(job["module"])
+    fn = getattr(reg, job["config"], None)
+    if not callable(fn):
+        names = sorted(n for n in dir(reg) if not n.startswith("_") and callable(getattr(reg, n)))
+        raise ConfigError("job.config", f"{job['config']!r} not in {reg.__name__}; allowed: {', '.join(names)}")
+    config = fn()
+    config.checkpoint = to_tiered_checkpoint(config.checkpoint)
+    apply_table(config, data)
+    apply_table(config, cli, from_cli=True)
+    _post_init_all(config)
+    check_tiers_early(config.checkpoint)
+    return config
+
+
+def check_tiers_early(ckpt) -> None:
+    """Validate the tier settings that do not need a process group, plus J/F against the node
+    count when the launcher tells it (WORLD_SIZE with LOCAL_WORLD_SIZE or
+    ``simulated_ranks_per_node``)."""
+    from tierckpt.config import TierConfig
+    from tierckpt.topology import check_replication
+
+    if not ckpt.enable:
+        return
+    tiers = ("local", "persistent") if ckpt.local_interval > 0 else ("persistent",)
+    try:
+        TierConfig(local_root=ckpt.local_root, persistent_root=ckpt.persistent_folder or ckpt.folder,
+                   tiers=tiers, replication_jump=ckpt.replication_jump,
+                   replication_factor=ckpt.replication_factor,
+                   keep_latest_k={"local": ckpt.local_keep_latest_k, "persistent": ckpt.keep_latest_k},
+                   simulated_ranks_per_node=ckpt.simulated_ranks_per_node).validate()
+        world = int(os.environ.get("WORLD_SIZE", "0"))
+        rpn = ckpt.simulated_ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        if world and rpn and "local" in tiers:
+            check_replication(max(1, world // rpn), ckpt.replication_jump, ckpt.replication_factor)
+    except ConfigError as e:
+        raise ConfigError(f"checkpoint.{e.option}", str(e).split(": ", 1)[-1]) from None

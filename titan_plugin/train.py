@@ -1,0 +1,58 @@
+"""Entry point: ``python -m titan_plugin.train --toml FILE [--section.key value …]``.
+
+Parses and validates the whole configuration (:mod:`titan_plugin.toml`) before any process
+group exists, applies the CPU compatibility patches when no accelerator is present, then runs
+torchtitan's trainer exactly as ``torchtitan.train.main`` does. Exit status 2 on a
+configuration error (the message names the key and the allowed values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tierckpt.errors import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run training; returns the process exit status."""
+    ap = argparse.ArgumentParser(prog="python -m titan_plugin.train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--toml", help="TOML file with [job] module/config and config overrides")
+    args, rest = ap.parse_known_args(argv)
+    from titan_plugin.toml import load_config
+
+    try:
+        config = load_config(args.toml, rest)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"titan_plugin.train: error: {e}", file=sys.stderr)
+        return 2
+    run(config)
+    return 0
+
+
+def run(config) -> None:
+    """Build and run torchtitan's trainer for ``config`` (mirrors ``torchtitan.train.main``)."""
+    import torch
+    from torchtitan.tools.logging import init_logger, logger
+
+    from titan_plugin.cpu import apply_cpu_compat
+
+    init_logger()
+    apply_cpu_compat()
+    trainer = None
+    try:
+        trainer = config.build()
+        trainer.train()
+    except Exception:
+        if trainer:
+            trainer.close()
+        raise
+    else:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        logger.info("Process group destroyed")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
