@@ -13,10 +13,10 @@ import time
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 
 from . import layout, manifest
 from .collectives import all_gather, run_agreed
+from .dcp_io import crc32_off, digests_under, hashing_writer
 from .planner import NodeLocalSavePlanner, VerifyingLoadPlanner
 from .storage import Store
 from .topology import Topology
@@ -29,6 +29,17 @@ def hash_split(store: Store, step_rel: str, files: list[str], index: int, count:
     return [
         manifest.FileEntry(f, *_hash(store, f"{step_rel}/{f}")) for f in files[index::count]
     ]
+
+
+def written_entries(store: Store, rel: str, mine: dict[str, tuple[int, str]], index: int, count: int,
+                    group) -> list[manifest.FileEntry]:
+    """Checksums of a just-saved step: ``mine`` ({relative path: (size, xxh3-64)} hashed by this
+    rank while writing), plus a re-read of any file no rank hashed (split ``index::count``
+    across the group's ranks). Collective over ``group`` (all-gathers which files were hashed)."""
+    hashed = set().union(*all_gather(sorted(mine), group))
+    missing = [f for f in manifest.data_files(store, rel) if f not in hashed]
+    return [manifest.FileEntry(p, s, h) for p, (s, h) in sorted(mine.items())] + \
+        hash_split(store, rel, missing, index, count)
 
 
 def _hash(store: Store, rel: str) -> tuple[int, str]:
@@ -70,15 +81,12 @@ class LocalTier:
                 self.store.makedirs(rel)
 
         run_agreed(prepare, self.group, f"local step {step}: prepare")
-        dcp.save(
-            staged,
-            storage_writer=FileSystemWriter(self.store.path(rel), sync_files=True, overwrite=True),
-            planner=NodeLocalSavePlanner(),
-            process_group=self.group,
-        )
-        files = manifest.data_files(self.store, rel)
+        writer = hashing_writer(self.store.path(rel))
+        with crc32_off():
+            dcp.save(staged, storage_writer=writer, planner=NodeLocalSavePlanner(), process_group=self.group)
         entries = run_agreed(
-            lambda: hash_split(self.store, rel, files, topo.local_rank, topo.ranks_per_node),
+            lambda: written_entries(self.store, rel, digests_under(writer, self.store.path(rel)),
+                                    topo.local_rank, topo.ranks_per_node, self.group),
             self.group, f"local step {step}: checksum",
         )
         gathered = all_gather(entries, self.group)

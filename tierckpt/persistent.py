@@ -11,12 +11,13 @@ import logging
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 from . import layout, manifest
 from .collectives import all_gather, run_agreed
-from .local_tier import hash_split
+from .dcp_io import crc32_off, digests_under, hashing_writer
+from .local_tier import written_entries
 from .planner import VerifyingLoadPlanner
 from .storage import Store
 
@@ -50,10 +51,17 @@ class PersistentIO:
     load with :class:`VerifyingLoadPlanner`; returns bytes this rank read.
     """
 
-    def save(self, state_dict: dict, url: str, process_group) -> None:
-        """Collective DCP save of ``state_dict`` to the directory or URL ``url``."""
-        writer = FileSystemWriter(url, sync_files=True) if "://" not in url else FsspecWriter(url, sync_files=True)
-        dcp.save(state_dict, storage_writer=writer, process_group=process_group)
+    def save(self, state_dict: dict, url: str, process_group) -> dict[str, tuple[int, str]]:
+        """Collective DCP save of ``state_dict`` to the directory or URL ``url``.
+
+        Returns:
+            {path relative to ``url``: (size, xxh3-64)} of the files this rank hashed while
+            writing (local paths); {} when nothing was hashed (files are re-read instead).
+        """
+        writer = hashing_writer(url) if "://" not in url else FsspecWriter(url, sync_files=True)
+        with crc32_off():
+            dcp.save(state_dict, storage_writer=writer, process_group=process_group)
+        return digests_under(writer, url) if "://" not in url else {}
 
     def load(self, state_dict: dict, url: str, process_group) -> int:
         """Collective in-place DCP load from ``url``; returns bytes this rank read."""
@@ -92,9 +100,8 @@ class PersistentTier:
                 self.store.makedirs(rel)
 
         run_agreed(prepare, group, f"persistent step {step}: prepare")
-        self.io.save(staged, self.store.url_of(rel), group)
-        files = all_gather(manifest.data_files(self.store, rel) if rank == 0 else None, group)[0]
-        entries = run_agreed(lambda: hash_split(self.store, rel, files, rank, world), group,
+        mine = self.io.save(staged, self.store.url_of(rel), group) or {}
+        entries = run_agreed(lambda: written_entries(self.store, rel, mine, rank, world, group), group,
                              f"persistent step {step}: checksum")
         gathered = all_gather(entries, group)
 

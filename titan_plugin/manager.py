@@ -34,6 +34,7 @@ from torchtitan.components.checkpoint import MODEL, CheckpointManager
 from tierckpt.config import TierConfig
 from tierckpt.engine import TieredCheckpointer
 from tierckpt.errors import ConfigError
+from tierckpt.dcp_io import crc32_off, digests_under, hashing_writer
 from tierckpt.persistent import PersistentIO
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,16 @@ class TitanPersistentIO(PersistentIO):
     background write never shares the trainer's process group; loads use tierckpt's verified
     DCP load (same format)."""
 
-    def save(self, state_dict: dict, url: str, process_group) -> None:
-        """Collective DCP save to ``url`` over ``process_group``."""
-        dcp.save(state_dict, checkpoint_id=url, process_group=process_group)
+    def save(self, state_dict: dict, url: str, process_group) -> dict:
+        """Collective DCP save to ``url`` over ``process_group``; returns the checksums
+        hashed while writing (local paths), as :meth:`PersistentIO.save`."""
+        if "://" in url:
+            dcp.save(state_dict, checkpoint_id=url, process_group=process_group)
+            return {}
+        writer = hashing_writer(url)
+        with crc32_off():
+            dcp.save(state_dict, storage_writer=writer, process_group=process_group)
+        return digests_under(writer, url)
 
 
 class TieredCheckpointManager(CheckpointManager):

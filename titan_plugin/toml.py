@@ -206,20 +206,44 @@ def parse_overrides(args: list[str]) -> dict:
     return out
 
 
-def _post_init_all(obj, path: str = "") -> None:
-    """Re-run every nested config's ``__post_init__`` (torchtitan's validation) bottom-up."""
+def _post_init_all(obj, base, user: dict, path: str = "") -> None:
+    """Re-run every nested config's ``__post_init__`` (torchtitan's validation) bottom-up.
+
+    torchtitan's messages do not always name the field; the culprit is found by applying each
+    user-set key of the failing section alone onto the registry default (``base``).
+    """
     for name in _fields(obj):
         v = getattr(obj, name)
         if _is_config(v):
-            _post_init_all(v, f"{path}{name}.")
+            _post_init_all(v, getattr(base, name, None), user.get(name, {}) if isinstance(user.get(name), dict) else {},
+                           f"{path}{name}.")
     post = getattr(obj, "__post_init__", None)
-    if post is not None:
+    if post is None:
+        return
+    try:
+        post()
+    except ConfigError:
+        raise
+    except (ValueError, AssertionError, TypeError) as e:
+        culprit = _culprit(obj, base, user)
+        raise ConfigError(f"{path}{culprit}" if culprit else (path.rstrip(".") or "config"), str(e)) from None
+
+
+def _culprit(obj, base, user: dict) -> str | None:
+    import copy
+
+    if base is None or type(base) is not type(obj):
+        return None
+    for key, val in user.items():
+        if isinstance(val, dict):
+            continue
+        trial = copy.copy(base)
+        setattr(trial, key, getattr(obj, key))
         try:
-            post()
-        except ConfigError:
-            raise
-        except (ValueError, AssertionError, TypeError) as e:
-            raise ConfigError(path.rstrip(".") or "config", str(e)) from None
+            trial.__post_init__()
+        except Exception:
+            return key
+    return None
 
 
 def to_tiered_checkpoint(ckpt):
@@ -263,11 +287,20 @@ def load_config(toml_path: str | None, overrides: list[str] | None = None):
         raise ConfigError("job.config", f"{job['config']!r} not in {reg.__name__}; allowed: {', '.join(names)}")
     config = fn()
     config.checkpoint = to_tiered_checkpoint(config.checkpoint)
+    base = fn()
+    base.checkpoint = to_tiered_checkpoint(base.checkpoint)
     apply_table(config, data)
     apply_table(config, cli, from_cli=True)
-    _post_init_all(config)
+    _post_init_all(config, base, _merge(data, cli))
     check_tiers_early(config.checkpoint)
     return config
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def check_tiers_early(ckpt) -> None:
