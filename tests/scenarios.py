@@ -228,7 +228,8 @@ def _flat(rows, cols, seed):
 def phase_uneven_every_tier(rank, world, base, rows, cols, factor):
     """Save once, then restore from own-local, from a peer replica (node 1 wiped) and from the
     persistent tier (node 1 and every replica of it wiped), bitwise each time."""
-    eng = TieredCheckpointer(make_config(base, replication_factor=factor), node_id=rank)
+    # 8 KiB transfer chunks: the 32003-row state crosses many chunk boundaries per file
+    eng = TieredCheckpointer(make_config(base, replication_factor=factor, transfer_chunk_bytes=8192), node_id=rank)
     model, opt = _flat(rows, cols, seed=1)
     local_rows = model.w.to_local().shape[0]
     eng.save(1, app_state(model, opt))

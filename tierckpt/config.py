@@ -113,9 +113,11 @@ class TierConfig:
                 )
             keep[tier] = k
         self.keep_latest_k = keep
-        if not isinstance(self.transfer_chunk_bytes, int) or self.transfer_chunk_bytes < 4096:
+        if not isinstance(self.transfer_chunk_bytes, int) or self.transfer_chunk_bytes < 4096 \
+                or self.transfer_chunk_bytes % 4096:
             raise ConfigError(
-                "transfer_chunk_bytes", f"must be an integer >= 4096, got {self.transfer_chunk_bytes!r}"
+                "transfer_chunk_bytes",
+                f"must be a positive multiple of 4096 bytes (O_DIRECT alignment), got {self.transfer_chunk_bytes!r}",
             )
         if isinstance(self.simulated_ranks_per_node, bool) or not isinstance(self.simulated_ranks_per_node, int) \
                 or self.simulated_ranks_per_node < 0:
