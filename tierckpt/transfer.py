@@ -14,6 +14,7 @@ wait-for chain always ends (no deadlock for any set of transfers).
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import mmap
@@ -107,22 +108,40 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
     idx, cnt = t.share
     entries = manifest.entries_of(doc)[idx::cnt]
     _send_header({"manifest": mbytes.decode(), "files": [e.__dict__ for e in entries]}, dst, group)
-    bufs = _buffers("send", chunk_bytes)
-    works: list = [None, None]
-    k = 0
     sent = 0
+    bufs = None
+    pending: collections.deque = collections.deque()
+    k = 0
     for e in entries:
+        path = f"{t.src_rel}/{e.path}"
+        mapped = _map_file(store, path, e.size)
+        if mapped is not None:
+            # Send straight from the page cache: no copy into a staging buffer.
+            m, data = mapped
+            for off in range(0, e.size, chunk_bytes):
+                if len(pending) >= 2:
+                    pending.popleft().wait()
+                pending.append(dist.isend(data[off:off + chunk_bytes], dst, group=group))
+                sent += min(chunk_bytes, e.size - off)
+            while pending:
+                pending.popleft().wait()
+            del data
+            try:
+                m.close()
+            except BufferError:  # a finished Work may still hold a view; GC unmaps it
+                pass
+            continue
+        bufs = bufs or _buffers("send", chunk_bytes)
         try:
-            f = store.open(f"{t.src_rel}/{e.path}", "rb")
+            f = store.open(path, "rb")
         except OSError:
             f = None
         remaining = e.size
         while remaining:
             n = min(chunk_bytes, remaining)
-            b = k % 2
-            if works[b] is not None:
-                works[b].wait()
-            view = memoryview(bufs[b].numpy())[:n]
+            if len(pending) >= 2:
+                pending.popleft().wait()
+            view = memoryview(bufs[k % 2].numpy())[:n]
             got = 0
             if f is not None:
                 try:
@@ -131,16 +150,37 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
                     got = 0
             if got < n:
                 view[got:n] = bytes(n - got)
-            works[b] = dist.isend(bufs[b][:n], dst, group=group)
+            pending.append(dist.isend(bufs[k % 2][:n], dst, group=group))
             remaining -= n
             sent += n
             k += 1
         if f is not None:
             f.close()
-    for w in works:
-        if w is not None:
-            w.wait()
+    while pending:
+        pending.popleft().wait()
     return sent
+
+
+def _map_file(store: Store, rel: str, size: int):
+    """(mmap, uint8 tensor view) of a local file of exactly ``size`` > 0 bytes, else None.
+
+    Private copy-on-write mapping (never written) so the tensor view is a writable buffer."""
+    if not store.local or size <= 0:
+        return None
+    try:
+        fd = os.open(store.path(rel), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != size:
+            return None  # shrank or grew: the buffered path pads and the receiver rejects it
+        m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    return m, torch.frombuffer(m, dtype=torch.uint8)
 
 
 def recv_step(store: Store, t: Transfer, group, chunk_bytes: int) -> Received:
