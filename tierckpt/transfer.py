@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import threading
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -164,7 +165,7 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
 def _map_file(store: Store, rel: str, size: int):
     """(mmap, uint8 tensor view) of a local file of exactly ``size`` > 0 bytes, else None.
 
-    Private copy-on-write mapping (never written) so the tensor view is a writable buffer."""
+    A shared read-only mapping: pages come straight from the page cache (no copy)."""
     if not store.local or size <= 0:
         return None
     try:
@@ -174,13 +175,14 @@ def _map_file(store: Store, rel: str, size: int):
     try:
         if os.fstat(fd).st_size != size:
             return None  # shrank or grew: the buffered path pads and the receiver rejects it
-        m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
-                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
     except (OSError, ValueError):
         return None
     finally:
         os.close(fd)
-    return m, torch.frombuffer(m, dtype=torch.uint8)
+    with warnings.catch_warnings():  # read-only buffer: gloo only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        return m, torch.frombuffer(m, dtype=torch.uint8)
 
 
 def recv_step(store: Store, t: Transfer, group, chunk_bytes: int) -> Received:
