@@ -19,6 +19,7 @@ import json
 import logging
 import mmap
 import os
+import queue
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -188,7 +189,8 @@ def _map_file(store: Store, rel: str, size: int):
 def recv_step(store: Store, t: Transfer, group, chunk_bytes: int) -> Received:
     """Receive one :class:`Transfer` into ``t.dst_rel`` of ``store``, verifying as it goes.
 
-    Two receives are kept in flight while the previous chunk is hashed and written. Files are
+    Two receives stay in flight while the previous chunk is hashed; a writer thread writes
+    hashed chunks (four buffers in rotation), so disk and network overlap. Files are
     written with O_DIRECT from page-aligned buffers where the filesystem allows it (the
     buffered write path was the bottleneck: bench/RESULTS.md), the padded tail truncated
     away, then fsynced. Nothing is committed here (the node leader commits once every share
@@ -205,7 +207,7 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int) -> Received:
     entries = [manifest.FileEntry(**d) for d in header["files"]]
     chunks = [(i, min(chunk_bytes, e.size - off)) for i, e in enumerate(entries)
               for off in range(0, e.size, chunk_bytes)]
-    bufs = _buffers("recv", chunk_bytes)
+    bufs = _buffers("recv", chunk_bytes, count=4)
     hashers = [xxhash.xxh3_64() for _ in entries]
     fds: dict[int, tuple[int, bool]] = {}
     failed: dict[int, str] = {}
@@ -239,28 +241,54 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int) -> Received:
         if e.size == 0:
             open_file(i)
             finish_file(i)
-    works = {k: dist.irecv(bufs[k % 2][: chunks[k][1]], src, group=group) for k in range(min(2, len(chunks)))}
-    for k, (i, n) in enumerate(chunks):
-        works.pop(k).wait()
-        whole = memoryview(bufs[k % 2].numpy())
-        hashers[i].update(whole[:n])
-        res.nbytes += n
-        if i not in fds and i not in failed:
-            open_file(i)
-        if i in fds:
-            fd, direct = fds[i]
-            view = whole[: -(-n // _ALIGN) * _ALIGN] if direct else whole[:n]
-            try:
-                done = 0
-                while done < len(view):
-                    done += os.write(fd, view[done:])
-            except OSError as ex:
-                failed[i] = f"{type(ex).__name__}: {ex}"
-                os.close(fds.pop(i)[0])
-        if k + 1 == len(chunks) or chunks[k + 1][0] != i:
-            finish_file(i)
-        if k + 2 < len(chunks):  # the buffer just consumed takes chunk k+2
-            works[k + 2] = dist.irecv(bufs[k % 2][: chunks[k + 2][1]], src, group=group)
+    free: queue.Queue = queue.Queue()
+    for b in range(len(bufs)):
+        free.put(b)
+    writes: queue.Queue = queue.Queue()
+
+    def writer():  # owns fds/failed: disk writes overlap the next receives
+        while True:
+            item = writes.get()
+            if item is None:
+                return
+            i, b, n, last = item
+            if i not in fds and i not in failed:
+                open_file(i)
+            if i in fds:
+                fd, direct = fds[i]
+                whole = memoryview(bufs[b].numpy())
+                view = whole[: -(-n // _ALIGN) * _ALIGN] if direct else whole[:n]
+                try:
+                    done = 0
+                    while done < len(view):
+                        done += os.write(fd, view[done:])
+                except OSError as ex:
+                    failed[i] = f"{type(ex).__name__}: {ex}"
+                    os.close(fds.pop(i)[0])
+            if last:
+                finish_file(i)
+            free.put(b)
+
+    th = threading.Thread(target=writer, name="tierckpt-recv-write", daemon=True)
+    th.start()
+    in_flight = min(2, len(bufs) - 1)
+    works = {}
+    try:
+        for k in range(min(in_flight, len(chunks))):
+            b = free.get()
+            works[k] = (b, dist.irecv(bufs[b][: chunks[k][1]], src, group=group))
+        for k, (i, n) in enumerate(chunks):
+            b, w = works.pop(k)
+            w.wait()
+            hashers[i].update(memoryview(bufs[b].numpy())[:n])
+            res.nbytes += n
+            writes.put((i, b, n, k + 1 == len(chunks) or chunks[k + 1][0] != i))
+            if k + in_flight < len(chunks):
+                b2 = free.get()
+                works[k + in_flight] = (b2, dist.irecv(bufs[b2][: chunks[k + in_flight][1]], src, group=group))
+    finally:
+        writes.put(None)
+        th.join()
     for i, e in enumerate(entries):
         if i in failed:
             res.problems.append(f"{t.dst_rel}/{e.path}: write failed: {failed[i]}")
@@ -276,14 +304,14 @@ _BUFFERS: dict = {}
 _BUF_LOCK = threading.Lock()
 
 
-def _buffers(kind: str, chunk_bytes: int) -> list[torch.Tensor]:
-    """Two page-aligned ``chunk_bytes`` buffers per direction, allocated once per process and
-    reused by every transfer (a rank runs at most one send stream and one receive stream at
-    a time)."""
+def _buffers(kind: str, chunk_bytes: int, count: int = 2) -> list[torch.Tensor]:
+    """``count`` page-aligned ``chunk_bytes`` buffers per direction, allocated once per process
+    and reused by every transfer (a rank runs at most one send stream and one receive stream
+    at a time)."""
     with _BUF_LOCK:
         key = (kind, chunk_bytes)
         if key not in _BUFFERS:
-            maps = [mmap.mmap(-1, chunk_bytes) for _ in range(2)]
+            maps = [mmap.mmap(-1, chunk_bytes) for _ in range(count)]
             _BUFFERS[key] = (maps, [torch.frombuffer(m, dtype=torch.uint8) for m in maps])
         return _BUFFERS[key][1]
 
