@@ -1,0 +1,81 @@
+"""TOML front-end: precedence, validation with full key paths, the shipped configs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="torchtitan is part of the pinned test environment")
+
+from tierckpt.errors import ConfigError  # noqa: E402
+from titan_plugin.toml import load_config  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA = '[job]\nmodule = "llama3"\nconfig = "llama3_debugmodel"\n'
+
+
+def _toml(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_precedence_cli_over_toml_over_registry(tmp_path):
+    path = _toml(tmp_path, LLAMA + "[training]\nsteps = 7\nseq_len = 64\n[checkpoint]\nenable = true\nlocal_interval = 3\n")
+    c = load_config(path, ["--training.steps", "9", "--checkpoint.replication_factor=1"])
+    assert c.training.steps == 9            # CLI beats TOML
+    assert c.training.seq_len == 64         # TOML beats registry (2048)
+    assert c.training.local_batch_size == 8  # registry default kept
+    assert type(c.checkpoint).__name__ == "Config" and c.checkpoint.local_interval == 3
+    assert c.checkpoint.replication_factor == 1 and c.checkpoint.enable is True
+
+
+@pytest.mark.parametrize("text,overrides,key,fragment", [
+    ("[checkpoint]\nbogus = 1\n", [], "checkpoint.bogus", "allowed keys of [checkpoint]"),
+    ("[checkpoint]\nreplication_factor = \"two\"\n", [], "checkpoint.replication_factor", "expected an integer"),
+    ("", ["--checkpoint.replication_factor", "0"], "checkpoint.replication_factor", ">= 1"),
+    ("", ["--checkpoint.async_mode", "fast"], "checkpoint.async_mode", "'disabled', 'async'"),
+    ("", ["--checkpoint.keep_latest_k", "1"], "checkpoint.keep_latest_k", "at least 2"),
+    ("", ["--checkpoint.local_keep_latest_k", "-1"], "checkpoint.local_keep_latest_k", ">= 0"),
+    ("[checkpoint]\nenable = true\nlocal_root = \"/x/{nodes}\"\n", [], "checkpoint.local_root", "unknown field"),
+    ("[training]\nsteps = true\n", [], "training.steps", "expected an integer"),
+    ("[nosuchsection]\nx = 1\n", [], "nosuchsection", "unknown key"),
+])
+def test_bad_values_name_the_key(tmp_path, text, overrides, key, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(_toml(tmp_path, LLAMA + text), overrides)
+    assert e.value.option == key and fragment in str(e.value), str(e.value)
+
+
+def test_impossible_replication_rejected_before_process_groups(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = _toml(tmp_path, LLAMA + "[checkpoint]\nenable = true\nsimulated_ranks_per_node = 1\nreplication_factor = 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert e.value.option == "checkpoint.replication_factor" and "1..2" in str(e.value)
+
+
+def test_job_table_is_validated(tmp_path):
+    with pytest.raises(ConfigError, match="job.module"):
+        load_config(_toml(tmp_path, "[job]\nconfig = \"x\"\n"))
+    with pytest.raises(ConfigError, match="job.config.*allowed"):
+        load_config(_toml(tmp_path, '[job]\nmodule = "llama3"\nconfig = "nope"\n'))
+    with pytest.raises(ConfigError, match="job.extra"):
+        load_config(_toml(tmp_path, LLAMA + "extra = 1\n"))
+
+
+@pytest.mark.parametrize("name", ["titan_demo.toml", "titan_llama3_8b_nvme.toml"])
+def test_shipped_configs_load(name):
+    c = load_config(os.path.join(ROOT, "configs", name))
+    assert c.checkpoint.enable and c.checkpoint.local_interval > 0
+    assert c.checkpoint.replication_factor == 2 and "{node}" in c.checkpoint.local_root
+
+
+def test_cli_exit_code_and_message(tmp_path):
+    path = _toml(tmp_path, LLAMA + "[checkpoint]\nreplication_jump = 0\n")
+    r = subprocess.run([sys.executable, "-m", "titan_plugin.train", "--toml", path],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "checkpoint.replication_jump" in r.stderr, r.stderr[-2000:]
