@@ -7,8 +7,8 @@ torchtitan 0.3.0's ``ConfigManager`` resolves a third-party ``--module pkg`` by 
 ``titan_demo``: the llama3 debug model on the demo corpus (``titan_plugin.assets``), sized for a
 2-core CPU machine: seq 256 × local batch 2, 30 steps, fp32 params, no compile, no activation
 checkpointing, no validator, fixed seed, deterministic algorithms, loss logged every step.
-Checkpointing is torchtitan's plain ``CheckpointManager.Config(enable=False)``; enable it from
-the CLI or replace it with the tiered manager's config.
+Checkpointing is tierckpt's ``TieredCheckpointManager.Config`` (off by default; enable it from
+the CLI with ``--checkpoint.enable`` or use configs/titan_demo.toml).
 
 Run: ``python -m torch.distributed.run --nproc-per-node 2 -m torchtitan.train
 --module titan_plugin --config titan_demo``.
@@ -16,7 +16,6 @@ Run: ``python -m torch.distributed.run --nproc-per-node 2 -m torchtitan.train
 
 from __future__ import annotations
 
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.optimizer import default_adamw as _default_adamw
@@ -32,6 +31,7 @@ from titan_plugin.assets import DATASET_NAME
 from titan_plugin.assets import ensure_assets as _ensure_assets
 from titan_plugin.assets import register_dataset as _register_dataset
 from titan_plugin.cpu import apply_cpu_compat as _apply_cpu_compat
+from titan_plugin.manager import TieredCheckpointManager
 from titan_plugin.metrics import JsonlMetricsProcessor
 
 __all__ = ["titan_demo", "DEMO_SEED"]
@@ -94,11 +94,18 @@ def titan_demo() -> Trainer.Config:
             # "spmd_types" backend is not what the multi-rank CPU runs were verified with.
             spmd_backend="partial_dtensor",
         ),
-        checkpoint=CheckpointManager.Config(
+        # Tiered checkpoints (off until enabled: --checkpoint.enable or configs/titan_demo.toml):
+        # local tier + replica every 5 steps, persistent tier every 10, 2 simulated nodes.
+        checkpoint=TieredCheckpointManager.Config(
             enable=False,
             folder="checkpoint",
             interval=10,
             last_save_model_only=False,
+            local_interval=5,
+            local_root="./outputs/titan_demo/nvme/{job}/node-{node}",
+            replication_factor=2,
+            simulated_ranks_per_node=1,
+            job_id="titan-demo",
         ),
         activation_checkpoint=None,
         compile=CompileConfig(enable=False),
