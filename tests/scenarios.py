@@ -352,3 +352,34 @@ def phase_retention_and_staging(rank, world, base):
     pers = sorted(d for d in os.listdir(os.path.join(base, "pfs")) if d.startswith("step-"))
     eng.close()
     return {"local": local, "replicas": replicas, "persistent": pers}
+
+
+def phase_adaptive(rank, world, base, clean_end, steps):
+    """Train with adaptive intervals; every rank must agree on due() at every step."""
+    import time as _time
+
+    cfg = make_config(base, intervals={"local": 3, "persistent": 6}, adaptive=("local", "persistent"),
+                      schedule_options={"gpu_mtbf_s": 120.0, "mtbf_weight": 1.0, "restart_prior_s": 1.0})
+    eng = TieredCheckpointer(cfg, node_id=rank)
+    model, opt = build(seed=0)
+    agreed, saved = [], []
+    t_prev = _time.perf_counter()
+    for s in range(1, steps + 1):
+        train_step(model, opt, s, rank)
+        _time.sleep(0.05)  # a step of known, non-trivial length
+        now = _time.perf_counter()
+        eng.observe_step(now - t_prev)
+        tiers = eng.due(s)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, tiers)
+        agreed.append(all(e == tiers for e in everyone))
+        if tiers:
+            eng.save(s, app_state(model, opt), tiers=tiers)
+            saved.append((s, tiers))
+        t_prev = _time.perf_counter()
+    tau = dict(eng.cadence.tau)
+    if clean_end:
+        eng.close()
+    else:
+        eng.wait()  # a crash: no run_end record
+    return {"agreed": all(agreed), "saved": saved, "tau": tau}

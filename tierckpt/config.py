@@ -65,6 +65,14 @@ class TierConfig:
             is on its own disk.
         simulated_ranks_per_node: > 0 simulates nodes on one machine: node = rank // this
             (tests and demos); 0 derives nodes from the environment (torchrun, Slurm, hostname).
+        intervals: ``{tier: steps}`` between saves, for :meth:`TieredCheckpointer.due`; for an
+            adaptive tier, the interval used until the scheduler knows the step time. None: the
+            caller decides when to save.
+        adaptive: tiers whose interval comes from Young/Daly with measured δ and the MTBF
+            estimate (:mod:`tierckpt.schedule`); each must be in ``intervals``.
+        schedule_options: extra :class:`tierckpt.schedule.Scheduler` arguments (``gpu_mtbf_s``,
+            ``mtbf_weight``, ``min_steps``, ``max_steps``, ``min_s``, ``max_s``,
+            ``restart_prior_s``, ``persistent_share``).
     """
 
     local_root: str | None = None
@@ -79,6 +87,9 @@ class TierConfig:
     collective_timeout_s: float = 600.0
     local_root_is_node_private: bool = False
     simulated_ranks_per_node: int = 0
+    intervals: dict[str, int] | None = None
+    adaptive: tuple[str, ...] = ()
+    schedule_options: dict = field(default_factory=dict)
 
     def validate(self) -> "TierConfig":
         """Check every field; return ``self`` with normalised values.
@@ -119,6 +130,20 @@ class TierConfig:
                 "transfer_chunk_bytes",
                 f"must be a positive multiple of 4096 bytes (O_DIRECT alignment), got {self.transfer_chunk_bytes!r}",
             )
+        if self.intervals is not None:
+            if not isinstance(self.intervals, dict):
+                raise ConfigError("intervals", f"must be a mapping tier -> steps, got {self.intervals!r}")
+            for tier, n in self.intervals.items():
+                if tier not in self.tiers:
+                    raise ConfigError("intervals", f"tier {tier!r} is not configured; configured: {', '.join(self.tiers)}")
+                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                    raise ConfigError(f"intervals.{tier}", f"must be an integer number of steps >= 1, got {n!r}")
+        self.adaptive = validate_tiers(self.adaptive, "adaptive")
+        for tier in self.adaptive:
+            if not self.intervals or tier not in self.intervals:
+                raise ConfigError("adaptive", f"tier {tier!r} needs an initial interval in intervals.{tier}")
+        if not isinstance(self.schedule_options, dict):
+            raise ConfigError("schedule_options", f"must be a mapping, got {self.schedule_options!r}")
         if isinstance(self.simulated_ranks_per_node, bool) or not isinstance(self.simulated_ranks_per_node, int) \
                 or self.simulated_ranks_per_node < 0:
             raise ConfigError("simulated_ranks_per_node",

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from . import retention
 from .collectives import FAILURES, all_gather
+from .cadence import Cadence
 from .config import TierConfig, validate_tiers
 from .errors import ConfigError
 from .ledger import Ledger
@@ -102,9 +103,52 @@ class TieredCheckpointer:
         self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
                                  self.cfg.transfer_chunk_bytes)
         self._closed = False
+        self.cadence: Cadence | None = None
+        self._pending_tau: dict[str, dict | None] = {}
+        if self.cfg.intervals:
+            self.cadence = Cadence(self.cfg.intervals, self.cfg.adaptive, rank=topo.rank,
+                                   world_size=topo.world_size, scheduler_kw=self.cfg.schedule_options)
+            self._share_schedule(self.groups.local_world, "start", refresh_ledger=True)
         log.info("tierckpt: rank %d node %d/%d (%s), peers %s, local root %s, persistent %s",
                  topo.rank, topo.node, topo.nodes, topo.source, topo.peers(),
                  self.local.store.url if self.local else None, pstore.url)
+
+    # -- cadence -------------------------------------------------------------------------------
+    def due(self, step: int) -> list[str]:
+        """Tiers due at ``step`` under ``TierConfig.intervals`` (same answer on every rank).
+
+        Raises:
+            RuntimeError: no ``intervals`` configured.
+        """
+        if self.cadence is None:
+            raise RuntimeError("TierConfig.intervals is not set: the caller decides when to save")
+        return self.cadence.due(step)
+
+    def observe_step(self, seconds: float) -> None:
+        """Report one training step's wall time (seconds, without checkpoint stalls) to the
+        adaptive scheduler. Cheap; call every step."""
+        if self.cadence is not None:
+            self.cadence.observe_step(seconds)
+
+    def _share_schedule(self, group, trigger: str, *, refresh_ledger: bool = False, step: int | None = None):
+        """Rank 0 proposes tau per adaptive tier; everyone receives it (collective on ``group``).
+        Returns the proposal; ``trigger`` labels the ledger ``schedule`` records."""
+        prop = None
+        if self.topo.rank == 0:
+            if refresh_ledger:
+                try:
+                    self.cadence.update_from_ledger(Ledger.read(self.persistent.store), self.ledger.run_id)
+                except (OSError, ValueError) as e:
+                    log.warning("tierckpt schedule: could not read the ledger: %s", e)
+            got = self.cadence.proposal()
+            if got is not None:
+                prop, decisions = got
+                for t, d in self.cadence.changed(decisions).items():
+                    self.ledger.append("schedule", trigger=trigger, at_step=step, **d.as_record())
+                    log.info("tierckpt schedule (%s): %s every %s steps (tau %.1fs, delta %.3fs, M %.0fs, "
+                             "R %.1fs, p %.2f; %s)", trigger, t, d.tau_steps, d.tau_s or float("nan"),
+                             d.delta, d.M, d.R, d.p, d.reason)
+        return all_gather(prop, group)[0]
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, step: int, state_dict: dict, tiers: Iterable[str] | None = None) -> float:
@@ -135,6 +179,8 @@ class TieredCheckpointer:
         t0 = time.perf_counter()
         for t in tiers:
             self._wait_tier(t)
+            if self.cadence is not None:  # every rank reaches this at the same step
+                self.cadence.apply(self._pending_tau.pop(t, None))
         t_wait = time.perf_counter() - t0
         slot = self.pool.acquire()
         try:
@@ -144,6 +190,8 @@ class TieredCheckpointer:
             slot.release()
             raise
         delta = time.perf_counter() - t0
+        if self.cadence is not None:
+            self.cadence.mark_saved(tiers, step)
         for t in tiers:
             job = self._local_job if t == "local" else self._persistent_job
             self._pending[t] = self._workers[t].submit(self._guard, job, t, staged, step, delta, t_wait, slot)
@@ -180,6 +228,11 @@ class TieredCheckpointer:
         with self._lock:
             self.history.append(rec)
         self.ledger.append("checkpoint", **rec)
+        if self.cadence is not None:
+            if rec["ok"]:
+                self.cadence.observe_checkpoint(tier, rec["blocking_s"], rec["background_s"])
+            # M grows with failure-free exposure: re-read the ledger's evidence each time
+            self._pending_tau[tier] = self._share_schedule(group, "checkpoint", refresh_ledger=True, step=step)
         return rec
 
     def _local_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> None:
@@ -254,16 +307,24 @@ class TieredCheckpointer:
         self.wait()
         res = self.restorer.restore(state_dict, step)
         if res is not None:
-            self.ledger.append(
-                "restore", step=res.step, seconds=res.seconds, attempts=res.attempts,
-                persistent_bytes=res.persistent_bytes_read,
-                bytes=sum(o.bytes for o in res.sources.values()),
-                sources={str(n): {"source": o.source.kind, "holder": o.source.holder, "bytes": o.bytes,
-                                  "seconds": o.seconds} for n, o in res.sources.items()},
-                failures=[{"node": f.node, "source": f.source.kind, "holder": f.source.holder,
-                           "step": f.step, "error": f.error} for f in res.failures],
-            )
+            self._ledger_restore(res)
+        if self.cadence is not None and res is not None:
+            self.cadence.reset(res.step)
+            self.cadence.apply(self._share_schedule(self.groups.local_world, "restart",
+                                                    refresh_ledger=True, step=res.step))
         return res
+
+    def _ledger_restore(self, res: RestoreResult) -> None:
+        """Append the restore record (global rank 0 writes)."""
+        self.ledger.append(
+            "restore", step=res.step, seconds=res.seconds, attempts=res.attempts,
+            persistent_bytes=res.persistent_bytes_read,
+            bytes=sum(o.bytes for o in res.sources.values()),
+            sources={str(n): {"source": o.source.kind, "holder": o.source.holder, "bytes": o.bytes,
+                              "seconds": o.seconds} for n, o in res.sources.items()},
+            failures=[{"node": f.node, "source": f.source.kind, "holder": f.source.holder,
+                       "step": f.step, "error": f.error} for f in res.failures],
+        )
 
     def committed_steps(self) -> dict[str, list[int]]:
         """This rank's view: {"local": own node's steps, "persistent": steps} (not collective)."""

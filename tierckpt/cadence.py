@@ -1,0 +1,120 @@
+"""When each tier saves, agreed by every rank (fixed step intervals or adaptive, issue 4).
+
+Global rank 0 owns the :class:`~tierckpt.schedule.Scheduler` (it observes step times, the
+δ and background times gathered after each checkpoint, and the ledger's MTBF, restart and
+fallback evidence) and proposes ``tau_steps`` per tier. Proposals travel on collectives the
+engine runs anyway (the stats all-gather after a checkpoint, the restore all-gather) and are
+applied only at points every rank reaches at the same training step — the next save of the
+tier whose job carried them, or the end of a restore — so every rank's :meth:`due` answers the
+same for every step (a disagreement would deadlock the next collective).
+
+An adaptive tier starts with its configured interval (``initial``) until the scheduler knows
+the step time; afterwards τ = sqrt(2δ(M+R)) − δ (Daly 2006) in steps, clamped (see
+:mod:`tierckpt.schedule`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .schedule import Decision, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Cadence:
+    """Per-tier save cadence.
+
+    Args:
+        intervals: ``{tier: steps}`` — the fixed interval, or for adaptive tiers the interval
+            used until the first adaptive decision.
+        adaptive: tiers whose interval the scheduler chooses.
+        rank, world_size: this rank and the job size (ranks stand for GPUs in the MTBF prior).
+        scheduler_kw: extra :class:`Scheduler` arguments (gpu_mtbf_s, mtbf_weight, min_steps,
+            max_steps, …).
+
+    Raises:
+        ConfigError: invalid scheduler options (naming the option).
+    """
+
+    def __init__(self, intervals: dict[str, int], adaptive: tuple[str, ...], *, rank: int,
+                 world_size: int, scheduler_kw: dict | None = None):
+        self.tiers = tuple(intervals)
+        self.tau = {t: int(n) for t, n in intervals.items()}
+        self.adaptive = tuple(t for t in adaptive if t in intervals)
+        self.last: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.scheduler = None
+        self._last_logged: dict[str, tuple] = {}
+        if rank == 0:
+            fixed = {t: n for t, n in self.tau.items() if t not in self.adaptive}
+            self.scheduler = Scheduler(self.tiers, gpus=world_size, fixed_steps=fixed, **(scheduler_kw or {}))
+
+    # -- rank 0 --------------------------------------------------------------------------------
+    def observe_step(self, seconds: float) -> None:
+        """Training step wall time, seconds, without checkpoint stalls (used on rank 0)."""
+        if self.scheduler is not None and seconds > 0:
+            with self._lock:
+                self.scheduler.observe_step(seconds)
+
+    def observe_checkpoint(self, tier: str, blocking_s: float, background_s: float) -> None:
+        """δ and background time of a finished save (max over ranks; used on rank 0)."""
+        if self.scheduler is not None:
+            with self._lock:
+                self.scheduler.observe_checkpoint(tier, blocking_s, background_s)
+
+    def update_from_ledger(self, records: list[dict], run_id: str) -> None:
+        """Refresh M, R, p from the ledger (rank 0)."""
+        if self.scheduler is not None:
+            with self._lock:
+                self.scheduler.update_from_ledger(records, current_run_id=run_id, now=time.time())
+
+    def proposal(self) -> tuple[dict[str, int], dict[str, Decision]] | None:
+        """Rank 0: (``{tier: tau_steps}`` for adaptive tiers with a decision, decisions)."""
+        if self.scheduler is None or not self.adaptive:
+            return None
+        with self._lock:
+            decisions = {t: self.scheduler.interval(t) for t in self.adaptive}
+        return {t: d.tau_steps for t, d in decisions.items() if d.tau_steps is not None}, decisions
+
+    def changed(self, decisions: dict[str, Decision]) -> dict[str, Decision]:
+        """Decisions whose steps or reason differ from the last ones logged (rank 0)."""
+        out = {}
+        for t, d in decisions.items():
+            key = (d.tau_steps, d.reason)
+            if self._last_logged.get(t) != key:
+                self._last_logged[t] = key
+                out[t] = d
+        return out
+
+    # -- every rank ----------------------------------------------------------------------------
+    def apply(self, tau_steps: dict[str, int] | None) -> None:
+        """Adopt rank 0's proposal (call at a point every rank reaches at the same step)."""
+        for t, n in (tau_steps or {}).items():
+            if t in self.adaptive and n and n >= 1:
+                self.tau[t] = int(n)
+
+    def due(self, step: int) -> list[str]:
+        """Tiers due at ``step``: ``step − last save ≥ tau``. A tier never saved counts from 0."""
+        return [t for t in self.tiers if step - self.last.get(t, 0) >= self.tau[t]]
+
+    def mark_saved(self, tiers, step: int) -> None:
+        """``tiers`` saved at ``step``."""
+        for t in tiers:
+            if t in self.tau:
+                self.last[t] = int(step)
+        if self.scheduler is not None:
+            with self._lock:
+                for t in tiers:
+                    if t in self.tau:
+                        self.scheduler.mark_saved(t, step)
+
+    def reset(self, step: int) -> None:
+        """Count every interval from ``step`` (after a restore)."""
+        for t in self.tiers:
+            self.last[t] = int(step)
+        if self.scheduler is not None:
+            with self._lock:
+                self.scheduler.reset(step)
