@@ -42,6 +42,7 @@ def test_precedence_cli_over_toml_over_registry(tmp_path):
     ("", ["--checkpoint.local_keep_latest_k", "-1"], "checkpoint.local_keep_latest_k", ">= 0"),
     ("[checkpoint]\nenable = true\nlocal_root = \"/x/{nodes}\"\n", [], "checkpoint.local_root", "unknown field"),
     ("[training]\nsteps = true\n", [], "training.steps", "expected an integer"),
+    ("[checkpoint]\nadaptive = [\"nvme\"]\n", [], "checkpoint.adaptive", "allowed: local, persistent"),
     ("[nosuchsection]\nx = 1\n", [], "nosuchsection", "unknown key"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, overrides, key, fragment):
@@ -72,6 +73,8 @@ def test_shipped_configs_load(name):
     c = load_config(os.path.join(ROOT, "configs", name))
     assert c.checkpoint.enable and c.checkpoint.local_interval > 0
     assert c.checkpoint.replication_factor == 2 and "{node}" in c.checkpoint.local_root
+    if "8b" in name:
+        assert c.checkpoint.adaptive == ["local", "persistent"] and c.checkpoint.max_interval_steps == 5000
 
 
 def test_cli_exit_code_and_message(tmp_path):

@@ -97,8 +97,11 @@ class Cadence:
                 self.tau[t] = int(n)
 
     def due(self, step: int) -> list[str]:
-        """Tiers due at ``step``: ``step − last save ≥ tau``. A tier never saved counts from 0."""
-        return [t for t in self.tiers if step - self.last.get(t, 0) >= self.tau[t]]
+        """Tiers due at ``step``. Fixed tiers: ``step % tau == 0`` (torchtitan's and Megatron's
+        convention, so saves land on the same steps after a resume). Adaptive tiers:
+        ``step − last save ≥ tau`` (a tier never saved counts from 0)."""
+        return [t for t in self.tiers
+                if (step - self.last.get(t, 0) >= self.tau[t] if t in self.adaptive else step % self.tau[t] == 0)]
 
     def mark_saved(self, tiers, step: int) -> None:
         """``tiers`` saved at ``step``."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -94,6 +94,20 @@ class TieredCheckpointManager(CheckpointManager):
         simulated_ranks_per_node: int = 0
         """> 0 simulates nodes on one machine (node = rank // this); 0 = real topology."""
 
+        adaptive: list[str] = field(default_factory=list)
+        """Tiers ("local", "persistent") whose interval is chosen by Young/Daly from measured
+        stall time and the MTBF estimate; their interval fields are the starting value."""
+
+        gpu_mtbf_hours: float = 0.0
+        """Prior MTBF of one GPU in hours for the adaptive scheduler (0 = Llama 3's:
+        16,384 GPUs x 54 days / 419 interruptions)."""
+
+        min_interval_steps: int = 1
+        """Lower bound of adaptive intervals, steps."""
+
+        max_interval_steps: int = 0
+        """Upper bound of adaptive intervals, steps (0 = none)."""
+
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
             for name in ("local_interval", "local_keep_latest_k", "simulated_ranks_per_node"):
@@ -104,6 +118,16 @@ class TieredCheckpointManager(CheckpointManager):
                 v = getattr(self, name)
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise ConfigError(f"checkpoint.{name}", f"must be an integer >= 1, got {v!r}")
+            for t in self.adaptive:
+                if t not in ("local", "persistent"):
+                    raise ConfigError("checkpoint.adaptive", f"unknown tier {t!r}; allowed: local, persistent")
+            if self.gpu_mtbf_hours < 0:
+                raise ConfigError("checkpoint.gpu_mtbf_hours", f"must be >= 0 (0 = Llama 3 prior), got {self.gpu_mtbf_hours!r}")
+            if self.min_interval_steps < 1 or self.max_interval_steps < 0 or (
+                    self.max_interval_steps and self.max_interval_steps < self.min_interval_steps):
+                raise ConfigError("checkpoint.max_interval_steps",
+                                  f"need 1 <= min_interval_steps <= max_interval_steps (0 = unbounded), got "
+                                  f"{self.min_interval_steps}, {self.max_interval_steps}")
             if self.local_interval and not self.local_root.strip():
                 raise ConfigError("checkpoint.local_root", "a directory template is required when local_interval > 0")
 
@@ -121,24 +145,31 @@ class TieredCheckpointManager(CheckpointManager):
         self.local_interval = config.local_interval
         self.persistent_folder = config.persistent_folder or self.folder
         tiers = ("local", "persistent") if config.local_interval > 0 else ("persistent",)
+        sched = {"min_steps": config.min_interval_steps}
+        if config.max_interval_steps:
+            sched["max_steps"] = config.max_interval_steps
+        if config.gpu_mtbf_hours:
+            sched["gpu_mtbf_s"] = config.gpu_mtbf_hours * 3600.0
         tcfg = TierConfig(
             local_root=config.local_root, persistent_root=self.persistent_folder, tiers=tiers,
             replication_jump=config.replication_jump, replication_factor=config.replication_factor,
             keep_latest_k={"local": config.local_keep_latest_k, "persistent": config.keep_latest_k},
             job_id=config.job_id or None, simulated_ranks_per_node=config.simulated_ranks_per_node,
+            intervals={"local": config.local_interval, "persistent": self.interval} if config.local_interval
+            else {"persistent": self.interval},
+            adaptive=tuple(t for t in config.adaptive if t in tiers), schedule_options=sched,
         )
         try:
             self.engine = TieredCheckpointer(tcfg, persistent_io=TitanPersistentIO())
         except ConfigError as e:
             raise ConfigError(f"checkpoint.{e.option}", str(e).split(": ", 1)[-1]) from None
         self.last_restore = None
+        self._t_step_end: float | None = None
 
     # -- save ----------------------------------------------------------------------------------
     def _due_tiers(self, curr_step: int, last_step: bool) -> list[str]:
-        tiers = []
-        if self.local_interval and curr_step % self.local_interval == 0:
-            tiers.append("local")
-        if curr_step % self.interval == 0 or (curr_step == 1 and self.enable_first_step_checkpoint):
+        tiers = self.engine.due(curr_step)  # fixed or adaptive, the same on every rank
+        if curr_step == 1 and self.enable_first_step_checkpoint and "persistent" not in tiers:
             tiers.append("persistent")
         if last_step and not self.last_save_model_only:
             tiers = [t for t in ("local", "persistent") if t in self.engine.cfg.tiers]
@@ -151,6 +182,15 @@ class TieredCheckpointManager(CheckpointManager):
         export runs (synchronously, not a resume point)."""
         if self.load_only:
             return False
+        now = time.perf_counter()
+        if self._t_step_end is not None:  # the trainer calls save() after every step
+            self.engine.observe_step(now - self._t_step_end)
+        try:
+            return self._save_due(curr_step, last_step)
+        finally:
+            self._t_step_end = time.perf_counter()
+
+    def _save_due(self, curr_step: int, last_step: bool) -> bool:
         tiers = self._due_tiers(curr_step, last_step)
         if last_step and self.last_save_model_only and "persistent" in tiers:
             tiers.remove("persistent")  # torchtitan's export writes step-N there instead
