@@ -104,6 +104,7 @@ class TieredCheckpointer:
                                  self.cfg.transfer_chunk_bytes)
         self._closed = False
         self.cadence: Cadence | None = None
+        self.schedule_log: list[dict] = []  # rank 0: every decision that changed, for metrics
         self._pending_tau: dict[str, dict | None] = {}
         if self.cfg.intervals:
             self.cadence = Cadence(self.cfg.intervals, self.cfg.adaptive, rank=topo.rank,
@@ -144,7 +145,9 @@ class TieredCheckpointer:
             if got is not None:
                 prop, decisions = got
                 for t, d in self.cadence.changed(decisions).items():
-                    self.ledger.append("schedule", trigger=trigger, at_step=step, **d.as_record())
+                    rec = self.ledger.append("schedule", trigger=trigger, at_step=step, **d.as_record())
+                    with self._lock:
+                        self.schedule_log.append(rec)
                     log.info("tierckpt schedule (%s): %s every %s steps (tau %.1fs, delta %.3fs, M %.0fs, "
                              "R %.1fs, p %.2f; %s)", trigger, t, d.tau_steps, d.tau_s or float("nan"),
                              d.delta, d.M, d.R, d.p, d.reason)
