@@ -1,40 +1,54 @@
 #!/usr/bin/env python
-"""Local launcher and demo of tierckpt: lose a node, come back from its neighbour's replica.
+"""The main demo: torchtitan's llama3 debug model loses a node and comes back from its neighbour.
 
-Run ``python launch/local_demo.py`` (or ``make demo``). On one machine it starts 2 rank
-processes as 2 simulated nodes (one rank per node, gloo), each training a small FSDP2
-(``fully_shard``) byte-level transformer with AdamW on real text that ships with Python (the
-source code of a few standard-library modules). tierckpt writes the local tier every
-``--local-every`` steps (replicated to the other node, F=2) and the persistent tier every
-``--persistent-every`` steps.
+Run ``python launch/local_demo.py`` (or ``make demo``). On one machine the launcher starts one
+process per rank, 2 ranks = 2 simulated nodes (``checkpoint.simulated_ranks_per_node = 1``),
+each running the unmodified torchtitan trainer through our TOML front-end::
 
-The scenario:
+    python -m titan_plugin.train --toml configs/titan_demo.toml --dump_folder … --checkpoint.local_root …
 
-1. reference: the same training, same seeds and batches, no checkpointing and no failure;
-2. attempt 1: training with tiered checkpoints; once node 1 reaches ``--kill-step`` (and its
-   latest local step is replicated on node 0), the launcher SIGKILLs node 1, deletes node 1's
-   whole local root (its "NVMe" is gone), then kills the survivor too (a real job loses its
-   process group);
-3. attempt 2: the whole job restarts (fresh processes, fresh port); every rank calls
-   ``TieredCheckpointer.restore``; node 0 loads its own local step, node 1 pulls its files
-   back from node 0's replica; no byte is read from the persistent tier; training runs to the
+(llama3 debugmodel, FSDP2 over gloo on CPU, tiered checkpoints from ``configs/titan_demo.toml``:
+local tier + replica on the other node every ``--local-interval`` steps, persistent tier every
+``--persistent-interval`` steps). The scenario:
+
+1. **reference**: the same training (same ``training.steps``, world size, seeds, data,
+   OMP_NUM_THREADS=1) without a failure, in its own directories; no local tier, and its only
+   checkpoint is the final full save to the persistent tier (to compare the final state);
+2. **failure run, attempt 1**: once the ledger shows the committed (and replicated) local
+   checkpoint of step ``--kill-after`` and rank 0 has logged a later step, the launcher
+   SIGKILLs node ``--victim``'s process, deletes that node's whole local root (its "NVMe" is
+   gone), then kills the survivor (a real job loses its process group);
+3. **failure run, attempt 2**: the whole job restarts (fresh processes, fresh port); the
+   trainer's ``checkpointer.load()`` restores node 0 from its own local tier and node 1 from
+   node 0's replica, without reading a byte of the persistent tier, and training runs to the
    end.
 
-The launcher then checks that the losses after the resume are bitwise equal to the
-reference's, prints a short report and writes ``outputs/demo/report.json``. Exit status 1 if
-the losses differ, node 1 did not restore from ``peer-replica``, or persistent bytes were read.
+The report (printed, and ``<out>/report.json``) compares every loss logged after the resume
+with the reference's loss of the same step, exactly (``float.hex``, from the exact per-step
+``metrics/losses.jsonl``), takes the restore sources, persistent bytes and checkpoint timings
+from tierckpt's ledger, measures the recovery from the kill to the first post-restore step's
+log time, and compares the final step's full checkpoints (model, optimizer, lr_scheduler,
+dataloader, train_state) of both runs bitwise. Exit status 1 unless
+the losses are bitwise equal, node ``--victim`` came back from ``peer-replica`` and 0 persistent
+bytes were read (2: the scenario could not run).
 
-Interim main job: the torchtitan plugin (issue 3) replaces the model with torchtitan's llama3
-debug model and this launcher's worker with ``titan_plugin.train``.
+Layout of ``<out>`` (default ``outputs/demo``, cleared at the start)::
 
-Worker mode (used by the launcher): ``local_demo.py --worker --mode {reference,train} --out DIR``
-with MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/TIERCKPT_NODE_ID in the environment.
+    reference/                    dump folder of the reference run (metrics/losses.jsonl, …)
+    failure/                      dump folder of the failure run:
+      checkpoint/                   persistent tier + tierckpt-ledger.jsonl
+      nvme/<job>/node-<n>/          local roots (one simulated NVMe per node)
+    logs/                         one log per rank and attempt
+    report.json
+
+The functions :func:`run_demo` and :func:`clear_out` are used by ``tests/test_titan_demo.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -43,237 +57,28 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # running as a script puts launch/ on sys.path, not the repo root
     sys.path.insert(0, REPO)
 
 DEFAULT_OUT = os.path.join(REPO, "outputs", "demo")
-CORPUS_MODULES = ("argparse", "textwrap", "difflib", "heapq", "string", "fractions", "calendar")
-
-# model / data shape (byte-level tokens)
-VOCAB, DIM, LAYERS, HEADS, SEQ, BATCH = 256, 128, 4, 4, 128, 8
-
-
-# =============================================================================================
-# worker
-# =============================================================================================
-def corpus_bytes() -> bytes:
-    """Real text shipped with Python: the source of a few standard-library modules."""
-    import importlib
-    import inspect
-
-    parts = []
-    for name in CORPUS_MODULES:
-        parts.append(inspect.getsource(importlib.import_module(name)))
-    return "\n".join(parts).encode("utf-8")
+DEFAULT_TOML = os.path.join(REPO, "configs", "titan_demo.toml")
+JOB_ID = "titan-demo"
+# What this demo (and a manual run of configs/titan_demo.toml: run/, nvme/) leaves in <out>;
+# anything else there makes the launcher refuse to clear the directory. The demo's own local
+# roots are under failure/, never the TOML's default nvme/, so a manual run of the TOML at the
+# same time cannot hand the demo a stale local checkpoint of the same job id.
+OURS = {"reference", "failure", "nvme", "logs", "run", "report.json", "report.json.tmp"}
 
 
-def _build_model(seed: int):
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-    from torch.distributed.fsdp import fully_shard
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-            self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
-            self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
-
-        def forward(self, x):
-            b, t, c = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, c // HEADS).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
-            return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-    class TinyLM(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok = nn.Embedding(VOCAB, DIM)
-            self.pos = nn.Embedding(SEQ, DIM)
-            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-            self.ln_f = nn.LayerNorm(DIM)
-            self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-        def forward(self, idx):
-            h = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-            for blk in self.blocks:
-                h = blk(h)
-            return self.head(self.ln_f(h))
-
-    torch.manual_seed(seed)
-    model = TinyLM()
-    for blk in model.blocks:
-        fully_shard(blk)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    return model, opt
-
-
-def _lr(step: int, total: int, peak: float = 3e-3, warmup: int = 5) -> float:
-    """Warmup + cosine; a pure function of the step, so it needs no checkpointed state."""
-    import math
-
-    if step <= warmup:
-        return peak * step / warmup
-    frac = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-def _batch(data, step: int, rank: int):
-    """Deterministic (inputs, targets) of ``rank`` at ``step``: random windows of the corpus."""
-    import torch
-
-    g = torch.Generator().manual_seed(1_000_003 * step + rank)
-    starts = torch.randint(0, data.numel() - SEQ - 1, (BATCH,), generator=g)
-    x = torch.stack([data[s:s + SEQ] for s in starts.tolist()])
-    y = torch.stack([data[s + 1:s + SEQ + 1] for s in starts.tolist()])
-    return x, y
-
-
-def _state_digest(model, opt) -> str:
-    """sha256 of this rank's local shards of model and optimizer state (bitwise fingerprint)."""
-    import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, opt)
-    h = hashlib.sha256()
-
-    def visit(prefix, v):
-        if hasattr(v, "to_local"):
-            v = v.to_local()
-        if isinstance(v, torch.Tensor):
-            h.update(prefix.encode())
-            h.update(v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(v, dict):
-            for k in sorted(v, key=str):
-                visit(f"{prefix}.{k}", v[k])
-        elif isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
-                visit(f"{prefix}[{i}]", x)
-        else:
-            h.update(f"{prefix}={v!r}".encode())
-
-    visit("model", msd)
-    visit("optim", osd)
-    return h.hexdigest()
-
-
-def _write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
-
-
-def tier_config(out: str):
-    from tierckpt.config import TierConfig
-
-    return TierConfig(
-        local_root=os.path.join(out, "nvme", "node-{node}"),
-        persistent_root=os.path.join(out, "pfs"),
-        replication_jump=1,
-        replication_factor=2,
-        keep_latest_k={"local": 2, "persistent": 2},
-        job_id="demo",
-    )
-
-
-def worker(args) -> int:
-    import logging
-
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("demo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")  # env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
-    data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
-    model, opt = _build_model(seed=1234)
-    step_t = torch.zeros((), dtype=torch.int64)  # trainer state, checkpointed with the model
-
-    def app_state():
-        msd, osd = get_state_dict(model, opt)
-        return {"model": msd, "optim": osd, "train": {"step": step_t}}
-
-    # Building the state dict initialises AdamW's state (torch's get_state_dict does a
-    # zero-lr step on an empty optimizer); both modes do it here so they train identically.
-    state = app_state()
-    status_path = os.path.join(args.status_dir, f"rank{rank}.json")
-    status = {"rank": rank, "node": int(os.environ.get("TIERCKPT_NODE_ID", rank)), "pid": os.getpid(),
-              "mode": args.mode, "step": 0, "losses": {}, "restore": None, "first_step_time": None,
-              "saves": []}
-    eng = None
-    start = 0
-    if args.mode == "train":
-        from tierckpt.engine import TieredCheckpointer
-
-        eng = TieredCheckpointer(tier_config(args.out))  # node id from TIERCKPT_NODE_ID
-        res = eng.restore(state)
-        if res is not None:
-            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-            start = int(step_t.item())
-            assert start == res.step, (start, res.step)
-            status["restore"] = {
-                "step": res.step, "seconds": res.seconds, "attempts": res.attempts,
-                "persistent_bytes_read": res.persistent_bytes_read,
-                "sources": {str(n): {"source": o.source.kind, "holder": o.source.holder, "bytes": o.bytes,
-                                     "seconds": o.seconds} for n, o in res.sources.items()},
-                "failures": [{"node": f.node, "source": f.source.kind, "step": f.step, "error": f.error}
-                             for f in res.failures],
-            }
-            log.info("restored step %d: %s", res.step, status["restore"]["sources"])
-        else:
-            log.info("no checkpoint: starting from step 0")
-    _write_json(status_path, status)
-
-    for step in range(start + 1, args.steps + 1):
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, args.steps)
-        x, y = _batch(data, step, rank)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t = loss.detach().clone()
-        dist.all_reduce(t)  # global mean over ranks: the same number on every rank
-        gl = t.item() / world
-        step_t.fill_(step)
-        status["step"] = step
-        status["losses"][str(step)] = gl
-        if status["first_step_time"] is None:
-            status["first_step_time"] = time.time()
-        if eng is not None:
-            tiers = [t for t, every in (("local", args.local_every), ("persistent", args.persistent_every))
-                     if every > 0 and step % every == 0]
-            if tiers:
-                delta = eng.save(step, app_state(), tiers=tiers)
-                status["saves"].append({"step": step, "tiers": tiers, "blocking_s": delta})
-        _write_json(status_path, status)
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
-        if step % 5 == 0 or step == args.steps:
-            log.info("step %d loss %.6f", step, gl)
-    if eng is not None:
-        eng.close(clean=True)
-    status["final_state_sha256"] = _state_digest(model, opt)
-    status["done"] = True
-    _write_json(status_path, status)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+class DemoError(RuntimeError):
+    """The scenario could not run (a rank failed, a timeout); the message says where to look."""
 
 
 # =============================================================================================
-# launcher
+# processes
 # =============================================================================================
 def free_port() -> int:
     with socket.socket() as s:
@@ -281,253 +86,552 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_JOBS: list["Job"] = []
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Children get SIGKILL if the launcher dies (Linux), so no rank outlives a killed demo."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+_LIVE: list["Job"] = []
 
 
 class Job:
-    """The rank processes of one job attempt (one rank per simulated node)."""
+    """One attempt of a training job: one ``titan_plugin.train`` process per rank (or ``cmd``).
 
-    def __init__(self, name: str, args, mode: str, restart_count: int):
-        _JOBS.append(self)
+    Ranks are started directly (no torchrun) with the ``env://`` variables torchtitan's
+    ``init_distributed`` and ``get_local_device`` read: MASTER_ADDR/MASTER_PORT (fresh port per
+    attempt), RANK, WORLD_SIZE, and LOCAL_RANK=0/LOCAL_WORLD_SIZE=1 since every rank is its own
+    simulated node. OMP_NUM_THREADS=1 in every run (losses are bitwise reproducible only with
+    the same thread count).
+    """
+
+    def __init__(self, name: str, *, toml: str = DEFAULT_TOML, overrides: list[str] = (), world: int,
+                 log_dir: str, restart_count: int = 0, cmd: list[str] | None = None,
+                 extra_env: dict[str, str] | None = None):
         self.name = name
-        self.status_dir = os.path.join(args.out, "status", name)
-        os.makedirs(self.status_dir, exist_ok=True)
-        os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
-        port = free_port()
+        self.port = free_port()
         self.procs: list[subprocess.Popen] = []
         self.logs: list[str] = []
-        for rank in range(args.nodes):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                       WORLD_SIZE=str(args.nodes), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                       TIERCKPT_NODE_ID=str(rank), TIERCKPT_RESTART_COUNT=str(restart_count),
-                       OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-            log_path = os.path.join(args.out, "logs", f"{name}-rank{rank}.log")
-            self.logs.append(log_path)
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode,
-                   "--out", args.out, "--status-dir", self.status_dir, "--steps", str(args.steps),
-                   "--local-every", str(args.local_every), "--persistent-every", str(args.persistent_every),
-                   "--step-sleep", str(args.step_sleep)]
-            with open(log_path, "w") as logf:
-                self.procs.append(subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                                   cwd=REPO))
+        self.cmd = cmd or [sys.executable, "-m", "titan_plugin.train", "--toml", toml, *overrides]
+        os.makedirs(log_dir, exist_ok=True)
+        _LIVE.append(self)
+        self.t_start = time.time()
+        for rank in range(world):
+            env = dict(os.environ)
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), RANK=str(rank),
+                       WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                       GROUP_RANK=str(rank), ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world),
+                       TIERCKPT_RESTART_COUNT=str(restart_count), OMP_NUM_THREADS="1",
+                       PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+            env.update(extra_env or {})
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+            env.pop("TIERCKPT_NODE_ID", None)  # nodes come from simulated_ranks_per_node
+            path = os.path.join(log_dir, f"{name}-rank{rank}.log")
+            self.logs.append(path)
+            with open(path, "w") as logf:
+                self.procs.append(subprocess.Popen(self.cmd, env=env, cwd=REPO, stdout=logf,
+                                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                   preexec_fn=_die_with_parent))
 
-    def status(self, rank: int) -> dict | None:
-        try:
-            with open(os.path.join(self.status_dir, f"rank{rank}.json")) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
+    def pid(self, rank: int) -> int:
+        return self.procs[rank].pid
 
-    def wait(self, timeout: float) -> list[int]:
+    def poll(self) -> list[int | None]:
+        return [p.poll() for p in self.procs]
+
+    def wait(self, timeout: float) -> None:
+        """Wait for every rank; raises :class:`DemoError` (ranks killed) on failure or timeout."""
         deadline = time.time() + timeout
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
+        while True:
+            rcs = self.poll()
+            if any(rc not in (None, 0) for rc in rcs):
                 self.kill_all()
-                raise RuntimeError(f"{self.name}: ranks did not finish within {timeout:.0f}s; logs: {self.logs}")
-        return [p.returncode for p in self.procs]
+                raise DemoError(self.failure_text(rcs))
+            if all(rc == 0 for rc in rcs):
+                self.t_end = time.time()
+                return
+            if time.time() > deadline:
+                self.kill_all()
+                raise DemoError(f"{self.name}: ranks did not finish within {timeout:.0f}s; logs: {self.logs}")
+            time.sleep(0.1)
 
     def kill(self, rank: int) -> None:
         p = self.procs[rank]
         if p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        p.wait()
 
     def kill_all(self) -> None:
         for r in range(len(self.procs)):
             self.kill(r)
-        for p in self.procs:
-            p.wait()
 
-    def failed(self, rcs: list[int]) -> str:
+    def failure_text(self, rcs: list[int | None]) -> str:
         out = []
         for r, rc in enumerate(rcs):
-            if rc != 0:
-                with open(self.logs[r]) as f:
-                    tail = f.read()[-3000:]
-                out.append(f"--- {self.name} rank {r} exited {rc}; last lines of {self.logs[r]}:\n{tail}")
-        return "\n".join(out)
+            if rc not in (None, 0):
+                try:
+                    with open(self.logs[r], errors="replace") as f:
+                        tail = f.read()[-4000:]
+                except OSError:
+                    tail = ""
+                out.append(f"--- {self.name} rank {r} exited {rc}; end of {self.logs[r]}:\n{tail}")
+        return "\n".join(out) or f"{self.name}: exit codes {rcs}"
 
 
-def launcher(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
+def kill_live_jobs() -> None:
+    """SIGKILL every rank process this module started that is still running."""
+    while _LIVE:
+        _LIVE.pop().kill_all()
 
-    con = Console()
-    out = args.out
-    ours = {"logs", "status", "nvme", "pfs", "report.json", "report.json.tmp"}
-    if os.path.isdir(out) and set(os.listdir(out)) - ours:
-        con.print(f"[red]refusing to clear {out}: it holds files this demo did not write "
-                  f"({sorted(set(os.listdir(out)) - ours)[:5]}); pick another --out[/]")
-        return 2
-    shutil.rmtree(out, ignore_errors=True)
+
+# =============================================================================================
+# files
+# =============================================================================================
+def clear_out(out: str) -> None:
+    """Delete and recreate ``out``, refusing (ValueError) when it holds files this demo does
+    not write (a mistyped --out must not wipe someone's directory)."""
+    out = os.path.abspath(out)
+    if os.path.exists(out):
+        if not os.path.isdir(out):
+            raise ValueError(f"--out {out} exists and is not a directory")
+        foreign = sorted(set(os.listdir(out)) - OURS)
+        if foreign:
+            raise ValueError(f"refusing to clear {out}: it holds files this demo did not write "
+                             f"({', '.join(foreign[:5])}); pick another --out")
+        if os.path.realpath(out) in (os.path.realpath(REPO), os.path.expanduser("~"), "/"):
+            raise ValueError(f"refusing to clear {out}")
+        shutil.rmtree(out)
     os.makedirs(out)
-    t_begin = time.time()
-    local_root = lambda n: os.path.join(out, "nvme", f"node-{n}")  # noqa: E731
-    victim = args.victim
-    con.print(f"[bold]tierckpt demo[/]: {args.nodes} simulated nodes × 1 rank (gloo), FSDP2 byte-level LM, "
-              f"{args.steps} steps; local tier every {args.local_every} (F=2), persistent every "
-              f"{args.persistent_every}; kill node {victim} at step {args.kill_step}")
 
-    # 1. reference ---------------------------------------------------------------------------
-    con.print("[cyan]1/3[/] reference run (no checkpointing, no failure) …")
-    ref = Job("reference", args, "reference", 0)
-    rcs = ref.wait(args.timeout)
-    if any(rcs):
-        con.print(ref.failed(rcs))
-        return 2
-    ref_status = [ref.status(r) for r in range(args.nodes)]
 
-    # 2. attempt 1: train, then lose node `victim` ----------------------------------------------
-    con.print("[cyan]2/3[/] training with tiered checkpoints; waiting for the failure point …")
-    job = Job("attempt-1", args, "train", 0)
-    last_local = (args.kill_step // args.local_every) * args.local_every
-    need = os.path.join(local_root((victim + 1) % args.nodes), "replicas", f"node-{victim}",
-                        f"step-{last_local}", "tierckpt.committed")
-    deadline = time.time() + args.timeout
-    killed_at = None
-    while time.time() < deadline:
-        st = job.status(victim)
-        if any(p.poll() is not None for p in job.procs):
-            rcs = [p.poll() for p in job.procs]
-            job.kill_all()
-            con.print(f"[red]a rank ended before the failure point (exit codes {rcs})[/]")
-            con.print(job.failed([p.returncode for p in job.procs]))
-            return 2
-        if st and st["step"] >= args.kill_step and (last_local == 0 or os.path.exists(need)):
-            t_kill = time.time()
-            job.kill(victim)
-            job.procs[victim].wait()
-            killed_at = job.status(victim)["step"]
-            shutil.rmtree(local_root(victim))  # the node's disk is gone with it
-            job.kill_all()  # the job loses its process group: the survivor goes down too
-            break
-        time.sleep(0.01)
+def _jsonl(path: str) -> list[dict]:
+    """Records of a JSONL file; a torn last line (writer killed mid-append) is skipped."""
+    out = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    with contextlib.suppress(ValueError):
+                        rec = json.loads(line)
+                        if isinstance(rec, dict):
+                            out.append(rec)
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+@dataclass
+class Paths:
+    out: str
+
+    @property
+    def reference(self) -> str:
+        return os.path.join(self.out, "reference")
+
+    @property
+    def failure(self) -> str:
+        return os.path.join(self.out, "failure")
+
+    @property
+    def logs(self) -> str:
+        return os.path.join(self.out, "logs")
+
+    @property
+    def local_root_template(self) -> str:
+        return os.path.join(self.failure, "nvme", "{job}", "node-{node}")
+
+    def local_root(self, node: int) -> str:
+        return self.local_root_template.format(job=JOB_ID, node=node)
+
+    def losses(self, dump: str) -> str:
+        return os.path.join(dump, "metrics", "losses.jsonl")
+
+    @property
+    def ledger(self) -> str:  # persistent tier = torchtitan's checkpoint folder of the failure run
+        return os.path.join(self.failure, "checkpoint", "tierckpt-ledger.jsonl")
+
+
+# =============================================================================================
+# the scenario
+# =============================================================================================
+@dataclass
+class DemoParams:
+    steps: int = 30
+    kill_after: int = 15          # S: kill once local step S is committed and a later step ran
+    local_interval: int = 5
+    persistent_interval: int = 15
+    victim: int = 1
+    nodes: int = 2
+    toml: str = DEFAULT_TOML
+    timeout: float = 600.0        # per attempt, seconds
+    extra: list[str] = field(default_factory=list)  # more --section.key value overrides
+
+    def check(self) -> None:
+        if self.nodes != 2:
+            raise ValueError("the demo runs 2 simulated nodes (replication_factor 2)")
+        if not 0 <= self.victim < self.nodes:
+            raise ValueError(f"--victim must be a node id in [0, {self.nodes})")
+        if self.local_interval <= 0 or self.kill_after % self.local_interval:
+            raise ValueError("--kill-after must be a multiple of --local-interval (a local step)")
+        if not 0 < self.kill_after < self.steps:
+            raise ValueError("need 0 < --kill-after < --steps")
+
+
+def _overrides(p: DemoParams, paths: Paths, dump: str, failure: bool) -> list[str]:
+    """CLI overrides on top of the TOML. The failure run: tiered checkpoints as configured.
+    The reference: no local tier and only the final (full) save to the persistent tier, so the
+    final model/optimizer state can be compared with the failure run's."""
+    ov = ["--dump_folder", dump, "--training.steps", str(p.steps),
+          "--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "false",
+          "--checkpoint.simulated_ranks_per_node", "1"]
+    if failure:
+        ov += ["--checkpoint.local_root", paths.local_root_template,
+               "--checkpoint.job_id", JOB_ID,
+               "--checkpoint.local_interval", str(p.local_interval),
+               "--checkpoint.interval", str(p.persistent_interval),
+               "--checkpoint.replication_factor", "2"]
     else:
-        job.kill_all()
-        con.print(f"[red]timed out waiting for node {victim} to reach step {args.kill_step}[/]")
-        return 2
-    attempt1 = [job.status(r) for r in range(args.nodes)]
-    con.print(f"    [red]SIGKILL node {victim}[/] at step {killed_at}, wiped {local_root(victim)}, "
-              "killed the survivor; restarting the job …")
+        ov += ["--checkpoint.job_id", JOB_ID + "-reference",
+               "--checkpoint.local_interval", "0",
+               "--checkpoint.interval", str(p.steps)]
+    return ov + list(p.extra)
 
-    # 3. attempt 2: restart, restore, finish -------------------------------------------------
-    con.print("[cyan]3/3[/] restart: restore and train to the end …")
-    job2 = Job("attempt-2", args, "train", 1)
-    rcs = job2.wait(args.timeout)
-    if any(rcs):
-        con.print(job2.failed(rcs))
-        return 2
-    attempt2 = [job2.status(r) for r in range(args.nodes)]
 
-    # report ---------------------------------------------------------------------------------
-    from tierckpt.ledger import Ledger
-    from tierckpt.storage import Store
+def compare_final_states(dir_a: str, dir_b: str) -> dict:
+    """Compare two persistent-tier DCP checkpoints entry by entry, tensors bitwise (as raw
+    bytes); runs without a process group. Returns {"equal", "entries", "differing"}."""
+    import tempfile
 
-    ledger = Ledger.read(Store(os.path.join(out, "pfs")))
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+                return False
+            if a.dtype != b.dtype or a.shape != b.shape:
+                return False
+            a, b = a.detach().contiguous().reshape(-1), b.detach().contiguous().reshape(-1)
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return type(a) is type(b) and a == b
+
+    with tempfile.TemporaryDirectory() as tmp:
+        states = []
+        for i, d in enumerate((dir_a, dir_b)):
+            dcp_to_torch_save(d, os.path.join(tmp, f"{i}.pt"))
+            states.append(dict(flat(torch.load(os.path.join(tmp, f"{i}.pt"), weights_only=False))))
+    a, b = states
+    differing = sorted(k for k in set(a) | set(b) if k not in a or k not in b or not same(a[k], b[k]))
+    return {"equal": not differing, "entries": len(set(a) | set(b)), "differing": differing}
+
+
+def _say(con, msg: str) -> None:
+    if con is not None:
+        con.print(msg)
+
+
+def _wait_for_failure_point(job: Job, p: DemoParams, paths: Paths) -> tuple[float, int, dict]:
+    """Poll the ledger and rank 0's losses; SIGKILL the victim at the failure point.
+
+    Returns (kill time, last step rank 0 logged before the kill, the ledger's local-tier
+    checkpoint record of step S)."""
+    losses_path = paths.losses(paths.failure)
+    pid0 = job.pid(0)
+    deadline = time.time() + p.timeout
+    while time.time() < deadline:
+        rcs = job.poll()
+        if any(rc is not None for rc in rcs):
+            job.kill_all()
+            raise DemoError(f"a rank ended before the failure point (exit codes {rcs})\n"
+                            + job.failure_text([rc if rc is not None else 0 for rc in rcs]))
+        ledger = _jsonl(paths.ledger)
+        stale = next((r for r in ledger if r.get("kind") == "restore"), None)
+        if stale is not None:  # attempt 1 must start from scratch, like the reference
+            job.kill_all()
+            raise DemoError(f"attempt 1 resumed from step {stale.get('step')} ({stale.get('sources')}) instead of "
+                            f"starting fresh: is another job writing to {paths.failure}?")
+        ckpt = next((r for r in ledger if r.get("kind") == "checkpoint" and r.get("tier") == "local"
+                     and r.get("step") == p.kill_after), None)
+        if ckpt is not None:
+            if not ckpt.get("ok", False) or ckpt.get("replicas_failed"):
+                job.kill_all()
+                raise DemoError(f"local checkpoint of step {p.kill_after} failed: {ckpt}")
+            steps = [r["step"] for r in _jsonl(losses_path) if r.get("pid") == pid0]
+            if steps and max(steps) > p.kill_after:
+                t_kill = time.time()
+                job.kill(p.victim)  # SIGKILL node `victim`
+                shutil.rmtree(paths.local_root(p.victim), ignore_errors=True)  # and its disk
+                job.kill_all()  # the job loses its process group: the survivor goes down too
+                steps = [r["step"] for r in _jsonl(losses_path) if r.get("pid") == pid0]
+                return t_kill, max(steps), ckpt
+        time.sleep(0.02)
+    job.kill_all()
+    raise DemoError(f"timed out after {p.timeout:.0f}s waiting for local step {p.kill_after} to be "
+                    f"committed; logs: {job.logs}")
+
+
+def run_demo(out: str, params: DemoParams | None = None, console=None) -> dict:
+    """Run the reference and the failure run in ``out`` (must exist, empty or cleared) and
+    write ``<out>/report.json``. Returns the report; ``report["ok"]`` is the verdict.
+
+    Raises:
+        DemoError: a rank failed or timed out (every started process is killed first).
+    """
+    p = params or DemoParams()
+    p.check()
+    paths = Paths(os.path.abspath(out))
+    t_begin = time.time()
+    try:
+        return _run(p, paths, console, t_begin)
+    finally:  # never leave rank processes behind (errors, Ctrl-C)
+        kill_live_jobs()
+
+
+def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
+    from titan_plugin.assets import ensure_assets
+
+    t0 = time.time()
+    assets = ensure_assets()  # built once and cached (the ranks would otherwise build it)
+    t_assets = time.time() - t0
+    common = dict(toml=p.toml, world=p.nodes, log_dir=paths.logs)
+
+    # 1. reference ------------------------------------------------------------------------------
+    _say(con, f"[cyan]1/3[/] reference run: {p.steps} steps, no failure …")
+    ref = Job("reference", overrides=_overrides(p, paths, paths.reference, failure=False), **common)
+    ref.wait(p.timeout)
+    ref_recs = [r for r in _jsonl(paths.losses(paths.reference)) if r.get("pid") == ref.pid(0)]
+    ref_losses = {r["step"]: float.fromhex(r["loss_hex"]) for r in ref_recs}
+    if sorted(ref_losses) != list(range(1, p.steps + 1)):
+        raise DemoError(f"reference logged steps {sorted(ref_losses)}, expected 1..{p.steps}")
+    _say(con, f"    done in {ref.t_end - ref.t_start:.1f} s; loss {ref_losses[1]:.4f} → {ref_losses[p.steps]:.4f}")
+
+    # 2. failure run, attempt 1 -------------------------------------------------------------------
+    _say(con, f"[cyan]2/3[/] failure run with tiered checkpoints; node {p.victim} dies after local "
+              f"step {p.kill_after} …")
+    fail_ov = _overrides(p, paths, paths.failure, failure=True)
+    a1 = Job("attempt-1", overrides=fail_ov, restart_count=0, **common)
+    t_kill, killed_at, ckpt_s = _wait_for_failure_point(a1, p, paths)
+    a1_recs = [r for r in _jsonl(paths.losses(paths.failure)) if r.get("pid") == a1.pid(0)]
+    _say(con, f"    [red]SIGKILL node {p.victim}[/] at step {killed_at} (local step {p.kill_after} committed "
+              f"and replicated), deleted {os.path.relpath(paths.local_root(p.victim), REPO)}, killed the "
+              f"survivor; {t_kill - a1.t_start:.1f} s after start")
+
+    # 3. failure run, attempt 2 -------------------------------------------------------------------
+    _say(con, "[cyan]3/3[/] restart the job (fresh processes, fresh port): restore and train to the end …")
+    a2 = Job("attempt-2", overrides=fail_ov, restart_count=1, **common)
+    a2.wait(p.timeout)
+    a2_recs = [r for r in _jsonl(paths.losses(paths.failure)) if r.get("pid") == a2.pid(0)]
+
+    # report ------------------------------------------------------------------------------------
+    ledger = _jsonl(paths.ledger)
+    run_ids: list[str] = []
+    for r in ledger:
+        if r.get("kind") == "run_start" and r.get("run_id") not in run_ids:
+            run_ids.append(r.get("run_id"))
+    attempt_of = {rid: i + 1 for i, rid in enumerate(run_ids)}
     saves = [{"tier": r["tier"], "step": r["step"], "blocking_s": r["blocking_s"],
               "background_s": r["background_s"], "bytes": r["bytes"], "ok": r.get("ok", True),
-              "run_id": r.get("run_id")}
-             for r in ledger if r["kind"] == "checkpoint"]
-    restore = attempt2[0]["restore"]
+              "attempt": attempt_of.get(r.get("run_id"))}
+             for r in ledger if r.get("kind") == "checkpoint"]
+    restores = [r for r in ledger if r.get("kind") == "restore"]
+    restore = restores[-1] if restores else None
     if restore is None:
-        con.print("[red]attempt 2 did not restore anything[/]")
-        return 1
-    rstep = restore["step"]
-    ref_losses = {int(k): v for k, v in ref_status[0]["losses"].items()}
-    resumed = {int(k): v for k, v in attempt2[0]["losses"].items()}
-    before = {int(k): v for k, v in attempt1[0]["losses"].items()}
-    after_steps = sorted(resumed)
-    bitwise_equal = (after_steps == list(range(rstep + 1, args.steps + 1))
-                     and all(resumed[s] == ref_losses[s] for s in after_steps))
-    before_equal = all(before[s] == ref_losses[s] for s in before)
-    final_equal = all(attempt2[r]["final_state_sha256"] == ref_status[r]["final_state_sha256"]
-                      for r in range(args.nodes))
-    sources = {n: v["source"] for n, v in restore["sources"].items()}
-    pbytes = int(restore["persistent_bytes_read"])
-    recovery = min(s["first_step_time"] for s in attempt2) - t_kill
+        raise DemoError(f"attempt 2 recorded no restore in {paths.ledger}; logs: {a2.logs}")
+    rstep = int(restore["step"])
+    sources = {str(n): v["source"] for n, v in sorted(restore["sources"].items())}
+    pbytes = int(restore.get("persistent_bytes", -1))
+
+    after = {r["step"]: float.fromhex(r["loss_hex"]) for r in a2_recs}
+    before = {r["step"]: float.fromhex(r["loss_hex"]) for r in a1_recs}
+    after_steps = sorted(after)
+    mismatches = [s for s in after_steps if ref_losses.get(s) is None or after[s].hex() != ref_losses[s].hex()]
+    bitwise_equal = after_steps == list(range(rstep + 1, p.steps + 1)) and not mismatches
+    before_equal = all(before[s].hex() == ref_losses[s].hex() for s in before)
+    first_after = min(a2_recs, key=lambda r: r["step"]) if a2_recs else None
+    recovery = (first_after["time"] - t_kill) if first_after else None
+    ok = bool(bitwise_equal and sources.get(str(p.victim)) == "peer-replica" and pbytes == 0)
+    try:
+        final = compare_final_states(os.path.join(paths.reference, "checkpoint", f"step-{p.steps}"),
+                                     os.path.join(paths.failure, "checkpoint", f"step-{p.steps}"))
+    except Exception as e:  # an extra: report it, do not fail the demo on it
+        final = {"equal": None, "error": f"{type(e).__name__}: {e}"}
+
     report = {
+        "ok": ok,
         "bitwise_equal": bitwise_equal,
         "restore_source": sources,
         "persistent_bytes_read_on_restore": pbytes,
-        "recovery_seconds": round(recovery, 3),
+        "recovery_seconds": None if recovery is None else round(recovery, 3),
         "saves": saves,
         "restored_step": rstep,
-        "killed_node": victim,
+        "killed_node": p.victim,
         "killed_at_step": killed_at,
-        "restore": restore,
-        "restore_seconds": restore["seconds"],
+        "kill_after_local_step": p.kill_after,
+        "restore_seconds": restore.get("seconds"),
+        "restore": {k: restore.get(k) for k in ("step", "seconds", "attempts", "bytes", "persistent_bytes",
+                                                 "sources", "failures")},
         "losses_compared": len(after_steps),
+        "loss_mismatch_steps": mismatches,
         "losses_before_failure_equal_reference": before_equal,
-        "final_state_bitwise_equal": final_equal,
-        "losses": {"reference": ref_losses, "before_failure": before, "after_resume": resumed},
-        "config": {"nodes": args.nodes, "ranks_per_node": 1, "steps": args.steps,
-                   "local_every": args.local_every, "persistent_every": args.persistent_every,
-                   "kill_step": args.kill_step, "replication_factor": 2, "replication_jump": 1,
-                   "local_root": os.path.join(out, "nvme", "node-{node}"),
-                   "persistent_root": os.path.join(out, "pfs"),
-                   "model": {"vocab": VOCAB, "dim": DIM, "layers": LAYERS, "heads": HEADS,
-                             "seq": SEQ, "batch_per_rank": BATCH},
-                   "corpus": [f"python stdlib: {m}" for m in CORPUS_MODULES]},
-        "wall_seconds": round(time.time() - t_begin, 1),
+        "final_state_bitwise_equal": final.get("equal"),
+        "final_state_comparison": final,
+        "losses": {
+            "reference": {str(s): v for s, v in sorted(ref_losses.items())},
+            "before_failure": {str(s): v for s, v in sorted(before.items())},
+            "after_resume": {str(s): v for s, v in sorted(after.items())},
+        },
+        "seconds": {
+            "assets": round(t_assets, 1),
+            "reference_run": round(ref.t_end - ref.t_start, 1),
+            "attempt_1_until_kill": round(t_kill - a1.t_start, 1),
+            "attempt_2": round(a2.t_end - a2.t_start, 1),
+            "wall": round(time.time() - t_begin, 1),
+        },
+        "config": {
+            "model": "torchtitan llama3 debugmodel (titan_plugin.config_registry.titan_demo)",
+            "toml": os.path.relpath(p.toml, REPO) if p.toml.startswith(REPO) else p.toml,
+            "nodes": p.nodes, "ranks_per_node": 1, "steps": p.steps,
+            "local_interval": p.local_interval, "persistent_interval": p.persistent_interval,
+            "replication_factor": 2, "replication_jump": 1, "job_id": JOB_ID,
+            "local_root": paths.local_root_template, "persistent_folder": os.path.dirname(paths.ledger),
+            "ledger": paths.ledger, "assets": str(assets.root),
+            "reference_cmd": ref.cmd, "failure_cmd": a1.cmd,
+            "env": {"OMP_NUM_THREADS": "1", "WORLD_SIZE": str(p.nodes), "LOCAL_WORLD_SIZE": "1"},
+        },
+        "logs": {"reference": ref.logs, "attempt_1": a1.logs, "attempt_2": a2.logs},
     }
-    _write_json(os.path.join(out, "report.json"), report)
+    _write_json(os.path.join(paths.out, "report.json"), report)
+    if con is not None:
+        print_report(con, report, paths)
+    return report
 
-    ok = bitwise_equal and sources.get(str(victim)) == "peer-replica" and pbytes == 0
-    t = Table(title="tierckpt demo", show_header=False)
-    t.add_row("failure", f"node {victim} SIGKILLed at step {killed_at}, its local root deleted, job restarted")
-    t.add_row("restored step", str(rstep))
-    t.add_row("restore source", ", ".join(f"node {n}: {s}" for n, s in sorted(sources.items())))
-    t.add_row("persistent bytes read", str(pbytes))
-    t.add_row("recovery (kill → first step)", f"{recovery:.2f} s (restore itself {restore['seconds']:.2f} s)")
-    t.add_row("losses after resume", f"{len(after_steps)} steps, bitwise equal to reference: "
-              + ("[green]yes[/]" if bitwise_equal else "[red]NO[/]"))
-    show = [s for s in (rstep + 1, rstep + 2, args.steps) if s in resumed]
-    t.add_row("loss: resumed / reference", "\n".join(
-        f"step {s}: {resumed[s]!r} / {ref_losses[s]!r}" for s in show))
-    t.add_row("final model+optimizer state", "bitwise equal to reference" if final_equal else "[red]differs[/]")
+
+def print_report(con, report: dict, paths: Paths) -> None:
+    from rich.table import Table
+
+    ok = report["ok"]
+    rs = report["restore_source"]
+    after = {int(k): v for k, v in report["losses"]["after_resume"].items()}
+    ref = {int(k): v for k, v in report["losses"]["reference"].items()}
+    t = Table(title="tierckpt demo: torchtitan llama3 debugmodel, 2 simulated nodes", show_header=False)
+    t.add_row("failure", f"node {report['killed_node']} SIGKILLed at step {report['killed_at_step']}, "
+                         "its local root deleted, job restarted")
+    t.add_row("restored step", str(report["restored_step"]))
+    t.add_row("restore source", ", ".join(
+        f"node {n}: " + (f"[green]{s}[/]" if s != "persistent" else f"[yellow]{s}[/]") for n, s in rs.items()))
+    pb = report["persistent_bytes_read_on_restore"]
+    t.add_row("persistent bytes read", f"[green]{pb}[/]" if pb == 0 else f"[red]{pb:,}[/]")
+    rec = report["recovery_seconds"]
+    t.add_row("recovery (kill → first step)", f"{rec:.2f} s (restore itself {report['restore_seconds']:.2f} s)"
+              if rec is not None else "-")
+    t.add_row("losses after resume", f"{report['losses_compared']} steps, bitwise equal to reference: "
+              + ("[green]yes[/]" if report["bitwise_equal"] else f"[red]NO[/] (steps {report['loss_mismatch_steps']})"))
+    show = [s for s in (report["restored_step"] + 1, report["restored_step"] + 2, max(after, default=0)) if s in after]
+    t.add_row("loss: resumed vs reference", "\n".join(
+        f"step {s}: {after[s]!r} " + ("==" if after[s].hex() == ref[s].hex() else "[red]!=[/]") + f" {ref[s]!r}"
+        for s in dict.fromkeys(show)))
+    t.add_row("losses before failure = reference", "yes" if report["losses_before_failure_equal_reference"] else "[red]no[/]")
+    fc = report["final_state_comparison"]
+    t.add_row("final state (step %d checkpoints)" % max(ref),
+              f"model, optimizer, lr_scheduler, dataloader, train_state: {fc['entries']} entries bitwise equal "
+              "to the reference" if fc.get("equal") else f"[red]differs[/]: {fc.get('differing', fc.get('error'))}"[:300])
+    sec = report["seconds"]
+    t.add_row("wall time", f"{sec['wall']:.0f} s (reference {sec['reference_run']:.0f} s, attempt 1 "
+              f"{sec['attempt_1_until_kill']:.0f} s, attempt 2 {sec['attempt_2']:.0f} s)")
     con.print(t)
-    st = Table(title="checkpoints (ledger)")
-    for c in ("tier", "step", "blocking δ (ms)", "background (ms)", "bytes", "ok"):
-        st.add_column(c, justify="right" if c not in ("tier",) else "left")
-    for s in saves:
-        st.add_row(s["tier"], str(s["step"]), f"{1000 * s['blocking_s']:.1f}", f"{1000 * s['background_s']:.0f}",
-                   f"{s['bytes']:,}", "yes" if s["ok"] else "[red]no[/]")
+    st = Table(title="checkpoints (tierckpt ledger)")
+    for c in ("attempt", "tier", "step", "blocking δ (ms)", "background (ms)", "bytes", "ok"):
+        st.add_column(c, justify="left" if c == "tier" else "right")
+    for s in report["saves"]:
+        st.add_row(str(s["attempt"]), s["tier"], str(s["step"]), f"{1000 * s['blocking_s']:.1f}",
+                   f"{1000 * s['background_s']:.0f}", f"{s['bytes']:,}", "yes" if s["ok"] else "[red]no[/]")
     con.print(st)
-    con.print(f"report: {os.path.relpath(os.path.join(out, 'report.json'), os.getcwd())}   "
-              f"(inspect: tierckpt ls {os.path.relpath(out, os.getcwd())}; "
-              f"tierckpt ledger {os.path.relpath(os.path.join(out, 'pfs'), os.getcwd())})")
-    con.print(("[bold green]PASS[/]" if ok else "[bold red]FAIL[/]") + f" in {time.time() - t_begin:.1f} s")
-    return 0 if ok else 1
+    rel = lambda x: os.path.relpath(x, os.getcwd())  # noqa: E731
+    con.print(f"report: {rel(os.path.join(paths.out, 'report.json'))}   logs: {rel(paths.logs)}   "
+              f"ledger: tierckpt ledger {rel(os.path.dirname(paths.ledger))}")
+    con.print(("[bold green]PASS[/]" if ok else "[bold red]FAIL[/]") + f" in {sec['wall']:.1f} s")
 
 
+# =============================================================================================
+# main
+# =============================================================================================
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=DEFAULT_OUT, help="output directory (cleared at start)")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--local-every", type=int, default=5)
-    p.add_argument("--persistent-every", type=int, default=20)
-    p.add_argument("--kill-step", type=int, default=27)
-    p.add_argument("--victim", type=int, default=1, help="node to kill")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (pacing)")
-    p.add_argument("--timeout", type=float, default=300.0, help="per-attempt timeout, seconds")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=("reference", "train"), help=argparse.SUPPRESS)
-    p.add_argument("--status-dir", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    args.out = os.path.abspath(args.out)
-    if args.worker:
-        return worker(args)
-    if not (0 < args.kill_step < args.steps) or args.local_every <= 0 or args.kill_step < args.local_every:
-        p.error("need 0 < --local-every <= --kill-step < --steps")
-    if not 0 <= args.victim < args.nodes:
-        p.error("--victim must be a node id")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 epilog="Other --section.key VALUE arguments are passed to every run "
+                                        "(python -m titan_plugin.train overrides, e.g. --training.seq_len 128).")
+    d = DemoParams()
+    ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (cleared at start)")
+    ap.add_argument("--toml", default=d.toml, help="training config")
+    ap.add_argument("--steps", type=int, default=d.steps, help="training.steps of every run")
+    ap.add_argument("--kill-after", type=int, default=d.kill_after,
+                    help="kill once this local step is committed and a later step has run")
+    ap.add_argument("--local-interval", type=int, default=d.local_interval, help="checkpoint.local_interval")
+    ap.add_argument("--persistent-interval", type=int, default=d.persistent_interval, help="checkpoint.interval")
+    ap.add_argument("--victim", type=int, default=d.victim, help="node to kill")
+    ap.add_argument("--timeout", type=float, default=d.timeout, help="per attempt, seconds")
+    args, extra = ap.parse_known_args(argv)
+    if any(not a.startswith("--") for a in extra[:1]):
+        ap.error(f"unrecognized arguments: {extra}")
+    params = DemoParams(steps=args.steps, kill_after=args.kill_after, local_interval=args.local_interval,
+                        persistent_interval=args.persistent_interval, victim=args.victim,
+                        toml=os.path.abspath(args.toml), timeout=args.timeout, extra=extra)
     try:
-        return launcher(args)
-    finally:  # never leave rank processes behind (Ctrl-C, errors)
-        for job in _JOBS:
-            job.kill_all()
+        params.check()
+    except ValueError as e:
+        ap.error(str(e))
+
+    import warnings
+
+    from rich.console import Console
+
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
+    con = Console()
+    out = os.path.abspath(args.out)
+    try:
+        clear_out(out)
+    except ValueError as e:
+        con.print(f"[red]{e}[/]")
+        return 2
+    con.print(f"[bold]tierckpt demo[/]: torchtitan llama3 debugmodel, {params.nodes} simulated nodes × 1 rank "
+              f"(FSDP2 over gloo, CPU), {params.steps} steps; local tier + replica every "
+              f"{params.local_interval}, persistent every {params.persistent_interval}; node {params.victim} "
+              f"dies after local step {params.kill_after}")
+
+    def on_term(signum, frame):  # make `kill <launcher>` clean up its ranks too
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        report = run_demo(out, params, console=con)
+    except DemoError as e:
+        from rich.markup import escape
+
+        con.print("[red]demo failed:[/]\n" + escape(str(e)))
+        return 2
+    except KeyboardInterrupt:
+        con.print("[red]interrupted[/]")
+        return 130
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":
