@@ -120,7 +120,7 @@ def install_probes():
 
 # ---------------------------------------------------------------------------------------------
 # rank side
-def _entry(rank, world, port, args, q):
+def _entry(rank, world, port, args, q, target=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import logging
@@ -132,7 +132,7 @@ def _entry(rank, world, port, args, q):
     torch.set_num_threads(args["threads"])
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        q.put((rank, rank_main(rank, world, args), None))
+        q.put((rank, (target or rank_main)(rank, world, args), None))
     except BaseException:
         q.put((rank, None, traceback.format_exc()))
         raise SystemExit(1)
@@ -210,10 +210,21 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
         step += 1
     out["warmup_delta_s"] = warm
     log0(rank, f"warm-up saves (first use of each staging buffer set): δ = {', '.join(f'{d:.3f}s' for d in warm)}")
-    deltas, memcpys, save_walls, bg_s, bg_prof = [], [], [], [], []
-    for i in range(args["saves"]):
-        memcpys.append(memcpy_once())
+    def settle():
+        os.sync()  # let the kernel finish writeback/discard of the previous phase first
         dist.barrier()
+
+    # memcpy and save alternate (M S M S … M), each started on a quiet machine (background
+    # work finished, page cache written back); medians over all samples. The first operation
+    # after a background job tends to run slow on this VM (kernel work left over from the
+    # job's writes and deletions), so an unrecorded memcpy goes first: both recorded
+    # operations then follow a memcpy.
+    deltas, memcpys, save_walls, bg_s, bg_prof = [], [], [], [], []
+    settle()
+    for i in range(args["saves"]):
+        memcpy_once()
+        memcpys.append(memcpy_once())
+        settle()
         t0 = time.perf_counter()
         d = eng.save(step, sd, tiers=["local"])
         wall = time.perf_counter() - t0
@@ -227,7 +238,22 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
         step += 1
         log0(rank, f"save {i + 1}/{args['saves']}: δ={deltas[-1]:.3f}s memcpy={memcpys[-1]:.3f}s "
                    f"background={bg_s[-1]:.1f}s")
+        settle()
+    memcpy_once()
     memcpys.append(memcpy_once())
+    # diagnostic: the staging copy alone (both buffer sets in turn, no background job), paired
+    # with memcpy, to separate the copy's cost from what else happens around save()
+    stage_only, memcpy_pair = [], []
+    for i in range(args["saves"]):
+        memcpy_pair.append(memcpy_once())
+        slot = eng.pool.acquire()
+        dist.barrier()
+        t0 = time.perf_counter()
+        slot.stage(sd, users=1)
+        stage_only.append(gather_max(time.perf_counter() - t0))
+        slot.release()
+    out.update(stage_only_s=stage_only, memcpy_pair_s=memcpy_pair)
+    log0(rank, f"staging copy alone: median {med(stage_only):.3f}s vs memcpy {med(memcpy_pair):.3f}s")
     out.update(delta_s=deltas, memcpy_s=memcpys, save_wall_s=save_walls, background_s=bg_s,
                background_prof=bg_prof)
     committed_step = step - 1
@@ -257,10 +283,6 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
         finally:
             os.close(fd)
         return gather_max(time.perf_counter() - t0)
-
-    def settle():
-        os.sync()
-        dist.barrier()
 
     plain_s, ours_s, ours_bytes, local_prof = [], [], [], []
     order = ("BOOB" * args["write_reps"])[: 2 * args["write_reps"]]
@@ -321,7 +343,10 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
         if which == "B":
             raw_s.append(raw_exchange())
         else:
-            dist.barrier()
+            # a fresh destination, as for a new step in production (replicate() would otherwise
+            # first delete the copy of the previous repetition inside the timed region)
+            eng.local.store.rmtree(f"replicas/node-{peer}")
+            settle()
             PROF.reset()
             t0 = time.perf_counter()
             rep = replicate(eng.local.store, eng.topo, group, eng.groups.node, committed_step, True, chunk)
@@ -336,7 +361,59 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
     out.update(raw_s=raw_s, repl_s=rep_s, repl_bytes=rep_bytes, repl_prof=rep_prof, repl_failed=rep_fail,
                raw_bytes=sum(c.numel() for c in src_chunks), repl_order=rorder)
     eng.close()
+    # -- component costs (rank 0 alone, rank 1 waits): explain where the engine's time goes --
+    if rank == 0:
+        out["components"] = component_costs(sd)
+    dist.barrier()
     out["all"] = gather_list({k: out[k] for k in ("local_save_bytes", "repl_bytes", "repl_failed")})
+    return out
+
+
+def component_costs(sd: dict, reps: int = 3) -> dict[str, float]:
+    """Single-core GB/s of the per-byte operations on the engine's paths (best of ``reps``)."""
+    import io
+
+    import torch
+    import xxhash
+
+    t = next(iter(sd.values()))
+    nb = t.numel() * t.element_size()
+    mv = memoryview(t.view(-1).view(torch.uint8).numpy())
+    dst = torch.empty_like(t)
+
+    class Sink(io.RawIOBase):
+        n = 0
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            n = memoryview(b).nbytes
+            self.n += n
+            return n
+
+        def tell(self):
+            return self.n
+
+    def best(fn):
+        r = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            r.append(time.perf_counter() - t0)
+        return nb / min(r) / 1e9
+
+    old = torch.serialization.get_crc32_options()
+    out = {"memcpy (tensor.copy_)": best(lambda: dst.copy_(t)),
+           "xxh3-64 (manifest checksum)": best(lambda: xxhash.xxh3_64(mv).hexdigest())}
+    try:
+        torch.serialization.set_crc32_options(True)
+        out["torch.save to a null sink, zip CRC32 on (DCP default)"] = best(lambda: torch.save(t, Sink()))
+        torch.serialization.set_crc32_options(False)
+        out["torch.save to a null sink, zip CRC32 off (no copy: the sink only takes a view)"] = best(
+            lambda: torch.save(t, Sink()))
+    finally:
+        torch.serialization.set_crc32_options(old)
     return out
 
 
@@ -348,11 +425,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(args: dict, world: int = 2, timeout: float = 1500) -> list[dict]:
+def run_ranks(args: dict, world: int = 2, timeout: float = 1500, target=None) -> list[dict]:
+    """Run ``target(rank, world, args)`` (default :func:`rank_main`) on ``world`` gloo ranks."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, args, q)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, args, q, target)) for r in range(world)]
     for p in procs:
         p.start()
     res: dict[int, tuple] = {}
@@ -404,13 +482,21 @@ def summarise(r0: dict, r1: dict) -> dict:
     s["pass_delta"] = s["ratio_delta"] <= TARGETS["delta"]
     s["pass_local"] = s["ratio_local"] >= TARGETS["local"]
     s["pass_repl"] = s["ratio_repl"] >= TARGETS["repl"]
+    s["components"] = r0.get("components", {})
+    s["stage_only"], s["memcpy_pair"] = med(r0["stage_only_s"]), med(r0["memcpy_pair_s"])
     s["repl_ok"] = not any(f for r in (r0, r1) for f in r["repl_failed"])
     s["engine_ok"] = r0["engine_history_ok"] and r1["engine_history_ok"]
     return s
 
 
-def result_rows(s: dict) -> list[list[str]]:
+def comp_rows(s: dict) -> list[list[str]]:
+    return [[k, f"{v:.2f}"] for k, v in s["components"].items()]
+
+
+def result_rows(s: dict, diag: bool = True) -> list[list[str]]:
     pf = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
+    extra = [["(diagnostic) staging copy alone, no background job", f"{s['stage_only'] * 1e3:.0f} ms",
+              f"memcpy {s['memcpy_pair'] * 1e3:.0f} ms", f"{s['stage_only'] / s['memcpy_pair']:.2f}", "—", "—"]]
     return [
         ["1. blocking δ of save(tiers=[local])", f"{s['delta'] * 1e3:.0f} ms",
          f"memcpy {s['memcpy'] * 1e3:.0f} ms", f"δ/memcpy = {s['ratio_delta']:.2f}", "≤ 1.5", pf(s["pass_delta"])],
@@ -420,7 +506,7 @@ def result_rows(s: dict) -> list[list[str]]:
         ["3. replication, F=2 both directions", f"{s['repl_gbs']:.3f} GB/s ({s['repl_s']:.2f} s)",
          f"raw gloo {s['raw_gbs']:.3f} GB/s ({s['raw_s']:.2f} s)", f"ours/raw = {s['ratio_repl']:.2f}",
          "≥ 0.7", pf(s["pass_repl"])],
-    ]
+    ] + (extra if diag else [])
 
 
 HEAD = ["measurement", "tierckpt (median)", "baseline (median)", "ratio", "target", "result"]
@@ -451,7 +537,11 @@ def machine() -> dict:
 
     import torch
 
-    mem = sh("grep MemTotal /proc/meminfo")
+    try:
+        kb = int(sh("grep MemTotal /proc/meminfo").split()[1])
+        mem = f"RAM {kb / (1 << 20):.1f} GiB (MemTotal {kb} kB)"
+    except (IndexError, ValueError):
+        mem = "RAM unknown"
     cpu = sh("grep -m1 'model name' /proc/cpuinfo").split(":", 1)[-1].strip()
     return {"nproc": sh("nproc"), "mem": mem, "cpu": cpu, "kernel": platform.release(),
             "python": platform.python_version(), "torch": torch.__version__, "host": socket.gethostname()}
@@ -466,6 +556,7 @@ def disk(path: str) -> str:
 
 def print_rich(s, bd, m, dfout, args, elapsed):
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     c = Console(width=max(140, shutil.get_terminal_size((140, 40)).columns))
@@ -474,7 +565,8 @@ def print_rich(s, bd, m, dfout, args, elapsed):
     for h in HEAD:
         t.add_column(h)
     for row in result_rows(s):
-        t.add_row(*row[:-1], f"[{'green' if row[-1] == 'PASS' else 'red'}]{row[-1]}[/]")
+        color = {"PASS": "green", "FAIL": "red"}.get(row[-1], "default")
+        t.add_row(*[escape(x) for x in row[:-1]], f"[{color}]{row[-1]}[/]")
     c.print(t)
     for label, rows in bd.items():
         bt = Table(title=f"phase breakdown: {label} (median s per rank; nested/overlapping phases)")
@@ -483,6 +575,12 @@ def print_rich(s, bd, m, dfout, args, elapsed):
         for r in rows:
             bt.add_row(*r)
         c.print(bt)
+    ct = Table(title="component costs, one core (rank 0 alone), GB/s")
+    ct.add_column("operation")
+    ct.add_column("GB/s")
+    for k, v in comp_rows(s):
+        ct.add_row(k, v)
+    c.print(ct)
     c.print(f"machine: {m['nproc']} CPUs ({m['cpu']}), {m['mem']}, torch {m['torch']}; "
             f"bench dir on:\n{dfout}")
     if not (s["repl_ok"] and s["engine_ok"]):
@@ -514,8 +612,9 @@ def record(s, bd, m, dfout, args, r0, r1, cmd, elapsed):
     for label, rows in bd.items():
         parts.append(f"\nPhase breakdown — {label} (median seconds per rank; phases nest/overlap):\n\n"
                      + md_table(["phase", "rank 0", "rank 1"], rows) + "\n")
+    parts.append("\nComponent costs, one core (rank 0 alone):\n\n" + md_table(["operation", "GB/s"], comp_rows(s)) + "\n")
     samples = {k: [round(x, 4) for x in r0[k]] for k in
-               ("warmup_delta_s", "delta_s", "memcpy_s", "save_wall_s", "background_s",
+               ("warmup_delta_s", "delta_s", "memcpy_s", "save_wall_s", "background_s", "stage_only_s", "memcpy_pair_s",
                 "plain_write_s", "local_save_s", "raw_s", "repl_s")}
     parts.append("\nRaw samples (seconds, slower rank per repetition):\n\n```json\n"
                  + json.dumps(samples, indent=None) + "\n```\n")
@@ -531,9 +630,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib-per-rank", type=float, default=1.0, help="state size per rank (GiB), default 1.0")
     ap.add_argument("--tensors", type=int, default=4, help="number of fp32 tensors in the state (default 4)")
-    ap.add_argument("--saves", type=int, default=5, help="measured steady-state saves (default 5)")
-    ap.add_argument("--write-reps", type=int, default=4, help="repetitions of each of plain/ours local write (default 4)")
-    ap.add_argument("--repl-reps", type=int, default=4, help="repetitions of each of raw/ours replication (default 4)")
+    ap.add_argument("--saves", type=int, default=6, help="measured steady-state saves (default 6)")
+    ap.add_argument("--write-reps", type=int, default=5, help="repetitions of each of plain/ours local write (default 5)")
+    ap.add_argument("--repl-reps", type=int, default=5, help="repetitions of each of raw/ours replication (default 5)")
     ap.add_argument("--chunk-bytes", type=int, default=0, help="transfer_chunk_bytes (default: the config default)")
     ap.add_argument("--write-chunk-bytes", type=int, default=64 << 20, help="plain-write chunk size (default 64 MiB)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1: 2 ranks on 2 cores)")
