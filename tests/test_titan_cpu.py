@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchtitan")
-pytest.importorskip("tokenizers")
 
 REPO = Path(__file__).resolve().parent.parent
 

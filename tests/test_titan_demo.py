@@ -16,9 +16,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchtitan")
-pytest.importorskip("tokenizers")
-pytest.importorskip("rich")
 
 REPO = Path(__file__).resolve().parent.parent
 

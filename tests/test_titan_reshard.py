@@ -110,8 +110,6 @@ if __name__ == "__main__":
 # -------------------------------------------------------------------------------------- test
 import pytest  # noqa: E402
 
-pytest.importorskip("torchtitan")
-pytest.importorskip("tokenizers")
 
 
 def _launcher():

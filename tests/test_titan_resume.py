@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("torchtitan", reason="torchtitan is part of the pinned test environment")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("torchtitan", reason="torchtitan is part of the pinned test environment")
 
 from tierckpt.errors import ConfigError  # noqa: E402
 from titan_plugin.toml import load_config  # noqa: E402
