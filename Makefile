@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 
 venv: $(STAMP)
 
-$(STAMP): requirements-cpu.txt pyproject.toml scripts/setup_venv.sh
+$(STAMP): requirements-cpu.txt pyproject.toml scripts/setup_venv.sh $(wildcard */__init__.py)
 	PY=$(PY) scripts/setup_venv.sh
 
 test: venv

@@ -10,8 +10,7 @@ quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a director
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements-cpu.txt
 quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
-"$VENV/bin/python" - <<'PY'
-import torch, xxhash, rich, tomli, fsspec, tierckpt
-assert torch.__version__.startswith("2.13.0"), f"expected torch 2.13.0 (CPU wheel), got {torch.__version__}"
-PY
+check() { (cd / && "$OLDPWD/$VENV/bin/python" -c "import torch, xxhash, rich, tomli, fsspec, tierckpt, titan_plugin; assert torch.__version__.startswith('2.13.0'), torch.__version__"); }
+# an editable install made before a package existed does not map it: reinstall then
+check 2>/dev/null || { quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall -e . && check; }
 touch "$VENV/.installed-stamp"

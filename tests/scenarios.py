@@ -383,3 +383,20 @@ def phase_adaptive(rank, world, base, clean_end, steps):
     else:
         eng.wait()  # a crash: no run_end record
     return {"agreed": all(agreed), "saved": saved, "tau": tau}
+
+
+def phase_rollback(rank, world, base):
+    """Save 2, 4, 6; roll back to 2 explicitly; the next default restore must pick 2, not 6."""
+    eng = TieredCheckpointer(make_config(base, keep_latest_k={"local": 3, "persistent": 3}), node_id=rank)
+    model, opt = build(seed=0)
+    for s in (2, 4, 6):
+        train_step(model, opt, s, rank)
+        eng.save(s, app_state(model, opt))
+    eng.wait()
+    sd = app_state(model, opt)
+    assert eng.restore(sd, step=2).step == 2
+    dist.barrier()
+    sd = app_state(model, opt)
+    again = eng.restore(sd).step
+    eng.close()
+    return again

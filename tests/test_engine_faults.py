@@ -69,3 +69,10 @@ def test_retention_and_staging_isolation(tmp_path):
         assert r.value["local"] == ["step-4", "step-5"], r.value   # torn step-0 cleaned too
         assert r.value["replicas"] == ["step-4", "step-5"], r.value
         assert r.value["persistent"] == ["step-3", "step-4", "step-5"], r.value
+
+
+def test_explicit_rollback_supersedes_newer_steps(tmp_path):
+    res = run_world(scenarios.phase_rollback, 2, str(tmp_path))
+    assert [r.value for r in res] == [2, 2]
+    sup = os.path.join(str(tmp_path), "pfs", "step-6", "tierckpt.committed.superseded")
+    assert os.path.exists(sup)

@@ -9,7 +9,7 @@ import pytest
 from tierckpt import layout, manifest
 from tierckpt.errors import ConfigError
 from tierckpt.restore import Inventory, Source, plan_restore
-from tierckpt.retention import InUse, purge_dir
+from tierckpt.retention import InUse, purge_dir, purge_persistent
 from tierckpt.storage import Store
 from tierckpt.topology import Topology, _local_node_label, check_replication, clique, peers
 
@@ -79,17 +79,31 @@ def _h(store, rel):
     return e.size, e.xxh3_64
 
 
-def test_retention_keeps_k_skips_in_use_and_torn_newer_steps(tmp_path):
+def test_retention_keeps_k_skips_in_use_and_cleans_torn_steps(tmp_path):
     store = Store(str(tmp_path))
     for s in (1, 2, 3, 4):
         _commit_step(store, layout.local_step(s), s)
-    store.makedirs("local/step-0")   # torn, older than newest committed → deleted
-    store.makedirs("local/step-9")   # torn but newer (being written) → kept
+    store.makedirs("local/step-0")   # torn leftover → deleted
+    store.makedirs("local/step-7")   # torn leftover newer than every commit (full disk) → deleted
+    store.makedirs("local/step-9")   # being written right now → kept
     in_use = InUse()
     in_use.hold("local:local/step-1")  # being read by a restore → kept
+    in_use.hold("local:local/step-9")
     deleted = purge_dir(store, "local", 2, in_use, "local:")
-    assert sorted(deleted) == [0, 2]
+    assert sorted(deleted) == [0, 2, 7]
     assert store.listdir("local") == ["step-1", "step-3", "step-4", "step-9"]
     in_use.drop("local:local/step-1")
     assert purge_dir(store, "local", 2, in_use, "local:") == [1]
-    assert purge_dir(store, "local", 0, in_use, "local:") == []  # 0 keeps everything
+    assert purge_dir(store, "local", 0, in_use, "local:") == []  # 0 keeps every committed step
+
+
+def test_persistent_retention_leaves_foreign_folders(tmp_path):
+    store = Store(str(tmp_path))
+    for s in (1, 2, 3):
+        _commit_step(store, layout.persistent_step(s), s)
+    store.makedirs("step-4")  # e.g. torchtitan's model-only export: not ours, never deleted
+    store.makedirs("step-5")
+    with store.open("step-5/" + layout.INPROGRESS, "wb") as f:
+        f.write(b"x")  # a persistent save of ours that died: deleted
+    assert sorted(purge_persistent(store, 2, InUse())) == [1, 5]
+    assert store.listdir("") == ["step-2", "step-3", "step-4"]

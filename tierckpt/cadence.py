@@ -82,17 +82,20 @@ class Cadence:
     def changed(self, decisions: dict[str, Decision]) -> dict[str, Decision]:
         """Decisions whose steps or reason differ from the last ones logged (rank 0)."""
         out = {}
-        for t, d in decisions.items():
-            key = (d.tau_steps, d.reason)
-            if self._last_logged.get(t) != key:
-                self._last_logged[t] = key
-                out[t] = d
+        with self._lock:  # both tier workers call this on rank 0
+            for t, d in decisions.items():
+                key = (d.tau_steps, d.reason)
+                if self._last_logged.get(t) != key:
+                    self._last_logged[t] = key
+                    out[t] = d
         return out
 
     # -- every rank ----------------------------------------------------------------------------
     def apply(self, tau_steps: dict[str, int] | None) -> None:
         """Adopt rank 0's proposal (call at a point every rank reaches at the same step)."""
-        for t, n in (tau_steps or {}).items():
+        if not isinstance(tau_steps, dict):
+            return  # only a proposal dict is meaningful here
+        for t, n in tau_steps.items():
             if t in self.adaptive and n and n >= 1:
                 self.tau[t] = int(n)
 

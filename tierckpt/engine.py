@@ -72,6 +72,11 @@ class TieredCheckpointer:
         err = None
         if "local" in self.cfg.tiers:
             root = self.cfg.local_root_for(topo.node, topo.hostname)
+            if topo.is_node_leader:
+                try:  # torn steps of an earlier run (e.g. a full disk) must not keep the disk full
+                    retention.purge_local(Store(root), 0, self.in_use)
+                except OSError as e:
+                    log.warning("tierckpt: could not clean torn steps under %s: %s", root, e)
             try:
                 _probe_writable(root)
             except OSError as e:
@@ -139,9 +144,13 @@ class TieredCheckpointer:
             if refresh_ledger:
                 try:
                     self.cadence.update_from_ledger(Ledger.read(self.persistent.store), self.ledger.run_id)
-                except (OSError, ValueError) as e:
-                    log.warning("tierckpt schedule: could not read the ledger: %s", e)
-            got = self.cadence.proposal()
+                except Exception as e:  # keep the previous estimate; never skip the all_gather below
+                    log.warning("tierckpt schedule: could not use the ledger: %s", e)
+            try:
+                got = self.cadence.proposal()
+            except Exception as e:  # keep the current intervals; never skip the all_gather below
+                log.warning("tierckpt schedule: no new decision: %s", e)
+                got = None
             if got is not None:
                 prop, decisions = got
                 for t, d in self.cadence.changed(decisions).items():
@@ -311,11 +320,40 @@ class TieredCheckpointer:
         res = self.restorer.restore(state_dict, step)
         if res is not None:
             self._ledger_restore(res)
+            if step is not None:
+                self._supersede_newer(res.step)
         if self.cadence is not None and res is not None:
             self.cadence.reset(res.step)
             self.cadence.apply(self._share_schedule(self.groups.local_world, "restart",
                                                     refresh_ledger=True, step=res.step))
         return res
+
+    def _supersede_newer(self, step: int) -> None:
+        """After an explicit rollback to ``step``, newer committed steps belong to an abandoned
+        timeline: without this, the next restart would resume from them and retention would
+        delete the new timeline's steps first. Each node leader handles its local root, rank 0
+        the persistent tier (local, no collective)."""
+        from . import layout, manifest
+
+        gone = []
+        try:
+            if self.local is not None and self.topo.is_node_leader:
+                for s in self.local.committed_steps():
+                    if s > step and manifest.supersede(self.local.store, layout.local_step(s)):
+                        gone.append(f"local/{s}")
+                for n, steps in self.local.committed_replicas().items():
+                    for s in steps:
+                        if s > step and manifest.supersede(self.local.store, layout.replica_step(n, s)):
+                            gone.append(f"replica node-{n}/{s}")
+            if self.topo.rank == 0:
+                for s in self.persistent.committed_steps():
+                    if s > step and manifest.supersede(self.persistent.store, layout.persistent_step(s)):
+                        gone.append(f"persistent/{s}")
+        except OSError as e:
+            log.warning("tierckpt: rollback to step %d: could not supersede newer steps: %s", step, e)
+        if gone:
+            log.warning("tierckpt: rolled back to step %d; newer steps superseded (marker renamed "
+                        "*.superseded, not resume points any more): %s", step, ", ".join(gone))
 
     def _ledger_restore(self, res: RestoreResult) -> None:
         """Append the restore record (global rank 0 writes)."""

@@ -20,6 +20,7 @@ import re
 
 MANIFEST = "tierckpt.manifest.json"
 MARKER = "tierckpt.committed"
+INPROGRESS = "tierckpt.inprogress"  # persistent steps tierckpt started (retention may clean them)
 LEDGER = "tierckpt-ledger.jsonl"
 COMMIT_FILES = (MANIFEST, MARKER)
 

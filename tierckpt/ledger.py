@@ -10,7 +10,8 @@ and ``job``. Kinds and their fields:
   bytes (sum over ranks), ok (bool), error.
 - ``restore``: step, sources (per node: tier and holder), bytes, seconds, attempts,
   persistent_bytes.
-- ``schedule``: written by the scheduler (later issue).
+- ``schedule``: an interval decision of the adaptive scheduler (:mod:`tierckpt.cadence`):
+  trigger, at_step and the fields of :class:`tierckpt.schedule.Decision`.
 
 A run with ``run_start`` and no ``run_end`` (or ``clean: false``) ended in a failure. Only
 global rank 0 writes. A torn last line (the writer died mid-append) is skipped on read and

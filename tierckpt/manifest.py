@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import xxhash
 
 from .errors import VerificationError
-from .layout import COMMIT_FILES, MANIFEST, MARKER
+from .layout import COMMIT_FILES, INPROGRESS, MANIFEST, MARKER
 from .storage import Store
 
 HASH_NAME = "xxh3_64"
@@ -72,7 +72,7 @@ def data_files(store: Store, step_rel: str) -> list[str]:
     return [
         p
         for p in store.walk_files(step_rel)
-        if p not in COMMIT_FILES and not p.endswith(".tmp")
+        if p not in COMMIT_FILES and p != INPROGRESS and not p.endswith(".tmp")
     ]
 
 
@@ -120,6 +120,17 @@ def commit_bytes(store: Store, step_rel: str, mbytes: bytes) -> None:
 def uncommit(store: Store, step_rel: str) -> None:
     """Remove the marker first, so a step being deleted is never seen half-deleted."""
     store.remove(f"{step_rel}/{MARKER}")
+
+
+def supersede(store: Store, step_rel: str) -> bool:
+    """Take a committed step out of the timeline after a rollback to an older step: the marker
+    is renamed ``tierckpt.committed.superseded`` (data kept; rename it back to revive it).
+    Returns whether a marker was there."""
+    try:
+        store.rename(f"{step_rel}/{MARKER}", f"{step_rel}/{MARKER}.superseded")
+        return True
+    except (FileNotFoundError, OSError):
+        return False
 
 
 def read_committed(store: Store, step_rel: str) -> dict | None:

@@ -98,6 +98,8 @@ class PersistentTier:
                 manifest.uncommit(self.store, rel)
                 self.store.rmtree(rel)
                 self.store.makedirs(rel)
+                with self.store.open(f"{rel}/{layout.INPROGRESS}", "wb") as f:
+                    f.write(b"tierckpt persistent save in progress\n")
 
         run_agreed(prepare, group, f"persistent step {step}: prepare")
         mine = self.io.save(staged, self.store.url_of(rel), group) or {}

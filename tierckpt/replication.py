@@ -124,8 +124,11 @@ def replicate(store: Store, topo: Topology, world_group, node_group, step: int,
     incoming = sorted({t.dst_rel for t in transfers if topo.node_of_rank[t.dst_rank] == topo.node})
     if topo.is_node_leader:
         for rel in incoming:  # a stale or torn copy of the same step from an earlier run
-            manifest.uncommit(store, rel)
-            store.rmtree(rel)
+            try:
+                manifest.uncommit(store, rel)
+                store.rmtree(rel)
+            except OSError as e:  # the receive will fail and be reported; never skip the barrier
+                log.warning("tierckpt: could not clear %s before replication: %s", store.url_of(rel), e)
     dist.barrier(group=node_group)
     results = run_transfers(transfers, topo.rank, store, world_group, chunk_bytes)
     ok, bad = commit_received(store, topo, node_group, results, transfers)

@@ -160,10 +160,16 @@ class Restorer:
         """All-gather the committed steps of every node and of the persistent tier."""
         mine = None
         if self.topo.is_node_leader and self.local is not None:
-            mine = (self.topo.node, self.local.committed_steps(), self.local.committed_replicas())
+            try:
+                mine = (self.topo.node, self.local.committed_steps(), self.local.committed_replicas())
+            except OSError as e:  # a dead local disk: this node simply has nothing local
+                log.warning("tierckpt restore: cannot list node %d's local root: %s", self.topo.node, e)
         pers = None
         if self.topo.rank == 0 and self.persistent is not None:
-            pers = self.persistent.committed_steps()
+            try:
+                pers = self.persistent.committed_steps()
+            except (OSError, ValueError) as e:
+                log.warning("tierckpt restore: cannot list the persistent tier: %s", e)
         gathered = all_gather((mine, pers), self.groups.local_world)
         inv = Inventory(persistent=set(gathered[0][1] or []))
         for m, _ in gathered:
@@ -309,8 +315,11 @@ class Restorer:
         topo = self.topo
         receiving = any(topo.node_of_rank[t.dst_rank] == topo.node for t in pulls)
         if receiving and topo.is_node_leader:
-            manifest.uncommit(self.local.store, layout.local_step(s))
-            self.local.store.rmtree(layout.local_step(s))
+            try:
+                manifest.uncommit(self.local.store, layout.local_step(s))
+                self.local.store.rmtree(layout.local_step(s))
+            except OSError as e:  # the pull will fail and be reported; never skip the barrier
+                log.warning("tierckpt restore: cannot clear local step %d before the pull: %s", s, e)
         import torch.distributed as dist
 
         dist.barrier(group=self.groups.node)

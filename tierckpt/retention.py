@@ -3,7 +3,11 @@
 Rules (FIELD-NOTES failure class 7):
 - a step in ``in_use`` (being written or read right now) is never deleted;
 - fewer than k committed steps are never left: only committed steps beyond the newest k
-  are deleted, plus uncommitted (torn) directories older than the newest committed step;
+  are deleted;
+- uncommitted (torn) directories are deleted whatever their step — a torn step left by a full
+  disk must not keep the disk full — but in the persistent root only those tierckpt started
+  (marked ``tierckpt.inprogress``), never a framework's own folders (e.g. torchtitan's
+  model-only export);
 - deletion removes the commit marker first, so a half-deleted step is simply uncommitted.
 """
 
@@ -44,25 +48,24 @@ class InUse:
             return key in self._held
 
 
-def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix: str) -> list[int]:
+def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix: str,
+              only_marked_torn: bool = False) -> list[int]:
     """Apply the rules to the ``step-<N>`` directories under ``parent`` of ``store``.
 
     Args:
-        keep_k: committed steps to keep (0 = keep everything).
+        keep_k: committed steps to keep (0 = keep every committed step; torn ones still go).
         key_prefix: prefix of the ``in_use`` keys of this directory (``key_prefix + step_rel``).
+        only_marked_torn: delete only torn directories holding ``tierckpt.inprogress``.
     Returns:
         steps deleted.
     """
-    if keep_k <= 0:
-        return []
     steps = sorted(s for s in (layout.parse_step(n) for n in store.listdir(parent)) if s is not None)
     rel = (lambda s: f"{parent}/{layout.step_name(s)}") if parent else layout.step_name
     committed = [s for s in steps if manifest.read_committed(store, rel(s)) is not None]
-    if not committed:
-        return []
-    keep = set(committed[-keep_k:])
-    newest = committed[-1]
-    doomed = [s for s in steps if s not in keep and (s in committed or s < newest)]
+    keep = set(committed[-keep_k:]) if keep_k > 0 else set(committed)
+    torn = [s for s in steps if s not in committed
+            and (not only_marked_torn or store.exists(f"{rel(s)}/{layout.INPROGRESS}"))]
+    doomed = sorted([s for s in committed if s not in keep] + torn)
     deleted = []
     for s in doomed:
         r = rel(s)
@@ -90,4 +93,4 @@ def purge_local(store: Store, keep_k: int, in_use: InUse) -> dict[str, list[int]
 
 def purge_persistent(store: Store, keep_k: int, in_use: InUse) -> list[int]:
     """Retention of the persistent root (run by global rank 0 only)."""
-    return purge_dir(store, "", keep_k, in_use, "persistent:")
+    return purge_dir(store, "", keep_k, in_use, "persistent:", only_marked_torn=True)

@@ -340,10 +340,12 @@ def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
     th = threading.Thread(target=sender, name="tierckpt-send", daemon=True)
     th.start()
     out = {}
-    for i, t in enumerate(transfers):
-        if t.dst_rank == rank:
-            out[i] = recv_step(store, t, group, chunk_bytes)
-    th.join()
+    try:
+        for i, t in enumerate(transfers):
+            if t.dst_rank == rank:
+                out[i] = recv_step(store, t, group, chunk_bytes)
+    finally:
+        th.join()  # the sender shares this process's buffers: never leave it running
     if send_error:
         raise send_error[0]
     return out

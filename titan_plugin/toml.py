@@ -267,12 +267,17 @@ def load_config(toml_path: str | None, overrides: list[str] | None = None):
     """
     data: dict = {}
     if toml_path:
-        with open(toml_path, "rb") as f:
-            try:
+        try:
+            with open(toml_path, "rb") as f:
                 data = tomli.load(f)
-            except tomli.TOMLDecodeError as e:
-                raise ConfigError(os.path.basename(toml_path), f"invalid TOML: {e}") from None
+        except (tomli.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(toml_path, f"invalid TOML: {e}") from None
+        except IsADirectoryError:
+            raise ConfigError("--toml", f"{toml_path} is a directory, not a TOML file") from None
     cli = parse_overrides(overrides or [])
+    for src in (data, cli):
+        if "job" in src and not isinstance(src["job"], dict):
+            raise ConfigError("job", f"must be a table with keys {', '.join(JOB_KEYS)}, got {src['job']!r}")
     job = {**data.pop("job", {}), **cli.pop("job", {})}
     for k in job:
         if k not in JOB_KEYS:
@@ -283,7 +288,10 @@ def load_config(toml_path: str | None, overrides: list[str] | None = None):
     reg = _registry(job["module"])
     fn = getattr(reg, job["config"], None)
     if not callable(fn):
-        names = sorted(n for n in dir(reg) if not n.startswith("_") and callable(getattr(reg, n)))
+        import inspect
+
+        names = sorted(n for n, f in vars(reg).items() if not n.startswith("_") and inspect.isfunction(f)
+                       and f.__module__ == reg.__name__)
         raise ConfigError("job.config", f"{job['config']!r} not in {reg.__name__}; allowed: {', '.join(names)}")
     config = fn()
     config.checkpoint = to_tiered_checkpoint(config.checkpoint)

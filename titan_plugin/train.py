@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"titan_plugin.train: error: {e}", file=sys.stderr)
         return 2
-    run(config)
+    try:
+        run(config)
+    except ConfigError as e:  # checks that need the process group (node count, writable roots)
+        print(f"titan_plugin.train: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
