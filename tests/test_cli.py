@@ -328,3 +328,8 @@ def test_console_script_subprocess(tree):
                        capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 2 and "does not exist" in p.stderr and p.stdout == ""
 
+
+
+def test_verify_of_a_root_without_steps_fails(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["verify", str(tmp_path / "empty")]) == 2

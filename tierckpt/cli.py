@@ -425,8 +425,12 @@ def verify_one(s: StepDir) -> tuple[str, list[str]]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """``tierckpt verify``: re-hash every committed step; exit 1 if any is corrupt."""
+    """``tierckpt verify``: re-hash every committed step; exit 1 if any is corrupt, 2 if the
+    root holds no step directory at all (a wrong path must not pass an integrity gate)."""
     steps = find_steps(args.root, args.max_depth)
+    if not steps:
+        print(f"tierckpt: error: no step-<N> directory under {args.root} (wrong root?)", file=sys.stderr)
+        return 2
     results = []
     for s in steps:
         status, problems = verify_one(s)

@@ -205,10 +205,7 @@ class Restorer:
         for attempt in range(1, max_attempts + 1):
             choice = plan_restore(inv, topo.nodes, bad, step)
             if choice is None:
-                raise NoCheckpointError(
-                    f"no step can be restored on every node (requested step={step}); "
-                    f"failed sources: {[(f.node, f.source.kind, f.source.holder, f.step, f.error) for f in failures]}"
-                )
+                raise NoCheckpointError(_no_checkpoint_message(step, inv, failures))
             s, sources = choice
             todo = {n for n in range(topo.nodes) if n not in loaded or loaded[n].step != s}
             log.info("tierckpt restore attempt %d: step %d, sources %s", attempt, s,
@@ -338,3 +335,17 @@ class Restorer:
         if ok:
             return True, None, nbytes
         return False, "; ".join(bad.values()) or "pull failed", nbytes
+
+
+def _no_checkpoint_message(step: int | None, inv: Inventory, failures: list[NodeOutcome]) -> str:
+    """Why nothing could be restored, most frequent cause first (the same error on every
+    source, e.g. a state that cannot load on this topology, reads as one line)."""
+    causes: dict[str, list[str]] = {}
+    for f in failures:
+        causes.setdefault(f.error or "unknown error", []).append(
+            f"node {f.node} step {f.step} {f.source.kind}" + (f"@{f.source.holder}" if f.source.holder is not None else ""))
+    lines = [f"{len(w)}x {cause}  [{', '.join(w[:3])}{', …' if len(w) > 3 else ''}]"
+             for cause, w in sorted(causes.items(), key=lambda kv: -len(kv[1]))]
+    want = f"step {step}" if step is not None else "any step"
+    return (f"no source could restore {want} on every node (committed steps seen: "
+            f"{sorted(inv.all_steps())}); causes:\n  " + "\n  ".join(lines or ["no source holds it"]))
