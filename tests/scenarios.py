@@ -400,3 +400,16 @@ def phase_rollback(rank, world, base):
     again = eng.restore(sd).step
     eng.close()
     return again
+
+
+def phase_unshared_persistent(rank, world, base):
+    """A 'persistent' root that is really per node (a different directory on each rank)."""
+    from tierckpt.errors import ConfigError
+
+    cfg = make_config(base)
+    cfg.persistent_root = os.path.join(base, f"pfs-private-{rank}")
+    try:
+        TieredCheckpointer(cfg, node_id=rank)
+    except ConfigError as e:
+        return e.option
+    return None

@@ -76,3 +76,8 @@ def test_explicit_rollback_supersedes_newer_steps(tmp_path):
     assert [r.value for r in res] == [2, 2]
     sup = os.path.join(str(tmp_path), "pfs", "step-6", "tierckpt.committed.superseded")
     assert os.path.exists(sup)
+
+
+def test_persistent_root_must_be_shared(tmp_path):
+    res = run_world(scenarios.phase_unshared_persistent, 2, str(tmp_path))
+    assert [r.value for r in res] == ["persistent_root", "persistent_root"]

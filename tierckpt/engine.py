@@ -93,6 +93,7 @@ class TieredCheckpointer:
             raise err if err is not None else ConfigError(errors[0][0], f"failed on another rank: {errors[0][1]}")
         self.persistent = PersistentTier(pstore, persistent_io)
         run_id = all_gather(uuid.uuid4().hex[:12] if topo.rank == 0 else None, self.groups.local_world)[0]
+        _check_shared(pstore, run_id, topo.rank, self.groups.local_world)
         self.ledger = Ledger(pstore, enabled=topo.rank == 0, run_id=run_id, job=self.cfg.resolved_job_id())
         self._t_start = time.time()
         self.ledger.append(
@@ -394,6 +395,32 @@ class TieredCheckpointer:
 
     def __exit__(self, exc_type, exc, tb):
         self.close(clean=exc_type is None, reason=repr(exc) if exc else "")
+
+
+def _check_shared(store: Store, run_id: str, rank: int, group) -> None:
+    """Rank 0 writes a probe into the persistent root; every rank must see it, or the
+    "shared" storage is node-local and every persistent save would fail later (collective).
+
+    Raises:
+        ConfigError: ``persistent_root`` is not visible from some rank.
+    """
+    probe = f".tierckpt-probe-{run_id}"
+    if rank == 0:
+        try:
+            store.write_atomic(probe, b"tierckpt shared-storage probe\n")
+        except OSError as e:
+            log.warning("tierckpt: could not write %s: %s", store.url_of(probe), e)
+    all_gather(None, group)  # the probe exists before anyone looks
+    try:
+        seen = store.exists(probe)
+    except OSError:
+        seen = False
+    blind = [r for r, ok in enumerate(all_gather(seen, group)) if not ok]
+    if rank == 0:
+        store.remove(probe)
+    if blind:
+        raise ConfigError("persistent_root", f"{store.url!r} is not shared storage: ranks {blind[:8]} cannot "
+                          "see a file rank 0 wrote there; use a shared filesystem or an fsspec URL")
 
 
 def _probe_writable(root: str) -> None:
