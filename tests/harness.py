@@ -107,3 +107,19 @@ def run_world(fn, world: int, *args, timeout: float = 240, env: dict | None = No
         if errs:
             raise AssertionError("\n".join(errs))
     return [results[r] for r in range(world)]
+
+
+def load_demo_launcher():
+    """``launch/local_demo.py`` as a module (it is a script, not part of a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "tierckpt_local_demo"
+    if name not in sys.modules:  # registered first: its dataclasses look their module up
+        path = Path(__file__).resolve().parent.parent / "launch" / "local_demo.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]

@@ -9,7 +9,6 @@ Uses ``launch/local_demo.py``'s own functions (``run_demo``) with 12 steps, loca
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -20,14 +19,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+from tests.harness import load_demo_launcher  # noqa: E402
+
+
 def _launcher():
-    name = "tierckpt_local_demo"
-    if name not in sys.modules:  # registered first: its dataclasses look their module up
-        spec = importlib.util.spec_from_file_location(name, REPO / "launch" / "local_demo.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_demo_launcher()
 
 
 def test_clear_out_refuses_foreign_directories(tmp_path):
@@ -47,7 +43,7 @@ def test_demo_short(tmp_path):
     from titan_plugin.cpu import accelerator_present
 
     if accelerator_present():
-        pytest.skip("CPU-only test (gloo, simulated nodes)")
+        pytest.skip("runs the CPU demo config (gloo, simulated nodes); the CPU patches are never applied on an accelerator machine")
     ld = _launcher()
     out = tmp_path / "demo"
     out.mkdir()

@@ -19,7 +19,6 @@ Run as a script, this file is the rank helper the test starts:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -112,14 +111,11 @@ import pytest  # noqa: E402
 
 
 
+from tests.harness import load_demo_launcher  # noqa: E402
+
+
 def _launcher():
-    name = "tierckpt_local_demo"
-    if name not in sys.modules:  # registered first: its dataclasses look their module up
-        spec = importlib.util.spec_from_file_location(name, REPO / "launch" / "local_demo.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_demo_launcher()
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -130,7 +126,7 @@ def test_persistent_resume_2_to_1_ranks_resharded(tmp_path):
     from titan_plugin.cpu import accelerator_present
 
     if accelerator_present():
-        pytest.skip("CPU-only test (gloo, simulated nodes)")
+        pytest.skip("runs the CPU demo config (gloo, simulated nodes); the CPU patches are never applied on an accelerator machine")
     ld = _launcher()
     dump, logs = tmp_path / "run", tmp_path / "logs"
     common = ["--dump_folder", str(dump), "--training.steps", str(K),

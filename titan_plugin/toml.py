@@ -97,14 +97,13 @@ def convert(value: Any, tp, path: str, from_cli: bool = False) -> Any:
         args = get_args(tp)
         if type(None) in args and (value is None or (from_cli and str(value).lower() in ("none", "null"))):
             return None
-        errors = []
         for a in args:
             if a is type(None):
                 continue
             try:
                 return convert(value, a, path, from_cli)
-            except ConfigError as e:
-                errors.append(str(e))
+            except ConfigError:
+                continue  # try the next member of the union
         raise ConfigError(path, f"expected {_describe(tp)}, got {value!r}")
     if origin is Literal:
         allowed = get_args(tp)
@@ -129,24 +128,16 @@ def convert(value: Any, tp, path: str, from_cli: bool = False) -> Any:
         if from_cli and str(value).lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
             return str(value).lower() in ("true", "1", "yes", "on")
         raise ConfigError(path, f"expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    if tp in (int, float):
+        accepted = (int,) if tp is int else (int, float)
+        if isinstance(value, accepted) and not isinstance(value, bool):
+            return tp(value)
         if from_cli:
             try:
-                return int(str(value))
+                return tp(str(value))
             except ValueError:
                 pass
-        raise ConfigError(path, f"expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if from_cli:
-            try:
-                return float(str(value))
-            except ValueError:
-                pass
-        raise ConfigError(path, f"expected a number, got {value!r}")
+        raise ConfigError(path, f"expected {_describe(tp)}, got {value!r}")
     if tp is str:
         if isinstance(value, str):
             return value
