@@ -51,6 +51,17 @@ def test_seed_table(delta, tau_min, waste_pct):
     assert daly_interval(delta, M_LLAMA3, 0) + delta == pytest.approx(tau, rel=1e-12)
 
 
+@pytest.mark.parametrize("delta,tau_min,waste_pct", SEED_TABLE)
+def test_seed_table_through_cli(capsys, delta, tau_min, waste_pct):
+    # the M is 54 × 24 / 419 h; "3.09h" rounds it, so pass seconds
+    rc, out = _json(capsys, "interval", "--delta", f"{delta}s", "--mtbf", f"{M_LLAMA3!r}", "--json")
+    assert rc == 0
+    assert round(out["tau_s"] / 60, 1) == tau_min
+    assert round(100 * out["waste"], 1) == waste_pct
+    assert out["compute_s"] == pytest.approx(out["tau_s"] - delta)
+    assert out["lost_per_failure_s"] == pytest.approx(out["tau_s"] / 2)
+
+
 def test_young_period_minimises_first_order_waste():
     d = 60.0
     tau = young_interval(d, M_LLAMA3)
@@ -514,17 +525,20 @@ def _json(capsys, *argv):
 def test_cli_interval_json(capsys):
     rc, out = _json(capsys, "interval", "--delta", "600", "--mtbf", "3.09h", "--json")
     assert rc == 0
-    assert set(out) == {"tau_s", "waste", "lost_per_failure_s"}
+    assert set(out) == {"tau_s", "compute_s", "waste", "lost_per_failure_s"}
     M = 3.09 * H
-    assert out["tau_s"] == pytest.approx(math.sqrt(2 * 600 * M) - 600)
+    assert out["tau_s"] == pytest.approx(math.sqrt(2 * 600 * M))  # Young when R = 0
+    assert out["compute_s"] == pytest.approx(math.sqrt(2 * 600 * M) - 600)
     assert out["waste"] == pytest.approx(math.sqrt(2 * 600 / M))
     assert round(100 * out["waste"], 1) == 32.8
-    assert out["lost_per_failure_s"] == pytest.approx((out["tau_s"] + 600) / 2)
+    assert out["lost_per_failure_s"] == pytest.approx(out["tau_s"] / 2)
     rc, out = _json(capsys, "interval", "--delta", "60", "--mtbf", "45m", "--restart", "120s", "--json")
     assert rc == 0
-    assert out["tau_s"] == pytest.approx(daly_interval(60, 2700, 120))
-    assert out["waste"] == pytest.approx(waste_fraction(out["tau_s"] + 60, 60, 2700, 120))
-    assert out["lost_per_failure_s"] == pytest.approx(expected_lost_work(out["tau_s"], 60, 120))
+    assert out["tau_s"] == pytest.approx(math.sqrt(2 * 60 * (2700 + 120)))  # Daly with R
+    assert out["compute_s"] == pytest.approx(daly_interval(60, 2700, 120))
+    assert out["waste"] == pytest.approx(waste_fraction(out["tau_s"], 60, 2700, 120))
+    assert out["lost_per_failure_s"] == pytest.approx(expected_lost_work(out["compute_s"], 60, 120))
+    assert out["lost_per_failure_s"] == pytest.approx(out["tau_s"] / 2 + 120)
 
 
 def test_cli_interval_table(capsys):

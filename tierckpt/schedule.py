@@ -658,16 +658,33 @@ class Scheduler:
 # CLI: tierckpt interval
 # --------------------------------------------------------------------------------------------
 def interval_report(delta: float, M: float, R: float = 0.0) -> dict:
-    """What ``tierckpt interval`` prints: Daly τ, the waste fraction and the lost time per
-    failure at that τ, plus Young's period for reference (all seconds / fractions)."""
-    tau = daly_interval(delta, M, R)
+    """What ``tierckpt interval`` prints (seconds and fractions).
+
+    Keys:
+        tau_s: the checkpoint interval, start to start: ``sqrt(2δ(M+R))`` = Daly's compute time
+            τ plus δ (Daly 2006), which is Young's ``sqrt(2δM)`` when R = 0 (Young 1974). This
+            is the τ of the issue's seed table (δ = 600 s, M = 3.09 h → 60.9 min).
+        compute_s: training time between checkpoints, ``tau_s − δ`` (Daly's τ; what
+            :class:`Scheduler` turns into steps, since step times exclude the stall).
+        waste: first-order wasted fraction at ``tau_s`` (:func:`waste_fraction`),
+            ``sqrt(2δ/M)`` when R = 0.
+        lost_per_failure_s: ``tau_s/2 + R`` (:func:`expected_lost_work`).
+        young_period_s: ``sqrt(2δM)``.
+        daly_waste: the same interval under Daly's complete Poisson model
+            (:func:`daly_waste_fraction`), None when the compute time is 0.
+
+    Raises:
+        ConfigError: naming ``delta``, ``mtbf`` or ``restart``.
+    """
+    compute = daly_interval(delta, M, R)
+    period = compute + delta
     return {
-        "tau_s": tau,
-        "waste": waste_fraction(tau + delta, delta, M, R),
-        "lost_per_failure_s": expected_lost_work(tau, delta, R),
-        "period_s": tau + delta,
+        "tau_s": period,
+        "compute_s": compute,
+        "waste": waste_fraction(period, delta, M, R),
+        "lost_per_failure_s": expected_lost_work(compute, delta, R),
         "young_period_s": young_interval(delta, M),
-        "daly_waste": daly_waste_fraction(tau, delta, M, R) if tau > 0 else None,
+        "daly_waste": daly_waste_fraction(compute, delta, M, R) if compute > 0 else None,
     }
 
 
@@ -684,16 +701,16 @@ def _duration_arg(option: str, *, positive: bool):
 
 
 def cmd_interval(args: argparse.Namespace) -> int:
-    """``tierckpt interval``: Daly's interval, waste and lost work for given δ, M, R."""
+    """``tierckpt interval``: the Young/Daly interval, waste and lost work for given δ, M, R."""
     from . import cli
 
     rep = interval_report(args.delta, args.mtbf, args.restart)
     if args.json:
-        cli._print_json({k: rep[k] for k in ("tau_s", "waste", "lost_per_failure_s")})
+        cli._print_json({k: rep[k] for k in ("tau_s", "compute_s", "waste", "lost_per_failure_s")})
         return cli.EXIT_OK
     from rich.table import Table
 
-    table = Table(title="checkpoint interval, Daly 2006")
+    table = Table(title="checkpoint interval (Young 1974 / Daly 2006)")
     table.add_column("quantity")
     table.add_column("seconds", justify="right")
     table.add_column("", justify="right")
@@ -701,14 +718,14 @@ def cmd_interval(args: argparse.Namespace) -> int:
         ("blocking time delta", args.delta, format_duration(args.delta)),
         ("MTBF M", args.mtbf, format_duration(args.mtbf)),
         ("restart time R", args.restart, format_duration(args.restart)),
-        ("tau: training between checkpoints", rep["tau_s"], format_duration(rep["tau_s"])),
-        ("period tau + delta", rep["period_s"], format_duration(rep["period_s"])),
-        ("Young's period sqrt(2 delta M)", rep["young_period_s"], format_duration(rep["young_period_s"])),
-        ("lost per failure (tau + delta)/2 + R", rep["lost_per_failure_s"], format_duration(rep["lost_per_failure_s"])),
+        ("tau: checkpoint interval sqrt(2 delta (M + R))", rep["tau_s"], format_duration(rep["tau_s"])),
+        ("training between checkpoints tau - delta", rep["compute_s"], format_duration(rep["compute_s"])),
+        ("Young's interval sqrt(2 delta M)", rep["young_period_s"], format_duration(rep["young_period_s"])),
+        ("lost per failure tau/2 + R", rep["lost_per_failure_s"], format_duration(rep["lost_per_failure_s"])),
     ]
     for name, s, human in rows:
         table.add_row(name, f"{s:.1f}", human)
-    table.add_row("waste delta/P + P/2M + R/M", "", f"{100 * rep['waste']:.1f} %")
+    table.add_row("waste delta/tau + tau/2M + R/M", "", f"{100 * rep['waste']:.1f} %")
     if rep["daly_waste"] is not None:
         table.add_row("waste, Daly's complete model", "", f"{100 * rep['daly_waste']:.1f} %")
     con = cli._stdout()
@@ -720,10 +737,10 @@ def register_cli(subparsers) -> None:
     """Add ``tierckpt interval`` (see :data:`tierckpt.cli.REGISTRARS`)."""
     p = subparsers.add_parser(
         "interval", help="optimal checkpoint interval for a blocking time and an MTBF",
-        description="Daly's optimum interval tau = sqrt(2 delta (M + R)) - delta (seconds of training "
-        "between checkpoints; Young's period sqrt(2 delta M) when R = 0), the wasted fraction "
-        "delta/P + P/(2M) + R/M at period P = tau + delta, and the expected time lost per failure "
-        "(tau + delta)/2 + R. Durations: a number of seconds or a number with unit "
+        description="Optimum checkpoint interval tau = sqrt(2 delta (M + R)), start to start (Young's "
+        "sqrt(2 delta M) when R = 0; Daly 2006: tau - delta seconds of training between checkpoints), "
+        "the wasted fraction delta/tau + tau/(2M) + R/M and the expected time lost per failure "
+        "tau/2 + R. Durations: a number of seconds or a number with unit "
         + ", ".join(DURATION_UNITS) + " (600s, 45m, 3.09h, 2d).",
     )
     p.add_argument("--delta", required=True, type=_duration_arg("--delta", positive=True), metavar="SECONDS",
@@ -732,5 +749,5 @@ def register_cli(subparsers) -> None:
                    help="mean time between failures of the job (e.g. 3.09h)")
     p.add_argument("--restart", default=0.0, type=_duration_arg("--restart", positive=False), metavar="SECONDS",
                    help="restart + restore time R (default 0)")
-    p.add_argument("--json", action="store_true", help="print {tau_s, waste, lost_per_failure_s} as JSON")
+    p.add_argument("--json", action="store_true", help="print {tau_s, compute_s, waste, lost_per_failure_s} as JSON (seconds, fraction)")
     p.set_defaults(func=cmd_interval)
