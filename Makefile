@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test test-slurm demo bench bench-schedule clean
 
 venv: $(STAMP)
 
@@ -19,6 +19,15 @@ demo: venv
 
 bench: venv
 	$(VPY) bench/bench_engine.py
+
+# issue 4's experiment: torchtitan demo under Poisson failures, fixed vs adaptive (~20 min)
+bench-schedule: venv
+	OMP_NUM_THREADS=1 $(VPY) bench/bench_schedule.py $(BENCH_ARGS)
+
+# launch/*.sbatch on a real private Slurm cluster on this machine (root: installs slurm-wlm +
+# munge with apt-get through scripts/setup_slurm.sh; ~3 min)
+test-slurm: venv
+	TIERCKPT_SLURM_TESTS=1 OMP_NUM_THREADS=1 $(VPY) -m pytest tests/slurm -q
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

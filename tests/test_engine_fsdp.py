@@ -101,3 +101,13 @@ def test_corrupt_local_and_replica_fall_back_to_persistent(saved, tmp_path):
     out = _restore(base, world, rpn)
     assert out["sources"][1] == ("persistent", None), out
     assert out["persistent_bytes"] > 0
+
+
+def test_every_node_lost_restores_all_from_persistent(saved, tmp_path):
+    # all node-local roots gone (e.g. a requeue onto other nodes): every node reads the same
+    # persistent step, whose verification is split over all ranks instead of once per node
+    base, world, rpn = _copy(saved, tmp_path)
+    shutil.rmtree(os.path.join(base, "nvme"))
+    out = _restore(base, world, rpn)
+    assert all(src == ("persistent", None) for src in out["sources"].values()), out
+    assert out["persistent_bytes"] > 0

@@ -620,3 +620,47 @@ def test_cli_simulate_plot(tmp_path, capsys):
 def test_cli_simulate_bad_input_exits_2(capsys, argv, needle):
     assert cli.main(["simulate", *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+# -- δ includes the slowdown of steps that overlapped background work ---------------------------
+def test_background_slowdown_is_charged_to_delta():
+    s = Scheduler(("local", "persistent"), gpus=1, gpu_mtbf_s=3600.0)
+    for _ in range(5):
+        s.observe_step(1.0)
+    s.observe_step(1.5, busy=["local"])            # +0.5 s charged to local
+    s.observe_step(1.4, busy=["local", "persistent"])  # +0.4 s split: 0.2 each
+    s.observe_step(0.9, busy=["local"])            # faster than the EMA: no credit
+    assert s.step_s == pytest.approx(1.0)          # busy steps do not move the step time
+    s.observe_checkpoint("local", 0.1, 2.0)
+    assert s.delta_s("local") == (pytest.approx(0.1 + 0.5 + 0.2), "observed")
+    assert s.interval("local").delta_blocking == pytest.approx(0.1)
+    assert s.take_interference("persistent") == pytest.approx(0.2)
+    assert s.take_interference("persistent") == 0.0  # taken once
+    off = Scheduler(("local",), gpus=1, interference=False)
+    off.observe_step(1.0)
+    off.observe_step(3.0, busy=["local"])
+    off.observe_checkpoint("local", 0.1, 2.0)
+    assert off.delta_s("local")[0] == pytest.approx(0.1)
+    with pytest.raises(ConfigError) as e:
+        Scheduler(("local",), interference="yes")
+    assert e.value.option == "interference"
+
+
+def test_ledger_delta_includes_interference_and_R_counts_from_process_start():
+    recs = [
+        {"kind": "run_start", "time": 100.0, "run_id": "a", "job": "j", "process_start": 90.0},
+        {"kind": "checkpoint", "time": 110.0, "run_id": "a", "job": "j", "tier": "local", "ok": True,
+         "blocking_s": 0.1, "background_s": 1.0, "interference_s": 0.4},
+        {"kind": "run_start", "time": 200.0, "run_id": "b", "job": "j", "process_start": 185.0},
+        {"kind": "restore", "time": 203.0, "run_id": "b", "job": "j", "seconds": 1.0, "sources": {"0": "local"}},
+    ]
+    s = Scheduler(("local",), gpus=1)
+    s.update_from_ledger(recs, current_run_id="b", now=210.0)
+    assert s.delta_s("local") == (pytest.approx(0.5), "ledger")
+    assert s.restart_s == pytest.approx(18.0)  # 203 - 185: process start, not run_start
+    recs[2].pop("process_start")
+    s.update_from_ledger(recs, current_run_id="b", now=210.0)
+    assert s.restart_s == pytest.approx(3.0)
+    off = Scheduler(("local",), gpus=1, interference=False)
+    off.update_from_ledger(recs, current_run_id="b", now=210.0)
+    assert off.delta_s("local")[0] == pytest.approx(0.1)

@@ -99,11 +99,14 @@ class TieredCheckpointer:
         self.ledger.append(
             "run_start", world_size=topo.world_size, nodes=topo.nodes, ranks_per_node=topo.ranks_per_node,
             restart_count=_restart_count(), host=socket.gethostname(), tiers=list(self.cfg.tiers),
+            process_start=_process_start_time(),
             replication_jump=topo.jump, replication_factor=topo.factor,
         )
         self.pool = StagingPool(self.cfg.staging_buffers)
         self._workers = {t: ThreadPoolExecutor(1, thread_name_prefix=f"tierckpt-{t}") for t in self.cfg.tiers}
         self._pending: dict[str, Future | None] = {t: None for t in self.cfg.tiers}
+        # monotonic (submitted, finished or None) of each tier's latest background job
+        self._job_window: dict[str, tuple[float, float | None]] = {}
         self._lock = threading.Lock()
         self.history: list[dict] = []
         self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
@@ -133,9 +136,13 @@ class TieredCheckpointer:
 
     def observe_step(self, seconds: float) -> None:
         """Report one training step's wall time (seconds, without checkpoint stalls) to the
-        adaptive scheduler. Cheap; call every step."""
+        adaptive scheduler. Cheap; call every step, right after the step ends. Tiers whose
+        background work overlapped the step are charged its slowdown (:mod:`tierckpt.schedule`)."""
         if self.cadence is not None:
-            self.cadence.observe_step(seconds)
+            now = time.monotonic()
+            busy = [t for t, (t0, t1) in list(self._job_window.items())
+                    if t0 < now and (t1 is None or t1 > now - seconds)]
+            self.cadence.observe_step(seconds, busy)
 
     def _share_schedule(self, group, trigger: str, *, refresh_ledger: bool = False, step: int | None = None):
         """Rank 0 proposes tau per adaptive tier; everyone receives it (collective on ``group``).
@@ -207,6 +214,7 @@ class TieredCheckpointer:
             self.cadence.mark_saved(tiers, step)
         for t in tiers:
             job = self._local_job if t == "local" else self._persistent_job
+            self._job_window[t] = (time.monotonic(), None)
             self._pending[t] = self._workers[t].submit(self._guard, job, t, staged, step, delta, t_wait, slot)
         return delta
 
@@ -231,6 +239,8 @@ class TieredCheckpointer:
     def _record(self, tier, step, ok, error, delta, t_wait, nbytes, background_s, extra=None):
         """All-gather a job's stats over the tier's world group; rank 0 writes the ledger."""
         group = self.groups.local_world if tier == "local" else self.groups.persistent_world
+        if tier in self._job_window:
+            self._job_window[tier] = (self._job_window[tier][0], time.monotonic())
         parts = all_gather((ok, error, nbytes, background_s, delta), group)
         rec = dict(
             tier=tier, step=step, ok=all(p[0] for p in parts),
@@ -238,12 +248,14 @@ class TieredCheckpointer:
             blocking_s=max(p[4] for p in parts), wait_s=t_wait,
             bytes=sum(p[2] for p in parts), background_s=max(p[3] for p in parts), **(extra or {}),
         )
+        if self.cadence is not None:
+            rec["interference_s"] = self.cadence.take_interference(tier)  # None off rank 0
         with self._lock:
             self.history.append(rec)
         self.ledger.append("checkpoint", **rec)
         if self.cadence is not None:
             if rec["ok"]:
-                self.cadence.observe_checkpoint(tier, rec["blocking_s"], rec["background_s"])
+                self.cadence.observe_checkpoint(tier, rec["blocking_s"], rec["background_s"], rec["interference_s"])
             # M grows with failure-free exposure: re-read the ledger's evidence each time
             self._pending_tau[tier] = self._share_schedule(group, "checkpoint", refresh_ledger=True, step=step)
         return rec
@@ -431,8 +443,24 @@ def _probe_writable(root: str) -> None:
     os.remove(probe)
 
 
+def _process_start_time() -> float | None:
+    """UNIX time this process was created (Linux /proc; None elsewhere). Lets the scheduler's
+    R include interpreter start, imports and model construction, not just the restore."""
+    try:
+        with open("/proc/self/stat") as f:
+            # field 22 (starttime, clock ticks since boot) comes after the parenthesised comm
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def _restart_count() -> int | None:
-    for k in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "TIERCKPT_RESTART_COUNT"):
+    # The launchers' own count first: it also counts in-allocation retries, which a fresh
+    # torchrun (TORCHELASTIC_RESTART_COUNT=0) and Slurm (requeues only) do not see.
+    for k in ("TIERCKPT_RESTART_COUNT", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
         if k in os.environ:
             try:
                 return int(os.environ[k])

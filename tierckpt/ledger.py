@@ -3,11 +3,13 @@
 One JSON object per line. Every record has ``kind``, ``time`` (UNIX seconds), ``run_id``
 and ``job``. Kinds and their fields:
 
-- ``run_start``: world_size, nodes, ranks_per_node, restart_count (SLURM_RESTART_COUNT or
-  the launcher's), host.
+- ``run_start``: world_size, nodes, ranks_per_node, restart_count (the first set of
+  TIERCKPT_RESTART_COUNT — launch/ —, SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT), host,
+  process_start (UNIX time rank 0's process was created; None where unknown).
 - ``run_end``: clean (bool), exposure_s (seconds since run_start), reason.
-- ``checkpoint``: tier, step, blocking_s (δ, max over ranks), background_s (max over ranks),
-  bytes (sum over ranks), ok (bool), error.
+- ``checkpoint``: tier, step, blocking_s (max over ranks), background_s (max over ranks),
+  bytes (sum over ranks), ok (bool), error, interference_s (rank 0's step slowdown while the
+  background work ran, seconds; present with intervals configured).
 - ``restore``: step, sources (per node: tier and holder), bytes, seconds, attempts,
   persistent_bytes.
 - ``schedule``: an interval decision of the adaptive scheduler (:mod:`tierckpt.cadence`):

@@ -259,15 +259,23 @@ class Restorer:
             else:
                 store, rel = self.persistent.store, layout.persistent_step(s)
             group = self.groups.node
+            # Every node restoring the same persistent step (the usual case after losing
+            # several nodes) reads the same files: hash them once, split over all ranks, not
+            # once per node. Same condition on every rank: sources and todo are agreed.
+            everyone_persistent = len(todo) == topo.nodes and all(sources[n].kind == PERSISTENT for n in todo)
+            if everyone_persistent:
+                v_group, v_index, v_count = self.groups.local_world, topo.rank, topo.world_size
+            else:
+                v_group, v_index, v_count = group, topo.local_rank, topo.ranks_per_node
 
             def verify():
                 if src.kind == REPLICA:
                     return  # every byte was checksummed on receipt
-                problems = verify_split(store, rel, topo.local_rank, topo.ranks_per_node)
+                problems = verify_split(store, rel, v_index, v_count)
                 if problems:
                     raise VerificationError("; ".join(problems[:3]))
 
-            run_agreed(verify, group, f"verify {store.url_of(rel)}")
+            run_agreed(verify, v_group, f"verify {store.url_of(rel)}")
             if src.kind == PERSISTENT:
                 read = self.persistent.io.load(state_dict, store.url_of(rel), group)
                 out.persistent_bytes = read

@@ -26,9 +26,14 @@ The scheduler
 -------------
 :class:`Scheduler` applies Daly's formula per tier (DESIGN.md "Interval scheduling"):
 
-- δ_i: exponential moving average (EMA) of tier i's measured blocking time;
-  C_i: EMA of its background completion time; the step time: EMA of the trainer's step time
-  (excluding checkpoint stalls). EMA: ``e_1 = x_1``, ``e_n = e_{n-1} + a·(x_n − e_{n-1})``.
+- δ_i: exponential moving average (EMA) of what one save of tier i costs training: its
+  measured blocking time plus, by default, the measured slowdown of the steps that ran while
+  its background work was in flight (Σ max(0, step − step EMA), split evenly between tiers
+  busy at once). Background writes share host CPU, memory bandwidth and NICs with the
+  trainer; where they do not, the slowdown is ~0 and δ is the blocking time of the issue's
+  formula (``interference=False`` forces that). C_i: EMA of its background completion time;
+  the step time: EMA of the trainer's step time over steps without checkpoint stalls or
+  background work. EMA: ``e_1 = x_1``, ``e_n = e_{n-1} + a·(x_n − e_{n-1})``.
 - M: :mod:`tierckpt.mtbf` Gamma–Poisson estimate (prior, then ledger evidence).
 - R: prior until observed, then the mean of observed restart times.
 - The local tier uses M. The persistent tier uses M/p: only the share p of failures that the
@@ -267,7 +272,7 @@ class Decision:
 
     Attributes:
         tier: ``"local"`` or ``"persistent"``.
-        delta: δ used, seconds (EMA of measured blocking time, or the prior).
+        delta: δ used, seconds (EMA of blocking time + background slowdown, or the prior).
         M: job MTBF estimate, seconds.
         R: restart time used, seconds.
         p: share of failures only the persistent tier can serve (used by the persistent tier).
@@ -283,6 +288,7 @@ class Decision:
         tau_model_s: Daly's τ before any clamp, seconds.
         sources: where each input came from: ``{"delta": "observed" | "ledger" | "prior",
             "M": "prior" | "ledger" | "evidence" | "set", "R": ..., "p": ...}``.
+        delta_blocking: EMA of the blocking part of δ alone, seconds (None before a measurement).
     """
 
     tier: str
@@ -298,6 +304,7 @@ class Decision:
     step_s: float | None = None
     tau_model_s: float | None = None
     sources: dict = field(default_factory=dict)
+    delta_blocking: float | None = None
 
     def as_record(self) -> dict:
         """Fields for a ledger ``schedule`` record (JSON-ready)."""
@@ -355,6 +362,8 @@ class Scheduler:
         min_s, max_s: bounds on τ in seconds (float for all tiers, or ``{tier: float}``).
         min_steps, max_steps: bounds on τ in steps (int, or ``{tier: int}``).
         fixed_steps: ``{tier: steps}`` tiers that save on a fixed step interval instead.
+        interference: count the slowdown of steps overlapping a tier's background work in its
+            δ (see the module docstring); False = blocking time only.
 
     Raises:
         ConfigError: naming the option and its allowed values.
@@ -367,7 +376,7 @@ class Scheduler:
                  persistent_share_weight: float = DEFAULT_PERSISTENT_SHARE_WEIGHT,
                  ema_alpha: float = DEFAULT_EMA_ALPHA,
                  min_s=None, max_s=None, min_steps=None, max_steps=None,
-                 fixed_steps: dict | None = None):
+                 fixed_steps: dict | None = None, interference: bool = True):
         self.tiers = validate_tiers(tiers)
         if not self.tiers:
             raise ConfigError("tiers", f"at least one tier is required; allowed: {', '.join(TIERS)}")
@@ -397,7 +406,12 @@ class Scheduler:
             if t not in self.tiers:
                 raise ConfigError("fixed_steps", f"tier {t!r} is not scheduled; scheduled: {', '.join(self.tiers)}")
 
+        if not isinstance(interference, bool):
+            raise ConfigError("interference", f"must be true or false, got {interference!r}")
+        self.interference = interference
         self._delta = {t: Ema(self.ema_alpha) for t in self.tiers}
+        self._blocking = {t: Ema(self.ema_alpha) for t in self.tiers}
+        self._interference_acc = {t: 0.0 for t in self.tiers}
         self._bg = {t: Ema(self.ema_alpha) for t in self.tiers}
         self._ledger_delta: dict[str, float] = {}
         self._ledger_bg: dict[str, float] = {}
@@ -418,15 +432,44 @@ class Scheduler:
             raise ConfigError("tier", f"unknown tier {tier!r}; scheduled: {', '.join(self.tiers)}")
         return tier
 
-    def observe_step(self, seconds: float) -> None:
-        """One training step took ``seconds`` of wall time (exclude checkpoint stalls)."""
-        self._step.add(_check(seconds, "step_s", positive=True))
+    def observe_step(self, seconds: float, busy=()) -> None:
+        """One training step took ``seconds`` of wall time (exclude checkpoint stalls).
 
-    def observe_checkpoint(self, tier: str, blocking_s: float, background_s: float | None = None) -> None:
-        """A save of ``tier`` blocked training ``blocking_s`` s (δ, max over ranks) and finished
-        its background work ``background_s`` s later (C, max over ranks; None = unknown)."""
+        Args:
+            seconds: the step's wall time (> 0).
+            busy: tiers whose background work overlapped the step. Such a step does not move
+                the step-time EMA; its excess over the EMA is charged to those tiers' next
+                :meth:`observe_checkpoint` (evenly split), unless ``interference`` is off.
+        """
+        s = _check(seconds, "step_s", positive=True)
+        busy = [t for t in busy if t in self.tiers]
+        base = self._step.value
+        if not busy or base is None:
+            self._step.add(s)
+            return
+        extra = max(0.0, s - base) / len(busy)
+        for t in busy:
+            self._interference_acc[t] += extra
+
+    def take_interference(self, tier: str) -> float:
+        """Seconds of step slowdown charged to ``tier`` since the last call (and reset it)."""
         self._tier(tier)
-        self._delta[tier].add(_check(blocking_s, "blocking_s"))
+        v, self._interference_acc[tier] = self._interference_acc[tier], 0.0
+        return v
+
+    def observe_checkpoint(self, tier: str, blocking_s: float, background_s: float | None = None,
+                           interference_s: float | None = None) -> None:
+        """A save of ``tier`` blocked training ``blocking_s`` s (max over ranks), finished its
+        background work ``background_s`` s later (C, max over ranks; None = unknown) and slowed
+        the steps that overlapped it by ``interference_s`` s in total (None: what
+        :meth:`observe_step` charged to the tier since the last save, see
+        :meth:`take_interference`). δ sample = blocking + slowdown (blocking only with
+        ``interference=False``)."""
+        self._tier(tier)
+        b = _check(blocking_s, "blocking_s")
+        i = self.take_interference(tier) if interference_s is None else _check(interference_s, "interference_s")
+        self._blocking[tier].add(b)
+        self._delta[tier].add(b + (i if self.interference else 0.0))
         if background_s is not None:
             self._bg[tier].add(_check(background_s, "background_s"))
 
@@ -452,8 +495,10 @@ class Scheduler:
 
         - M: :meth:`tierckpt.mtbf.MTBFEstimator.from_ledger` (``gpus`` rebuilds the prior for a
           new job size; ``now`` extends the current run's exposure).
-        - R: per ``restore`` record, its time minus its run's ``run_start`` time (process start
-          to restored state; the record's ``seconds`` if the start is unknown); R is their mean.
+        - R: per ``restore`` record, its time minus its run's start: the ``process_start`` of the
+          ``run_start`` record (when the trainer process was created, so interpreter start,
+          imports and model construction count), else the record's own time; the restore's
+          ``seconds`` if neither is known. R is their mean.
           Queueing time before the new allocation started is not in the ledger and not counted.
         - p: restores in a run that follows a run without a clean end are failure recoveries;
           those whose ``sources`` include ``"persistent"`` are fallbacks.
@@ -491,13 +536,17 @@ class Scheduler:
             kind = r.get("kind")
             t = r.get("time")
             if kind == "run_start" and isinstance(t, (int, float)):
-                starts[rid] = float(t)
+                ps = r.get("process_start")
+                ok = isinstance(ps, (int, float)) and not isinstance(ps, bool) and 0 < ps <= t
+                starts[rid] = float(ps) if ok else float(t)
             elif kind == "run_end":
                 clean_end[rid] = r.get("clean") is True
             elif kind == "checkpoint" and r.get("ok", True) and r.get("tier") in delta:
                 b = r.get("blocking_s")
+                i = r.get("interference_s") if self.interference else None
+                i = float(i) if isinstance(i, (int, float)) and math.isfinite(i) and i >= 0 else 0.0
                 if isinstance(b, (int, float)) and math.isfinite(b) and b >= 0:
-                    delta[r["tier"]].add(float(b))
+                    delta[r["tier"]].add(float(b) + i)
                 c = r.get("background_s")
                 if isinstance(c, (int, float)) and math.isfinite(c) and c >= 0:
                     bg[r["tier"]].add(float(c))
@@ -577,7 +626,8 @@ class Scheduler:
         C = self.background_s(tier)
         step = self.step_s
         sources = {"delta": d_src, "M": self._mtbf_source, "R": self._restart_source, "p": self._share_source}
-        common = dict(tier=tier, delta=delta, M=M, R=R, p=p, M_eff=M_eff, C=C, step_s=step, sources=sources)
+        common = dict(tier=tier, delta=delta, M=M, R=R, p=p, M_eff=M_eff, C=C, step_s=step, sources=sources,
+                      delta_blocking=self._blocking[tier].value)
         if tier in self.fixed_steps:
             n = int(self.fixed_steps[tier])
             return Decision(tau_s=None if step is None else n * step, tau_steps=n, reason="fixed_steps",
