@@ -5,6 +5,7 @@ Subcommands::
     tierckpt ls <root> [--json]        every step directory under <root>, by tier and node
     tierckpt verify <root> [--json]    re-hash every committed step; exit 1 if one is corrupt
     tierckpt ledger <root> [--json]    runs, failures, checkpoints and restores of the ledger
+    tierckpt export-mcore SRC DST      dp_reshardable → fully_reshardable Megatron checkpoint
 
 ``<root>`` is a local path or an fsspec URL (``s3://bucket/run``, ``memory://x``). It may be one
 node's local root, a directory holding several node roots (``/nvme/job/node-0``,
@@ -602,6 +603,34 @@ from .simulate import register_cli as _register_simulate  # noqa: E402
 
 register_command(_register_interval)  # tierckpt interval
 register_command(_register_simulate)  # tierckpt simulate
+
+
+def _register_export_mcore(subparsers) -> None:
+    """``tierckpt export-mcore SRC DST``: defined in mcore_plugin.export, imported only when
+    run (tierckpt never imports Megatron at import time)."""
+    p = subparsers.add_parser(
+        "export-mcore", help="convert a dp_reshardable Megatron torch_dist checkpoint to fully_reshardable",
+        description="Write DST, a fully_reshardable copy (loads under any TP/PP/DP) of the dp_reshardable "
+                    "Megatron-Core torch_dist checkpoint SRC. Single process; needs megatron-core.")
+    p.add_argument("src", metavar="SRC", help="dp_reshardable torch_dist checkpoint directory")
+    p.add_argument("dst", metavar="DST", help="output directory (must not exist unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_export_mcore)
+
+
+def _cmd_export_mcore(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        raise CliError("export-mcore needs megatron-core, which is not installed "
+                       "(pip install 'tierckpt[mcore]' or megatron-core>=0.16)")
+    from mcore_plugin.export import run_cli
+
+    return run_cli(args)
+
+
+register_command(_register_export_mcore)  # tierckpt export-mcore
 
 
 def build_parser() -> argparse.ArgumentParser:

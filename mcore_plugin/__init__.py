@@ -1,0 +1,13 @@
+"""Megatron-Core adapter of tierckpt.
+
+- :mod:`mcore_plugin.strategies` — ``MegatronTiers`` and the ``torch_dist`` save/load strategy
+  wrappers (local tier + replica + persistent tier);
+- :mod:`mcore_plugin.optim_state` — per-parameter Adam ``step`` on torch's AdamW fallback;
+- :mod:`mcore_plugin.export` — ``dp_reshardable`` → ``fully_reshardable`` export
+  (``tierckpt export-mcore``);
+- :mod:`mcore_plugin.cpu` — CPU shims (only without an accelerator);
+- ``args``, ``install``, ``local_manager``, ``pretrain`` — the Megatron-LM integration
+  (``python -m mcore_plugin.pretrain``).
+
+Importing the package imports nothing from Megatron; each module does when imported.
+"""
