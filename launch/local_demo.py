@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """The main demo: torchtitan's llama3 debug model loses a node and comes back from its neighbour.
 
-Run ``python launch/local_demo.py`` (or ``make demo``). On one machine the launcher starts one
-process per rank, 2 ranks = 2 simulated nodes (``checkpoint.simulated_ranks_per_node = 1``),
-each running the unmodified torchtitan trainer through our TOML front-end::
+Run ``python launch/local_demo.py`` (or ``make demo``). Every run goes through the local
+launcher ``launch/local.py`` — the semantics of ``launch/*.sbatch`` on one machine: one
+``torchrun`` per simulated node (2 nodes × 1 rank, static rendezvous on 127.0.0.1), a bounded
+retry loop with a fresh port and ``TIERCKPT_RESTART_COUNT`` per attempt. Each rank runs the
+unmodified torchtitan trainer through our TOML front-end::
 
     python -m titan_plugin.train --toml configs/titan_demo.toml --dump_folder … --checkpoint.local_root …
 
@@ -14,14 +16,15 @@ local tier + replica on the other node every ``--local-interval`` steps, persist
 1. **reference**: the same training (same ``training.steps``, world size, seeds, data,
    OMP_NUM_THREADS=1) without a failure, in its own directories; no local tier, and its only
    checkpoint is the final full save to the persistent tier (to compare the final state);
-2. **failure run, attempt 1**: once the ledger shows the committed (and replicated) local
-   checkpoint of step ``--kill-after`` and rank 0 has logged a later step, the launcher
-   SIGKILLs node ``--victim``'s process, deletes that node's whole local root (its "NVMe" is
-   gone), then kills the survivor (a real job loses its process group);
-3. **failure run, attempt 2**: the whole job restarts (fresh processes, fresh port); the
-   trainer's ``checkpointer.load()`` restores node 0 from its own local tier and node 1 from
-   node 0's replica, without reading a byte of the persistent tier, and training runs to the
-   end.
+2. **failure run, attempt 1** (one launcher run with 2 attempts): once the ledger shows the
+   committed (and replicated) local checkpoint of step ``--kill-after`` and rank 0 has logged
+   a later step, the demo SIGKILLs node ``--victim``'s training process and deletes that
+   node's whole local root (its "NVMe" is gone); the launcher sees the node fail and stops the
+   survivor (a real job loses its process group; ``srun --kill-on-bad-exit``);
+3. **failure run, attempt 2**: the launcher restarts the whole job (fresh processes, fresh
+   port, restart count 1); the trainer's ``checkpointer.load()`` restores node 0 from its own
+   local tier and node 1 from node 0's replica, without reading a byte of the persistent tier,
+   and training runs to the end.
 
 The report (printed, and ``<out>/report.json``) compares every loss logged after the resume
 with the reference's loss of the same step, exactly (``float.hex``, from the exact per-step
@@ -38,10 +41,11 @@ Layout of ``<out>`` (default ``outputs/demo``, cleared at the start)::
     failure/                      dump folder of the failure run:
       checkpoint/                   persistent tier + tierckpt-ledger.jsonl
       nvme/<job>/node-<n>/          local roots (one simulated NVMe per node)
-    logs/                         one log per rank and attempt
+    logs/                         one log per node and attempt (<run>-attempt<k>-node<n>.log)
     report.json
 
-The functions :func:`run_demo` and :func:`clear_out` are used by ``tests/test_titan_demo.py``.
+The functions :func:`run_demo` and :func:`clear_out` are used by ``tests/test_titan_demo.py``;
+:class:`Job` (ranks started directly, without torchrun) by other tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -94,11 +98,29 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         pass
 
 
-_LIVE: list["Job"] = []
+_LIVE: list = []  # Job and LocalLauncher objects still holding processes (kill_all())
+
+# Every run of the demo gets the same environment: losses are bitwise reproducible only with
+# the same thread count.
+RUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def local_launcher():
+    """``launch/local.py`` as a module (``launch/`` is not a package)."""
+    import importlib.util
+
+    name = "tierckpt_local_launcher"
+    if name not in sys.modules:  # registered first: its dataclasses look their module up
+        spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "launch", "local.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
 
 
 class Job:
-    """One attempt of a training job: one ``titan_plugin.train`` process per rank (or ``cmd``).
+    """One attempt of a training job: one ``titan_plugin.train`` process per rank (or ``cmd``),
+    started directly, without torchrun (the demo itself uses ``launch/local.py``).
 
     Ranks are started directly (no torchrun) with the ``env://`` variables torchtitan's
     ``init_distributed`` and ``get_local_device`` read: MASTER_ADDR/MASTER_PORT (fresh port per
@@ -349,44 +371,63 @@ def _say(con, msg: str) -> None:
         con.print(msg)
 
 
-def _wait_for_failure_point(job: Job, p: DemoParams, paths: Paths) -> tuple[float, int, dict]:
-    """Poll the ledger and rank 0's losses; SIGKILL the victim at the failure point.
+class _FailureInjector:
+    """Monitor of the failure run's launcher (called every ~50 ms): in attempt 1, once the
+    ledger shows the committed, replicated local step S and rank 0 logged a later step, SIGKILL
+    node ``victim``'s training process and delete its local root. The launcher then stops the
+    survivor and starts attempt 2.
 
-    Returns (kill time, last step rank 0 logged before the kill, the ledger's local-tier
-    checkpoint record of step S)."""
-    losses_path = paths.losses(paths.failure)
-    pid0 = job.pid(0)
-    deadline = time.time() + p.timeout
-    while time.time() < deadline:
-        rcs = job.poll()
-        if any(rc is not None for rc in rcs):
-            job.kill_all()
-            raise DemoError(f"a rank ended before the failure point (exit codes {rcs})\n"
-                            + job.failure_text([rc if rc is not None else 0 for rc in rcs]))
+    Raises (from the launcher's loop, which stops every process first):
+        DemoError: attempt 1 resumed from a stale checkpoint, the local save of step S failed,
+            a node ended before the failure point, or it was not reached within the timeout.
+    """
+
+    def __init__(self, p: DemoParams, paths: Paths, con):
+        self.p, self.paths, self.con = p, paths, con
+        self.t_kill: float | None = None
+        self.killed_at: int | None = None
+        self.ckpt: dict | None = None
+        self._next = 0.0
+
+    def __call__(self, launcher, attempt) -> None:
+        p, paths = self.p, self.paths
+        if attempt.index > 0:
+            if self.t_kill is None:
+                raise DemoError("a node ended before the failure point\n"
+                                + launcher.failure_text(launcher.attempts[0]))
+            return
+        if self.t_kill is not None or time.time() < self._next:
+            return
+        self._next = time.time() + 0.02
+        if time.time() - attempt.t_start > p.timeout:
+            raise DemoError(f"timed out after {p.timeout:.0f}s waiting for local step {p.kill_after} to be "
+                            f"committed; logs: {attempt.logs}")
         ledger = _jsonl(paths.ledger)
         stale = next((r for r in ledger if r.get("kind") == "restore"), None)
         if stale is not None:  # attempt 1 must start from scratch, like the reference
-            job.kill_all()
             raise DemoError(f"attempt 1 resumed from step {stale.get('step')} ({stale.get('sources')}) instead of "
                             f"starting fresh: is another job writing to {paths.failure}?")
         ckpt = next((r for r in ledger if r.get("kind") == "checkpoint" and r.get("tier") == "local"
                      and r.get("step") == p.kill_after), None)
-        if ckpt is not None:
-            if not ckpt.get("ok", False) or ckpt.get("replicas_failed"):
-                job.kill_all()
-                raise DemoError(f"local checkpoint of step {p.kill_after} failed: {ckpt}")
-            steps = [r["step"] for r in _jsonl(losses_path) if r.get("pid") == pid0]
-            if steps and max(steps) > p.kill_after:
-                t_kill = time.time()
-                job.kill(p.victim)  # SIGKILL node `victim`
-                shutil.rmtree(paths.local_root(p.victim), ignore_errors=True)  # and its disk
-                job.kill_all()  # the job loses its process group: the survivor goes down too
-                steps = [r["step"] for r in _jsonl(losses_path) if r.get("pid") == pid0]
-                return t_kill, max(steps), ckpt
-        time.sleep(0.02)
-    job.kill_all()
-    raise DemoError(f"timed out after {p.timeout:.0f}s waiting for local step {p.kill_after} to be "
-                    f"committed; logs: {job.logs}")
+        if ckpt is None:
+            return
+        if not ckpt.get("ok", False) or ckpt.get("replicas_failed"):
+            raise DemoError(f"local checkpoint of step {p.kill_after} failed: {ckpt}")
+        losses_path = paths.losses(paths.failure)
+        steps = [r["step"] for r in _jsonl(losses_path)]  # a fresh directory: attempt 1's records only
+        victims = launcher.workers(p.victim)
+        if not steps or max(steps) <= p.kill_after or not victims:
+            return
+        self.t_kill = time.time()
+        for pid in victims:  # SIGKILL node `victim`'s training process …
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(paths.local_root(p.victim), ignore_errors=True)  # … and its disk
+        self.killed_at = max(r["step"] for r in _jsonl(losses_path))
+        self.ckpt = ckpt
+        _say(self.con, f"    [red]SIGKILL node {p.victim}[/] at step {self.killed_at} (local step {p.kill_after} "
+                       f"committed and replicated), deleted {os.path.relpath(paths.local_root(p.victim), REPO)}; "
+                       f"{self.t_kill - attempt.t_start:.1f} s after start")
 
 
 def run_demo(out: str, params: DemoParams | None = None, console=None) -> dict:
@@ -412,34 +453,53 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
     t0 = time.time()
     assets = ensure_assets()  # built once and cached (the ranks would otherwise build it)
     t_assets = time.time() - t0
-    common = dict(toml=p.toml, world=p.nodes, log_dir=paths.logs)
+    lo = local_launcher()
+
+    def launch(name: str, overrides: list[str], attempts: int):
+        job = lo.LocalLauncher(["-m", "titan_plugin.train", "--toml", p.toml, *overrides], nodes=p.nodes,
+                               max_attempts=attempts, log_dir=paths.logs, name=name, env=RUN_ENV)
+        _LIVE.append(job)
+        return job
+
+    def launcher_says(line: str) -> None:
+        if line.startswith("attempt 2/"):
+            _say(con, "[cyan]3/3[/] the launcher restarts the job (fresh processes, fresh port, restart count 1): "
+                      "restore and train to the end …")
+        _say(con, f"    [dim]launcher: {line}[/]")
 
     # 1. reference ------------------------------------------------------------------------------
     _say(con, f"[cyan]1/3[/] reference run: {p.steps} steps, no failure …")
-    ref = Job("reference", overrides=_overrides(p, paths, paths.reference, failure=False), **common)
-    ref.wait(p.timeout)
-    ref_recs = [r for r in _jsonl(paths.losses(paths.reference)) if r.get("pid") == ref.pid(0)]
+    ref = launch("reference", _overrides(p, paths, paths.reference, failure=False), 1)
+    try:
+        rc = ref.run(timeout=p.timeout)
+    except lo.LaunchError as e:
+        raise DemoError(str(e)) from None
+    if rc != 0:
+        raise DemoError(ref.failure_text())
+    r0 = ref.attempts[0]
+    ref_recs = _jsonl(paths.losses(paths.reference))
     ref_losses = {r["step"]: float.fromhex(r["loss_hex"]) for r in ref_recs}
-    if sorted(ref_losses) != list(range(1, p.steps + 1)):
-        raise DemoError(f"reference logged steps {sorted(ref_losses)}, expected 1..{p.steps}")
-    _say(con, f"    done in {ref.t_end - ref.t_start:.1f} s; loss {ref_losses[1]:.4f} → {ref_losses[p.steps]:.4f}")
+    if sorted(ref_losses) != list(range(1, p.steps + 1)) or len(ref_recs) != p.steps:
+        raise DemoError(f"reference logged steps {[r['step'] for r in ref_recs]}, expected 1..{p.steps}")
+    _say(con, f"    done in {r0.t_end - r0.t_start:.1f} s; loss {ref_losses[1]:.4f} → {ref_losses[p.steps]:.4f}")
 
-    # 2. failure run, attempt 1 -------------------------------------------------------------------
+    # 2.+3. failure run: attempt 1 (killed), attempt 2 (restored) --------------------------------
     _say(con, f"[cyan]2/3[/] failure run with tiered checkpoints; node {p.victim} dies after local "
               f"step {p.kill_after} …")
     fail_ov = _overrides(p, paths, paths.failure, failure=True)
-    a1 = Job("attempt-1", overrides=fail_ov, restart_count=0, **common)
-    t_kill, killed_at, ckpt_s = _wait_for_failure_point(a1, p, paths)
-    a1_recs = [r for r in _jsonl(paths.losses(paths.failure)) if r.get("pid") == a1.pid(0)]
-    _say(con, f"    [red]SIGKILL node {p.victim}[/] at step {killed_at} (local step {p.kill_after} committed "
-              f"and replicated), deleted {os.path.relpath(paths.local_root(p.victim), REPO)}, killed the "
-              f"survivor; {t_kill - a1.t_start:.1f} s after start")
-
-    # 3. failure run, attempt 2 -------------------------------------------------------------------
-    _say(con, "[cyan]3/3[/] restart the job (fresh processes, fresh port): restore and train to the end …")
-    a2 = Job("attempt-2", overrides=fail_ov, restart_count=1, **common)
-    a2.wait(p.timeout)
-    a2_recs = [r for r in _jsonl(paths.losses(paths.failure)) if r.get("pid") == a2.pid(0)]
+    fail = launch("failure", fail_ov, 2)
+    inj = _FailureInjector(p, paths, con)
+    try:
+        rc = fail.run(timeout=2 * p.timeout, monitor=inj, log=launcher_says)
+    except lo.LaunchError as e:
+        raise DemoError(str(e)) from None
+    if rc != 0 or len(fail.attempts) != 2:
+        raise DemoError(f"the failure run did not finish in attempt 2 (exit {rc})\n{fail.failure_text()}")
+    a1, a2 = fail.attempts
+    t_kill, killed_at = inj.t_kill, inj.killed_at
+    fail_recs = _jsonl(paths.losses(paths.failure))
+    a1_recs = [r for r in fail_recs if r["time"] < a2.t_start]
+    a2_recs = [r for r in fail_recs if r["time"] >= a2.t_start]
 
     # report ------------------------------------------------------------------------------------
     ledger = _jsonl(paths.ledger)
@@ -452,6 +512,10 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
               "background_s": r["background_s"], "bytes": r["bytes"], "ok": r.get("ok", True),
               "attempt": attempt_of.get(r.get("run_id"))}
              for r in ledger if r.get("kind") == "checkpoint"]
+    from tierckpt.ledger import summarize
+
+    ledger_runs = [{"attempt": attempt_of.get(r["run_id"]), "restart_count": r["restart_count"], "clean": r["clean"]}
+                   for r in summarize(ledger)["runs"]]
     restores = [r for r in ledger if r.get("kind") == "restore"]
     restore = restores[-1] if restores else None
     if restore is None:
@@ -482,6 +546,7 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
         "persistent_bytes_read_on_restore": pbytes,
         "recovery_seconds": None if recovery is None else round(recovery, 3),
         "saves": saves,
+        "ledger_runs": ledger_runs,
         "restored_step": rstep,
         "killed_node": p.victim,
         "killed_at_step": killed_at,
@@ -501,7 +566,7 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
         },
         "seconds": {
             "assets": round(t_assets, 1),
-            "reference_run": round(ref.t_end - ref.t_start, 1),
+            "reference_run": round(r0.t_end - r0.t_start, 1),
             "attempt_1_until_kill": round(t_kill - a1.t_start, 1),
             "attempt_2": round(a2.t_end - a2.t_start, 1),
             "wall": round(time.time() - t_begin, 1),
@@ -514,10 +579,13 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
             "replication_factor": 2, "replication_jump": 1, "job_id": JOB_ID,
             "local_root": paths.local_root_template, "persistent_folder": os.path.dirname(paths.ledger),
             "ledger": paths.ledger, "assets": str(assets.root),
-            "reference_cmd": ref.cmd, "failure_cmd": a1.cmd,
-            "env": {"OMP_NUM_THREADS": "1", "WORLD_SIZE": str(p.nodes), "LOCAL_WORLD_SIZE": "1"},
+            "launcher": "launch/local.py: one torchrun per simulated node, fresh port and "
+                        "TIERCKPT_RESTART_COUNT per attempt",
+            "reference_cmd": ref.node_command(0, r0.port), "failure_cmd": fail.node_command(0, a1.port),
+            "ports": {"attempt_1": a1.port, "attempt_2": a2.port},
+            "env": {**RUN_ENV, "WORLD_SIZE": str(p.nodes), "LOCAL_WORLD_SIZE": "1"},
         },
-        "logs": {"reference": ref.logs, "attempt_1": a1.logs, "attempt_2": a2.logs},
+        "logs": {"reference": r0.logs, "attempt_1": a1.logs, "attempt_2": a2.logs},
     }
     _write_json(os.path.join(paths.out, "report.json"), report)
     if con is not None:

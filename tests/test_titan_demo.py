@@ -4,7 +4,8 @@ wiped, the job restarted: node 1 comes back from node 0's replica, nothing is re
 persistent tier, and every loss after the resume is bitwise equal to a reference run's.
 
 Uses ``launch/local_demo.py``'s own functions (``run_demo``) with 12 steps, local tier every
-3 steps, kill after local step 6.
+3 steps, kill after local step 6. The runs go through the local launcher (``launch/local.py``:
+one torchrun per node, the restart as its second attempt on a fresh port, restart count 1).
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ def test_demo_short(tmp_path):
     assert {("local", 3), ("local", 6), ("local", 9), ("local", 12), ("persistent", 12)} <= saves
     for s in report["saves"]:
         assert s["bytes"] > 0 and s["blocking_s"] >= 0 and s["background_s"] >= 0
+
+    # the launcher restarted the job itself: a fresh port, one log per node and attempt, and the
+    # ledger has the killed run (no clean end) and the restarted one (restart count 1, clean)
+    cfg = report["config"]
+    assert cfg["ports"]["attempt_1"] != cfg["ports"]["attempt_2"]
+    assert "torch.distributed.run" in cfg["failure_cmd"] and "--node-rank=0" in cfg["failure_cmd"]
+    assert [Path(x).name for x in report["logs"]["attempt_2"]] == ["failure-attempt2-node0.log",
+                                                                   "failure-attempt2-node1.log"]
+    assert [(r["attempt"], r["restart_count"], r["clean"]) for r in report["ledger_runs"]] == [
+        (1, 0, False), (2, 1, True)], report["ledger_runs"]
 
     # node 1's whole local root was deleted at the failure; the restart rebuilt it from the replica
     node1 = out / "failure" / "nvme" / "titan-demo" / "node-1" / "local"

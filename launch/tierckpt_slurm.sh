@@ -1,0 +1,240 @@
+# shellcheck shell=bash
+# Shared logic of launch/titan.sbatch and launch/mcore.sbatch (sourced, not run). See
+# launch/README.md for the variables; every one has a default except the training command.
+#
+# Per allocation: a bounded retry loop. Each attempt is one `srun --kill-on-bad-exit=1` step
+# with one torchrun per node (static rendezvous: node rank = SLURM_NODEID, master = first host
+# of the allocation, a MASTER_PORT unique per job and attempt) and TIERCKPT_RESTART_COUNT =
+# attempts this job launched before (all allocations), which the engine writes into the
+# ledger's run_start. When the allocation has lost a node or the retries are used up, the job
+# is requeued (`scontrol requeue`, or exit TIERCKPT_REQUEUE_EXIT for a RequeueExit set by the
+# admins), excluding the node(s) that failed when the partition has enough other nodes.
+
+tck_log() { printf '[tierckpt %(%F %T)T] %s\n' -1 "$*" >&2; }
+tck_die() { tck_log "error: $*"; exit 2; }
+
+# The worker exit status in torchrun's failure summary ("Root Cause … exitcode : -9 (pid …)")
+# of one node's stderr file; "-" when there is none. Negative: killed by that signal.
+tck_root_cause() {
+    awk '/Root Cause/ {r = 1}
+         r && /exitcode/ { if (match($0, /: *-?[0-9]+/)) { s = substr($0, RSTART, RLENGTH); gsub(/[^-0-9]/, "", s); print s; found = 1 }
+                           exit }
+         END { if (!found) print "-" }' "$1" 2>/dev/null || echo -
+}
+
+# Nodes whose worker died from a signal other than SIGTERM/SIGINT in one attempt (a crash, the
+# OOM killer, a kill), from the node wrappers' files. The stderr copy is read, not the exit
+# record, since a node failing at the same moment as another may be killed before writing it.
+tck_blamed_nodes() {
+    local f code out=()
+    for f in "$1"/node-*.err; do
+        [ -e "$f" ] || continue
+        code=$(tck_root_cause "$f")
+        case "$code" in -2|-15) ;; -[0-9]*) out+=("$(cat "${f%.err}.host" 2>/dev/null)") ;; esac
+    done
+    echo "${out[*]}"
+}
+
+# Whether a worker exited with status 2, the trainers' status for an invalid configuration:
+# retrying or requeueing cannot help.
+tck_config_error() {
+    local f
+    for f in "$1"/node-*.err; do
+        [ -e "$f" ] || continue
+        [ "$(tck_root_cause "$f")" = 2 ] && return 0
+    done
+    return 1
+}
+
+# Nodes of the allocation that Slurm no longer considers usable.
+tck_unhealthy_nodes() {
+    sinfo -h -N -n "$SLURM_JOB_NODELIST" -o '%N %t' 2>/dev/null |
+        awk '$2 ~ /^(down|drain|drng|fail|failg|inval)/ || $2 ~ /\*$/ {print $1}' |
+        sort -u | tr '\n' ' '
+}
+
+# The comma-joined union of a Slurm host list and more names.
+tck_merge_hosts() {
+    local old=$1; shift
+    { [ -n "$old" ] && [ "$old" != "(null)" ] && scontrol show hostnames "$old"; printf '%s\n' "$@"; } |
+        awk 'NF' | sort -u | paste -sd, -
+}
+
+# Exclude $* from the job if the partition keeps enough usable nodes; prints the new list.
+tck_exclusion() {
+    local cur want avail need part
+    cur=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n 's/^ExcNodeList=//p' | head -1)
+    want=$(tck_merge_hosts "$cur" "$@")
+    part=${SLURM_JOB_PARTITION%%,*}
+    need=${SLURM_JOB_NUM_NODES:-$SLURM_NNODES}
+    avail=$(sinfo -h -N -p "$part" -o '%N %t' 2>/dev/null |
+        awk -v ex=",$want," '$2 !~ /^(down|drain|drng|fail|failg|inval)/ && $2 !~ /\*$/ && index(ex, "," $1 ",") == 0 {print $1}' |
+        sort -u | wc -l)
+    if [ "$avail" -ge "$need" ]; then
+        echo "$want"
+    else
+        tck_log "not excluding $*: partition $part would keep $avail usable nodes, the job needs $need"
+    fi
+}
+
+# Requeue this job (never returns). Args: reason, nodes to exclude.
+tck_requeue() {
+    local reason=$1; shift
+    local restarts=${SLURM_RESTART_COUNT:-0} exc=""
+    if [ "$restarts" -ge "$TIERCKPT_MAX_REQUEUES" ]; then
+        tck_log "giving up: $reason; the job was already requeued $restarts times (TIERCKPT_MAX_REQUEUES=$TIERCKPT_MAX_REQUEUES)"
+        echo "$(date +%s) give-up restarts=$restarts reason=\"$reason\"" >> "$TIERCKPT_STATE_DIR/events"
+        exit "${TCK_LAST_RC:-1}"
+    fi
+    case "$TIERCKPT_REQUEUE" in
+        scontrol)
+            [ $# -gt 0 ] && exc=$(tck_exclusion "$@")
+            echo "$(date +%s) requeue mode=scontrol exclude=${exc:--} reason=\"$reason\"" >> "$TIERCKPT_STATE_DIR/events"
+            tck_log "requeueing job $SLURM_JOB_ID ($reason)${exc:+, excluding $exc}"
+            # Slurm signals this script once the job is requeued; the exclusion must still be
+            # set, and a job's node list can only change while it is pending (it is now).
+            trap '' TERM INT
+            scontrol requeue "$SLURM_JOB_ID" || { tck_log "scontrol requeue failed"; exit "${TCK_LAST_RC:-1}"; }
+            if [ -n "$exc" ]; then
+                local i ok=""
+                for i in 1 2 3 4 5 6 7 8 9 10; do
+                    scontrol update "jobid=$SLURM_JOB_ID" "ExcNodeList=$exc" 2>/dev/null && { ok=1; break; }
+                    sleep 0.2
+                done
+                [ -n "$ok" ] || tck_log "could not set ExcNodeList=$exc"
+            fi
+            exit 0 ;;
+        exit)
+            echo "$(date +%s) requeue mode=exit code=$TIERCKPT_REQUEUE_EXIT reason=\"$reason\"" >> "$TIERCKPT_STATE_DIR/events"
+            tck_log "exiting with $TIERCKPT_REQUEUE_EXIT for RequeueExit ($reason); nodes cannot be excluded this way${*:+: $*}"
+            exit "$TIERCKPT_REQUEUE_EXIT" ;;
+        *)
+            tck_log "not requeueing (TIERCKPT_REQUEUE=none): $reason"
+            exit "${TCK_LAST_RC:-1}" ;;
+    esac
+}
+
+# MASTER_PORT for global attempt $1: unique per job (mod 1500 job ids) and per attempt (mod 8),
+# in 20000..31999 (below Linux's ephemeral range); a port someone listens on is skipped.
+tck_port() {
+    local a=$1 p i
+    p=$(( TIERCKPT_PORT_BASE + (SLURM_JOB_ID % 1500) * 8 + a % 8 ))
+    for i in 0 1 2 3 4 5 6 7; do
+        if [ "$(hostname -s)" = "${MASTER_ADDR%%.*}" ] && (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
+            p=$(( TIERCKPT_PORT_BASE + (SLURM_JOB_ID % 1500) * 8 + (a + i + 1) % 8 ))
+            continue
+        fi
+        break
+    done
+    echo "$p"
+}
+
+# What runs on every node of an attempt (srun task): torchrun, its stderr also kept in a file,
+# then an exit record (node id, host, torchrun status).
+# shellcheck disable=SC2016
+TCK_NODE_SCRIPT='
+f="$TCK_ATTEMPT_DIR/node-$SLURM_NODEID"
+echo "${SLURMD_NODENAME:-$(hostname -s)}" > "$f.host"
+# a pipeline, not a process substitution: bash waits for tee, so the file is complete
+{ "$TIERCKPT_PYTHON" -m torch.distributed.run --nnodes="$TCK_NNODES" --node-rank="$SLURM_NODEID" \
+    --nproc-per-node="$TIERCKPT_NPROC_PER_NODE" --master-addr="$MASTER_ADDR" \
+    --master-port="$MASTER_PORT" --max-restarts=0 "$@" 2>&1 1>&3 3>&- | tee "$f.err" >&2 3>&-
+  rc=${PIPESTATUS[0]}; } 3>&1
+trap "" TERM INT  # srun stops the step now: finish the record first
+echo "$SLURM_NODEID $(cat "$f.host") $rc" > "$f.exit"
+exit $rc
+'
+
+# Set every variable from the environment or its default. Args: job kind (titan|mcore).
+tck_init() {
+    [ -n "${SLURM_JOB_ID:-}" ] || tck_die "run inside a Slurm allocation: sbatch launch/$1.sbatch …"
+    : "${TIERCKPT_HOME:=${SLURM_SUBMIT_DIR:-$PWD}}"
+    if [ -z "${TIERCKPT_PYTHON:-}" ]; then
+        if [ -x "$TIERCKPT_HOME/.venv/bin/python" ]; then TIERCKPT_PYTHON=$TIERCKPT_HOME/.venv/bin/python
+        else TIERCKPT_PYTHON=python3; fi
+    fi
+    : "${TIERCKPT_NPROC_PER_NODE:=${SLURM_GPUS_ON_NODE:-1}}"
+    : "${TIERCKPT_MAX_ATTEMPTS:=3}"
+    : "${TIERCKPT_MAX_REQUEUES:=3}"
+    : "${TIERCKPT_REQUEUE:=scontrol}"
+    : "${TIERCKPT_REQUEUE_EXIT:=75}"
+    : "${TIERCKPT_PORT_BASE:=20000}"
+    if [ -z "${TIERCKPT_LOCAL_ROOT:-}" ]; then
+        if [ -n "${SLURM_TMPDIR:-}" ]; then TIERCKPT_LOCAL_ROOT=$SLURM_TMPDIR/tierckpt
+        else TIERCKPT_LOCAL_ROOT=/local_nvme/$SLURM_JOB_ID; fi
+    fi
+    : "${TIERCKPT_STATE_DIR:=${SLURM_SUBMIT_DIR:-$PWD}/.tierckpt/slurm-$SLURM_JOB_ID}"
+    case "$TIERCKPT_REQUEUE" in scontrol|exit|none) ;; *)
+        tck_die "TIERCKPT_REQUEUE=$TIERCKPT_REQUEUE: allowed values: scontrol, exit, none" ;; esac
+    local v
+    for v in TIERCKPT_NPROC_PER_NODE TIERCKPT_MAX_ATTEMPTS TIERCKPT_MAX_REQUEUES TIERCKPT_REQUEUE_EXIT TIERCKPT_PORT_BASE; do
+        [[ "${!v}" =~ ^[0-9]+$ ]] || tck_die "$v=${!v}: must be a non-negative integer"
+    done
+    [ "$TIERCKPT_MAX_ATTEMPTS" -ge 1 ] || tck_die "TIERCKPT_MAX_ATTEMPTS must be >= 1"
+    TCK_NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    [ -n "$MASTER_ADDR" ] || tck_die "cannot expand SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
+    mkdir -p "$TIERCKPT_STATE_DIR" || tck_die "TIERCKPT_STATE_DIR=$TIERCKPT_STATE_DIR cannot be created"
+    export TIERCKPT_HOME TIERCKPT_PYTHON TIERCKPT_NPROC_PER_NODE TIERCKPT_LOCAL_ROOT TIERCKPT_STATE_DIR \
+        TCK_NNODES MASTER_ADDR
+    export PYTHONPATH="$TIERCKPT_HOME${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+# Run the training command ("$@": what follows torchrun's options, e.g. -m titan_plugin.train …)
+# under the retry loop; exits with its status, or requeues.
+tck_run() {
+    local attempt=0 counter rc blamed="" unhealthy b
+    counter=$TIERCKPT_STATE_DIR/attempts
+    tck_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $TCK_NNODES nodes ($SLURM_JOB_NODELIST) x $TIERCKPT_NPROC_PER_NODE ranks, master $MASTER_ADDR, local root $TIERCKPT_LOCAL_ROOT, state $TIERCKPT_STATE_DIR"
+    while :; do
+        attempt=$((attempt + 1))
+        # attempts of this job in every allocation so far: the ledger's restart_count
+        TIERCKPT_RESTART_COUNT=$(cat "$counter" 2>/dev/null || echo 0)
+        [[ "$TIERCKPT_RESTART_COUNT" =~ ^[0-9]+$ ]] || TIERCKPT_RESTART_COUNT=0
+        echo $((TIERCKPT_RESTART_COUNT + 1)) > "$counter.tmp" && mv -f "$counter.tmp" "$counter"
+        MASTER_PORT=$(tck_port "$TIERCKPT_RESTART_COUNT")
+        TCK_ATTEMPT_DIR=$TIERCKPT_STATE_DIR/attempt-$TIERCKPT_RESTART_COUNT
+        mkdir -p "$TCK_ATTEMPT_DIR"
+        export TIERCKPT_RESTART_COUNT MASTER_PORT TCK_ATTEMPT_DIR
+        tck_log "attempt $attempt/$TIERCKPT_MAX_ATTEMPTS in this allocation (restart count $TIERCKPT_RESTART_COUNT), MASTER_PORT=$MASTER_PORT"
+        echo "$(date +%s) start attempt=$attempt restart_count=$TIERCKPT_RESTART_COUNT port=$MASTER_PORT nodes=$SLURM_JOB_NODELIST slurm_restart=${SLURM_RESTART_COUNT:-0}" >> "$TIERCKPT_STATE_DIR/events"
+        if [ -n "${TIERCKPT_DRY_RUN:-}" ]; then
+            printf '%q ' srun --kill-on-bad-exit=1 --nodes="$TCK_NNODES" --ntasks="$TCK_NNODES" --ntasks-per-node=1 \
+                bash -c "<node script>" tierckpt-node "$@"; echo
+            printf 'node 0: '
+            printf '%q ' "$TIERCKPT_PYTHON" -m torch.distributed.run --nnodes="$TCK_NNODES" --node-rank=0 \
+                --nproc-per-node="$TIERCKPT_NPROC_PER_NODE" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
+                --max-restarts=0 "$@"; echo
+            exit 0
+        fi
+        srun --kill-on-bad-exit=1 --nodes="$TCK_NNODES" --ntasks="$TCK_NNODES" --ntasks-per-node=1 \
+            bash -c "$TCK_NODE_SCRIPT" tierckpt-node "$@"
+        rc=$?
+        TCK_LAST_RC=$rc
+        if [ "$rc" -eq 0 ]; then
+            echo "$(date +%s) end attempt=$attempt rc=0" >> "$TIERCKPT_STATE_DIR/events"
+            tck_log "training finished (attempt $attempt)"
+            exit 0
+        fi
+        b=$(tck_blamed_nodes "$TCK_ATTEMPT_DIR")
+        blamed=$(echo "$blamed $b" | tr ' ' '\n' | awk 'NF' | sort -u | tr '\n' ' ')
+        unhealthy=$(tck_unhealthy_nodes)
+        b=$(echo $b)  # one space between names, none around
+        unhealthy=$(echo $unhealthy)
+        echo "$(date +%s) end attempt=$attempt rc=$rc failed_nodes=$(tr ' ' , <<< "${b:--}") unhealthy=$(tr ' ' , <<< "${unhealthy:--}")" >> "$TIERCKPT_STATE_DIR/events"
+        tck_log "attempt $attempt failed (srun exit $rc)${b:+; worker killed by a signal on: $b}${unhealthy:+; unusable nodes: $unhealthy}"
+        if tck_config_error "$TCK_ATTEMPT_DIR"; then
+            echo "$(date +%s) give-up reason=\"configuration error (worker exit status 2)\"" >> "$TIERCKPT_STATE_DIR/events"
+            tck_log "a worker exited with status 2 (invalid configuration): not retrying"
+            exit 2
+        fi
+        if [ -n "$unhealthy" ]; then
+            # shellcheck disable=SC2086
+            tck_requeue "the allocation lost node(s) $unhealthy" $unhealthy $blamed
+        fi
+        if [ "$attempt" -ge "$TIERCKPT_MAX_ATTEMPTS" ]; then
+            # shellcheck disable=SC2086
+            tck_requeue "$attempt attempts failed in this allocation" $blamed
+        fi
+    done
+}

@@ -1,0 +1,337 @@
+"""launch/*.sbatch on a real Slurm cluster (tests/slurm/cluster.py: munged, slurmctld, slurmd
+n1 n2 n3 on this machine, each node with its own hostname and its own "NVMe" at the same path).
+
+Marked ``slurm``: run by ``make test-slurm`` (see conftest.py).
+
+- ``test_launcher_*``: the launcher logic with a stand-in for the Python interpreter (each
+  "node" records its command line and environment, and fails when told to), ~2 s per job plus
+  10 s per requeue: fresh port per attempt, node ranks and master from Slurm, the restart
+  counter across retries and requeues, RequeueExit, no retry after a configuration error,
+  giving up after the requeue budget.
+- ``test_titan_*``: the real thing — torchtitan's llama3 debug model through
+  ``launch/titan.sbatch`` on 2 nodes × 1 CPU rank (FSDP2 over gloo), node 1's training process
+  SIGKILLed after a replicated local checkpoint. Once with an in-allocation retry (node 1's
+  disk wiped too) and once with a requeue that swaps the failed node for the spare: each time
+  the job restores node 1 from its neighbour's replica, finishes, and the ledger shows exactly
+  one failure, one restore and a clean end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.conftest import REPO
+
+pytestmark = pytest.mark.slurm
+
+TITAN = str(REPO / "launch" / "titan.sbatch")
+
+
+# ------------------------------------------------------------------------------------- helpers
+def submit(cluster, script: str, out: Path, env: dict[str, str], args=(), nodes: int = 2) -> int:
+    e = cluster.env()
+    e.update(env)
+    r = subprocess.run(["sbatch", "--parsable", "-N", str(nodes), "-o", str(out), script, *args],
+                       env=e, cwd=str(REPO), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return int(r.stdout.strip().split(";")[0])
+
+
+def job_info(cluster, jobid: int) -> dict[str, str]:
+    r = subprocess.run(["scontrol", "show", "job", "-o", str(jobid)], env=cluster.env(),
+                       capture_output=True, text=True)
+    return dict(re.findall(r"(\w+)=(\S*)", r.stdout))
+
+
+def wait_done(cluster, jobid: int, timeout: float, out: Path) -> dict[str, str]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = job_info(cluster, jobid)
+        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return info
+        time.sleep(0.5)
+    subprocess.run(["scancel", str(jobid)], env=cluster.env())
+    pytest.fail(f"job {jobid} not finished after {timeout:.0f}s: {job_info(cluster, jobid)}\n{_tail(out)}")
+
+
+def _tail(path: Path, n: int = 6000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def events(state: Path) -> list[dict[str, str]]:
+    """The launcher's event log: one dict per line (``kind`` + key=value fields)."""
+    out = []
+    for line in (state / "events").read_text().splitlines():
+        parts = line.split(" ", 2)
+        rec = {"time": parts[0], "kind": parts[1]}
+        rec.update(re.findall(r'(\w+)=("[^"]*"|\S+)', parts[2] if len(parts) > 2 else ""))
+        out.append(rec)
+    return out
+
+
+def no_leftovers(cluster, timeout: float = 30.0) -> None:
+    """Every job process (batch script, steps, torchrun, workers) is gone."""
+    deadline = time.time() + timeout
+    while cluster.namespace_pids() and time.time() < deadline:
+        time.sleep(0.5)
+    left = {p: _cmdline(p) for p in cluster.namespace_pids()}
+    assert not left, f"processes left in the nodes' namespaces: {left}"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# A stand-in for the Python interpreter: called as `python -m torch.distributed.run <torchrun
+# options> -m titan_plugin.train …` on every node. It records what it got and fails as FAKE_FAIL
+# says ("<restart count>:<node rank>:<signal|crash|config>", comma-separated), printing the
+# failure summary torchrun prints, so the node wrapper classifies it like a real one. Like
+# torchrun's rendezvous, every node waits for the others before anything happens.
+FAKE = r"""#!/bin/bash
+rank=; port=; addr=; nnodes=
+for a in "$@"; do case "$a" in
+  --node-rank=*) rank=${a#*=} ;; --master-port=*) port=${a#*=} ;; --master-addr=*) addr=${a#*=} ;;
+  --nnodes=*) nnodes=${a#*=} ;; esac; done
+printf '{"host": "%s", "node_rank": %s, "nnodes": %s, "port": %s, "addr": "%s", "restart_count": %s, "slurm_restart": "%s", "slurm_nodeid": %s, "args": "%s"}\n' \
+  "$(hostname)" "$rank" "$nnodes" "$port" "$addr" "$TIERCKPT_RESTART_COUNT" "${SLURM_RESTART_COUNT:-}" "$SLURM_NODEID" "$*" >> "$FAKE_LOG"
+# a rendezvous, as torchrun has: no node fails before every node of the attempt has started
+for i in $(seq 200); do
+  [ "$(grep -c "\"restart_count\": $TIERCKPT_RESTART_COUNT," "$FAKE_LOG")" -ge "$nnodes" ] && break
+  sleep 0.1
+done
+IFS=, read -ra plan <<< "${FAKE_FAIL:-}"
+for p in "${plan[@]}"; do
+  IFS=: read -r rc r mode <<< "$p"
+  if [ "$rc" = "$TIERCKPT_RESTART_COUNT" ] && [ "$r" = "$rank" ]; then
+    case "$mode" in signal) code=-9 ;; config) code=2 ;; *) code=1 ;; esac
+    printf 'Root Cause (first observed failure):\n[0]:\n  host      : %s\n  exitcode  : %s (pid: 1)\n' "$(hostname)" "$code" >&2
+    exit 1
+  fi
+done
+sleep 1
+exit 0
+"""
+
+
+@pytest.fixture
+def fake(tmp_path, slurm_cluster):
+    """(submit function, log reader) running titan.sbatch with the stand-in interpreter."""
+    name = tmp_path.name
+    shared = Path(slurm_cluster.shared) / name
+    shared.mkdir(parents=True)
+    py = shared / "fake-python"
+    py.write_text(FAKE)
+    py.chmod(0o755)
+    log = shared / "calls.jsonl"
+
+    def run(env: dict[str, str], timeout: float = 60.0, nodes: int = 2):
+        out = shared / "job.out"
+        e = {"TIERCKPT_PYTHON": str(py), "FAKE_LOG": str(log), "TIERCKPT_STATE_DIR": str(shared / "state"),
+             "TIERCKPT_LOCAL_ROOT": f"{slurm_cluster.nvme}/{name}", **env}
+        jobid = submit(slurm_cluster, TITAN, out, e, nodes=nodes)
+        info = wait_done(slurm_cluster, jobid, timeout, out)
+        calls = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+        return info, calls, events(shared / "state"), _tail(out)
+
+    return run
+
+
+# ------------------------------------------------------------------------ launcher, stand-in
+def test_launcher_retries_with_fresh_port_and_restart_count(fake):
+    info, calls, ev, out = fake({"FAKE_FAIL": "0:1:signal,1:0:crash", "TIERCKPT_MAX_ATTEMPTS": "3"})
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
+    assert info["Restarts"] == "0"
+    by_attempt: dict[int, list[dict]] = {}
+    for c in calls:
+        by_attempt.setdefault(c["restart_count"], []).append(c)
+    assert sorted(by_attempt) == [0, 1, 2], calls
+    ports = []
+    for a, cs in sorted(by_attempt.items()):
+        assert sorted((c["node_rank"], c["host"]) for c in cs) == [(0, "n1"), (1, "n2")], cs
+        assert all(c["node_rank"] == c["slurm_nodeid"] and c["nnodes"] == 2 and c["addr"] == "n1" for c in cs)
+        assert len({c["port"] for c in cs}) == 1  # one rendezvous per attempt
+        ports.append(cs[0]["port"])
+        assert "-m titan_plugin.train --toml" in cs[0]["args"] and "--max-restarts=0" in cs[0]["args"]
+        assert re.search(r"--checkpoint\.local_root \S+/test_launcher_retries\w*/node-\{node\}", cs[0]["args"]), cs[0]
+    assert len(set(ports)) == 3, ports  # a fresh port per attempt
+    ends = [e for e in ev if e["kind"] == "end"]
+    assert [e["rc"] != "0" for e in ends] == [True, True, False], ev
+    assert ends[0]["failed_nodes"] == "n2"  # killed by a signal: the node is blamed
+    assert ends[1]["failed_nodes"] == "-"   # an exception is not the node's fault
+    assert not [e for e in ev if e["kind"] == "requeue"]
+
+
+def test_launcher_requeue_exit_code(fake):
+    """TIERCKPT_REQUEUE=exit: the batch script exits 75 and slurmctld (RequeueExit=75) requeues."""
+    info, calls, ev, out = fake({"FAKE_FAIL": "0:0:crash", "TIERCKPT_MAX_ATTEMPTS": "1",
+                                 "TIERCKPT_REQUEUE": "exit"})
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, out)
+    assert sorted({(c["restart_count"], c["slurm_restart"]) for c in calls}) == [(0, ""), (1, "1")], calls
+    assert [e["kind"] for e in ev] == ["start", "end", "requeue", "start", "end"], ev
+    assert ev[2]["mode"] == "exit" and ev[2]["code"] == "75"
+
+
+def test_launcher_requeue_excludes_failed_node(fake):
+    """scontrol requeue: the node whose worker was killed (n2) is swapped for the spare (n3)."""
+    info, calls, ev, out = fake({"FAKE_FAIL": "0:1:signal", "TIERCKPT_MAX_ATTEMPTS": "1"})
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, out)
+    assert info["ExcNodeList"] == "n2" and info["NodeList"] == "n[1,3]", info
+    second = sorted((c["node_rank"], c["host"]) for c in calls if c["restart_count"] == 1)
+    assert second == [(0, "n1"), (1, "n3")], calls
+    req = [e for e in ev if e["kind"] == "requeue"]
+    assert len(req) == 1 and req[0]["mode"] == "scontrol" and req[0]["exclude"] == "n2", ev
+
+
+def test_launcher_no_retry_on_config_error(fake):
+    info, calls, ev, out = fake({"FAKE_FAIL": "0:0:config"})
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", (info, out)
+    assert {c["restart_count"] for c in calls} == {0}
+    assert ev[-1]["kind"] == "give-up" and "configuration" in ev[-1]["reason"]
+
+
+def test_launcher_gives_up_after_requeue_budget(fake):
+    info, calls, ev, out = fake({"FAKE_FAIL": "0:0:crash,1:0:crash", "TIERCKPT_MAX_ATTEMPTS": "2",
+                                 "TIERCKPT_MAX_REQUEUES": "0"})
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", (info, out)
+    assert [e["kind"] for e in ev] == ["start", "end", "start", "end", "give-up"], ev
+
+
+# ------------------------------------------------------------------------------- torchtitan
+STEPS, LOCAL_EVERY, KILL_AFTER = 6, 2, 2
+
+
+def _titan_job(cluster, tmp_path, extra_env: dict[str, str]):
+    name = tmp_path.name
+    shared = Path(cluster.shared) / name
+    run = shared / "run"
+    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TIERCKPT_PYTHON": sys.executable,
+           "TIERCKPT_TOML": str(REPO / "configs" / "titan_demo.toml"),
+           "TIERCKPT_LOCAL_ROOT": f"{cluster.nvme}/{name}", "TIERCKPT_DUMP_FOLDER": str(run),
+           "TIERCKPT_STATE_DIR": str(shared / "state"), **extra_env}
+    # the real topology (torchrun's node rank), not the demo's simulated one
+    args = ["--training.steps", str(STEPS), "--checkpoint.local_interval", str(LOCAL_EVERY),
+            "--checkpoint.interval", str(STEPS), "--checkpoint.simulated_ranks_per_node", "0",
+            "--checkpoint.job_id", name]
+    out = shared / "job.out"
+    shared.mkdir(parents=True)
+    from titan_plugin.assets import ensure_assets
+
+    ensure_assets()  # built once here, not by both ranks
+    jobid = submit(cluster, TITAN, out, env, args)
+    return jobid, shared, run, out
+
+
+def _jsonl(path: Path) -> list[dict]:
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def _kill_node1_after_local_step(cluster, jobid, run: Path, out: Path, node_host: str, wipe: str | None = None,
+                                 timeout: float = 240.0) -> tuple[int, int]:
+    """SIGKILL the training process on ``node_host`` once the local step KILL_AFTER is committed
+    and replicated (ledger) and rank 0 logged a later step; optionally wipe a directory (the
+    node's disk) right after. Returns (pid killed, last step logged before the kill)."""
+    ledger, losses = run / "checkpoint" / "tierckpt-ledger.jsonl", run / "metrics" / "losses.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if job_info(cluster, jobid).get("JobState") not in ("PENDING", "RUNNING", "CONFIGURING"):
+            pytest.fail(f"job ended before the failure point: {job_info(cluster, jobid)}\n{_tail(out)}")
+        ck = [r for r in _jsonl(ledger) if r.get("kind") == "checkpoint" and r.get("tier") == "local"
+              and r.get("step") == KILL_AFTER]
+        steps = [r["step"] for r in _jsonl(losses)]
+        if ck and steps and max(steps) > KILL_AFTER:
+            assert ck[0]["ok"] and not ck[0].get("replicas_failed"), ck
+            victims = [p for p in cluster.namespace_pids(node_host)
+                       if "titan_plugin.train" in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)
+                       and not _cmdline(p).startswith("bash")]
+            assert len(victims) == 1, {p: _cmdline(p) for p in victims}
+            os.kill(victims[0], signal.SIGKILL)
+            if wipe:
+                shutil.rmtree(wipe)
+            return victims[0], max(steps)
+        time.sleep(0.2)
+    pytest.fail(f"local step {KILL_AFTER} not committed within {timeout:.0f}s\n{_tail(out)}")
+
+
+def _check_ledger_and_losses(run: Path, killed_at: int, restart_counts: list[int]) -> dict:
+    from tierckpt.ledger import Ledger, summarize
+    from tierckpt.storage import Store
+
+    recs = Ledger.read(Store(str(run / "checkpoint")))
+    s = summarize(recs)
+    assert [r["restart_count"] for r in s["runs"]] == restart_counts, s["runs"]
+    assert len(s["failures"]) == 1 and s["failures"][0]["run_id"] == s["runs"][0]["run_id"], s["failures"]
+    assert s["runs"][-1]["clean"] is True, s["runs"]
+    assert len(s["restores"]) == 1, s["restores"]
+    rest = s["restores"][0]
+    assert rest["run_id"] == s["runs"][1]["run_id"]
+    assert rest["step"] in (KILL_AFTER, KILL_AFTER + LOCAL_EVERY) and rest["step"] < killed_at, rest
+    assert rest["persistent_bytes"] == 0, rest
+    # every step ran, and a step run by both attempts (after the restore) has the same loss bitwise
+    by_pid: dict[int, dict[int, str]] = {}
+    for r in _jsonl(run / "metrics" / "losses.jsonl"):
+        by_pid.setdefault(r["pid"], {})[r["step"]] = r["loss_hex"]
+    first, second = list(by_pid.values())
+    assert sorted(second) == list(range(rest["step"] + 1, STEPS + 1)), second
+    again = sorted(set(first) & set(second))
+    assert again and all(first[k] == second[k] for k in again), (first, second)
+    ck = {(r["tier"], r["step"]) for r in recs if r["kind"] == "checkpoint" and r.get("ok")}
+    assert ("persistent", STEPS) in ck and ("local", STEPS) in ck, ck
+    return rest
+
+
+def test_titan_in_allocation_retry_restores_from_replica(slurm_cluster, tmp_path):
+    t0 = time.time()
+    jobid, shared, run, out = _titan_job(slurm_cluster, tmp_path, {"TIERCKPT_MAX_ATTEMPTS": "2"})
+    # node 1 runs on n2; its disk (everything under the local root) goes with the process
+    disk = Path(slurm_cluster.disk("n2")) / tmp_path.name
+    pid, killed_at = _kill_node1_after_local_step(slurm_cluster, jobid, run, out, "n2", wipe=str(disk))
+    info = wait_done(slurm_cluster, jobid, 300, out)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "0", (info, _tail(out))
+    ev = events(shared / "state")
+    starts = [e for e in ev if e["kind"] == "start"]
+    assert [e["restart_count"] for e in starts] == ["0", "1"] and starts[0]["port"] != starts[1]["port"], ev
+    assert [e for e in ev if e["kind"] == "end"][0]["failed_nodes"] == "n2", ev
+    rest = _check_ledger_and_losses(run, killed_at, [0, 1])
+    assert {n: v["source"] for n, v in rest["sources"].items()} == {"0": "own-local", "1": "peer-replica"}, rest
+    no_leftovers(slurm_cluster)
+    print(f"in-allocation retry: {time.time() - t0:.1f}s")
+
+
+def test_titan_requeue_swaps_failed_node_restores_from_replica(slurm_cluster, tmp_path):
+    t0 = time.time()
+    jobid, shared, run, out = _titan_job(slurm_cluster, tmp_path, {"TIERCKPT_MAX_ATTEMPTS": "1"})
+    pid, killed_at = _kill_node1_after_local_step(slurm_cluster, jobid, run, out, "n2")
+    info = wait_done(slurm_cluster, jobid, 300, out)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, _tail(out))
+    assert info["Restarts"] == "1" and info["ExcNodeList"] == "n2" and info["NodeList"] == "n[1,3]", info
+    ev = events(shared / "state")
+    assert [e["kind"] for e in ev] == ["start", "end", "requeue", "start", "end"], ev
+    assert ev[3]["slurm_restart"] == "1" and ev[3]["restart_count"] == "1"
+    # node 1 now runs on n3, whose disk never held anything: its state comes from n1's replica
+    rest = _check_ledger_and_losses(run, killed_at, [0, 1])
+    assert {n: v["source"] for n, v in rest["sources"].items()} == {"0": "own-local", "1": "peer-replica"}, rest
+    no_leftovers(slurm_cluster)
+    print(f"requeue: {time.time() - t0:.1f}s")

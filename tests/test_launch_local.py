@@ -1,0 +1,120 @@
+"""launch/local.py, the local launcher (Slurm semantics on one machine), with a small worker
+instead of a trainer: one torchrun per simulated node, a fresh port and TIERCKPT_RESTART_COUNT
+per attempt (persisted in --state-dir across launcher runs), a killed node's peers stopped and
+the job retried, no retry after a configuration error (exit status 2), nothing left running.
+The full torchtitan run through it is ``make demo`` / tests/test_titan_demo.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+WORKER = r"""
+import json, os, signal, sys, time
+rec = {k: os.environ.get(k) for k in ("RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                      "MASTER_PORT", "TIERCKPT_RESTART_COUNT", "TIERCKPT_NODE_ID")}
+rec["pid"] = os.getpid()
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps(rec) + "\n")
+plan = dict(x.split(":", 1) for x in os.environ.get("FAIL", "").split(",") if x)
+mode = plan.get(f"{rec['TIERCKPT_RESTART_COUNT']}/{rec['GROUP_RANK']}")
+if mode == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "config":
+    sys.exit(2)
+time.sleep(300 if mode == "hang" else 0.5)
+"""
+
+
+def _local():
+    name = "tierckpt_local_launcher"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "launch" / "local.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_retry_restart_count_and_config_error(tmp_path, monkeypatch):
+    lo = _local()
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    rec, state = tmp_path / "rec.jsonl", tmp_path / "state"
+    monkeypatch.setenv("TIERCKPT_NODE_ID", "7")  # must not reach the nodes: GROUP_RANK is the node
+    lines: list[str] = []
+
+    # run 1: node 1's worker is SIGKILLed in the first attempt; the second attempt succeeds
+    l1 = lo.LocalLauncher([str(worker), str(rec)], nodes=2, max_attempts=3, log_dir=str(tmp_path / "logs"),
+                          name="one", env={"FAIL": "0/1:kill"}, state_dir=str(state))
+    assert l1.run(timeout=240, log=lines.append) == 0, lines
+    a1, a2 = l1.attempts
+    assert (a1.failed_node, a1.worker_exitcode, a1.ok) == (1, -9, False)
+    assert a2.ok and a1.port != a2.port
+    recs = _records(rec)
+    assert sorted((r["TIERCKPT_RESTART_COUNT"], r["GROUP_RANK"], r["RANK"]) for r in recs) == [
+        ("0", "0", "0"), ("0", "1", "1"), ("1", "0", "0"), ("1", "1", "1")]
+    for r in recs:
+        assert r["WORLD_SIZE"] == "2" and r["LOCAL_WORLD_SIZE"] == "1" and r["MASTER_ADDR"] == "127.0.0.1"
+        assert r["MASTER_PORT"] == str((a1, a2)[int(r["TIERCKPT_RESTART_COUNT"])].port)
+        assert r["TIERCKPT_NODE_ID"] is None
+    assert (tmp_path / "logs" / "one-attempt2-node1.log").exists()
+
+    # run 2 (same state dir: restart count 2): node 0 reports a configuration error while node 1
+    # hangs; no retry, exit status 2, the hanging worker is stopped
+    rec.unlink()
+    l2 = lo.LocalLauncher([str(worker), str(rec)], nodes=2, max_attempts=3, log_dir=str(tmp_path / "logs"),
+                          name="two", env={"FAIL": "2/0:config,2/1:hang"}, state_dir=str(state), kill_grace_s=2)
+    t0 = time.time()
+    assert l2.run(timeout=240, log=lines.append) == 2, lines
+    assert len(l2.attempts) == 1 and l2.attempts[0].worker_exitcode == 2
+    recs = _records(rec)
+    assert {r["TIERCKPT_RESTART_COUNT"] for r in recs} == {"2"}
+    hung = [r["pid"] for r in recs if r["GROUP_RANK"] == "1"]
+    assert hung and not _alive(hung[0]), "the hanging worker must be stopped"
+    assert time.time() - t0 < 120
+    assert all(p.poll() is not None for p in l2.attempts[0].procs)
+    assert (state / "attempts").read_text().strip() == "3"
+
+
+def test_cli_errors(capsys):
+    lo = _local()
+    for argv, needle in ((["--nodes", "2"], "separate the training command with --"),
+                         (["--nodes", "0", "--", "x.py"], "nodes must be an integer >= 1"),
+                         (["--", ], "command must not be empty")):
+        try:
+            lo.main(argv)
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        assert needle in capsys.readouterr().err
+
+
+def test_root_cause_exitcode():
+    lo = _local()
+    text = ("Failures:\n[1]:\n  exitcode  : -15 (pid: 9)\nRoot Cause (first observed failure):\n[0]:\n"
+            "  host      : n2\n  rank      : 1 (local_rank: 0)\n  exitcode  : -9 (pid: 123)\n")
+    assert lo.root_cause_exitcode(text) == -9
+    assert lo.root_cause_exitcode("Root Cause (first observed failure):\n  exitcode  : 2 (pid: 1)") == 2
+    assert lo.root_cause_exitcode("no summary") is None
+    assert os.path.basename(lo.REPO) == REPO.name
