@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test test-slurm demo bench bench-schedule clean
+.PHONY: venv test test-slurm demo bench bench-schedule clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
 
 venv: $(STAMP)
 
@@ -25,9 +25,54 @@ bench-schedule: venv
 	OMP_NUM_THREADS=1 $(VPY) bench/bench_schedule.py $(BENCH_ARGS)
 
 # launch/*.sbatch on a real private Slurm cluster on this machine (root: installs slurm-wlm +
-# munge with apt-get through scripts/setup_slurm.sh; ~3 min)
+# munge with apt-get through scripts/setup_slurm.sh; 3-4 min on 2 cores)
 test-slurm: venv
 	TIERCKPT_SLURM_TESTS=1 OMP_NUM_THREADS=1 $(VPY) -m pytest tests/slurm -q
 
+# tests/mcore/ on megatron-core 0.19.x: a second venv, Python 3.12, no nvidia-resiliency-ext
+# (scripts/setup_venv_mcore019.sh; PY3_12 picks the interpreter)
+VENV019 := .venv-mcore019
+STAMP019 := $(VENV019)/.installed-stamp
+
+venv-mcore019: $(STAMP019)
+
+$(STAMP019): requirements-mcore019.txt pyproject.toml scripts/setup_venv_mcore019.sh $(wildcard */__init__.py)
+	scripts/setup_venv_mcore019.sh
+
+test-mcore-019: venv-mcore019
+	OMP_NUM_THREADS=1 $(VENV019)/bin/python -m pytest tests/mcore -q -p no:cacheprovider
+
+# Real Megatron-LM (pretrain_gpt.py on 2 CPU ranks, kill a node, resume from its replica).
+# MEGATRON_LM_DIR: an existing checkout; otherwise scripts/get_megatron_lm.sh exports
+# MEGATRON_LM_REF (default core_v0.16.1, matching .venv's megatron-core) from MEGATRON_LM_FROM
+# (a local clone / bare git dir, or a URL; default GitHub) into ~/.cache/tierckpt/.
+MEGATRON_LM_REF ?= core_v0.16.1
+MEGATRON_LM_FROM ?=
+MLM_STAMP := $(VENV)/.megatron-lm-stamp
+
+$(MLM_STAMP): requirements-megatron-lm.txt $(STAMP)
+	$(VPY) -m pip install -q --disable-pip-version-check -r requirements-megatron-lm.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	touch $@
+
+test-megatron-lm: venv $(MLM_STAMP)
+	@dir="$(MEGATRON_LM_DIR)"; \
+	if [ -z "$$dir" ]; then dir=$$(scripts/get_megatron_lm.sh --ref $(MEGATRON_LM_REF) $(if $(MEGATRON_LM_FROM),--from $(MEGATRON_LM_FROM)) | tail -n1) || exit 1; fi; \
+	echo "MEGATRON_LM_DIR=$$dir ($$(cat $$dir/.tierckpt-megatron-lm-ref 2>/dev/null || echo 'ref unknown'))"; \
+	MEGATRON_LM_DIR=$$dir OMP_NUM_THREADS=1 $(VPY) -m pytest tests/mcore/test_megatron_lm.py tests/mcore/test_install.py tests/mcore/test_args.py -q -rs
+
+# The same on Megatron-LM core_v0.19.0 in .venv-mcore019 (MEGATRON_LM_019_DIR: an existing checkout)
+MEGATRON_LM_019_REF ?= core_v0.19.0
+MLM019_STAMP := $(VENV019)/.megatron-lm-stamp
+
+$(MLM019_STAMP): requirements-megatron-lm.txt $(STAMP019)
+	$(VENV019)/bin/python -m pip install -q --disable-pip-version-check -r requirements-megatron-lm.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	touch $@
+
+test-megatron-lm-019: venv-mcore019 $(MLM019_STAMP)
+	@dir="$(MEGATRON_LM_019_DIR)"; \
+	if [ -z "$$dir" ]; then dir=$$(scripts/get_megatron_lm.sh --ref $(MEGATRON_LM_019_REF) $(if $(MEGATRON_LM_FROM),--from $(MEGATRON_LM_FROM)) | tail -n1) || exit 1; fi; \
+	echo "MEGATRON_LM_DIR=$$dir ($$(cat $$dir/.tierckpt-megatron-lm-ref 2>/dev/null || echo 'ref unknown'))"; \
+	MEGATRON_LM_DIR=$$dir OMP_NUM_THREADS=1 $(VENV019)/bin/python -m pytest tests/mcore/test_megatron_lm.py tests/mcore/test_install.py tests/mcore/test_args.py -q -rs -p no:cacheprovider
+
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(VENV019) outputs .pytest_cache

@@ -124,12 +124,39 @@ def _cuda_runtime_calls() -> None:
     Why: megatron-core's dist_checkpointing calls ``torch.cuda.synchronize()`` before every
     torch_dist write and ``torch.cuda.current_device()`` to place the tensors of its
     async-save agreement all-reduce; DDP and parallel_state synchronize too. Each initialises
-    CUDA and raises on a CPU wheel.
+    CUDA and raises on a CPU wheel. Likewise ``torch.cuda.Stream``/``current_stream()``/
+    ``stream(s)`` become null streams: megatron-core 0.19's DDP orders its gradient
+    reduce-scatter on CUDA streams (``start_grad_sync``) on every iteration.
     """
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.set_device = lambda device: None
     torch.cuda.empty_cache = lambda: None
     torch.cuda.current_device = lambda: 0
+    torch.cuda.Stream = _NullStream
+    torch.cuda.current_stream = lambda device=None: _NullStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+class _NullStream:
+    """A CUDA stream stand-in: work on the CPU is already ordered, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        return event
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
 
 
 def _cuda_rng_tracker() -> None:

@@ -653,6 +653,7 @@ class TieredSaveStrategy(TorchDistSaveShardedStrategy):
             return self._common
         obj = sharded.get("common_state")
         if isinstance(obj, ShardedObject) and isinstance(obj.data, dict):  # megatron-core >= 0.19
+            write_common_pt(checkpoint_dir, obj.data)
             return obj.data
         # megatron-core 0.16: dist_checkpointing.save wrote common.pt on global rank 0 already.
         # Shared over the default group in the foreground, as Megatron's own save does: the
@@ -714,6 +715,28 @@ class TieredSaveStrategy(TorchDistSaveShardedStrategy):
                 log.warning("tierckpt mcore: step %d: %s tier failed; training continues", step, ", ".join(failed))
 
         return AsyncRequest(wait_for_file, (done, self.timeout_s), [finalize])
+
+
+def write_common_pt(checkpoint_dir, common: dict) -> None:
+    """megatron-core >= 0.19: write the common state as ``<checkpoint_dir>/common.pt`` on global
+    rank 0 (temp file, fsync, rename).
+
+    Why: 0.19 keeps the common state only as the ``common_state`` ShardedObject inside the
+    torch_dist files, but :class:`TieredSaveStrategy` writes those to the tiers, never to
+    ``checkpoint_dir``; a stock load of ``checkpoint_dir`` (``load_common_state_dict``, e.g.
+    Megatron-LM's ``iter_N``) would find no common state. 0.19 still reads a legacy
+    ``common.pt`` first, and 0.16 writes one itself.
+    """
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    path = os.path.join(str(checkpoint_dir), COMMON_FNAME)
+    os.makedirs(str(checkpoint_dir), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(common, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class TieredLoadStrategy(TorchDistLoadShardedStrategy):

@@ -1,0 +1,526 @@
+"""``--ckpt-plugin-*`` flags for Megatron-LM's argument parser, and their validation.
+
+Megatron-LM builds one ``argparse`` parser in ``megatron.training.arguments.parse_args`` and
+accepts an ``extra_args_provider(parser) -> parser``. :func:`add_plugin_args` is such a provider
+(``mcore_plugin.install`` chains it in front of the script's own provider), so the flags show up
+in ``pretrain_gpt.py --help`` and are parsed with Megatron's own flags.
+
+Mapping onto Megatron-LM's checkpoint paths (both stay Megatron's; the plugin serves them):
+
+- persistent tier = Megatron's ``--save`` directory, written by the ``torch_dist`` save path
+  (wrapped by :mod:`mcore_plugin.strategies`: manifest + commit marker, optimizer in
+  ``fully_reshardable`` format); its interval is ``--save-interval`` or
+  ``--ckpt-plugin-persistent-interval``.
+- local tier (+ replicas on peer nodes) = Megatron's ``--non-persistent-ckpt-type local`` path,
+  served by :class:`mcore_plugin.local_manager.TieredLocalCheckpointManager` instead of
+  nvidia-resiliency-ext's manager; its interval is ``--non-persistent-save-interval`` or
+  ``--ckpt-plugin-local-interval``.
+
+:func:`validate_plugin_args` runs after Megatron's own ``validate_args`` (installed by
+``mcore_plugin.install``) and fails at start with :class:`tierckpt.errors.ConfigError` whose
+``option`` is the offending flag. :func:`tier_config_from_args` turns the validated flags into a
+:class:`tierckpt.config.TierConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import weakref
+from dataclasses import dataclass, field
+
+from tierckpt.config import TIERS, TierConfig
+from tierckpt.errors import ConfigError
+
+PREFIX = "--ckpt-plugin-"
+GROUP_TITLE = "tierckpt checkpoint plugin"
+
+# Megatron's own flags the plugin reads or constrains (dest -> flag, for error messages).
+_MEGATRON_FLAG = {
+    "save": "--save",
+    "load": "--load",
+    "save_interval": "--save-interval",
+    "ckpt_format": "--ckpt-format",
+    "non_persistent_ckpt_type": "--non-persistent-ckpt-type",
+    "non_persistent_save_interval": "--non-persistent-save-interval",
+    "non_persistent_local_ckpt_dir": "--non-persistent-local-ckpt-dir",
+    "replication": "--replication",
+    "replication_jump": "--replication-jump",
+    "replication_factor": "--replication-factor",
+    "use_dist_ckpt": "--ckpt-format",
+}
+
+
+def _positive_int(flag: str):
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}: expected an integer >= 1, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{flag}: expected an integer >= 1, got {v}")
+        return v
+
+    return conv
+
+
+def _nonneg_int(flag: str, zero_means: str):
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag}: expected an integer >= 0 ({zero_means}), got {text!r}") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{flag}: expected an integer >= 0 ({zero_means}), got {v}")
+        return v
+
+    return conv
+
+
+def _positive_float(flag: str):
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}: expected a number > 0, got {text!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{flag}: expected a number > 0, got {v}")
+        return v
+
+    return conv
+
+
+def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--ckpt-plugin-*`` argument group to ``parser`` and return it.
+
+    Usable as Megatron-LM's ``extra_args_provider``. Every flag defaults to "not given" (None),
+    so :func:`validate_plugin_args` can tell an explicit value from Megatron's equivalent flag.
+    Type errors (``--ckpt-plugin-local-interval 0``) are argparse errors naming the flag (exit 2).
+    """
+    g = parser.add_argument_group(GROUP_TITLE, "multi-tier checkpointing (tierckpt); see mcore_plugin/README.md")
+    g.add_argument("--ckpt-plugin-enable", action="store_true", default=False,
+                   help="Turn the plugin on: --save becomes the persistent tier, "
+                        "--non-persistent-ckpt-type local the node-local tier with replicas.")
+    g.add_argument("--ckpt-plugin-local-root", default=None, metavar="TEMPLATE",
+                   help="Node-local directory template of the local tier, fields {job} {node} "
+                        "{hostname} (e.g. /local_nvme/{job}/node-{node}). Default: "
+                        "--non-persistent-local-ckpt-dir, taken as node-private.")
+    g.add_argument("--ckpt-plugin-local-root-is-node-private", action="store_true", default=False,
+                   help="The local root may omit {node}/{hostname}: each node's path is on its own disk.")
+    g.add_argument("--ckpt-plugin-replication-jump", type=_positive_int("--ckpt-plugin-replication-jump"),
+                   default=None, metavar="J",
+                   help="J, counted in nodes: node n's local checkpoint is copied to nodes n+J, n+2J, ... "
+                        "(default 1, or Megatron's --replication-jump divided by the ranks per node).")
+    g.add_argument("--ckpt-plugin-replication-factor", type=_positive_int("--ckpt-plugin-replication-factor"),
+                   default=None, metavar="F",
+                   help="F: copies of each node's local checkpoint, own included; 1 = no replica "
+                        "(default 2, or Megatron's --replication-factor with --replication).")
+    g.add_argument("--ckpt-plugin-local-interval", type=_positive_int("--ckpt-plugin-local-interval"),
+                   default=None, metavar="STEPS",
+                   help="Iterations between local-tier saves (default: --non-persistent-save-interval; "
+                        "neither = no local tier). The starting value when the local tier is adaptive.")
+    g.add_argument("--ckpt-plugin-persistent-interval", type=_positive_int("--ckpt-plugin-persistent-interval"),
+                   default=None, metavar="STEPS",
+                   help="Iterations between persistent-tier saves (default: --save-interval). "
+                        "The starting value when the persistent tier is adaptive.")
+    g.add_argument("--ckpt-plugin-adaptive", nargs="+", choices=TIERS, default=None, metavar="TIER",
+                   help="Tiers whose interval follows Young/Daly from the measured blocking time and "
+                        f"the MTBF estimate (choices: {', '.join(TIERS)}).")
+    g.add_argument("--ckpt-plugin-gpu-mtbf-hours", type=_positive_float("--ckpt-plugin-gpu-mtbf-hours"),
+                   default=None, metavar="HOURS",
+                   help="Prior MTBF of one GPU for the adaptive scheduler (default: Llama 3's).")
+    g.add_argument("--ckpt-plugin-min-interval", type=_positive_int("--ckpt-plugin-min-interval"),
+                   default=None, metavar="STEPS", help="Lower bound of adaptive intervals (default 1).")
+    g.add_argument("--ckpt-plugin-max-interval", type=_positive_int("--ckpt-plugin-max-interval"),
+                   default=None, metavar="STEPS", help="Upper bound of adaptive intervals (default: none).")
+    g.add_argument("--ckpt-plugin-local-keep", type=_nonneg_int("--ckpt-plugin-local-keep", "0 keeps all"),
+                   default=None, metavar="K", help="Committed local steps kept per node and per replica (default 2).")
+    g.add_argument("--ckpt-plugin-persistent-keep",
+                   type=_nonneg_int("--ckpt-plugin-persistent-keep", "0 keeps all"),
+                   default=None, metavar="K", help="Committed persistent steps kept (default 3).")
+    g.add_argument("--ckpt-plugin-job-id", default=None, metavar="ID",
+                   help="Value of {job} in the local root; keep it stable across restarts "
+                        "(default: SLURM_JOB_ID, else 'job').")
+    g.add_argument("--ckpt-plugin-simulated-ranks-per-node",
+                   type=_nonneg_int("--ckpt-plugin-simulated-ranks-per-node", "0 = real topology"),
+                   default=None, metavar="N",
+                   help="Simulate nodes on one machine: node = rank // N (tests, demos).")
+    return parser
+
+
+def plugin_enabled(args: argparse.Namespace) -> bool:
+    """True when ``--ckpt-plugin-enable`` was given (False when the flags were never added)."""
+    return bool(getattr(args, "ckpt_plugin_enable", False))
+
+
+def _plugin_flags_given(args) -> list[str]:
+    given = []
+    for name, value in vars(args).items():
+        if name.startswith("ckpt_plugin_") and name != "ckpt_plugin_enable":
+            if value not in (None, False):
+                given.append("--" + name.replace("_", "-"))
+    return given
+
+
+def _ranks_per_node() -> int | None:
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        v = os.environ.get(var, "")
+        if v.isdigit() and int(v) > 0:
+            return int(v)
+    return None
+
+
+@dataclass
+class PluginSettings:
+    """What :func:`validate_plugin_args` decided; :func:`settings_of` returns it for ``args``.
+
+    Not stored on ``args`` itself: Megatron saves ``args`` in every checkpoint and reads
+    ``common.pt`` back with ``torch.load(weights_only=True)``, which refuses unknown classes.
+
+    Attributes:
+        tiers: tiers the plugin writes (``"persistent"`` always; ``"local"`` when a local
+            interval exists).
+        intervals: ``{tier: steps}``, the fixed interval or the adaptive starting value.
+        adaptive: tiers with Young/Daly intervals.
+        local_root, local_root_is_node_private: the local-tier template.
+        replication_jump, replication_factor: J (nodes) and F.
+        keep_latest_k: ``{tier: k}`` (0 keeps all).
+        schedule_options: :class:`tierckpt.schedule.Scheduler` options (``gpu_mtbf_s`` seconds,
+            ``min_steps``, ``max_steps``).
+        notes: human-readable lines about values taken over from Megatron's flags.
+    """
+
+    tiers: tuple[str, ...]
+    intervals: dict[str, int]
+    adaptive: tuple[str, ...] = ()
+    local_root: str | None = None
+    local_root_is_node_private: bool = False
+    replication_jump: int = 1
+    replication_factor: int = 2
+    keep_latest_k: dict[str, int] = field(default_factory=dict)
+    job_id: str | None = None
+    simulated_ranks_per_node: int = 0
+    schedule_options: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+# id(args) -> (weak reference to args, settings); Namespace is not hashable (it defines __eq__)
+_SETTINGS: dict[int, tuple[weakref.ref, "PluginSettings"]] = {}
+
+
+def settings_of(args: argparse.Namespace) -> PluginSettings | None:
+    """The :class:`PluginSettings` :func:`validate_plugin_args` made for ``args`` (None with
+    the plugin off or before validation)."""
+    entry = _SETTINGS.get(id(args))
+    return entry[1] if entry is not None and entry[0]() is args else None
+
+
+def _set_settings(args: argparse.Namespace, settings: PluginSettings | None) -> None:
+    for k in [k for k, (ref, _) in _SETTINGS.items() if ref() is None]:
+        del _SETTINGS[k]
+    if settings is None:
+        _SETTINGS.pop(id(args), None)
+    else:
+        _SETTINGS[id(args)] = (weakref.ref(args), settings)
+
+
+def _megatron_flag(dest: str) -> str:
+    return _MEGATRON_FLAG.get(dest, "--" + dest.replace("_", "-"))
+
+
+def _agree(args, plugin_dest: str, megatron_dest: str, what: str):
+    """The plugin flag's value, else Megatron's; both given and different is an error."""
+    mine = getattr(args, plugin_dest, None)
+    theirs = getattr(args, megatron_dest, None)
+    if mine is not None and theirs not in (None, 0) and mine != theirs:
+        raise ConfigError(
+            "--" + plugin_dest.replace("_", "-"),
+            f"{mine} contradicts {_megatron_flag(megatron_dest)} {theirs} ({what}); give one of them, "
+            "or the same value to both",
+        )
+    return mine if mine is not None else (theirs or None)
+
+
+def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
+    """Check the plugin flags and their combination with Megatron's own; adjust ``args``.
+
+    Runs after Megatron's ``validate_args`` (so ``use_dist_ckpt`` etc. are derived). With the
+    plugin off, any other ``--ckpt-plugin-*`` flag is an error (it would be silently ignored).
+    With it on, the following are required or refused (each error names the flag):
+
+    - ``--save`` (the persistent tier's root and the ledger's home) is required;
+    - ``--ckpt-format`` must be ``torch_dist`` (the format the strategy wrappers serve);
+    - ``--non-persistent-ckpt-type global`` is refused (it bypasses the tiers); ``local`` is
+      served by the plugin's local tier;
+    - per-tier intervals >= 1; a plugin interval contradicting Megatron's equivalent flag;
+      an adaptive tier without a starting interval; ``--ckpt-plugin-min-interval`` >
+      ``--ckpt-plugin-max-interval``; min/max/MTBF flags without an adaptive tier;
+    - a local tier without a root (``--ckpt-plugin-local-root`` or
+      ``--non-persistent-local-ckpt-dir``); local flags (root, keep, replication) without a
+      local tier;
+    - Megatron's ``--replication-jump`` (counted in ranks) that is not a whole number of nodes.
+
+    Side effects on ``args`` (so Megatron's own loop calls the plugin at the right iterations):
+    ``save_interval`` and ``non_persistent_save_interval`` get the tier intervals,
+    ``non_persistent_ckpt_type`` becomes ``"local"`` when the local tier is on, ``load``
+    defaults to ``save``; :func:`settings_of` returns the :class:`PluginSettings` for ``args``.
+
+    Returns:
+        The settings, or None with the plugin off.
+
+    Raises:
+        ConfigError: ``option`` is the offending flag; the message gives the allowed values.
+    """
+    if not plugin_enabled(args):
+        stray = _plugin_flags_given(args)
+        if stray:
+            raise ConfigError(stray[0], "has no effect without --ckpt-plugin-enable; add --ckpt-plugin-enable "
+                                        f"or drop {', '.join(stray)}")
+        _set_settings(args, None)
+        return None
+
+    notes: list[str] = []
+    if not getattr(args, "save", None):
+        raise ConfigError("--save", "the plugin needs --save: it is the persistent tier's directory and holds "
+                                    "the ledger (a shared filesystem path or fsspec URL)")
+    fmt = getattr(args, "ckpt_format", "torch_dist")
+    if fmt != "torch_dist":
+        raise ConfigError("--ckpt-format", f"the plugin serves the torch_dist format only, got {fmt!r}; "
+                                           "use --ckpt-format torch_dist")
+    if getattr(args, "use_dist_ckpt", True) is False:
+        raise ConfigError("--ckpt-format", "the plugin needs distributed checkpoints (--ckpt-format torch_dist)")
+    np_type = getattr(args, "non_persistent_ckpt_type", None)
+    if np_type not in (None, "local"):
+        raise ConfigError("--non-persistent-ckpt-type",
+                          f"{np_type!r} bypasses the tiers; with --ckpt-plugin-enable use 'local' (served by the "
+                          "plugin's local tier) or leave it unset")
+    if getattr(args, "non_persistent_global_ckpt_dir", None):
+        raise ConfigError("--non-persistent-global-ckpt-dir",
+                          "global non-persistent checkpoints are not used with --ckpt-plugin-enable; "
+                          "the local tier (--ckpt-plugin-local-interval) replaces them")
+
+    # Intervals. Megatron's --non-persistent-save-interval only counts with type local.
+    np_interval = getattr(args, "non_persistent_save_interval", None) if np_type == "local" else None
+    if np_type is None and getattr(args, "non_persistent_save_interval", None) and \
+            getattr(args, "ckpt_plugin_local_interval", None) is None:
+        raise ConfigError("--non-persistent-save-interval",
+                          "needs --non-persistent-ckpt-type local (or use --ckpt-plugin-local-interval)")
+    shadow = argparse.Namespace(ckpt_plugin_local_interval=args.ckpt_plugin_local_interval,
+                                non_persistent_save_interval=np_interval,
+                                ckpt_plugin_persistent_interval=args.ckpt_plugin_persistent_interval,
+                                save_interval=getattr(args, "save_interval", None))
+    local_iv = _agree(shadow, "ckpt_plugin_local_interval", "non_persistent_save_interval", "local-tier interval")
+    pers_iv = _agree(shadow, "ckpt_plugin_persistent_interval", "save_interval", "persistent-tier interval")
+    for flag, v in (("--save-interval", getattr(args, "save_interval", None)),
+                    ("--non-persistent-save-interval", np_interval)):
+        if v is not None and v < 1:
+            raise ConfigError(flag, f"must be an integer >= 1 with --ckpt-plugin-enable, got {v}")
+    adaptive = tuple(args.ckpt_plugin_adaptive or ())
+    if len(set(adaptive)) != len(adaptive):
+        raise ConfigError("--ckpt-plugin-adaptive", f"a tier is listed twice in {list(adaptive)}")
+    if pers_iv is None:
+        raise ConfigError("--save-interval", "the persistent tier needs an interval: --save-interval N or "
+                                             "--ckpt-plugin-persistent-interval N (N >= 1; the starting value "
+                                             "when the tier is adaptive)")
+    if "local" in adaptive and local_iv is None:
+        raise ConfigError("--ckpt-plugin-adaptive", "the adaptive local tier needs a starting interval: "
+                                                    "--ckpt-plugin-local-interval N (N >= 1)")
+    intervals = {"persistent": int(pers_iv)}
+    tiers: tuple[str, ...] = ("persistent",)
+    if local_iv is not None:
+        intervals["local"] = int(local_iv)
+        tiers = ("local", "persistent")
+
+    lo, hi = args.ckpt_plugin_min_interval, args.ckpt_plugin_max_interval
+    if lo is not None and hi is not None and lo > hi:
+        raise ConfigError("--ckpt-plugin-min-interval",
+                          f"{lo} is above --ckpt-plugin-max-interval {hi}; need min <= max")
+    if not adaptive:
+        for flag, v in (("--ckpt-plugin-min-interval", lo), ("--ckpt-plugin-max-interval", hi),
+                        ("--ckpt-plugin-gpu-mtbf-hours", args.ckpt_plugin_gpu_mtbf_hours)):
+            if v is not None:
+                raise ConfigError(flag, "only applies to adaptive tiers; add --ckpt-plugin-adaptive "
+                                        f"{{{','.join(TIERS)}}} or drop {flag}")
+    schedule: dict = {}
+    if lo is not None:
+        schedule["min_steps"] = int(lo)
+    if hi is not None:
+        schedule["max_steps"] = int(hi)
+    if args.ckpt_plugin_gpu_mtbf_hours is not None:
+        schedule["gpu_mtbf_s"] = float(args.ckpt_plugin_gpu_mtbf_hours) * 3600.0
+
+    # Local tier: root, replication, keep.
+    local_root, node_private = args.ckpt_plugin_local_root, bool(args.ckpt_plugin_local_root_is_node_private)
+    J, F = args.ckpt_plugin_replication_jump, args.ckpt_plugin_replication_factor
+    if getattr(args, "replication", False):
+        if F is not None and F != args.replication_factor:
+            raise ConfigError("--ckpt-plugin-replication-factor",
+                              f"{F} contradicts --replication-factor {args.replication_factor}; give one of them")
+        F = args.replication_factor
+        rj = getattr(args, "replication_jump", None)
+        if J is None and rj is not None:
+            rpn = _ranks_per_node()
+            if rpn is None or rj % rpn:
+                raise ConfigError("--replication-jump",
+                                  f"Megatron counts it in ranks ({rj}); the plugin counts nodes and cannot convert "
+                                  f"it ({'ranks per node unknown' if rpn is None else f'{rpn} ranks per node'}): "
+                                  "give --ckpt-plugin-replication-jump J (nodes) instead")
+            J = rj // rpn
+            notes.append(f"--replication-jump {rj} ranks = {J} node(s) ({rpn} ranks per node)")
+    if "local" not in tiers:
+        for flag, v in (("--ckpt-plugin-local-root", local_root),
+                        ("--ckpt-plugin-local-keep", args.ckpt_plugin_local_keep),
+                        ("--ckpt-plugin-replication-jump", J), ("--ckpt-plugin-replication-factor", F)):
+            if v is not None:
+                raise ConfigError(flag, "needs the local tier: add --ckpt-plugin-local-interval N "
+                                        "(or --non-persistent-ckpt-type local --non-persistent-save-interval N)")
+    else:
+        if getattr(args, "dist_ckpt_optim_fully_reshardable", False):
+            raise ConfigError("--dist-ckpt-optim-fully-reshardable",
+                              "not with the plugin's local tier: Megatron's local path refuses that format, and the "
+                              "plugin already writes the persistent tier fully_reshardable; drop the flag")
+        if local_root is None:
+            mdir = getattr(args, "non_persistent_local_ckpt_dir", None)
+            if not mdir:
+                raise ConfigError("--ckpt-plugin-local-root",
+                                  "the local tier needs a node-local directory: --ckpt-plugin-local-root TEMPLATE "
+                                  "(fields {job} {node} {hostname}) or --non-persistent-local-ckpt-dir DIR")
+            local_root = mdir
+            if "{" not in mdir:
+                node_private = True
+            notes.append(f"local root from --non-persistent-local-ckpt-dir: {mdir}")
+        args.non_persistent_ckpt_type = "local"
+        args.non_persistent_save_interval = intervals["local"]
+        if not getattr(args, "non_persistent_local_ckpt_dir", None):
+            # Megatron's local path prints this directory; point it at the template.
+            args.non_persistent_local_ckpt_dir = local_root
+    # nvrx's replication is not used with the plugin: our local tier replicates by node.
+    if hasattr(args, "replication"):
+        args.replication = False
+
+    keep = {}
+    if args.ckpt_plugin_local_keep is not None:
+        keep["local"] = int(args.ckpt_plugin_local_keep)
+    if args.ckpt_plugin_persistent_keep is not None:
+        keep["persistent"] = int(args.ckpt_plugin_persistent_keep)
+
+    args.save_interval = intervals["persistent"]
+    if not getattr(args, "load", None):
+        args.load = args.save
+        notes.append("--load defaults to --save (restarts resume from the tiers)")
+
+    settings = PluginSettings(
+        tiers=tiers, intervals=intervals, adaptive=adaptive, local_root=local_root,
+        local_root_is_node_private=node_private, replication_jump=int(J or 1),
+        replication_factor=int(F or 2) if "local" in tiers else 1, keep_latest_k=keep,
+        job_id=args.ckpt_plugin_job_id,
+        simulated_ranks_per_node=int(args.ckpt_plugin_simulated_ranks_per_node or 0),
+        schedule_options=schedule, notes=notes,
+    )
+    # The engine's own checks (template fields, keep values, adaptive ⊆ intervals) with the
+    # flag names users typed.
+    try:
+        tier_config_from_settings(settings, persistent_root=args.save).validate()
+    except ConfigError as e:
+        flag = _FIELD_TO_FLAG.get(e.option, _FIELD_TO_FLAG.get(e.option.split(".")[0], e.option))
+        raise ConfigError(flag, str(e).split(": ", 1)[-1]) from None
+    _set_settings(args, settings)
+    return settings
+
+
+_FIELD_TO_FLAG = {
+    "local_root": "--ckpt-plugin-local-root",
+    "persistent_root": "--save",
+    "replication_jump": "--ckpt-plugin-replication-jump",
+    "replication_factor": "--ckpt-plugin-replication-factor",
+    "keep_latest_k.local": "--ckpt-plugin-local-keep",
+    "keep_latest_k.persistent": "--ckpt-plugin-persistent-keep",
+    "intervals": "--ckpt-plugin-local-interval",
+    "adaptive": "--ckpt-plugin-adaptive",
+    "simulated_ranks_per_node": "--ckpt-plugin-simulated-ranks-per-node",
+}
+
+
+def tier_config_from_settings(settings: PluginSettings, *, persistent_root: str) -> TierConfig:
+    """A :class:`TierConfig` (not yet validated) for ``settings``; ``persistent_root`` is ``--save``."""
+    return TierConfig(
+        local_root=settings.local_root,
+        persistent_root=persistent_root,
+        tiers=settings.tiers,
+        replication_jump=settings.replication_jump,
+        replication_factor=settings.replication_factor,
+        keep_latest_k=dict(settings.keep_latest_k),  # validate() fills the defaults
+        job_id=settings.job_id,
+        local_root_is_node_private=settings.local_root_is_node_private,
+        simulated_ranks_per_node=settings.simulated_ranks_per_node,
+        intervals=dict(settings.intervals),
+        adaptive=settings.adaptive,
+        schedule_options=dict(settings.schedule_options),
+    )
+
+
+def tier_config_from_args(args: argparse.Namespace) -> TierConfig:
+    """The validated :class:`TierConfig` of a run whose ``args`` went through
+    :func:`validate_plugin_args`.
+
+    Raises:
+        RuntimeError: the plugin is off or the args were not validated.
+    """
+    settings = settings_of(args)
+    if settings is None:
+        raise RuntimeError("tier_config_from_args: the plugin is off or validate_plugin_args has not run")
+    return tier_config_from_settings(settings, persistent_root=args.save).validate()
+
+
+def read_args_file(path: str) -> list[str]:
+    """Arguments of an argument file such as ``configs/mcore_gpt_nvme.args``.
+
+    Format: shell words (``shlex``), any number per line; ``#`` starts a comment that runs
+    to the end of the line; blank lines are ignored. ``{job}``-style templates are kept as is.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: unbalanced quotes (the message names the file and line).
+    """
+    import shlex
+
+    out: list[str] = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                out.extend(shlex.split(line, comments=True))
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+    return out
+
+
+def expand_args_files(argv: list[str]) -> list[str]:
+    """Replace every ``@FILE`` in ``argv`` by :func:`read_args_file` of it (not recursive).
+
+    Raises:
+        ConfigError: ``@FILE`` does not exist (option ``@FILE``).
+    """
+    out: list[str] = []
+    for a in argv:
+        if a.startswith("@") and len(a) > 1:
+            path = a[1:]
+            if not os.path.isfile(path):
+                raise ConfigError(a, f"argument file {path!r} not found")
+            out.extend(read_args_file(path))
+        else:
+            out.append(a)
+    return out
+
+
+def parse_plugin_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse ``argv`` with a parser holding the plugin group (plus ``parser``'s own arguments).
+
+    Used by tests and by tools that check an argument file without Megatron-LM: unknown flags
+    (Megatron's) are returned in ``namespace._unknown`` instead of failing.
+    """
+    p = parser or argparse.ArgumentParser(prog="mcore_plugin", allow_abbrev=False)
+    add_plugin_args(p)
+    ns, unknown = p.parse_known_args(argv)
+    ns._unknown = unknown
+    return ns

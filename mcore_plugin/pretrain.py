@@ -1,0 +1,103 @@
+"""Run an unmodified Megatron-LM training script with the tierckpt plugin installed.
+
+Usage (one process per rank, like the script itself; e.g. under torchrun or srun)::
+
+    python -m mcore_plugin.pretrain <Megatron-LM>/pretrain_gpt.py <megatron args> \\
+        --ckpt-plugin-enable --ckpt-plugin-local-root /local_nvme/{job}/node-{node} ...
+    python -m mcore_plugin.pretrain <Megatron-LM>/pretrain_gpt.py @configs/mcore_gpt_nvme.args
+
+``@FILE`` arguments are replaced by the file's arguments (:func:`mcore_plugin.args.read_args_file`).
+
+What it does, in order:
+
+1. puts the script's directory first on ``sys.path`` and sets ``sys.argv`` to
+   ``[script, *args]``, exactly as ``python pretrain_gpt.py ...`` would (so the checkout's
+   ``megatron`` package, ``gpt_builders`` and ``model_provider`` are the ones imported);
+2. without an accelerator, applies the CPU shims (:func:`mcore_plugin.cpu.apply` and
+   :func:`mcore_plugin.cpu_lm.apply` for Megatron-LM's training loop); never with one;
+3. installs the version-aware hooks (:func:`mcore_plugin.install.install`): the
+   ``--ckpt-plugin-*`` flags join Megatron's parser, their validation runs after Megatron's,
+   and with ``--ckpt-plugin-enable`` the checkpoint paths are served by the tiers;
+4. runs the script with :func:`runpy.run_path` as ``__main__``.
+
+Exit status: the script's; 2 for a bad command line or an invalid plugin flag (the message
+names the flag), before any process group is created where possible.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import NoReturn
+
+from tierckpt.errors import ConfigError
+
+USAGE = "usage: python -m mcore_plugin.pretrain <Megatron-LM script.py> [megatron args | @ARGS_FILE] [--ckpt-plugin-* ...]"
+
+
+def _die(msg: str) -> NoReturn:
+    print(f"mcore_plugin.pretrain: error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def prepare(argv: list[str]) -> str:
+    """Check the command line, set ``sys.argv``/``sys.path`` like ``python script.py`` would.
+
+    Returns:
+        the absolute path of the script.
+    Raises:
+        SystemExit(2): no script, not a ``.py`` file, or not found.
+    """
+    if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
+        _die(USAGE)
+    script = argv[0]
+    if script.startswith("-"):
+        _die(f"the first argument must be the Megatron-LM script (e.g. pretrain_gpt.py), got {script!r}\n{USAGE}")
+    if not script.endswith(".py") or not os.path.isfile(script):
+        _die(f"{script!r} is not a Python file\n{USAGE}")
+    script = os.path.abspath(script)
+    from mcore_plugin.args import expand_args_files
+
+    try:
+        rest = expand_args_files(argv[1:])
+    except (ConfigError, ValueError) as e:
+        _die(str(e))
+    sys.argv = [script, *rest]
+    # `python script.py` has the script's directory as sys.path[0]; `python -m` put the cwd
+    # there instead (the checkout's `megatron` must win over the megatron-core wheel's).
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path[0] = os.path.dirname(script)
+    else:
+        sys.path.insert(0, os.path.dirname(script))
+    return script
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m mcore_plugin.pretrain`` (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script = prepare(argv)
+
+    from mcore_plugin import cpu
+
+    if not cpu.accelerator_present():
+        from mcore_plugin import cpu_lm
+
+        cpu.apply()
+        cpu_lm.apply()
+
+    from mcore_plugin import install
+
+    try:
+        install.install()
+    except install.UnsupportedMegatronVersion as e:
+        _die(str(e))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except ConfigError as e:
+        # Raised by the plugin's validation inside Megatron's initialize (every rank).
+        _die(str(e))
+
+
+if __name__ == "__main__":
+    main()
