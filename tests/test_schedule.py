@@ -664,3 +664,19 @@ def test_ledger_delta_includes_interference_and_R_counts_from_process_start():
     off = Scheduler(("local",), gpus=1, interference=False)
     off.update_from_ledger(recs, current_run_id="b", now=210.0)
     assert off.delta_s("local")[0] == pytest.approx(0.1)
+
+
+def test_restarted_scheduler_takes_step_time_from_the_ledger():
+    recs = [
+        {"kind": "run_start", "time": 100.0, "run_id": "a", "job": "j"},
+        {"kind": "schedule", "time": 150.0, "run_id": "a", "job": "j", "tier": "local", "step_s": 2.0,
+         "tau_steps": 5},
+        {"kind": "schedule", "time": 160.0, "run_id": "a", "job": "j", "tier": "local", "step_s": 1.5},
+    ]
+    s = Scheduler(("local",), gpus=1, gpu_mtbf_s=600.0)
+    assert s.interval("local").tau_steps is None  # nothing known yet
+    s.update_from_ledger(recs, current_run_id="b", now=200.0)
+    d = s.interval("local")
+    assert d.step_s == 1.5 and d.tau_steps == math.ceil(d.tau_s / 1.5 - 1e-9)
+    s.observe_step(3.0)  # a measurement replaces the ledger's value
+    assert s.step_s == 3.0

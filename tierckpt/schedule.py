@@ -415,6 +415,7 @@ class Scheduler:
         self._bg = {t: Ema(self.ema_alpha) for t in self.tiers}
         self._ledger_delta: dict[str, float] = {}
         self._ledger_bg: dict[str, float] = {}
+        self._ledger_step: float | None = None
         self._step = Ema(self.ema_alpha)
         self._mtbf = self.estimator.prior_mtbf_s
         self._mtbf_source = "prior"
@@ -504,6 +505,9 @@ class Scheduler:
           those whose ``sources`` include ``"persistent"`` are fallbacks.
         - δ, C: EMA over the tier's successful ``checkpoint`` records, used only until this
           process measures the tier itself.
+        - step time: the ``step_s`` of the last ``schedule`` record, used only until this
+          process measures a step, so a restarted job gets intervals in steps at once
+          instead of its configured starting interval.
 
         Replaces M and p set by earlier updates, and R when the ledger has restores (the ledger
         is the authority; the current run's restore is in it), so do not also
@@ -525,6 +529,7 @@ class Scheduler:
         delta: dict[str, Ema] = {t: Ema(self.ema_alpha) for t in self.tiers}
         bg: dict[str, Ema] = {t: Ema(self.ema_alpha) for t in self.tiers}
         prev: str | None = None
+        last_step_s: float | None = None
         for r in records:
             if not isinstance(r, dict):
                 continue
@@ -550,6 +555,10 @@ class Scheduler:
                 c = r.get("background_s")
                 if isinstance(c, (int, float)) and math.isfinite(c) and c >= 0:
                     bg[r["tier"]].add(float(c))
+            elif kind == "schedule":
+                st = r.get("step_s")
+                if isinstance(st, (int, float)) and not isinstance(st, bool) and math.isfinite(st) and st > 0:
+                    last_step_s = float(st)
             elif kind == "restore":
                 sample = None
                 if rid in starts and isinstance(t, (int, float)) and t >= starts[rid]:
@@ -572,6 +581,7 @@ class Scheduler:
         self._share_source = "ledger" if n else "prior"
         self._ledger_delta = {t: e.value for t, e in delta.items() if e.value is not None}
         self._ledger_bg = {t: e.value for t, e in bg.items() if e.value is not None}
+        self._ledger_step = last_step_s
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -593,8 +603,8 @@ class Scheduler:
 
     @property
     def step_s(self) -> float | None:
-        """EMA of the step time, seconds (None before the first step)."""
-        return self._step.value
+        """EMA of the step time, seconds (measured here, else the ledger's last, else None)."""
+        return self._step.value if self._step.value is not None else self._ledger_step
 
     def delta_s(self, tier: str) -> tuple[float, str]:
         """(δ of ``tier`` in seconds, source: "observed" | "ledger" | "prior")."""
