@@ -259,7 +259,10 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
     - a local tier without a root (``--ckpt-plugin-local-root`` or
       ``--non-persistent-local-ckpt-dir``); local flags (root, keep, replication) without a
       local tier;
-    - Megatron's ``--replication-jump`` (counted in ranks) that is not a whole number of nodes.
+    - Megatron's ``--replication-jump`` (counted in ranks) that is not a whole number of nodes;
+    - ``--async-save`` together with a local tier: Megatron-LM's local path then expects an
+      async request from the local manager, which the plugin does not hand out (its local
+      tier already writes in the background after the staging copy).
 
     Side effects on ``args`` (so Megatron's own loop calls the plugin at the right iterations):
     ``save_interval`` and ``non_persistent_save_interval`` get the tier intervals,
@@ -299,6 +302,14 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         raise ConfigError("--non-persistent-global-ckpt-dir",
                           "global non-persistent checkpoints are not used with --ckpt-plugin-enable; "
                           "the local tier (--ckpt-plugin-local-interval) replaces them")
+
+    if getattr(args, "async_save", False) and (
+            np_type == "local" or getattr(args, "ckpt_plugin_local_interval", None)
+            or getattr(args, "ckpt_plugin_local_root", None)):
+        raise ConfigError("--async-save", "is not supported together with the plugin's local tier (its saves "
+                                          "already run in the background after the staging copy); drop "
+                                          "--async-save, or drop the local tier (--ckpt-plugin-local-interval, "
+                                          "--ckpt-plugin-local-root, --non-persistent-ckpt-type local)")
 
     # Intervals. Megatron's --non-persistent-save-interval only counts with type local.
     np_interval = getattr(args, "non_persistent_save_interval", None) if np_type == "local" else None

@@ -22,6 +22,8 @@ import types
 
 import torch
 
+from mcore_plugin.cpu import _NullStream  # one CUDA-stream stand-in for both shim sets
+
 log = logging.getLogger("mcore_plugin.cpu_lm")
 
 _lock = threading.Lock()
@@ -40,28 +42,6 @@ _VIEW_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel",
 )
-
-
-class _NullStream:
-    """A CUDA stream stand-in: CPU work is ordered already, so waits are no-ops."""
-
-    def __init__(self, *a, **kw):
-        pass
-
-    def wait_stream(self, other):
-        return None
-
-    def wait_event(self, event):
-        return None
-
-    def record_event(self, event=None):
-        return event
-
-    def synchronize(self):
-        return None
-
-    def query(self):
-        return True
 
 
 class _CudaView(types.ModuleType):

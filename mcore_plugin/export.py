@@ -207,6 +207,29 @@ def _parallel_candidates(common: dict, groups: int) -> list[tuple[int, int]]:
     return cands
 
 
+def _check_tierckpt_commit(src: str) -> None:
+    """A step written by tierckpt (manifest or in-progress marker present) must be committed and
+    intact: a torn or half-written ``step-N`` is never exported.
+
+    Raises:
+        ExportError: not committed, or a file's size/xxh3 differs from the manifest.
+    """
+    from tierckpt import manifest
+    from tierckpt.layout import INPROGRESS, MANIFEST
+    from tierckpt.storage import Store
+
+    if not any(os.path.exists(os.path.join(src, n)) for n in (MANIFEST, INPROGRESS)):
+        return  # a plain Megatron checkpoint: nothing of ours to check
+    parent, name = os.path.split(src.rstrip(os.sep))
+    store = Store(parent)
+    doc = manifest.read_committed(store, name)
+    if doc is None:
+        raise ExportError(f"{src}: a tierckpt step that is not committed (torn or still being written)")
+    problems = manifest.verify_files(store, name, manifest.entries_of(doc))
+    if problems:
+        raise ExportError(f"{src}: fails verification: {'; '.join(problems[:3])}")
+
+
 def export(src: str, dst: str, *, overwrite: bool = False,
            progress: Callable[[str, int, int], None] | None = None) -> ExportReport:
     """Write ``dst``, the ``fully_reshardable`` version of the ``dp_reshardable`` torch_dist
@@ -237,6 +260,7 @@ def export(src: str, dst: str, *, overwrite: bool = False,
         raise ExportError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
     if os.path.realpath(dst) == os.path.realpath(src):
         raise ExportError("SRC and DST are the same directory")
+    _check_tierckpt_commit(src)
     common = _common(src)
     ocommon = _find_optimizer_common(common)
     fmt = ocommon["param_state_sharding_type"]

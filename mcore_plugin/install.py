@@ -515,6 +515,12 @@ class _WithPersistent:
         if self._rt.persistent_saved_step == step:
             # Megatron's end-of-training save of an iteration the plugin already saved
             due = set()
+        last = getattr(self._tiers, "last_restore", None)
+        if last is not None and getattr(last, "step", None) == step:
+            # A job restored at this very iteration (e.g. requeued after its final save) would
+            # rewrite a committed step, and the persistent tier drops the old copy before
+            # writing. The state is already in the tiers; last_restore is agreed on all ranks.
+            due = set()
         out = [t for t in ("local", "persistent") if t in due and t in self._tiers.tiers]
         if "persistent" in out:
             self._rt.persistent_saved_step = step

@@ -709,8 +709,11 @@ class TieredSaveStrategy(TorchDistSaveShardedStrategy):
                 pass
             out = tiers_obj.outcome(step, due)
             failed = [t for t, ok in out.items() if ok is False]
-            if "persistent" in failed:
-                raise CheckpointingException(f"tierckpt: persistent tier of step {step} failed (see the ledger)")
+            # Megatron writes its tracker file after this returns: only a save the engine
+            # recorded as committed may count (no record = the stats gather failed too).
+            if "persistent" in due and out.get("persistent") is not True:
+                raise CheckpointingException(f"tierckpt: persistent tier of step {step} is not committed "
+                                             f"({'failed' if 'persistent' in failed else 'no record'}; see the ledger)")
             if failed:
                 log.warning("tierckpt mcore: step %d: %s tier failed; training continues", step, ", ".join(failed))
 

@@ -46,6 +46,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     p.add_argument("--replication-jump", type=int, default=None)
     p.add_argument("--replication-factor", type=int, default=2)
     p.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true")
+    p.add_argument("--async-save", action="store_true")
     return add_plugin_args(p)
 
 
@@ -148,6 +149,7 @@ def test_plugin_off_leaves_args_alone_and_refuses_stray_flags():
     (GOOD + ["--ckpt-plugin-gpu-mtbf-hours", "100"], "--ckpt-plugin-gpu-mtbf-hours", "adaptive"),
     (GOOD + ["--ckpt-plugin-adaptive", "local", "local"], "--ckpt-plugin-adaptive", "twice"),
     (GOOD + ["--dist-ckpt-optim-fully-reshardable"], "--dist-ckpt-optim-fully-reshardable", "local path"),
+    (GOOD + ["--async-save"], "--async-save", "local tier"),
     (["--save", "/s", "--save-interval", "10", "--ckpt-plugin-enable", "--ckpt-plugin-local-interval", "5",
       "--ckpt-plugin-local-root", "/nvme/ckpt"], "--ckpt-plugin-local-root", "{node}"),
     (["--save", "/s", "--save-interval", "10", "--ckpt-plugin-enable", "--ckpt-plugin-local-interval", "5",
@@ -257,3 +259,8 @@ def test_config_file_with_megatron_parser():
     line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT"))
     assert line == ("RESULT 32 2 2 ('local', 'persistent') [('local', 50), ('persistent', 1000)] "
                     "('local', 'persistent')"), line
+
+
+def test_async_save_is_fine_without_a_local_tier():
+    args = parse(["--save", "/s", "--save-interval", "10", "--ckpt-plugin-enable", "--async-save"])
+    assert validate_plugin_args(args) is not None
