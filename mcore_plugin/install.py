@@ -418,6 +418,7 @@ def _install_training_hooks(rt: Runtime) -> None:
             return orig_decide(model, optimizer, opt_param_scheduler, iteration, *a, **kw)
         finally:
             args.save_interval, args.non_persistent_save_interval = saved
+            _log_schedule(rt, iteration)
             rt.last_step_end = time.monotonic()
 
     _replace(tr, "checkpoint_and_decide_exit", checkpoint_and_decide_exit)
@@ -528,6 +529,29 @@ class _WithPersistent:
 
     def __getattr__(self, name):
         return getattr(self._tiers, name)
+
+
+def _log_schedule(rt: Runtime, iteration: int) -> None:
+    """New interval decisions to Megatron-LM's TensorBoard and W&B writers (they exist on the
+    last rank only; the engine hands every rank the decisions), as
+    ``tierckpt/<tier>/{tau_steps,tau_s,delta_s,mtbf_s,restart_s,p}`` at ``iteration``."""
+    from tierckpt.cadence import decision_metrics
+
+    recs = rt.tiers.engine.drain_schedule_log()
+    if not recs:
+        return
+    try:
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        metrics = decision_metrics(recs)
+        tb, wb = get_tensorboard_writer(), get_wandb_writer()
+        if tb is not None:
+            for k, v in metrics.items():
+                tb.add_scalar(k, v, iteration)
+        if wb is not None:
+            wb.log(metrics, iteration)
+    except Exception as e:  # metrics must never stop training
+        log.warning("tierckpt: could not write schedule metrics: %s", e)
 
 
 def _close(rt: Runtime, clean: bool, reason: str = "") -> None:

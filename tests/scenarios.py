@@ -378,11 +378,11 @@ def phase_adaptive(rank, world, base, clean_end, steps):
             saved.append((s, tiers))
         t_prev = _time.perf_counter()
     tau = dict(eng.cadence.tau)
+    eng.wait()
+    decisions = [(r["tier"], r["tau_steps"], r["trigger"]) for r in eng.drain_schedule_log()]
     if clean_end:
         eng.close()
-    else:
-        eng.wait()  # a crash: no run_end record
-    return {"agreed": all(agreed), "saved": saved, "tau": tau}
+    return {"agreed": all(agreed), "saved": saved, "tau": tau, "decisions": decisions}
 
 
 def phase_rollback(rank, world, base):

@@ -17,6 +17,8 @@ def test_adaptive_intervals_agree_and_shorten_after_failures(tmp_path):
     for r in first:
         assert r.value["agreed"], r.value
     assert first[0].value["saved"] == first[1].value["saved"]
+    # every rank gets the decisions for its metric writers (Megatron's live on the last rank)
+    assert first[0].value["decisions"] and first[0].value["decisions"] == first[1].value["decisions"]
     recs = Ledger.read(Store(os.path.join(base, "pfs")))
     sched = [r for r in recs if r["kind"] == "schedule"]
     assert {r["trigger"] for r in sched} >= {"start", "checkpoint"}

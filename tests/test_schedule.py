@@ -680,3 +680,15 @@ def test_restarted_scheduler_takes_step_time_from_the_ledger():
     assert d.step_s == 1.5 and d.tau_steps == math.ceil(d.tau_s / 1.5 - 1e-9)
     s.observe_step(3.0)  # a measurement replaces the ledger's value
     assert s.step_s == 3.0
+
+
+def test_decision_metrics_for_metric_writers():
+    from tierckpt.cadence import decision_metrics
+
+    recs = [{"tier": "local", "tau_steps": 4, "tau_s": 6.0, "delta": 0.1, "M": 90.0, "R": 12.0, "p": 0.1},
+            {"tier": "local", "tau_steps": 5, "tau_s": 7.5, "delta": 0.2, "M": 80.0, "R": 12.0, "p": 0.1},
+            {"tier": "persistent", "tau_steps": None, "tau_s": None, "delta": 60.0, "M": 80.0, "R": 12.0, "p": 0.1}]
+    m = decision_metrics(recs)
+    assert m["tierckpt/local/tau_steps"] == 5.0 and m["tierckpt/local/mtbf_s"] == 80.0  # newest wins
+    assert m["tierckpt/persistent/tau_steps"] == 0.0 and m["tierckpt/persistent/delta_s"] == 60.0
+    assert all(isinstance(v, float) for v in m.values())

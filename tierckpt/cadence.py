@@ -135,3 +135,21 @@ class Cadence:
         if self.scheduler is not None:
             with self._lock:
                 self.scheduler.reset(step)
+
+
+def decision_metrics(records: list[dict]) -> dict[str, float]:
+    """Scalar metrics of ledger ``schedule`` records for a trainer's metric writer.
+
+    Keys ``tierckpt/<tier>/tau_steps`` (steps; 0 while unknown), ``…/tau_s``, ``…/delta_s``,
+    ``…/mtbf_s``, ``…/restart_s`` (seconds) and ``…/p`` (fraction); for each tier the newest
+    record wins. Records without a ``tier`` are skipped.
+    """
+    out: dict[str, float] = {}
+    for r in records:
+        t = r.get("tier")
+        if not t:
+            continue
+        out.update({f"tierckpt/{t}/tau_steps": r.get("tau_steps") or 0, f"tierckpt/{t}/tau_s": r.get("tau_s") or 0.0,
+                    f"tierckpt/{t}/delta_s": r.get("delta"), f"tierckpt/{t}/mtbf_s": r.get("M"),
+                    f"tierckpt/{t}/restart_s": r.get("R"), f"tierckpt/{t}/p": r.get("p")})
+    return {k: float(v) for k, v in out.items() if isinstance(v, (int, float))}

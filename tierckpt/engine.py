@@ -113,7 +113,9 @@ class TieredCheckpointer:
                                  self.cfg.transfer_chunk_bytes)
         self._closed = False
         self.cadence: Cadence | None = None
-        self.schedule_log: list[dict] = []  # rank 0: every decision that changed, for metrics
+        # every rank: each decision that changed (ledger ``schedule`` records), for the trainer's
+        # metric writers, which may live on another rank than the scheduler (Megatron: the last)
+        self.schedule_log: list[dict] = []
         self._pending_tau: dict[str, dict | None] = {}
         if self.cfg.intervals:
             self.cadence = Cadence(self.cfg.intervals, self.cfg.adaptive, rank=topo.rank,
@@ -144,10 +146,17 @@ class TieredCheckpointer:
                     if t0 < now and (t1 is None or t1 > now - seconds)]
             self.cadence.observe_step(seconds, busy)
 
+    def drain_schedule_log(self) -> list[dict]:
+        """The interval decisions (ledger ``schedule`` records) made since the last call, on
+        every rank, for the trainer's metric writers (:func:`tierckpt.cadence.decision_metrics`)."""
+        with self._lock:
+            recs, self.schedule_log[:] = list(self.schedule_log), []
+        return recs
+
     def _share_schedule(self, group, trigger: str, *, refresh_ledger: bool = False, step: int | None = None):
         """Rank 0 proposes tau per adaptive tier; everyone receives it (collective on ``group``).
         Returns the proposal; ``trigger`` labels the ledger ``schedule`` records."""
-        prop = None
+        prop, recs = None, []
         if self.topo.rank == 0:
             if refresh_ledger:
                 try:
@@ -162,13 +171,15 @@ class TieredCheckpointer:
             if got is not None:
                 prop, decisions = got
                 for t, d in self.cadence.changed(decisions).items():
-                    rec = self.ledger.append("schedule", trigger=trigger, at_step=step, **d.as_record())
-                    with self._lock:
-                        self.schedule_log.append(rec)
+                    recs.append(self.ledger.append("schedule", trigger=trigger, at_step=step, **d.as_record()))
                     log.info("tierckpt schedule (%s): %s every %s steps (tau %.1fs, delta %.3fs, M %.0fs, "
                              "R %.1fs, p %.2f; %s)", trigger, t, d.tau_steps, d.tau_s or float("nan"),
                              d.delta, d.M, d.R, d.p, d.reason)
-        return all_gather(prop, group)[0]
+        prop, recs = all_gather((prop, recs), group)[0]
+        if recs:
+            with self._lock:
+                self.schedule_log.extend(recs)
+        return prop
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, step: int, state_dict: dict, tiers: Iterable[str] | None = None) -> float:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import MODEL, CheckpointManager
 
+from tierckpt.cadence import decision_metrics
 from tierckpt.config import TierConfig
 from tierckpt.engine import TieredCheckpointer
 from tierckpt.errors import ConfigError
@@ -192,25 +193,18 @@ class TieredCheckpointManager(CheckpointManager):
             self._t_step_end = time.perf_counter()
 
     def _log_schedule(self, step: int) -> None:
-        """Send new interval decisions (rank 0) to torchtitan's metric logger as
-        ``tierckpt/<tier>/{tau_steps,tau_s,delta_s,mtbf_s,restart_s,p}``."""
-        log_ = self.engine.schedule_log
-        if not log_:
+        """Send new interval decisions to torchtitan's metric logger as
+        ``tierckpt/<tier>/{tau_steps,tau_s,delta_s,mtbf_s,restart_s,p}`` (the logger is a no-op
+        off the metrics rank)."""
+        recs = self.engine.drain_schedule_log()
+        if not recs:
             return
-        with self.engine._lock:
-            recs, log_[:] = list(log_), []
         trainer = self.states.get("train_state")
         logger = getattr(getattr(trainer, "metrics_processor", None), "logger", None)
         if logger is None:
             return
-        metrics = {}
-        for r in recs:
-            t = r["tier"]
-            metrics.update({f"tierckpt/{t}/tau_steps": r["tau_steps"] or 0, f"tierckpt/{t}/tau_s": r["tau_s"] or 0.0,
-                            f"tierckpt/{t}/delta_s": r["delta"], f"tierckpt/{t}/mtbf_s": r["M"],
-                            f"tierckpt/{t}/restart_s": r["R"], f"tierckpt/{t}/p": r["p"]})
         try:
-            logger.log(metrics, step)
+            logger.log(decision_metrics(recs), step)
         except Exception as e:  # metrics must never stop training
             log.warning("tierckpt: could not log schedule metrics: %s", e)
 

@@ -200,3 +200,47 @@ def test_launcher_refuses_invalid_flags_at_start(tmp_path, extra, flag):
     last = [l for l in out.stderr.splitlines() if l.startswith("mcore_plugin.pretrain: error:")]
     assert last and re.search(re.escape(flag) + r"\b", last[-1]), out.stderr[-2000:]
     assert "initializing torch distributed" not in out.stdout
+
+
+def test_schedule_decisions_go_to_megatron_writers(monkeypatch):
+    """Decisions reach Megatron-LM's TensorBoard and W&B writers (stand-ins here; the real
+    ones exist on the last rank of a Megatron-LM run)."""
+    import sys
+    import types
+
+    from mcore_plugin import install
+
+    class TB:
+        def __init__(self):
+            self.calls = []
+
+        def add_scalar(self, k, v, it):
+            self.calls.append((k, v, it))
+
+    class WB:
+        def __init__(self):
+            self.calls = []
+
+        def log(self, metrics, it):
+            self.calls.append((metrics, it))
+
+    tb, wb = TB(), WB()
+    gv = types.ModuleType("megatron.training.global_vars")
+    gv.get_tensorboard_writer = lambda: tb
+    gv.get_wandb_writer = lambda: wb
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
+    if "megatron.training" not in sys.modules:
+        monkeypatch.setitem(sys.modules, "megatron.training", types.ModuleType("megatron.training"))
+    recs = [{"tier": "local", "tau_steps": 7, "tau_s": 9.0, "delta": 0.2, "M": 100.0, "R": 10.0, "p": 0.1}]
+
+    class Eng:
+        def drain_schedule_log(self):
+            out, recs[:] = list(recs), []
+            return out
+
+    rt = types.SimpleNamespace(tiers=types.SimpleNamespace(engine=Eng()))
+    install._log_schedule(rt, 42)
+    assert ("tierckpt/local/tau_steps", 7.0, 42) in tb.calls
+    assert wb.calls and wb.calls[0][1] == 42 and wb.calls[0][0]["tierckpt/local/mtbf_s"] == 100.0
+    install._log_schedule(rt, 43)  # nothing new: nothing written
+    assert len(wb.calls) == 1
