@@ -36,7 +36,12 @@ Targets (issue 4): adaptive ≤ 1.25 × optimum, and adaptive < the fixed defaul
 
 Usage::
 
-    .venv/bin/python bench/bench_schedule.py [--mtbf 90] [--steps 150] [--seed 1] [--record]
+    .venv/bin/python bench/bench_schedule.py [--mtbf 90] [--steps 0] [--seed 1] [--record]
+
+``--steps 0`` (default) sizes the run from the measured step time so that the failure-free
+training lasts ``--failures-expected`` MTBFs (4 by default): with fewer failures one run says
+little (a realisation with one early failure measures checkpoint overhead only). The verdict
+says so when a policy saw fewer than 3 failures.
 
 ``--record`` appends the result table to bench/RESULTS.md. Outputs go to
 ``outputs/bench-schedule`` (report.json, per-policy dump folders and logs).
@@ -275,6 +280,8 @@ def render(report: dict) -> str:
     if "adaptive_vs_fixed10" in v:
         verdicts.append(f"adaptive / fixed-local-10 = {v['adaptive_vs_fixed10']:.2f}")
     verdicts.append(f"restores exact: {v['losses_equal']}")
+    if v.get("warning"):
+        verdicts.append("WARNING: " + v["warning"])
     lines += ["", "; ".join(verdicts)]
     ad = next((p for p in report["policies"] if p["policy"] == "adaptive"), None)
     if ad and ad["last_decisions"]:
@@ -287,7 +294,10 @@ def render(report: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mtbf", type=float, default=90.0, help="injected MTBF, seconds of wall time (issue: 60-120)")
-    ap.add_argument("--steps", type=int, default=150, help="training steps per policy")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="training steps per policy (0 = failures-expected x MTBF of failure-free training)")
+    ap.add_argument("--failures-expected", type=float, default=4.0,
+                    help="with --steps 0: failure-free training time in MTBFs")
     ap.add_argument("--seed", type=int, default=1, help="seed of the failure times (common to all policies)")
     ap.add_argument("--world", type=int, default=2, help="ranks (= simulated nodes)")
     ap.add_argument("--prior-factor", type=float, default=4.0, help="adaptive's MTBF prior / the true MTBF")
@@ -297,9 +307,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(REPO, "outputs", "bench-schedule"))
     ap.add_argument("--record", action="store_true", help="append the results to bench/RESULTS.md")
     args = ap.parse_args(argv)
-    for opt, v in (("--mtbf", args.mtbf), ("--steps", args.steps), ("--cap", args.cap), ("--prior-factor", args.prior_factor)):
+    for opt, v in (("--mtbf", args.mtbf), ("--cap", args.cap), ("--prior-factor", args.prior_factor),
+                   ("--failures-expected", args.failures_expected)):
         if not v > 0:
             ap.error(f"{opt} must be > 0, got {v}")
+    if args.steps < 0:
+        ap.error(f"--steps must be >= 0 (0 = sized from the MTBF), got {args.steps}")
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
         policy_overrides(p, 1.0, 1.0, 1)  # validates the name
@@ -313,6 +326,9 @@ def main(argv=None) -> int:
     try:
         ref = measure_step_time(launcher, args.out, 25, args.world, args.timeout)
         print(f"reference: t_ref = {ref['t_ref']:.3f} s/step ({ref['samples']} samples)", flush=True)
+        if args.steps == 0:
+            args.steps = max(20, math.ceil(args.failures_expected * args.mtbf / ref["t_ref"]))
+            print(f"steps: {args.steps} (~{args.failures_expected:g} MTBFs of failure-free training)", flush=True)
         results = []
         for p in policies:
             r = run_policy(launcher, args.out, p, args, gaps, ref["t_ref"])
@@ -347,6 +363,10 @@ def main(argv=None) -> int:
         if "fixed-local-10" in by:
             verdict["adaptive_vs_fixed10"] = a / by["fixed-local-10"]["waste"]
     verdict["losses_equal"] = losses_equal
+    few = [p["policy"] for p in results if p["failures"] < 3]
+    if few:
+        verdict["warning"] = (f"{', '.join(few)} saw fewer than 3 failures: this run measures mostly checkpoint "
+                              "overhead; use more steps or seeds for the comparison")
     report = {"args": vars(args), "t_ref": ref["t_ref"], "reference": ref, "optimum": opt,
               "policies": results, "verdict": verdict, "elapsed_s": time.time() - t0}
     with open(os.path.join(args.out, "report.json"), "w") as f:
