@@ -28,25 +28,14 @@ from collections.abc import Callable
 
 import torch
 
+from tierckpt.accel import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
+
 log = logging.getLogger("titan_plugin.cpu")
 
 SKIP_ENV = "TIERCKPT_CPU_COMPAT_SKIP"
 
 _lock = threading.Lock()
 _applied: list[str] = []
-
-
-def accelerator_present() -> bool:
-    """True when torch sees any accelerator (CUDA/ROCm, or another torch.accelerator)."""
-    if torch.cuda.is_available():
-        return True
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "is_available"):
-        try:
-            return bool(acc.is_available())
-        except Exception:  # pragma: no cover - defensive: odd builds
-            return False
-    return False
 
 
 # ------------------------------------------------------------------------ device module
