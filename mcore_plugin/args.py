@@ -130,6 +130,10 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ckpt-plugin-gpu-mtbf-hours", type=_positive_float("--ckpt-plugin-gpu-mtbf-hours"),
                    default=None, metavar="HOURS",
                    help="Prior MTBF of one GPU for the adaptive scheduler (default: Llama 3's).")
+    g.add_argument("--ckpt-plugin-restart-prior", type=_positive_float("--ckpt-plugin-restart-prior"),
+                   default=None, metavar="SECONDS",
+                   help="Restart + restore time the adaptive scheduler assumes until it has seen a "
+                        "restore (default 300).")
     g.add_argument("--ckpt-plugin-min-interval", type=_positive_int("--ckpt-plugin-min-interval"),
                    default=None, metavar="STEPS", help="Lower bound of adaptive intervals (default 1).")
     g.add_argument("--ckpt-plugin-max-interval", type=_positive_int("--ckpt-plugin-max-interval"),
@@ -187,7 +191,7 @@ class PluginSettings:
         replication_jump, replication_factor: J (nodes) and F.
         keep_latest_k: ``{tier: k}`` (0 keeps all).
         schedule_options: :class:`tierckpt.schedule.Scheduler` options (``gpu_mtbf_s`` seconds,
-            ``min_steps``, ``max_steps``).
+            ``restart_prior_s`` seconds, ``min_steps``, ``max_steps``).
         notes: human-readable lines about values taken over from Megatron's flags.
     """
 
@@ -349,7 +353,8 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
                           f"{lo} is above --ckpt-plugin-max-interval {hi}; need min <= max")
     if not adaptive:
         for flag, v in (("--ckpt-plugin-min-interval", lo), ("--ckpt-plugin-max-interval", hi),
-                        ("--ckpt-plugin-gpu-mtbf-hours", args.ckpt_plugin_gpu_mtbf_hours)):
+                        ("--ckpt-plugin-gpu-mtbf-hours", args.ckpt_plugin_gpu_mtbf_hours),
+                        ("--ckpt-plugin-restart-prior", args.ckpt_plugin_restart_prior)):
             if v is not None:
                 raise ConfigError(flag, "only applies to adaptive tiers; add --ckpt-plugin-adaptive "
                                         f"{{{','.join(TIERS)}}} or drop {flag}")
@@ -360,6 +365,8 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         schedule["max_steps"] = int(hi)
     if args.ckpt_plugin_gpu_mtbf_hours is not None:
         schedule["gpu_mtbf_s"] = float(args.ckpt_plugin_gpu_mtbf_hours) * 3600.0
+    if args.ckpt_plugin_restart_prior is not None:
+        schedule["restart_prior_s"] = float(args.ckpt_plugin_restart_prior)
 
     # Local tier: root, replication, keep.
     local_root, node_private = args.ckpt_plugin_local_root, bool(args.ckpt_plugin_local_root_is_node_private)

@@ -59,6 +59,37 @@ class TitanPersistentIO(PersistentIO):
         return digests_under(writer, url)
 
 
+def tier_config(config: "TieredCheckpointManager.Config", persistent_folder: str) -> TierConfig:
+    """The engine's :class:`~tierckpt.config.TierConfig` for a validated ``[checkpoint]`` section.
+
+    Args:
+        config: the manager's Config (torchtitan's keys plus the plugin's).
+        persistent_folder: the persistent tier's directory or fsspec URL.
+    Returns:
+        TierConfig with the local tier only when ``local_interval > 0``; ``interval`` is the
+        persistent tier's; adaptive tiers get Scheduler options (``gpu_mtbf_s``, seconds;
+        ``restart_prior_s``, seconds; ``min_steps``/``max_steps``).
+    """
+    tiers = ("local", "persistent") if config.local_interval > 0 else ("persistent",)
+    sched = {"min_steps": config.min_interval_steps}
+    if config.max_interval_steps:
+        sched["max_steps"] = config.max_interval_steps
+    if config.gpu_mtbf_hours:
+        sched["gpu_mtbf_s"] = config.gpu_mtbf_hours * 3600.0
+    if config.restart_prior_s:
+        sched["restart_prior_s"] = float(config.restart_prior_s)
+    tcfg = TierConfig(
+        local_root=config.local_root, persistent_root=persistent_folder, tiers=tiers,
+        replication_jump=config.replication_jump, replication_factor=config.replication_factor,
+        keep_latest_k={"local": config.local_keep_latest_k, "persistent": config.keep_latest_k},
+        job_id=config.job_id or None, simulated_ranks_per_node=config.simulated_ranks_per_node,
+        intervals={"local": config.local_interval, "persistent": config.interval} if config.local_interval
+        else {"persistent": config.interval},
+        adaptive=tuple(t for t in config.adaptive if t in tiers), schedule_options=sched,
+    )
+    return tcfg
+
+
 class TieredCheckpointManager(CheckpointManager):
     """torchtitan 0.3 ``CheckpointManager`` subclass with local, replica and persistent tiers.
 
@@ -103,6 +134,10 @@ class TieredCheckpointManager(CheckpointManager):
         """Prior MTBF of one GPU in hours for the adaptive scheduler (0 = Llama 3's:
         16,384 GPUs x 54 days / 419 interruptions)."""
 
+        restart_prior_s: float = 0.0
+        """Restart + restore time R (seconds) the adaptive scheduler assumes until it has seen a
+        restore (0 = 300 s). Set it to the launcher's requeue latency plus a restore."""
+
         min_interval_steps: int = 1
         """Lower bound of adaptive intervals, steps."""
 
@@ -124,6 +159,10 @@ class TieredCheckpointManager(CheckpointManager):
                     raise ConfigError("checkpoint.adaptive", f"unknown tier {t!r}; allowed: local, persistent")
             if self.gpu_mtbf_hours < 0:
                 raise ConfigError("checkpoint.gpu_mtbf_hours", f"must be >= 0 (0 = Llama 3 prior), got {self.gpu_mtbf_hours!r}")
+            if isinstance(self.restart_prior_s, bool) or not isinstance(self.restart_prior_s, (int, float)) \
+                    or not self.restart_prior_s >= 0:
+                raise ConfigError("checkpoint.restart_prior_s",
+                                  f"must be seconds >= 0 (0 = 300 s default), got {self.restart_prior_s!r}")
             if self.min_interval_steps < 1 or self.max_interval_steps < 0 or (
                     self.max_interval_steps and self.max_interval_steps < self.min_interval_steps):
                 raise ConfigError("checkpoint.max_interval_steps",
@@ -145,21 +184,7 @@ class TieredCheckpointManager(CheckpointManager):
                      "writes in the background", self.async_mode.value)
         self.local_interval = config.local_interval
         self.persistent_folder = config.persistent_folder or self.folder
-        tiers = ("local", "persistent") if config.local_interval > 0 else ("persistent",)
-        sched = {"min_steps": config.min_interval_steps}
-        if config.max_interval_steps:
-            sched["max_steps"] = config.max_interval_steps
-        if config.gpu_mtbf_hours:
-            sched["gpu_mtbf_s"] = config.gpu_mtbf_hours * 3600.0
-        tcfg = TierConfig(
-            local_root=config.local_root, persistent_root=self.persistent_folder, tiers=tiers,
-            replication_jump=config.replication_jump, replication_factor=config.replication_factor,
-            keep_latest_k={"local": config.local_keep_latest_k, "persistent": config.keep_latest_k},
-            job_id=config.job_id or None, simulated_ranks_per_node=config.simulated_ranks_per_node,
-            intervals={"local": config.local_interval, "persistent": self.interval} if config.local_interval
-            else {"persistent": self.interval},
-            adaptive=tuple(t for t in config.adaptive if t in tiers), schedule_options=sched,
-        )
+        tcfg = tier_config(config, self.persistent_folder)
         try:
             self.engine = TieredCheckpointer(tcfg, persistent_io=TitanPersistentIO())
         except ConfigError as e:

@@ -74,7 +74,7 @@ def test_flags_are_in_the_parser_help():
     for flag in ("--ckpt-plugin-enable", "--ckpt-plugin-local-root", "--ckpt-plugin-replication-jump",
                  "--ckpt-plugin-replication-factor", "--ckpt-plugin-local-interval",
                  "--ckpt-plugin-persistent-interval", "--ckpt-plugin-adaptive", "--ckpt-plugin-gpu-mtbf-hours",
-                 "--ckpt-plugin-min-interval", "--ckpt-plugin-max-interval", "--ckpt-plugin-local-keep",
+                 "--ckpt-plugin-restart-prior", "--ckpt-plugin-min-interval", "--ckpt-plugin-max-interval", "--ckpt-plugin-local-keep",
                  "--ckpt-plugin-persistent-keep", "--ckpt-plugin-job-id"):
         assert flag in text, flag
 
@@ -106,12 +106,13 @@ def test_megatron_local_flags_are_taken_over():
 def test_persistent_only_and_adaptive():
     args = parse(["--save", "/s", "--save-interval", "500", "--ckpt-plugin-enable", "--ckpt-plugin-adaptive",
                   "persistent", "--ckpt-plugin-min-interval", "50", "--ckpt-plugin-max-interval", "5000",
-                  "--ckpt-plugin-gpu-mtbf-hours", "20000"])
+                  "--ckpt-plugin-gpu-mtbf-hours", "20000", "--ckpt-plugin-restart-prior", "45"])
     s = validate_plugin_args(args)
     assert s.tiers == ("persistent",) and args.non_persistent_ckpt_type is None
     cfg = tier_config_from_args(args)
     assert cfg.adaptive == ("persistent",)
-    assert cfg.schedule_options == {"min_steps": 50, "max_steps": 5000, "gpu_mtbf_s": 20000 * 3600.0}
+    assert cfg.schedule_options == {"min_steps": 50, "max_steps": 5000, "gpu_mtbf_s": 20000 * 3600.0,
+                                    "restart_prior_s": 45.0}
 
 
 def test_plugin_off_leaves_args_alone_and_refuses_stray_flags():
@@ -147,6 +148,7 @@ def test_plugin_off_leaves_args_alone_and_refuses_stray_flags():
              "10"], "--ckpt-plugin-min-interval", "min <= max"),
     (GOOD + ["--ckpt-plugin-min-interval", "5"], "--ckpt-plugin-min-interval", "adaptive"),
     (GOOD + ["--ckpt-plugin-gpu-mtbf-hours", "100"], "--ckpt-plugin-gpu-mtbf-hours", "adaptive"),
+    (GOOD + ["--ckpt-plugin-restart-prior", "30"], "--ckpt-plugin-restart-prior", "adaptive"),
     (GOOD + ["--ckpt-plugin-adaptive", "local", "local"], "--ckpt-plugin-adaptive", "twice"),
     (GOOD + ["--dist-ckpt-optim-fully-reshardable"], "--dist-ckpt-optim-fully-reshardable", "local path"),
     (GOOD + ["--async-save"], "--async-save", "local tier"),
@@ -167,6 +169,7 @@ def test_invalid_combinations_name_the_flag(argv, option, words):
     (["--ckpt-plugin-replication-factor", "x"], "--ckpt-plugin-replication-factor"),
     (["--ckpt-plugin-local-keep", "-1"], "--ckpt-plugin-local-keep"),
     (["--ckpt-plugin-gpu-mtbf-hours", "0"], "--ckpt-plugin-gpu-mtbf-hours"),
+    (["--ckpt-plugin-restart-prior", "-5"], "--ckpt-plugin-restart-prior"),
     (["--ckpt-plugin-adaptive", "replica"], "--ckpt-plugin-adaptive"),
 ])
 def test_bad_values_are_parser_errors_naming_the_flag(argv, flag, capsys):
