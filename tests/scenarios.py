@@ -413,3 +413,41 @@ def phase_unshared_persistent(rank, world, base):
     except ConfigError as e:
         return e.option
     return None
+
+
+def phase_retention_anchor(rank, world, base, factor):
+    """Node 1's local saves fail from step 3 on (a dying disk) while node 0's succeed; with
+    keep_latest_k = 2 node 0 must still keep step 2, the newest step both nodes committed, so
+    the job resumes from the local tier (no persistent step exists at all)."""
+    from tierckpt.local_tier import LocalTier
+
+    eng = TieredCheckpointer(make_config(base, replication_factor=factor, keep_latest_k={"local": 2, "persistent": 2}),
+                             node_id=rank)
+    original = LocalTier.save
+
+    def dying(self, staged, step):
+        if rank == 1 and step >= 3:
+            raise OSError(5, "Input/output error (injected)")
+        return original(self, staged, step)
+
+    LocalTier.save = dying
+    model, opt = build(seed=0)
+    ref = None
+    try:
+        for s in range(1, 7):
+            train_step(model, opt, s, rank)
+            eng.save(s, app_state(model, opt), tiers=["local"])
+            if s == 2:
+                ref = snapshot(model, opt)
+        eng.wait()
+    finally:
+        LocalTier.save = original
+    local = sorted(os.listdir(os.path.join(base, "nvme", f"node-{rank}", "local")))
+    m2, o2 = build(seed=3)
+    sd = app_state(m2, o2)
+    res = eng.restore(sd)
+    apply_state(m2, o2, sd)
+    assert_bitwise(snapshot(m2, o2), ref)
+    eng.close()
+    return {"local": local, "anchor": eng.local_anchor, "step": res.step,
+            "sources": {n: res.source_of(n) for n in res.sources}, "persistent_bytes": res.persistent_bytes_read}

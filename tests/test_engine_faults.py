@@ -81,3 +81,14 @@ def test_explicit_rollback_supersedes_newer_steps(tmp_path):
 def test_persistent_root_must_be_shared(tmp_path):
     res = run_world(scenarios.phase_unshared_persistent, 2, str(tmp_path))
     assert [r.value for r in res] == ["persistent_root", "persistent_root"]
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_retention_keeps_the_newest_step_every_node_committed(tmp_path, factor):
+    res = run_world(scenarios.phase_retention_anchor, 2, str(tmp_path), factor)
+    by_rank = {r.rank: r.value for r in res}
+    assert by_rank[0]["local"] == ["step-2", "step-5", "step-6"], by_rank   # 2 kept beyond k = 2
+    assert by_rank[1]["local"] == ["step-1", "step-2"], by_rank
+    for v in by_rank.values():
+        assert v["step"] == 2 and v["anchor"] == 2 and v["persistent_bytes"] == 0, v
+        assert v["sources"] == {0: "own-local", 1: "own-local"}, v

@@ -35,7 +35,7 @@ from .ledger import Ledger
 from .local_tier import LocalTier
 from .persistent import PersistentIO, PersistentTier
 from .replication import replicate
-from .restore import RestoreResult, Restorer
+from .restore import PERSISTENT, RestoreResult, Restorer
 from .staging import StagingPool, StagingSlot, resolve_stateful
 from .storage import Store
 from .topology import discover
@@ -112,6 +112,9 @@ class TieredCheckpointer:
         self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
                                  self.cfg.transfer_chunk_bytes)
         self._closed = False
+        # newest step every node committed to its local tier (all-gathered ok flags or a restore
+        # served by the local tier); retention keeps it on every node beyond keep_latest_k
+        self.local_anchor: int | None = None
         self.cadence: Cadence | None = None
         # every rank: each decision that changed (ledger ``schedule`` records), for the trainer's
         # metric writers, which may live on another rank than the scheduler (Megatron: the last)
@@ -263,6 +266,8 @@ class TieredCheckpointer:
             rec["interference_s"] = self.cadence.take_interference(tier)  # None off rank 0
         with self._lock:
             self.history.append(rec)
+            if tier == "local" and rec["ok"] and (self.local_anchor is None or step > self.local_anchor):
+                self.local_anchor = step
         self.ledger.append("checkpoint", **rec)
         if self.cadence is not None:
             if rec["ok"]:
@@ -301,7 +306,9 @@ class TieredCheckpointer:
             log.warning("tierckpt: could not record local step %d: %s", step, e)
         try:
             if self.topo.is_node_leader:
-                retention.purge_local(self.local.store, self.cfg.keep_latest_k["local"], self.in_use)
+                anchor = self.local_anchor
+                retention.purge_local(self.local.store, self.cfg.keep_latest_k["local"], self.in_use,
+                                      protect=frozenset(() if anchor is None else (anchor,)))
         except Exception as e:
             log.warning("tierckpt: local retention failed: %s", e)
 
@@ -346,6 +353,9 @@ class TieredCheckpointer:
             self._ledger_restore(res)
             if step is not None:
                 self._supersede_newer(res.step)
+            with self._lock:  # every node's copy of res.step sits on some node's local disk
+                self.local_anchor = res.step if all(
+                    o.source.kind != PERSISTENT for o in res.sources.values()) else None
         if self.cadence is not None and res is not None:
             self.cadence.reset(res.step)
             self.cadence.apply(self._share_schedule(self.groups.local_world, "restart",

@@ -4,6 +4,9 @@ Rules (FIELD-NOTES failure class 7):
 - a step in ``in_use`` (being written or read right now) is never deleted;
 - fewer than k committed steps are never left: only committed steps beyond the newest k
   are deleted;
+- a ``protect``-ed step is kept beyond the newest k: the engine protects the newest step that
+  every node committed (its local *anchor*), so a node whose saves keep failing cannot make the
+  other nodes purge the last step the whole job could resume from without the persistent tier;
 - uncommitted (torn) directories are deleted whatever their step — a torn step left by a full
   disk must not keep the disk full — but in the persistent root only those tierckpt started
   (marked ``tierckpt.inprogress``), never a framework's own folders (e.g. torchtitan's
@@ -49,20 +52,21 @@ class InUse:
 
 
 def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix: str,
-              only_marked_torn: bool = False) -> list[int]:
+              only_marked_torn: bool = False, protect: frozenset | set = frozenset()) -> list[int]:
     """Apply the rules to the ``step-<N>`` directories under ``parent`` of ``store``.
 
     Args:
         keep_k: committed steps to keep (0 = keep every committed step; torn ones still go).
         key_prefix: prefix of the ``in_use`` keys of this directory (``key_prefix + step_rel``).
         only_marked_torn: delete only torn directories holding ``tierckpt.inprogress``.
+        protect: committed steps kept in addition to the newest ``keep_k``.
     Returns:
         steps deleted.
     """
     steps = sorted(s for s in (layout.parse_step(n) for n in store.listdir(parent)) if s is not None)
     rel = (lambda s: f"{parent}/{layout.step_name(s)}") if parent else layout.step_name
     committed = [s for s in steps if manifest.read_committed(store, rel(s)) is not None]
-    keep = set(committed[-keep_k:]) if keep_k > 0 else set(committed)
+    keep = (set(committed[-keep_k:]) | (set(protect) & set(committed))) if keep_k > 0 else set(committed)
     torn = [s for s in steps if s not in committed
             and (not only_marked_torn or store.exists(f"{rel(s)}/{layout.INPROGRESS}"))]
     doomed = sorted([s for s in committed if s not in keep] + torn)
@@ -82,12 +86,14 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
     return deleted
 
 
-def purge_local(store: Store, keep_k: int, in_use: InUse) -> dict[str, list[int]]:
-    """Retention of a node's local root: its own steps and every replica it holds."""
-    out = {"local": purge_dir(store, "local", keep_k, in_use, "local:")}
+def purge_local(store: Store, keep_k: int, in_use: InUse, protect: frozenset | set = frozenset()
+                ) -> dict[str, list[int]]:
+    """Retention of a node's local root: its own steps and every replica it holds; steps in
+    ``protect`` are kept in each of them (see the module docstring)."""
+    out = {"local": purge_dir(store, "local", keep_k, in_use, "local:", protect=protect)}
     for name in store.listdir("replicas"):
         if layout.parse_node(name) is not None:
-            out[name] = purge_dir(store, f"replicas/{name}", keep_k, in_use, "local:")
+            out[name] = purge_dir(store, f"replicas/{name}", keep_k, in_use, "local:", protect=protect)
     return out
 
 
