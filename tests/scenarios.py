@@ -451,3 +451,57 @@ def phase_retention_anchor(rank, world, base, factor):
     eng.close()
     return {"local": local, "anchor": eng.local_anchor, "step": res.step,
             "sources": {n: res.source_of(n) for n in res.sources}, "persistent_bytes": res.persistent_bytes_read}
+
+
+def phase_hung_local_disk(rank, world, base, limit):
+    """Node 1's local save of step 2 hangs (a stuck NVMe) until node 1 has trained past step 3:
+    the step-3 save must return after about ``limit`` seconds on every rank with the local tier
+    skipped (persistent tier saved), and step 4 saves every tier again once the disk is back.
+    Then the step-5 save hangs until after close(), which must return after about ``limit``."""
+    import time as _time
+
+    from tierckpt.local_tier import LocalTier
+
+    def release(step):
+        return os.path.join(base, f"release-disk-{step}")
+
+    eng = TieredCheckpointer(make_config(base, local_wait_timeout_s=limit), node_id=rank)
+    original = LocalTier.save
+
+    def stuck(self, staged, step):
+        if rank == 1 and step in (2, 5):
+            while not os.path.exists(release(step)):
+                _time.sleep(0.05)
+        return original(self, staged, step)
+
+    LocalTier.save = stuck
+    model, opt = build(seed=0)
+    blocking = {}
+    try:
+        for s in range(1, 5):
+            train_step(model, opt, s, rank)
+            t0 = _time.perf_counter()
+            eng.save(s, app_state(model, opt))
+            blocking[s] = _time.perf_counter() - t0
+            if s == 3 and rank == 1:
+                open(release(2), "w").close()  # the disk comes back
+        ref = snapshot(model, opt)
+        eng.wait()
+        hist = [(h["tier"], h["step"], h["ok"], bool(h.get("skipped"))) for h in eng.history]
+        m2, o2 = build(seed=3)
+        sd = app_state(m2, o2)
+        res = eng.restore(sd)
+        apply_state(m2, o2, sd)
+        assert_bitwise(snapshot(m2, o2), ref)
+        train_step(model, opt, 5, rank)
+        eng.save(5, app_state(model, opt))
+        t0 = _time.perf_counter()
+        eng.close()
+        close_s = _time.perf_counter() - t0
+        if rank == 1:
+            open(release(5), "w").close()
+        eng._pending["local"].result(timeout=120)  # the abandoned job ends before the harness exits
+    finally:
+        LocalTier.save = original
+    return {"blocking": blocking, "history": hist, "step": res.step, "close_s": close_s,
+            "sources": {n: res.source_of(n) for n in res.sources}}

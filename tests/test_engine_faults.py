@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -92,3 +93,31 @@ def test_retention_keeps_the_newest_step_every_node_committed(tmp_path, factor):
     for v in by_rank.values():
         assert v["step"] == 2 and v["anchor"] == 2 and v["persistent_bytes"] == 0, v
         assert v["sources"] == {0: "own-local", 1: "own-local"}, v
+
+
+def test_hung_local_disk_skips_the_local_tier_instead_of_stalling(tmp_path):
+    limit = 3.0
+    res = run_world(scenarios.phase_hung_local_disk, 2, str(tmp_path), limit)
+    for r in res:
+        v = r.value
+        # step 3 waited for the stuck step-2 save at most ~limit, then went on without the local tier
+        assert limit - 0.5 < v["blocking"][3] < limit + 5.0, v["blocking"]
+        assert ("local", 3, False, True) in v["history"], v["history"]
+        assert ("persistent", 3, True, False) in v["history"], v["history"]
+        assert ("local", 2, True, False) in v["history"] and ("local", 4, True, False) in v["history"], v["history"]
+        assert v["step"] == 4 and v["sources"] == {0: "own-local", 1: "own-local"}, v
+        assert limit - 0.5 < v["close_s"] < limit + 5.0, v["close_s"]  # close() does not hang either
+    recs = [json.loads(line) for line in open(os.path.join(str(tmp_path), "pfs", "tierckpt-ledger.jsonl"))]
+    skipped = [x for x in recs if x.get("kind") == "checkpoint" and x.get("skipped")]
+    assert [(x["tier"], x["step"]) for x in skipped] == [("local", 3)]
+    assert "local_wait_timeout_s" in skipped[0]["error"]
+    assert [x.get("stuck_tiers") for x in recs if x.get("kind") == "run_end"] == [["local"]]
+
+
+def test_local_wait_timeout_must_be_seconds(tmp_path):
+    from tierckpt.config import TierConfig
+    from tierckpt.errors import ConfigError
+    for bad in (-1, "5", True):
+        with pytest.raises(ConfigError, match="local_wait_timeout_s.*0 = wait without limit"):
+            TierConfig(local_root=str(tmp_path / "{node}"), persistent_root=str(tmp_path),
+                       local_wait_timeout_s=bad).validate()

@@ -61,6 +61,10 @@ class TierConfig:
         transfer_chunk_bytes: largest piece of a file held in memory while replicating (bytes).
         staging_buffers: host copies of the state kept for overlapping saves (>=1).
         collective_timeout_s: timeout of the engine's own gloo groups (seconds).
+        local_wait_timeout_s: longest a local-tier save waits for the previous one (seconds; 0 =
+            no limit). When the previous local save is still running on some rank after this
+            (a hung or very slow node-local disk), every rank skips the local tier at this step
+            with a warning and a ledger record; training and the persistent tier go on.
         local_root_is_node_private: the template may omit ``{node}`` because each node's path
             is on its own disk.
         simulated_ranks_per_node: > 0 simulates nodes on one machine: node = rank // this
@@ -85,6 +89,7 @@ class TierConfig:
     transfer_chunk_bytes: int = 64 << 20
     staging_buffers: int = 2
     collective_timeout_s: float = 600.0
+    local_wait_timeout_s: float = 300.0
     local_root_is_node_private: bool = False
     simulated_ranks_per_node: int = 0
     intervals: dict[str, int] | None = None
@@ -154,6 +159,10 @@ class TierConfig:
             raise ConfigError(
                 "collective_timeout_s", f"must be a positive number of seconds, got {self.collective_timeout_s!r}"
             )
+        if isinstance(self.local_wait_timeout_s, bool) or not isinstance(self.local_wait_timeout_s, (int, float)) \
+                or not self.local_wait_timeout_s >= 0:
+            raise ConfigError("local_wait_timeout_s",
+                              f"must be seconds >= 0 (0 = wait without limit), got {self.local_wait_timeout_s!r}")
         return self
 
     def resolved_job_id(self) -> str:

@@ -8,7 +8,8 @@ blocking time δ); each due tier then runs in its own background worker thread:
 - persistent: DCP save over all ranks (through :class:`PersistentIO`, which adapters route
   through the framework's own DCP path) → manifest → marker; ledger; retention.
 
-The next save of a tier first waits for that tier's previous one. A local-tier failure
+The next save of a tier first waits for that tier's previous one (the local tier at most
+``local_wait_timeout_s``, then it skips that step on every rank). A local-tier failure
 (disk full, dead disk) is logged as a warning and recorded in the ledger; training and the
 persistent tier carry on. ``restore()`` runs in the foreground after all background work.
 """
@@ -22,8 +23,10 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Iterable
 
+import torch
 import torch.distributed as dist
 
 from . import retention
@@ -105,6 +108,7 @@ class TieredCheckpointer:
         self.pool = StagingPool(self.cfg.staging_buffers)
         self._workers = {t: ThreadPoolExecutor(1, thread_name_prefix=f"tierckpt-{t}") for t in self.cfg.tiers}
         self._pending: dict[str, Future | None] = {t: None for t in self.cfg.tiers}
+        self._pending_step: dict[str, int] = {}
         # monotonic (submitted, finished or None) of each tier's latest background job
         self._job_window: dict[str, tuple[float, float | None]] = {}
         self._lock = threading.Lock()
@@ -211,11 +215,21 @@ class TieredCheckpointer:
         if not tiers:
             return 0.0
         t0 = time.perf_counter()
+        skipped = []
         for t in tiers:
+            if t == "local" and not self._local_ready(step):
+                skipped.append(t)
+                continue
             self._wait_tier(t)
             if self.cadence is not None:  # every rank reaches this at the same step
                 self.cadence.apply(self._pending_tau.pop(t, None))
         t_wait = time.perf_counter() - t0
+        if skipped:
+            if self.cadence is not None:  # the next attempt is one interval later, not next step
+                self.cadence.mark_saved(skipped, step)
+            tiers = tuple(t for t in tiers if t not in skipped)
+            if not tiers:
+                return t_wait
         slot = self.pool.acquire()
         try:
             staged = slot.stage(resolve_stateful(state_dict), users=len(tiers))
@@ -230,7 +244,36 @@ class TieredCheckpointer:
             job = self._local_job if t == "local" else self._persistent_job
             self._job_window[t] = (time.monotonic(), None)
             self._pending[t] = self._workers[t].submit(self._guard, job, t, staged, step, delta, t_wait, slot)
+            self._pending_step[t] = step
         return delta
+
+    def _local_ready(self, step: int) -> bool:
+        """Whether the local tier saves at ``step``: its previous save finished on every rank
+        within ``local_wait_timeout_s`` (collective over the control group once a local save
+        exists; the same answer on every rank). False logs a warning and records a skipped
+        ``checkpoint`` in the ledger: a hung node-local disk must not stall training."""
+        fut, limit = self._pending.get("local"), self.cfg.local_wait_timeout_s
+        if fut is None or not limit:
+            return True  # _pending is set at the same step on every rank: no collective needed
+        try:
+            fut.result(timeout=limit)
+            done = 1
+        except FuturesTimeout:
+            done = 0
+        flag = torch.tensor([done], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.groups.control)
+        if int(flag.item()) == 1:
+            return True
+        prev = self._pending_step.get("local")
+        error = (f"local save of step {prev} still running after {limit:g}s on "
+                 f"{'this node' if not done else 'another node'} (local_wait_timeout_s); local tier skipped")
+        log.warning("tierckpt: step %d: %s; training and the persistent tier continue", step, error)
+        rec = dict(tier="local", step=step, ok=False, skipped=True, error=error, blocking_s=0.0,
+                   wait_s=float(limit), bytes=0, background_s=0.0)
+        with self._lock:
+            self.history.append(rec)
+        self.ledger.append("checkpoint", **rec)
+        return False
 
     def _guard(self, job, tier, *args) -> None:
         """Run a tier job; nothing a background job hits may reach (and kill) the trainer."""
@@ -412,15 +455,31 @@ class TieredCheckpointer:
     def close(self, clean: bool = True, reason: str = "") -> None:
         """Finish background work, record the run's end, release buffers and threads.
 
-        ``clean=False`` records a failed run (the MTBF estimator counts it as a failure).
+        ``clean=False`` records a failed run (the MTBF estimator counts it as a failure). A local
+        save still running after ``local_wait_timeout_s`` is abandoned (left uncommitted, noted
+        as ``stuck_tiers`` in the ledger's ``run_end``) instead of blocking the trainer's exit.
         """
         if self._closed:
             return
-        self.wait()
-        for w in self._workers.values():
-            w.shutdown(wait=True)
-        self.ledger.append("run_end", clean=bool(clean), exposure_s=time.time() - self._t_start, reason=reason)
-        self.pool.close()
+        stuck = []
+        for t in self.cfg.tiers:
+            fut, limit = self._pending.get(t), self.cfg.local_wait_timeout_s
+            if fut is None:
+                continue
+            try:
+                fut.result(timeout=limit if (t == "local" and limit) else None)
+            except FuturesTimeout:
+                stuck.append(t)
+                log.error("tierckpt: close: the local save of step %s is still running after %gs "
+                          "(local_wait_timeout_s); abandoning it (its step stays uncommitted)",
+                          self._pending_step.get(t), limit)
+        for t, w in self._workers.items():
+            w.shutdown(wait=t not in stuck)
+        extra = {"stuck_tiers": stuck} if stuck else {}
+        self.ledger.append("run_end", clean=bool(clean), exposure_s=time.time() - self._t_start, reason=reason,
+                           **extra)
+        if not stuck:  # a stuck job may still read its staged buffers: leak them rather than free
+            self.pool.close()
         self._closed = True
 
     def __enter__(self):

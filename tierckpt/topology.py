@@ -186,11 +186,14 @@ class Groups:
         persistent_world: all ranks; used by the persistent-tier worker only, so the two
             background workers never share a group (gloo collectives on one group must not
             interleave across threads).
+        control: all ranks; used by the trainer's thread only (agreeing to skip a tier whose
+            previous save is still running), never by a background worker.
     """
 
     node: dist.ProcessGroup
     local_world: dist.ProcessGroup
     persistent_world: dist.ProcessGroup
+    control: dist.ProcessGroup | None = None
 
 
 def discover(jump: int, factor: int, *, node_id: int | None = None, ranks_per_node: int = 0,
@@ -213,6 +216,7 @@ def discover(jump: int, factor: int, *, node_id: int | None = None, ranks_per_no
     timeout = datetime.timedelta(seconds=timeout_s)
     local_world = dist.new_group(backend="gloo", timeout=timeout)
     persistent_world = dist.new_group(backend="gloo", timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
     label, source = _local_node_label(rank, node_id, ranks_per_node)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (label, source), group=local_world)
@@ -238,4 +242,5 @@ def discover(jump: int, factor: int, *, node_id: int | None = None, ranks_per_no
     if topo_error is not None:
         raise topo_error
     assert topo is not None and mine is not None
-    return topo, Groups(node=mine, local_world=local_world, persistent_world=persistent_world)
+    return topo, Groups(node=mine, local_world=local_world, persistent_world=persistent_world,
+                        control=control)
