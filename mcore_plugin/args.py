@@ -91,6 +91,19 @@ def _positive_float(flag: str):
     return conv
 
 
+def _nonneg_float(flag: str, zero_means: str):
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}: expected a number >= 0 ({zero_means}), got {text!r}") from None
+        if not v >= 0:
+            raise argparse.ArgumentTypeError(f"{flag}: expected a number >= 0 ({zero_means}), got {v}")
+        return v
+
+    return conv
+
+
 def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--ckpt-plugin-*`` argument group to ``parser`` and return it.
 
@@ -140,6 +153,10 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    default=None, metavar="STEPS", help="Upper bound of adaptive intervals (default: none).")
     g.add_argument("--ckpt-plugin-local-keep", type=_nonneg_int("--ckpt-plugin-local-keep", "0 keeps all"),
                    default=None, metavar="K", help="Committed local steps kept per node and per replica (default 2).")
+    g.add_argument("--ckpt-plugin-local-wait-timeout",
+                   type=_nonneg_float("--ckpt-plugin-local-wait-timeout", "0 = no limit"), default=None,
+                   metavar="SECONDS", help="Longest a local save waits for the previous one; then that step "
+                                           "skips the local tier on every rank (default 300; 0 = no limit).")
     g.add_argument("--ckpt-plugin-persistent-keep",
                    type=_nonneg_int("--ckpt-plugin-persistent-keep", "0 keeps all"),
                    default=None, metavar="K", help="Committed persistent steps kept (default 3).")
@@ -193,6 +210,8 @@ class PluginSettings:
         schedule_options: :class:`tierckpt.schedule.Scheduler` options (``gpu_mtbf_s`` seconds,
             ``restart_prior_s`` seconds, ``min_steps``, ``max_steps``).
         notes: human-readable lines about values taken over from Megatron's flags.
+        local_wait_timeout_s: seconds a local save waits for the previous one (None = the
+            engine's default, 0 = no limit).
     """
 
     tiers: tuple[str, ...]
@@ -207,6 +226,7 @@ class PluginSettings:
     simulated_ranks_per_node: int = 0
     schedule_options: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    local_wait_timeout_s: float | None = None
 
 
 # id(args) -> (weak reference to args, settings); Namespace is not hashable (it defines __eq__)
@@ -389,6 +409,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
     if "local" not in tiers:
         for flag, v in (("--ckpt-plugin-local-root", local_root),
                         ("--ckpt-plugin-local-keep", args.ckpt_plugin_local_keep),
+                        ("--ckpt-plugin-local-wait-timeout", args.ckpt_plugin_local_wait_timeout),
                         ("--ckpt-plugin-replication-jump", J), ("--ckpt-plugin-replication-factor", F)):
             if v is not None:
                 raise ConfigError(flag, "needs the local tier: add --ckpt-plugin-local-interval N "
@@ -435,6 +456,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         job_id=args.ckpt_plugin_job_id,
         simulated_ranks_per_node=int(args.ckpt_plugin_simulated_ranks_per_node or 0),
         schedule_options=schedule, notes=notes,
+        local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout,
     )
     # The engine's own checks (template fields, keep values, adaptive ⊆ intervals) with the
     # flag names users typed.
@@ -457,12 +479,15 @@ _FIELD_TO_FLAG = {
     "intervals": "--ckpt-plugin-local-interval",
     "adaptive": "--ckpt-plugin-adaptive",
     "simulated_ranks_per_node": "--ckpt-plugin-simulated-ranks-per-node",
+    "local_wait_timeout_s": "--ckpt-plugin-local-wait-timeout",
 }
 
 
 def tier_config_from_settings(settings: PluginSettings, *, persistent_root: str) -> TierConfig:
     """A :class:`TierConfig` (not yet validated) for ``settings``; ``persistent_root`` is ``--save``."""
+    extra = {} if settings.local_wait_timeout_s is None else {"local_wait_timeout_s": settings.local_wait_timeout_s}
     return TierConfig(
+        **extra,
         local_root=settings.local_root,
         persistent_root=persistent_root,
         tiers=settings.tiers,

@@ -86,6 +86,7 @@ def tier_config(config: "TieredCheckpointManager.Config", persistent_folder: str
         intervals={"local": config.local_interval, "persistent": config.interval} if config.local_interval
         else {"persistent": config.interval},
         adaptive=tuple(t for t in config.adaptive if t in tiers), schedule_options=sched,
+        local_wait_timeout_s=float(config.local_wait_timeout_s),
     )
     return tcfg
 
@@ -134,6 +135,10 @@ class TieredCheckpointManager(CheckpointManager):
         """Prior MTBF of one GPU in hours for the adaptive scheduler (0 = Llama 3's:
         16,384 GPUs x 54 days / 419 interruptions)."""
 
+        local_wait_timeout_s: float = 300.0
+        """Longest a local save waits for the previous one, seconds (0 = no limit); then that
+        step skips the local tier on every rank (a hung node-local disk must not stall training)."""
+
         restart_prior_s: float = 0.0
         """Restart + restore time R (seconds) the adaptive scheduler assumes until it has seen a
         restore (0 = 300 s). Set it to the launcher's requeue latency plus a restore."""
@@ -159,6 +164,10 @@ class TieredCheckpointManager(CheckpointManager):
                     raise ConfigError("checkpoint.adaptive", f"unknown tier {t!r}; allowed: local, persistent")
             if self.gpu_mtbf_hours < 0:
                 raise ConfigError("checkpoint.gpu_mtbf_hours", f"must be >= 0 (0 = Llama 3 prior), got {self.gpu_mtbf_hours!r}")
+            if isinstance(self.local_wait_timeout_s, bool) or not isinstance(self.local_wait_timeout_s, (int, float)) \
+                    or not self.local_wait_timeout_s >= 0:
+                raise ConfigError("checkpoint.local_wait_timeout_s",
+                                  f"must be seconds >= 0 (0 = no limit), got {self.local_wait_timeout_s!r}")
             if isinstance(self.restart_prior_s, bool) or not isinstance(self.restart_prior_s, (int, float)) \
                     or not self.restart_prior_s >= 0:
                 raise ConfigError("checkpoint.restart_prior_s",

@@ -74,14 +74,15 @@ def test_flags_are_in_the_parser_help():
     for flag in ("--ckpt-plugin-enable", "--ckpt-plugin-local-root", "--ckpt-plugin-replication-jump",
                  "--ckpt-plugin-replication-factor", "--ckpt-plugin-local-interval",
                  "--ckpt-plugin-persistent-interval", "--ckpt-plugin-adaptive", "--ckpt-plugin-gpu-mtbf-hours",
-                 "--ckpt-plugin-restart-prior", "--ckpt-plugin-min-interval", "--ckpt-plugin-max-interval", "--ckpt-plugin-local-keep",
+                 "--ckpt-plugin-restart-prior", "--ckpt-plugin-min-interval", "--ckpt-plugin-local-wait-timeout", "--ckpt-plugin-max-interval", "--ckpt-plugin-local-keep",
                  "--ckpt-plugin-persistent-keep", "--ckpt-plugin-job-id"):
         assert flag in text, flag
 
 
 def test_valid_flags_give_tier_config_and_drive_megatron_args():
     args = parse(GOOD + ["--ckpt-plugin-replication-factor", "3", "--ckpt-plugin-local-keep", "4",
-                         "--ckpt-plugin-persistent-keep", "0", "--ckpt-plugin-job-id", "run7"])
+                         "--ckpt-plugin-persistent-keep", "0", "--ckpt-plugin-job-id", "run7",
+                         "--ckpt-plugin-local-wait-timeout", "45"])
     s = validate_plugin_args(args)
     assert s.tiers == ("local", "persistent") and s.intervals == {"local": 10, "persistent": 100}
     # Megatron's own loop then calls the local path every 10 iterations, --save every 100
@@ -92,6 +93,10 @@ def test_valid_flags_give_tier_config_and_drive_megatron_args():
     assert (cfg.replication_jump, cfg.replication_factor) == (1, 3)
     assert cfg.keep_latest_k == {"local": 4, "persistent": 0} and cfg.job_id == "run7"
     assert cfg.intervals == {"local": 10, "persistent": 100} and cfg.adaptive == ()
+    assert cfg.local_wait_timeout_s == 45.0
+    plain = parse(GOOD)
+    validate_plugin_args(plain)
+    assert tier_config_from_args(plain).local_wait_timeout_s == 300.0  # the engine's default
 
 
 def test_megatron_local_flags_are_taken_over():
@@ -142,6 +147,8 @@ def test_plugin_off_leaves_args_alone_and_refuses_stray_flags():
      "--ckpt-plugin-local-root", "needs the local tier"),
     (["--save", "/s", "--save-interval", "10", "--ckpt-plugin-enable", "--ckpt-plugin-replication-factor", "2"],
      "--ckpt-plugin-replication-factor", "needs the local tier"),
+    (["--save", "/s", "--save-interval", "10", "--ckpt-plugin-enable", "--ckpt-plugin-local-wait-timeout", "5"],
+     "--ckpt-plugin-local-wait-timeout", "needs the local tier"),
     (["--save", "/s", "--save-interval", "10", "--ckpt-plugin-enable", "--ckpt-plugin-adaptive", "local"],
      "--ckpt-plugin-adaptive", "starting interval"),
     (GOOD + ["--ckpt-plugin-adaptive", "local", "--ckpt-plugin-min-interval", "50", "--ckpt-plugin-max-interval",
@@ -170,6 +177,7 @@ def test_invalid_combinations_name_the_flag(argv, option, words):
     (["--ckpt-plugin-local-keep", "-1"], "--ckpt-plugin-local-keep"),
     (["--ckpt-plugin-gpu-mtbf-hours", "0"], "--ckpt-plugin-gpu-mtbf-hours"),
     (["--ckpt-plugin-restart-prior", "-5"], "--ckpt-plugin-restart-prior"),
+    (["--ckpt-plugin-local-wait-timeout", "-1"], "--ckpt-plugin-local-wait-timeout"),
     (["--ckpt-plugin-adaptive", "replica"], "--ckpt-plugin-adaptive"),
 ])
 def test_bad_values_are_parser_errors_naming_the_flag(argv, flag, capsys):
