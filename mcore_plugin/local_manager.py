@@ -156,7 +156,12 @@ class TieredLocalCheckpointManager:
         return LocalStateDictHolder(manager=self, step=step), f"{self.local_ckpt_dir} (tierckpt step {step})"
 
     def restore(self, step: int, template: dict | None) -> dict:
-        """Restore ``step`` into ``template`` (None: the common part only). Collective."""
+        """Restore ``step`` into ``template`` (None: the common part only, read from one
+        verified node-local copy when there is one, not a full restore). Collective."""
+        if template is None:
+            got = self.tiers.read_common(step)
+            if got is not None:
+                return got[1]
         local_fmt = self.tiers.format_of("local")
 
         def fn(fmt: str, is_loading: bool) -> dict:

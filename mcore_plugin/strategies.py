@@ -563,6 +563,23 @@ class MegatronTiers:
         self.last_restore_format = req.optim_format
         return req.sharded_result if part == "sharded" else req.result
 
+    def read_common(self, step: int | None = None) -> tuple[int, dict] | None:
+        """Megatron's common state (``args``, ``iteration``, …) of ``step`` (None: the newest
+        step every node can be served from), read from one verified node-local copy instead of
+        a full restore (collective; :func:`tierckpt.peek.read_item`). Megatron-LM's first,
+        "rank0" load pass needs only this.
+
+        Returns:
+            ``(step, common dict)``, or None when no node-local copy could be read (the step is
+            only in the persistent tier): run :meth:`restore` with an empty template then.
+        """
+        from tierckpt.peek import read_item
+
+        got = read_item(self.engine, COMMON_KEY, step)
+        if got is None:
+            return None
+        return got[0], torch.load(io.BytesIO(got[1]), weights_only=False)
+
     def close(self, clean: bool = True, reason: str = "") -> None:
         """Finish background work and record the run's end (see TieredCheckpointer.close)."""
         self.engine.close(clean=clean, reason=reason)

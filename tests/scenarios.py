@@ -505,3 +505,51 @@ def phase_hung_local_disk(rank, world, base, limit):
         LocalTier.save = original
     return {"blocking": blocking, "history": hist, "step": res.step, "close_s": close_s,
             "sources": {n: res.source_of(n) for n in res.sources}}
+
+
+def phase_peek(rank, world, base):
+    """tierckpt.peek.read_item: one item of a step from a verified node-local copy, falling over
+    corrupt copies to the next copy and the next node; None when no node-local copy is usable."""
+    import json as _json
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tierckpt import layout
+    from tierckpt.peek import read_item
+
+    eng = TieredCheckpointer(make_config(base), node_id=rank)
+    model, opt = build(seed=0)
+    for s in (1, 2):
+        train_step(model, opt, s, rank)
+        # node-specific here (unlike a real common state) to show which copy served the read
+        eng.save(s, {**app_state(model, opt), "meta": f"step {s} node {rank}".encode()})
+    eng.wait()
+    out = {"newest": read_item(eng, "meta"), "step1": read_item(eng, "meta", step=1)}
+    root = os.path.join(base, "nvme", f"node-{rank}")
+
+    def corrupt(rel):
+        d = os.path.join(root, rel)
+        md = FileSystemReader(d).read_metadata()
+        f = next(i.relative_path for k, i in md.storage_data.items() if k.fqn == "meta")
+        with open(os.path.join(d, f), "r+b") as fh:
+            b = fh.read(1)
+            fh.seek(0)
+            fh.write(bytes([b[0] ^ 0xFF]))
+
+    if rank == 0:
+        corrupt(layout.local_step(2))  # node 0's own copy: its replica of node 1 serves
+    dist.barrier()
+    out["own_corrupt"] = read_item(eng, "meta", step=2)
+    if rank == 0:
+        corrupt(layout.replica_step(1, 2))  # all of node 0's copies: node 1 serves
+    dist.barrier()
+    out["node0_corrupt"] = read_item(eng, "meta", step=2)
+    out["missing_key"] = read_item(eng, "no-such-item", step=2)
+    dist.barrier()
+    shutil.rmtree(root)  # every local disk lost: only the persistent tier has the step
+    dist.barrier()
+    out["no_local"] = read_item(eng, "meta")
+    eng.close()
+    with open(os.path.join(base, "pfs", "tierckpt-ledger.jsonl")) as f:
+        out["restores"] = sum(1 for line in f if _json.loads(line).get("kind") == "restore")
+    return out

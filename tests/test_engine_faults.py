@@ -121,3 +121,14 @@ def test_local_wait_timeout_must_be_seconds(tmp_path):
         with pytest.raises(ConfigError, match="local_wait_timeout_s.*0 = wait without limit"):
             TierConfig(local_root=str(tmp_path / "{node}"), persistent_root=str(tmp_path),
                        local_wait_timeout_s=bad).validate()
+
+
+def test_read_item_reads_one_verified_local_copy_without_a_restore(tmp_path):
+    res = run_world(scenarios.phase_peek, 2, str(tmp_path))
+    for r in res:
+        v = r.value
+        # node 0's own copy first; then its replica of node 1; then node 1 itself
+        assert v["newest"] == (2, b"step 2 node 0") and v["step1"] == (1, b"step 1 node 0"), v
+        assert v["own_corrupt"] == (2, b"step 2 node 1") and v["node0_corrupt"] == (2, b"step 2 node 1"), v
+        assert v["missing_key"] is None and v["no_local"] is None, v
+        assert v["restores"] == 0, v  # no full restore ran, none was recorded
