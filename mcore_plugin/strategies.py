@@ -111,6 +111,7 @@ StateDictFn = Callable[[str, bool], dict]
 """``state_dict_fn(distrib_optim_sharding_type, is_loading) -> Megatron state dict``."""
 
 COMMON_KEY = "tierckpt.common"
+_TOP = "mcore"  # the one top-level key of the engine's state dict (a Stateful)
 """Key of the common (non-sharded) state inside a local-tier DCP checkpoint."""
 
 COMMON_FNAME = "common.pt"  # megatron.core.dist_checkpointing.core's name (both versions)
@@ -358,7 +359,7 @@ class MegatronPersistentIO(PersistentIO):
     """
 
     def save(self, state_dict: dict, url: str, process_group) -> dict[str, tuple[int, str]]:
-        staged = state_dict.get("mcore") if isinstance(state_dict, dict) else None
+        staged = state_dict.get(_TOP) if isinstance(state_dict, dict) else None
         if not isinstance(staged, _Staged):
             return super().save(state_dict, url, process_group)
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(staged.sharded, keep_only_main_replica=True)
@@ -378,7 +379,7 @@ class MegatronPersistentIO(PersistentIO):
         return digests_under(writer, url) if "://" not in url else {}
 
     def load(self, state_dict: dict, url: str, process_group) -> int:
-        req = state_dict.get("mcore") if isinstance(state_dict, dict) else None
+        req = state_dict.get(_TOP) if isinstance(state_dict, dict) else None
         if not isinstance(req, _Restore):
             return super().load(state_dict, url, process_group)
         return req.load_torch_dist(url, process_group)
@@ -523,7 +524,7 @@ class MegatronTiers:
                 if t == "persistent" and fmt not in (None, "fully_reshardable", "fully_sharded_model_space"):
                     log.warning("tierckpt mcore: persistent step %d holds the %s optimizer format; TP/PP "
                                 "changes on load need `tierckpt export-mcore`", step, fmt)
-            delta += self.engine.save(step, {"mcore": _Payload(_Staged(sharded, common))}, tiers=ts)
+            delta += self.engine.save(step, {_TOP: _Payload(_Staged(sharded, common))}, tiers=ts)
         return delta
 
     def wait(self, tiers=None) -> None:
@@ -556,7 +557,7 @@ class MegatronTiers:
             NoCheckpointError: checkpoints exist but none could be restored.
         """
         req = _Restore(state_dict_fn, self.local_fmt, self.persistent_fmt)
-        res = self.engine.restore({"mcore": req}, step=step)
+        res = self.engine.restore({_TOP: req}, step=step)
         self.last_restore = res
         if res is None:
             return None
@@ -575,7 +576,7 @@ class MegatronTiers:
         """
         from tierckpt.peek import read_item
 
-        got = read_item(self.engine, COMMON_KEY, step)
+        got = read_item(self.engine, f"{_TOP}.{COMMON_KEY}", step)  # DCP flattens {"mcore": {...}}
         if got is None:
             return None
         return got[0], torch.load(io.BytesIO(got[1]), weights_only=False)

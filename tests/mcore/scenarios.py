@@ -121,6 +121,15 @@ def phase_main(rank: int, world: int, base: str) -> dict:
     assert tiers.outcome(STEP, ["local", "persistent"]) == {"local": True, "persistent": True}
     assert os.path.exists(os.path.join(ckdir, "metadata.json"))  # Megatron's finalize ran too
 
+    # 0) Megatron-LM's first load pass: only the common state, from one verified local copy
+    from mcore_plugin.local_manager import TieredLocalCheckpointManager
+
+    mgr = TieredLocalCheckpointManager(tiers)
+    assert mgr.find_latest() == STEP
+    handle, _ = mgr.load()
+    _check_common(handle.to_state_dict(None), STEP, None)
+    assert tiers.last_restore is None and mgr.last_restore is None  # no full restore ran
+
     # 1) own local
     m, o, sd = _restore_into_fresh(tiers, seed=11)
     assert tiers.last_restore.step == STEP and set(_sources(tiers).values()) == {"own-local"}, _sources(tiers)
