@@ -337,3 +337,23 @@ def test_ledger_serialises_non_json_values(tmp_path):
         "checkpoint", tier="local", step=Scalar(), ranks={3, 1}, where=Path("/x"))
     (rec,) = Ledger.read(store)
     assert rec["step"] == 7 and sorted(rec["ranks"]) == [1, 3] and rec["where"] == "/x"
+
+
+def test_ledger_records_reads_the_file_once_then_mirrors_own_appends(tmp_path, monkeypatch):
+    store = Store(str(tmp_path))
+    old = Ledger(store, enabled=True, run_id="r0", job="j")
+    old.append("run_start")
+    old.append("run_end", clean=False)
+    led = Ledger(store, enabled=True, run_id="r1", job="j")
+    led.append("run_start", restart_count=1)  # written before the first records(): not twice
+    reads = []
+    real = Ledger.read
+    monkeypatch.setattr(Ledger, "read", staticmethod(lambda s: reads.append(1) or real(s)))
+    first = led.records()
+    led.append("checkpoint", tier="local", step=5, ok=True, blocking_s=0.1)
+    led.append("restore", step=5, sources={"0": {"source": "own-local"}})
+    second = led.records()
+    assert len(reads) == 1, "the ledger file was read again"
+    assert [r["kind"] for r in first] == ["run_start", "run_end", "run_start"]
+    assert second == real(store)  # the mirror equals what a reader of the file sees
+    assert [r["kind"] for r in second][-2:] == ["checkpoint", "restore"]

@@ -167,7 +167,7 @@ class TieredCheckpointer:
         if self.topo.rank == 0:
             if refresh_ledger:
                 try:
-                    self.cadence.update_from_ledger(Ledger.read(self.persistent.store), self.ledger.run_id)
+                    self.cadence.update_from_ledger(self.ledger.records(), self.ledger.run_id)
                 except Exception as e:  # keep the previous estimate; never skip the all_gather below
                     log.warning("tierckpt schedule: could not use the ledger: %s", e)
             try:

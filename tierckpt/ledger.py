@@ -51,6 +51,10 @@ class Ledger:
         self.run_id = run_id
         self.job = job
         self._lock = threading.Lock()
+        # records() mirror: the file as read once, then this process's own appends (the only
+        # writer of this job's ledger), so the scheduler need not re-read a growing file
+        self._base: list[dict] | None = None
+        self._appended: list[dict] = []
 
     def append(self, kind: str, **fields) -> dict:
         """Append one record (only when enabled). Returns the record. I/O errors are logged,
@@ -60,6 +64,7 @@ class Ledger:
             return rec
         line = json.dumps(rec, default=_jsonable) + "\n"
         with self._lock:
+            self._appended.append(json.loads(line))  # as a reader of the file would see it
             try:
                 self._append_line(line)
             except OSError as e:
@@ -84,6 +89,15 @@ class Ledger:
             if old and not old.endswith(b"\n"):
                 old += b"\n"
             self.store.write_atomic(LEDGER, old + line.encode())
+
+    def records(self) -> list[dict]:
+        """Every record of the ledger, oldest first, as :meth:`read` would return them: the
+        file is read on the first call only; later calls add this writer's own appends (the
+        job's only writer is global rank 0, where this is used). Raises what :meth:`read` raises."""
+        with self._lock:
+            if self._base is None:
+                self._base, self._appended = Ledger.read(self.store), []
+            return self._base + self._appended
 
     @staticmethod
     def read(store: Store) -> list[dict]:
