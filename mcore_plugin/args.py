@@ -97,8 +97,8 @@ def _nonneg_float(flag: str, zero_means: str):
             v = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag}: expected a number >= 0 ({zero_means}), got {text!r}") from None
-        if not v >= 0:
-            raise argparse.ArgumentTypeError(f"{flag}: expected a number >= 0 ({zero_means}), got {v}")
+        if not 0 <= v < float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag}: expected a finite number >= 0 ({zero_means}), got {v}")
         return v
 
     return conv

@@ -111,8 +111,8 @@ StateDictFn = Callable[[str, bool], dict]
 """``state_dict_fn(distrib_optim_sharding_type, is_loading) -> Megatron state dict``."""
 
 COMMON_KEY = "tierckpt.common"
-_TOP = "mcore"  # the one top-level key of the engine's state dict (a Stateful)
 """Key of the common (non-sharded) state inside a local-tier DCP checkpoint."""
+_TOP = "mcore"  # the one top-level key of the engine's state dict (a Stateful)
 
 COMMON_FNAME = "common.pt"  # megatron.core.dist_checkpointing.core's name (both versions)
 _STEP_RE = re.compile(r"^(?:iter_|step-)(\d+)$")
@@ -527,9 +527,11 @@ class MegatronTiers:
             delta += self.engine.save(step, {_TOP: _Payload(_Staged(sharded, common))}, tiers=ts)
         return delta
 
-    def wait(self, tiers=None) -> None:
-        """Block until the background writes of ``tiers`` (default all) are finished."""
-        self.engine.wait(tiers)
+    def wait(self, tiers=None, *, step: int | None = None) -> dict[str, bool]:
+        """Block until the background writes of ``tiers`` (default all; only those started at
+        ``step`` when given) are finished; the local tier at most ``local_wait_timeout_s``
+        (see :meth:`tierckpt.engine.TieredCheckpointer.wait`). Returns ``{tier: finished}``."""
+        return self.engine.wait(tiers, step=step)
 
     def outcome(self, step: int, tiers) -> dict[str, bool | None]:
         """{tier: True (committed) | False (failed) | None (no record)} of ``step``, from this
@@ -712,7 +714,9 @@ class TieredSaveStrategy(TorchDistSaveShardedStrategy):
 
         def watch():
             try:
-                self.tiers.wait(due)
+                # only this step's jobs; the local tier at most local_wait_timeout_s, so a hung
+                # node-local disk never holds back the persistent commit (finalize checks it)
+                self.tiers.wait(due, step=step)
             finally:
                 Path(done).write_bytes(b"done\n")
 

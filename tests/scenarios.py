@@ -454,10 +454,12 @@ def phase_retention_anchor(rank, world, base, factor):
 
 
 def phase_hung_local_disk(rank, world, base, limit):
-    """Node 1's local save of step 2 hangs (a stuck NVMe) until node 1 has trained past step 3:
-    the step-3 save must return after about ``limit`` seconds on every rank with the local tier
-    skipped (persistent tier saved), and step 4 saves every tier again once the disk is back.
-    Then the step-5 save hangs until after close(), which must return after about ``limit``."""
+    """Node 1's local save of step 2 hangs (a stuck NVMe) until node 1 has trained past step 4.
+
+    The step-3 save returns after about ``limit`` seconds on every rank with the local tier
+    skipped (persistent saved); step 4 skips it again without a second full wait; once the
+    disk is back, step 5 saves every tier. Then the step-6 local save hangs past close(), which
+    must return after about ``limit``."""
     import time as _time
 
     from tierckpt.local_tier import LocalTier
@@ -469,7 +471,7 @@ def phase_hung_local_disk(rank, world, base, limit):
     original = LocalTier.save
 
     def stuck(self, staged, step):
-        if rank == 1 and step in (2, 5):
+        if rank == 1 and step in (2, 6):
             while not os.path.exists(release(step)):
                 _time.sleep(0.05)
         return original(self, staged, step)
@@ -477,32 +479,35 @@ def phase_hung_local_disk(rank, world, base, limit):
     LocalTier.save = stuck
     model, opt = build(seed=0)
     blocking = {}
-    try:
-        for s in range(1, 5):
-            train_step(model, opt, s, rank)
-            t0 = _time.perf_counter()
-            eng.save(s, app_state(model, opt))
-            blocking[s] = _time.perf_counter() - t0
-            if s == 3 and rank == 1:
-                open(release(2), "w").close()  # the disk comes back
-        ref = snapshot(model, opt)
-        eng.wait()
-        hist = [(h["tier"], h["step"], h["ok"], bool(h.get("skipped"))) for h in eng.history]
-        m2, o2 = build(seed=3)
-        sd = app_state(m2, o2)
-        res = eng.restore(sd)
-        apply_state(m2, o2, sd)
-        assert_bitwise(snapshot(m2, o2), ref)
-        train_step(model, opt, 5, rank)
-        eng.save(5, app_state(model, opt))
+    for s in range(1, 6):
+        train_step(model, opt, s, rank)
         t0 = _time.perf_counter()
-        eng.close()
-        close_s = _time.perf_counter() - t0
-        if rank == 1:
-            open(release(5), "w").close()
-        eng._pending["local"].result(timeout=120)  # the abandoned job ends before the harness exits
-    finally:
-        LocalTier.save = original
+        eng.save(s, app_state(model, opt))
+        blocking[s] = _time.perf_counter() - t0
+        if s == 4:
+            if rank == 1:
+                open(release(2), "w").close()  # the disk comes back
+            eng._pending["local"].result(timeout=60)  # test only: let the late step-2 job finish
+    ref = snapshot(model, opt)
+    eng.wait()
+    hist = [(h["tier"], h["step"], h["ok"], bool(h.get("skipped"))) for h in eng.history]
+    m2, o2 = build(seed=3)
+    sd = app_state(m2, o2)
+    res = eng.restore(sd)
+    apply_state(m2, o2, sd)
+    assert_bitwise(snapshot(m2, o2), ref)
+    train_step(model, opt, 6, rank)
+    eng.save(6, app_state(model, opt))
+    t0 = _time.perf_counter()
+    eng.close()
+    close_s = _time.perf_counter() - t0
+    # node 0's abandoned job waits for node 1 inside a gloo collective; let both finish before
+    # the harness tears the process groups down (exit with a peer still blocked there may
+    # abort the process: see README "hung node-local disk")
+    if rank == 1:
+        open(release(6), "w").close()
+    eng._pending["local"].result(timeout=60)
+    eng._workers["local"]._thread.join(timeout=60)
     return {"blocking": blocking, "history": hist, "step": res.step, "close_s": close_s,
             "sources": {n: res.source_of(n) for n in res.sources}}
 
@@ -553,3 +558,26 @@ def phase_peek(rank, world, base):
     with open(os.path.join(base, "pfs", "tierckpt-ledger.jsonl")) as f:
         out["restores"] = sum(1 for line in f if _json.loads(line).get("kind") == "restore")
     return out
+
+
+def phase_hung_local_exit(rank, world, base, limit):
+    """One node whose local save never returns: close() gives up after ``limit`` and the
+    process exits (the stuck job runs on a daemon thread; the harness fails on a hang)."""
+    import time as _time
+
+    from tierckpt.local_tier import LocalTier
+
+    eng = TieredCheckpointer(make_config(base, replication_factor=1, local_wait_timeout_s=limit), node_id=rank)
+
+    def forever(self, staged, step):
+        while True:
+            _time.sleep(0.05)
+
+    model, opt = build(seed=0)
+    train_step(model, opt, 1, rank)
+    LocalTier.save = forever
+    eng.save(1, app_state(model, opt))
+    t0 = _time.perf_counter()
+    eng.close()
+    return {"close_s": _time.perf_counter() - t0,
+            "persistent": [(h["tier"], h["step"], h["ok"]) for h in eng.history]}

@@ -17,6 +17,7 @@ from .errors import ConfigError
 TIERS = ("local", "persistent")
 """Tiers a save can target. Replication is part of the local tier (F>1), not a tier of its own."""
 
+MAX_WAIT_S = 7 * 86400.0  # local_wait_timeout_s bound (threading.TIMEOUT_MAX is far above)
 DEFAULT_KEEP_LATEST_K = {"local": 2, "persistent": 3}
 TEMPLATE_FIELDS = ("job", "node", "hostname")
 
@@ -89,7 +90,7 @@ class TierConfig:
     transfer_chunk_bytes: int = 64 << 20
     staging_buffers: int = 2
     collective_timeout_s: float = 600.0
-    local_wait_timeout_s: float = 300.0
+    local_wait_timeout_s: float = 300.0  # MAX_WAIT_S at most
     local_root_is_node_private: bool = False
     simulated_ranks_per_node: int = 0
     intervals: dict[str, int] | None = None
@@ -159,10 +160,14 @@ class TierConfig:
             raise ConfigError(
                 "collective_timeout_s", f"must be a positive number of seconds, got {self.collective_timeout_s!r}"
             )
-        if isinstance(self.local_wait_timeout_s, bool) or not isinstance(self.local_wait_timeout_s, (int, float)) \
-                or not self.local_wait_timeout_s >= 0:
+        w = self.local_wait_timeout_s
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= MAX_WAIT_S:
             raise ConfigError("local_wait_timeout_s",
-                              f"must be seconds >= 0 (0 = wait without limit), got {self.local_wait_timeout_s!r}")
+                              f"must be seconds in [0, {MAX_WAIT_S:g}] (0 = wait without limit), got {w!r}")
+        if w and "local" in self.tiers and self.staging_buffers < 2:
+            raise ConfigError("staging_buffers", "must be >= 2 with a local tier and local_wait_timeout_s > 0: "
+                              "a stuck local save keeps its buffer, the other tiers need another "
+                              f"(got {self.staging_buffers}; or set local_wait_timeout_s = 0)")
         return self
 
     def resolved_job_id(self) -> str:

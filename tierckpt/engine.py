@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Iterable
 
@@ -42,6 +42,7 @@ from .restore import PERSISTENT, RestoreResult, Restorer
 from .staging import StagingPool, StagingSlot, resolve_stateful
 from .storage import Store
 from .topology import discover
+from .workers import DaemonWorker
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,10 @@ class TieredCheckpointer:
         factor = self.cfg.replication_factor if "local" in self.cfg.tiers else 1
         self.topo, self.groups = discover(
             self.cfg.replication_jump, factor, node_id=node_id,
-            ranks_per_node=self.cfg.simulated_ranks_per_node, timeout_s=self.cfg.collective_timeout_s
+            ranks_per_node=self.cfg.simulated_ranks_per_node, timeout_s=self.cfg.collective_timeout_s,
+            # a rank still waiting for its own stuck local save joins the vote up to
+            # local_wait_timeout_s after its peers: the vote must not time out first
+            control_timeout_s=max(self.cfg.collective_timeout_s, self.cfg.local_wait_timeout_s + 120.0),
         )
         topo = self.topo
         self.in_use = retention.InUse()
@@ -106,9 +110,11 @@ class TieredCheckpointer:
             replication_jump=topo.jump, replication_factor=topo.factor,
         )
         self.pool = StagingPool(self.cfg.staging_buffers)
-        self._workers = {t: ThreadPoolExecutor(1, thread_name_prefix=f"tierckpt-{t}") for t in self.cfg.tiers}
+        self._workers = {t: DaemonWorker(f"tierckpt-{t}") for t in self.cfg.tiers}
         self._pending: dict[str, Future | None] = {t: None for t in self.cfg.tiers}
         self._pending_step: dict[str, int] = {}
+        self._local_overdue: Future | None = None  # a local job that outlived a full wait
+        self._local_phase = "done"  # where this rank's local job is (named when it gets stuck)
         # monotonic (submitted, finished or None) of each tier's latest background job
         self._job_window: dict[str, tuple[float, float | None]] = {}
         self._lock = threading.Lock()
@@ -215,21 +221,24 @@ class TieredCheckpointer:
         if not tiers:
             return 0.0
         t0 = time.perf_counter()
-        skipped = []
+        skipped, t_skip = [], 0.0
         for t in tiers:
-            if t == "local" and not self._local_ready(step):
-                skipped.append(t)
-                continue
+            if t == "local":
+                ready, t_skip = self._local_ready(step)
+                if not ready:
+                    skipped.append(t)
+                    continue
             self._wait_tier(t)
             if self.cadence is not None:  # every rank reaches this at the same step
                 self.cadence.apply(self._pending_tau.pop(t, None))
-        t_wait = time.perf_counter() - t0
+        # a skipped local tier's wait is the local tier's cost: keep it out of the other tiers' δ
+        t_wait = time.perf_counter() - t0 - (t_skip if skipped else 0.0)
         if skipped:
             if self.cadence is not None:  # the next attempt is one interval later, not next step
                 self.cadence.mark_saved(skipped, step)
             tiers = tuple(t for t in tiers if t not in skipped)
             if not tiers:
-                return t_wait
+                return time.perf_counter() - t0
         slot = self.pool.acquire()
         try:
             staged = slot.stage(resolve_stateful(state_dict), users=len(tiers))
@@ -237,7 +246,8 @@ class TieredCheckpointer:
             slot.refs = 1
             slot.release()
             raise
-        delta = time.perf_counter() - t0
+        blocked = time.perf_counter() - t0
+        delta = blocked - (t_skip if skipped else 0.0)
         if self.cadence is not None:
             self.cadence.mark_saved(tiers, step)
         for t in tiers:
@@ -245,35 +255,51 @@ class TieredCheckpointer:
             self._job_window[t] = (time.monotonic(), None)
             self._pending[t] = self._workers[t].submit(self._guard, job, t, staged, step, delta, t_wait, slot)
             self._pending_step[t] = step
-        return delta
+        return blocked
 
-    def _local_ready(self, step: int) -> bool:
-        """Whether the local tier saves at ``step``: its previous save finished on every rank
-        within ``local_wait_timeout_s`` (collective over the control group once a local save
-        exists; the same answer on every rank). False logs a warning and records a skipped
-        ``checkpoint`` in the ledger: a hung node-local disk must not stall training."""
+    def _local_ready(self, step: int) -> tuple[bool, float]:
+        """Whether the local tier saves at ``step``, and the seconds spent deciding.
+
+        Ready when its previous save finished on every rank within ``local_wait_timeout_s``
+        (collective over the control group once a local save exists; the same answer on every
+        rank). A save that already outlived one full wait is only polled afterwards, so a disk
+        that stays hung costs one wait, not one per interval. Not ready: a warning naming the
+        nodes whose disk is stuck and a skipped ``checkpoint`` record in the ledger; a hung
+        node-local disk must not stall training."""
         fut, limit = self._pending.get("local"), self.cfg.local_wait_timeout_s
         if fut is None or not limit:
-            return True  # _pending is set at the same step on every rank: no collective needed
+            return True, 0.0  # _pending is set at the same step on every rank: no collective needed
+        t0 = time.perf_counter()
         try:
-            fut.result(timeout=limit)
+            fut.result(timeout=0.0 if fut is self._local_overdue else limit)
             done = 1
         except FuturesTimeout:
             done = 0
         flag = torch.tensor([done], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.groups.control)
         if int(flag.item()) == 1:
-            return True
+            self._local_overdue = None
+            return True, time.perf_counter() - t0
+        if not done:
+            self._local_overdue = fut
+        # where each rank's job is: the stuck disk is on the nodes still writing or deleting;
+        # their peers merely wait for them in a collective
+        phases = [None] * self.topo.world_size
+        dist.all_gather_object(phases, (self.topo.node, "done" if done else self._local_phase),
+                               group=self.groups.control)
+        stuck = sorted({n for n, ph in phases if ph in ("save", "retention")}) or \
+            sorted({n for n, ph in phases if ph != "done"})
+        waited = time.perf_counter() - t0
         prev = self._pending_step.get("local")
-        error = (f"local save of step {prev} still running after {limit:g}s on "
-                 f"{'this node' if not done else 'another node'} (local_wait_timeout_s); local tier skipped")
+        error = (f"local save of step {prev} still running on node(s) {stuck} (local_wait_timeout_s = "
+                 f"{limit:g}s); local tier skipped")
         log.warning("tierckpt: step %d: %s; training and the persistent tier continue", step, error)
-        rec = dict(tier="local", step=step, ok=False, skipped=True, error=error, blocking_s=0.0,
-                   wait_s=float(limit), bytes=0, background_s=0.0)
+        rec = dict(tier="local", step=step, ok=False, skipped=True, error=error, stuck_nodes=stuck,
+                   blocking_s=waited, wait_s=waited, bytes=0, background_s=0.0)
         with self._lock:
             self.history.append(rec)
         self.ledger.append("checkpoint", **rec)
-        return False
+        return False, waited
 
     def _guard(self, job, tier, *args) -> None:
         """Run a tier job; nothing a background job hits may reach (and kill) the trainer."""
@@ -287,11 +313,35 @@ class TieredCheckpointer:
         if fut is not None:
             fut.result()  # _guard never raises; failures were logged and recorded
 
-    def wait(self, tiers: Iterable[str] | None = None) -> None:
-        """Block until the background work of ``tiers`` (default: all) is finished."""
+    def wait(self, tiers: Iterable[str] | None = None, *, step: int | None = None,
+             bounded: bool = True) -> dict[str, bool]:
+        """Block until the background work of ``tiers`` (default: all) is finished.
+
+        Args:
+            step: wait only for jobs started at ``step`` (a tier skipped or not due then is
+                not waited for).
+            bounded: the local tier is waited for at most ``local_wait_timeout_s`` (it is
+                best effort: a hung node-local disk must not hold back the trainer or the
+                persistent tier's commit). False waits without limit: needed before the
+                trainer thread runs collectives on the local tier's group (restore).
+        Returns:
+            ``{tier: finished}`` for the tiers waited for.
+        """
+        out = {}
         for t in (self.cfg.tiers if tiers is None else validate_tiers(tiers)):
-            if t in self._pending:
-                self._wait_tier(t)
+            fut = self._pending.get(t)
+            if fut is None or (step is not None and self._pending_step.get(t) != step):
+                continue
+            limit = self.cfg.local_wait_timeout_s if (t == "local" and bounded) else 0
+            try:
+                fut.result(timeout=(0.0 if fut is self._local_overdue else limit) if limit else None)
+                out[t] = True
+            except FuturesTimeout:
+                self._local_overdue = fut
+                out[t] = False
+                log.warning("tierckpt: the local save of step %s is still running after %gs "
+                            "(local_wait_timeout_s); not waiting for it", self._pending_step.get(t), limit)
+        return out
 
     def _record(self, tier, step, ok, error, delta, t_wait, nbytes, background_s, extra=None):
         """All-gather a job's stats over the tier's world group; rank 0 writes the ledger."""
@@ -324,6 +374,7 @@ class TieredCheckpointer:
         key = f"local:local/step-{step}"
         self.in_use.hold(key)
         ok, error, nbytes = True, None, 0
+        self._local_phase = "save"
         try:
             try:
                 nbytes = self.local.save(staged, step)
@@ -334,6 +385,7 @@ class TieredCheckpointer:
         finally:
             slot.release()
         rep = None
+        self._local_phase = "replicate"
         try:
             rep = replicate(self.local.store, self.topo, self.groups.local_world, self.groups.node,
                             step, ok, self.cfg.transfer_chunk_bytes)
@@ -341,12 +393,14 @@ class TieredCheckpointer:
             log.warning("tierckpt: replication of step %d failed on node %d: %s", step, self.topo.node, e)
         self.in_use.drop(key)
         bg = time.perf_counter() - t0
+        self._local_phase = "record"
         try:
             self._record("local", step, ok, error, delta, t_wait,
                          nbytes if self.topo.is_node_leader else 0, bg,
                          extra={"replicas_failed": (rep.failed if rep else "replication error")} if (rep is None or rep.failed) else None)
         except Exception as e:
             log.warning("tierckpt: could not record local step %d: %s", step, e)
+        self._local_phase = "retention"
         try:
             if self.topo.is_node_leader:
                 anchor = self.local_anchor
@@ -354,6 +408,7 @@ class TieredCheckpointer:
                                       protect=frozenset(() if anchor is None else (anchor,)))
         except Exception as e:
             log.warning("tierckpt: local retention failed: %s", e)
+        self._local_phase = "done"
 
     def _persistent_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> None:
         t0 = time.perf_counter()
@@ -390,7 +445,7 @@ class TieredCheckpointer:
         Raises:
             NoCheckpointError: checkpoints exist but none could be restored.
         """
-        self.wait()
+        self.wait(bounded=False)
         res = self.restorer.restore(state_dict, step)
         if res is not None:
             self._ledger_restore(res)
@@ -461,18 +516,12 @@ class TieredCheckpointer:
         """
         if self._closed:
             return
-        stuck = []
-        for t in self.cfg.tiers:
-            fut, limit = self._pending.get(t), self.cfg.local_wait_timeout_s
-            if fut is None:
-                continue
-            try:
-                fut.result(timeout=limit if (t == "local" and limit) else None)
-            except FuturesTimeout:
-                stuck.append(t)
-                log.error("tierckpt: close: the local save of step %s is still running after %gs "
-                          "(local_wait_timeout_s); abandoning it (its step stays uncommitted)",
-                          self._pending_step.get(t), limit)
+        finished = self.wait()  # the local tier at most local_wait_timeout_s
+        stuck = [t for t, ok in finished.items() if not ok]
+        if stuck:
+            log.error("tierckpt: close: abandoning the local save of step %s, still running after %gs "
+                      "(local_wait_timeout_s); it stays uncommitted", self._pending_step.get("local"),
+                      self.cfg.local_wait_timeout_s)
         for t, w in self._workers.items():
             w.shutdown(wait=t not in stuck)
         extra = {"stuck_tiers": stuck} if stuck else {}

@@ -6,10 +6,13 @@ and ``job``. Kinds and their fields:
 - ``run_start``: world_size, nodes, ranks_per_node, restart_count (the first set of
   TIERCKPT_RESTART_COUNT — launch/ —, SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT), host,
   process_start (UNIX time rank 0's process was created; None where unknown).
-- ``run_end``: clean (bool), exposure_s (seconds since run_start), reason.
+- ``run_end``: clean (bool), exposure_s (seconds since run_start), reason; stuck_tiers when
+  close() gave up on a local save still running after ``local_wait_timeout_s``.
 - ``checkpoint``: tier, step, blocking_s (max over ranks), background_s (max over ranks),
   bytes (sum over ranks), ok (bool), error, interference_s (rank 0's step slowdown while the
-  background work ran, seconds; present with intervals configured).
+  background work ran, seconds; present with intervals configured). A local save skipped
+  because the previous one outlived ``local_wait_timeout_s``: ok false, skipped true,
+  stuck_nodes (nodes whose save was still writing or deleting), wait_s.
 - ``restore``: step, sources (per node: tier and holder), bytes, seconds, attempts,
   persistent_bytes.
 - ``schedule``: an interval decision of the adaptive scheduler (:mod:`tierckpt.cadence`):
@@ -64,7 +67,8 @@ class Ledger:
             return rec
         line = json.dumps(rec, default=_jsonable) + "\n"
         with self._lock:
-            self._appended.append(json.loads(line))  # as a reader of the file would see it
+            if self._base is not None:  # records() in use: mirror, as a reader of the file would see it
+                self._appended.append(json.loads(line))
             try:
                 self._append_line(line)
             except OSError as e:
@@ -93,7 +97,8 @@ class Ledger:
     def records(self) -> list[dict]:
         """Every record of the ledger, oldest first, as :meth:`read` would return them: the
         file is read on the first call only; later calls add this writer's own appends (the
-        job's only writer is global rank 0, where this is used). Raises what :meth:`read` raises."""
+        job's only writer is global rank 0, where this is used), including any whose write
+        failed. Raises what :meth:`read` raises."""
         with self._lock:
             if self._base is None:
                 self._base, self._appended = Ledger.read(self.store), []

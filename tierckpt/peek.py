@@ -8,8 +8,9 @@ files that hold the item, from a node-local copy (own step or a replica held for
 the DCP ``.metadata`` and the one data file DCP placed the item in, both checked against the
 step's manifest (xxh3-64) before they are used.
 
-The persistent tier is not consulted: its format belongs to the framework (the caller reads
-its own common file there) and a step only there is rare and cheap to read in full anyway.
+The persistent tier is not consulted: its format belongs to the framework. When only the
+persistent tier has the step (every node-local copy lost), the caller falls back to a full
+restore, which verifies the whole step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from . import layout, manifest
+from .collectives import FAILURES
 from .restore import Inventory, plan_restore
 from .storage import Store
 
@@ -115,7 +117,7 @@ def read_item(engine, key: str, step: int | None = None) -> tuple[int, Any] | No
                 try:
                     box[0] = (True, read_from_copy(engine.local.store, rel, key))
                     break
-                except (OSError, ValueError, KeyError, RuntimeError) as e:
+                except FAILURES as e:  # anything: every rank must reach the broadcast below
                     errors.append(f"{rel}: {type(e).__name__}: {e}")
             else:
                 box[0] = (False, errors)

@@ -193,11 +193,11 @@ class Groups:
     node: dist.ProcessGroup
     local_world: dist.ProcessGroup
     persistent_world: dist.ProcessGroup
-    control: dist.ProcessGroup | None = None
+    control: dist.ProcessGroup
 
 
 def discover(jump: int, factor: int, *, node_id: int | None = None, ranks_per_node: int = 0,
-             timeout_s: float = 600.0) -> tuple[Topology, Groups]:
+             timeout_s: float = 600.0, control_timeout_s: float | None = None) -> tuple[Topology, Groups]:
     """Detect the topology and create the engine's gloo groups (collective: call on every rank).
 
     Args:
@@ -205,6 +205,8 @@ def discover(jump: int, factor: int, *, node_id: int | None = None, ranks_per_no
         node_id: explicit node id of this rank (overrides the environment).
         ranks_per_node: > 0 simulates nodes: node = rank // ranks_per_node.
         timeout_s: timeout of the created gloo groups, seconds.
+        control_timeout_s: timeout of the control group (default ``timeout_s``); it must
+            outlast the longest wait of one rank before it joins (``local_wait_timeout_s``).
 
     Raises:
         ConfigError: impossible J/F for the detected node count, or uneven nodes.
@@ -216,7 +218,7 @@ def discover(jump: int, factor: int, *, node_id: int | None = None, ranks_per_no
     timeout = datetime.timedelta(seconds=timeout_s)
     local_world = dist.new_group(backend="gloo", timeout=timeout)
     persistent_world = dist.new_group(backend="gloo", timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s or timeout_s))
     label, source = _local_node_label(rank, node_id, ranks_per_node)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (label, source), group=local_world)

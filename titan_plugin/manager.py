@@ -165,7 +165,7 @@ class TieredCheckpointManager(CheckpointManager):
             if self.gpu_mtbf_hours < 0:
                 raise ConfigError("checkpoint.gpu_mtbf_hours", f"must be >= 0 (0 = Llama 3 prior), got {self.gpu_mtbf_hours!r}")
             if isinstance(self.local_wait_timeout_s, bool) or not isinstance(self.local_wait_timeout_s, (int, float)) \
-                    or not self.local_wait_timeout_s >= 0:
+                    or not 0 <= self.local_wait_timeout_s < float("inf"):
                 raise ConfigError("checkpoint.local_wait_timeout_s",
                                   f"must be seconds >= 0 (0 = no limit), got {self.local_wait_timeout_s!r}")
             if isinstance(self.restart_prior_s, bool) or not isinstance(self.restart_prior_s, (int, float)) \
