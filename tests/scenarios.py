@@ -484,6 +484,9 @@ def phase_hung_local_disk(rank, world, base, limit):
         t0 = _time.perf_counter()
         eng.save(s, app_state(model, opt))
         blocking[s] = _time.perf_counter() - t0
+        if s == 3:  # what Megatron's commit waits for: this step's jobs only, not the stuck one
+            t0 = _time.perf_counter()
+            waited3 = (eng.wait(step=3), _time.perf_counter() - t0)
         if s == 4:
             if rank == 1:
                 open(release(2), "w").close()  # the disk comes back
@@ -508,7 +511,7 @@ def phase_hung_local_disk(rank, world, base, limit):
         open(release(6), "w").close()
     eng._pending["local"].result(timeout=60)
     eng._workers["local"]._thread.join(timeout=60)
-    return {"blocking": blocking, "history": hist, "step": res.step, "close_s": close_s,
+    return {"blocking": blocking, "history": hist, "step": res.step, "close_s": close_s, "waited3": waited3,
             "sources": {n: res.source_of(n) for n in res.sources}}
 
 

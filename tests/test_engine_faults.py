@@ -109,6 +109,7 @@ def test_hung_local_disk_skips_the_local_tier_instead_of_stalling(tmp_path):
         for s in (2, 5):
             assert ("local", s, True, False) in v["history"], v["history"]
         assert v["step"] == 5 and v["sources"] == {0: "own-local", 1: "own-local"}, v
+        assert v["waited3"][0] == {"persistent": True} and v["waited3"][1] < limit - 0.5, v["waited3"]
         assert limit - 0.5 < v["close_s"] < limit + 5.0, v["close_s"]  # close() does not hang either
     recs = [json.loads(line) for line in open(os.path.join(str(tmp_path), "pfs", "tierckpt-ledger.jsonl"))]
     skipped = [x for x in recs if x.get("kind") == "checkpoint" and x.get("skipped")]
