@@ -20,13 +20,17 @@ checkpoints measures the step time ``t_ref`` in the same session (this machine i
 noisy; ratios within one run are what we compare).
 
 Wasted fraction of a policy, over the wall time ``W`` from the first logged step of the first
-attempt to the last step's log line (plus one ``t_ref``)::
+attempt to the last step's log line (plus one step)::
 
-    waste = 1 − N · t_ref / W
+    waste = 1 − N · t_step / W
+
+where ``t_step`` is the policy's own quiet step time: the median step at least 3 steps after a
+save, in its own run (``t_ref`` from the reference run is only used to size the run and the
+caps; a change of the machine's load between phases would otherwise leak into the waste).
 
 so lost work, checkpoint stalls, background slowdown and restarts all count. A policy that does
 not finish within ``--cap`` × N · t_ref is stopped; its waste is reported from the last
-committed step instead (``1 − step_committed · t_ref / W``, a lower bound).
+committed step instead (``1 − step_committed · t_step / W``, a lower bound).
 
 The theoretical optimum is Daly's complete model for Poisson failures
 (:func:`tierckpt.schedule.daly_waste_fraction`) minimised over the interval, with the injected
@@ -210,39 +214,57 @@ def run_policy(launcher, out: str, name: str, args, gaps: list[float], t_ref: fl
             break
         attempt += 1
 
-    recs = _read_steps(metrics)
+    return analyse_policy(name, dump, fails, t_first, finished, attempt + 1, args.steps, t_ref)
+
+
+def analyse_policy(name: str, dump: str, fails: list[dict], t_first: float | None, finished: bool,
+                   attempts: int, steps: int, t_ref: float) -> dict:
+    """A policy's result from its step log (``dump``/metrics), its ledger and the kill times.
+
+    Every cost is measured against the policy's own quiet step time ``t_step`` (median of
+    steps at least 3 past a save, :func:`quiet_step_median`; ``t_ref`` if there are too few),
+    so a change of the machine's load between the reference run and this policy does not
+    leak into its waste: ``waste = 1 − useful_steps · t_step / W``.
+    """
+    recs = _read_steps(os.path.join(dump, "metrics", "losses.jsonl"))
     by_step = {}
     for r in recs:  # the last line for a step wins (re-run steps after a resume)
         by_step[r["step"]] = r
     last_rec = max(recs, key=lambda r: r["time"]) if recs else None
     W = (last_rec["time"] - t_first) if (last_rec and t_first is not None) else float("nan")
-
     times = sorted(recs, key=lambda r: r["time"])
-    restarts, lost_steps, warm_restarts = restart_times(fails, times, t_ref)
-    for f in fails:
-        nxt = next((r for r in times if r["time"] > f["time"]), None)
-        if nxt is not None and f["last_step"] is not None:
-            lost_steps.append(max(0, f["last_step"] - (nxt["step"] - 1)))
-
     records = Ledger.read(Store(os.path.join(dump, "checkpoint")))
     ckpts = [r for r in records if r.get("kind") == "checkpoint" and r.get("ok")]
+    save_steps = {r["step"] for r in ckpts}
+    quiet = quiet_step_median(times, save_steps)
+    t_step = quiet or t_ref
+
+    restarts, lost_steps, warm_restarts = restart_times(fails, times, t_step)
+    for f in fails:
+        nxt = next((r for r in times if r["time"] > f["time"]), None)
+        if nxt is not None and f.get("last_step") is not None:
+            lost_steps.append(max(0, f["last_step"] - (nxt["step"] - 1)))
     blocking = {t: [r["blocking_s"] for r in ckpts if r.get("tier") == t and isinstance(r.get("blocking_s"), (int, float))]
                 for t in ("local", "persistent")}
     decisions = [r for r in records if r.get("kind") == "schedule"]
     committed = max((r["step"] for r in ckpts), default=0)
-    excess_s, n_gaps, save_steps = step_excess(times, t_ref, {r["step"] for r in ckpts})
-    useful_steps = args.steps if finished else committed
+    excess_s, n_gaps, n_saves = step_excess(times, t_step, save_steps)
+    useful_steps = steps if finished else committed
     res = {
-        "policy": name, "finished": finished, "wall_s": W, "attempts": attempt + 1, "failures": len(fails),
-        "useful_steps": useful_steps, "waste": 1.0 - useful_steps * t_ref / W if W > 0 else float("nan"),
+        "policy": name, "finished": finished, "wall_s": W, "attempts": attempts, "failures": len(fails),
+        "useful_steps": useful_steps, "t_step": t_step, "quiet_step_s": quiet,
+        "waste": 1.0 - useful_steps * t_step / W if W > 0 else float("nan"),
+        "waste_vs_t_ref": 1.0 - useful_steps * t_ref / W if W > 0 else float("nan"),
         "restart_s": restarts, "restart_warm_s": warm_restarts, "lost_steps": lost_steps,
-        "step_excess_s": excess_s, "steady_gaps": n_gaps, "save_events": save_steps,
+        "step_excess_s": excess_s, "steady_gaps": n_gaps, "save_events": n_saves,
         "checkpoints": {t: len(v) for t, v in blocking.items()},
         "blocking_mean_s": {t: (statistics.fmean(v) if v else None) for t, v in blocking.items()},
         "stall_total_s": sum(sum(v) for v in blocking.values()),
-        "final_loss": by_step[args.steps]["loss"] if finished and args.steps in by_step else None,
+        "final_loss": by_step[steps]["loss"] if finished and steps in by_step else None,
         "last_decisions": {},
-        "fail_times_s": [f["time"] - t_first for f in fails],
+        "t_first": t_first,
+        "fails": fails,
+        "fail_times_s": [f["time"] - t_first for f in fails] if t_first is not None else [],
     }
     for d in decisions:
         res["last_decisions"][d.get("tier")] = {k: d.get(k) for k in ("tau_steps", "tau_s", "delta", "M", "R", "p", "reason")}
@@ -275,6 +297,28 @@ def restart_times(fails: list[dict], times: list[dict], t_ref: float) -> tuple[l
     return restarts, [], warm
 
 
+DRIFT_LIMIT = 0.05  # relative change of the quiet step time that makes a run unreliable
+
+
+def quiet_step_median(times: list[dict], save_steps: set, after: int = 3) -> float | None:
+    """Median gap between consecutive steady steps of one process that are at least ``after``
+    steps past the last save: the step time without checkpoint work, measured during the
+    policy's own run. Compared with ``t_ref`` it shows whether the machine's load changed
+    (this machine is shared) between the reference and the policy."""
+    by_pid: dict = {}
+    for r in times:
+        by_pid.setdefault(r.get("pid"), []).append(r)
+    saves = sorted(save_steps)
+    gaps = []
+    for recs in by_pid.values():
+        recs = sorted(recs, key=lambda r: r["time"])[WARMUP_STEPS:]
+        for a, b in zip(recs, recs[1:]):
+            last = max((x for x in saves if x <= a["step"]), default=None)
+            if b["step"] == a["step"] + 1 and (last is None or a["step"] - last >= after):
+                gaps.append(b["time"] - a["time"])
+    return statistics.median(gaps) if len(gaps) >= 5 else None
+
+
 def step_excess(times: list[dict], t_ref: float, save_steps: set) -> tuple[float, int, int]:
     """Checkpoint overhead seen from the trainer's own step log, independent of the engine.
 
@@ -296,6 +340,89 @@ def step_excess(times: list[dict], t_ref: float, save_steps: set) -> tuple[float
             n += 1
             saves += a["step"] in save_steps
     return excess, n, saves
+
+
+def summarise(args, ref: dict, results: list[dict], elapsed_s: float) -> dict:
+    """The report: the theoretical optimum from the pooled measured δ and R, each policy's
+    result, the verdict against the targets and warnings about unreliable runs."""
+    deltas = [p["blocking_mean_s"]["local"] for p in results if p["blocking_mean_s"]["local"] is not None]
+    delta_block = statistics.fmean(deltas) if deltas else 0.0
+    saves = sum(p["save_events"] for p in results)
+    delta_eff = max(delta_block, sum(p["step_excess_s"] for p in results if p["save_events"]) / saves) \
+        if saves else delta_block
+    Rs = [x for p in results for x in p["restart_s"]]
+    Rw = [x for p in results for x in p["restart_warm_s"]]
+    R = statistics.fmean(Rw) if Rw else 0.0
+    opt = theoretical_optimum(delta_eff, args.mtbf, R)
+    opt["delta_blocking_s"] = delta_block
+    opt["R_first_step_s"] = statistics.fmean(Rs) if Rs else 0.0
+    opt["blocking_only"] = theoretical_optimum(delta_block, args.mtbf, opt["R_first_step_s"])
+    for p in results:  # the same optimum at the failure rate this policy's run actually saw
+        m_real = p["wall_s"] / p["failures"] if p["failures"] else float("inf")
+        p["M_realised_s"] = m_real
+        p["waste_opt_realised"] = theoretical_optimum(delta_eff, m_real, R)["waste_opt"] if p["failures"] else \
+            None
+    by = {p["policy"]: p for p in results}
+    # a failure-free run of the same steps is bitwise reproducible; compare the loss at the
+    # reference run's last step only when the reference went that far
+    ref_steps = 25
+    losses_equal = "n/a (reference shorter than the runs)" if args.steps != ref_steps else all(
+        p["final_loss"] == ref["final_loss"] for p in results if p["finished"])
+    finished_losses = {p["final_loss"] for p in results if p["finished"]}
+    if args.steps != ref_steps:
+        losses_equal = "all finished policies end on the same loss" if len(finished_losses) <= 1 else \
+            f"DIFFERENT final losses: {sorted(finished_losses)}"
+    verdict = {}
+    if "adaptive" in by:
+        a = by["adaptive"]["waste"]
+        verdict["adaptive_vs_optimum"] = a / opt["waste_opt"] if opt["waste_opt"] > 0 else float("nan")
+        verdict["near_optimum"] = verdict["adaptive_vs_optimum"] <= TARGET_VS_OPTIMUM
+        w_real = by["adaptive"].get("waste_opt_realised")
+        verdict["adaptive_vs_realised_optimum"] = a / w_real if w_real else None
+        if "torchtitan-default" in by:
+            verdict["beats_default"] = a < by["torchtitan-default"]["waste"]
+        if "fixed-local-10" in by:
+            verdict["adaptive_vs_fixed10"] = a / by["fixed-local-10"]["waste"]
+    verdict["losses_equal"] = losses_equal
+    warnings = []
+    few = [p["policy"] for p in results if p["failures"] < 3]
+    if few:
+        warnings.append(f"{', '.join(few)} saw fewer than 3 failures: this run measures mostly checkpoint "
+                        "overhead; use more steps or seeds for the comparison")
+    drift = {p["policy"]: p["quiet_step_s"] / ref["t_ref"] - 1.0 for p in results if p["quiet_step_s"]}
+    verdict["step_time_drift"] = drift
+    moved = {k: v for k, v in drift.items() if abs(v) > DRIFT_LIMIT}
+    if moved:
+        warnings.append("the step time without checkpoint work moved against t_ref ("
+                        + ", ".join(f"{k} {100 * v:+.0f} %" for k, v in moved.items())
+                        + "): the machine's load changed between phases; each waste is measured against the "
+                        "policy's own quiet step time, but δ and R are pooled across phases")
+    if warnings:
+        verdict["warning"] = "; ".join(warnings)
+    return {"args": vars(args), "t_ref": ref["t_ref"], "reference": ref, "optimum": opt,
+            "policies": results, "verdict": verdict, "elapsed_s": elapsed_s}
+
+
+def reanalyse(out: str) -> tuple[dict, str]:
+    """Recompute the report of an earlier run from its outputs (step logs, ledgers and the
+    kill times in ``out/report.json``) with this version's analysis. Returns (report, text)."""
+    with open(os.path.join(out, "report.json")) as f:
+        old = json.load(f)
+    args = argparse.Namespace(**old["args"])
+    t_ref = old["t_ref"]
+    results = []
+    for p in old["policies"]:
+        name = p["policy"]
+        recs = sorted(_read_steps(os.path.join(out, name, "metrics", "losses.jsonl")), key=lambda r: r["time"])
+        t_first = p.get("t_first") or (recs[0]["time"] - t_ref if recs else None)
+        fails = p.get("fails") or [{"time": t_first + ft} for ft in p["fail_times_s"]]
+        for f in fails:  # the last step logged before each kill
+            f.setdefault("last_step", max((r["step"] for r in recs if r["time"] < f["time"]), default=None))
+        results.append(analyse_policy(name, os.path.join(out, name), fails, t_first, p["finished"],
+                                      p["attempts"], args.steps, t_ref))
+    report = summarise(args, old["reference"], results, old.get("elapsed_s", float("nan")))
+    report["reanalysed_from"] = out
+    return report, render(report)
 
 
 def theoretical_optimum(delta: float, M: float, R: float) -> dict:
@@ -326,18 +453,24 @@ def render(report: dict) -> str:
         f"(≈ {opt['tau_opt_s'] / t_ref:.1f} steps), waste* = {100 * opt['waste_opt']:.1f} % "
         f"(with blocking-only δ and first-step R: {100 * opt['blocking_only']['waste_opt']:.1f} %)",
         "",
-        "| policy | finished | failures | checkpoints (local/persistent) | wall s | waste | vs optimum |",
-        "|---|---|---|---|---|---|---|",
+        "| policy | finished | failures | checkpoints (local/persistent) | quiet step s | wall s | waste | vs optimum "
+        "| vs optimum at its realised MTBF |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in report["policies"]:
         c = p["checkpoints"]
         vs = p["waste"] / opt["waste_opt"] if opt["waste_opt"] > 0 else float("nan")
         lines.append(f"| {p['policy']} | {'yes' if p['finished'] else 'no (cap; waste from committed step)'} | "
-                     f"{p['failures']} | {c['local']}/{c['persistent']} | {p['wall_s']:.0f} | "
-                     f"{100 * p['waste']:.1f} % | {vs:.2f}x |")
+                     f"{p['failures']} | {c['local']}/{c['persistent']} | "
+                     f"{p['t_step'] if p.get('t_step') else float('nan'):.3f} | {p['wall_s']:.0f} | "
+                     f"{100 * p['waste']:.1f} % | {vs:.2f}x | " + (
+                         f"{p['waste'] / p['waste_opt_realised']:.2f}x (M = {p['M_realised_s']:.0f} s) |"
+                         if p.get("waste_opt_realised") else "– (no failure) |"))
     v = report["verdict"]
     verdicts = [f"adaptive / optimum = {v['adaptive_vs_optimum']:.2f} (target ≤ {TARGET_VS_OPTIMUM}): "
                 f"{'PASS' if v['near_optimum'] else 'FAIL'}"]
+    if v.get("adaptive_vs_realised_optimum"):
+        verdicts.append(f"adaptive / optimum at its realised MTBF = {v['adaptive_vs_realised_optimum']:.2f}")
     if "beats_default" in v:
         verdicts.append(f"adaptive better than torchtitan-default: {'PASS' if v['beats_default'] else 'FAIL'}")
     if "adaptive_vs_fixed10" in v:
@@ -374,7 +507,22 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a first step")
     ap.add_argument("--out", default=os.path.join(REPO, "outputs", "bench-schedule"))
     ap.add_argument("--record", action="store_true", help="append the results to bench/RESULTS.md")
+    ap.add_argument("--reanalyse", metavar="OUT", default=None,
+                    help="recompute the report of an earlier run's output folder (no training); "
+                         "with --record, append it to bench/RESULTS.md")
     args = ap.parse_args(argv)
+    if args.reanalyse:
+        report, text = reanalyse(args.reanalyse)
+        with open(os.path.join(args.reanalyse, "report-reanalysed.json"), "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        print(text)
+        if args.record:
+            with open(RESULTS_MD, "a") as f:
+                f.write(f"\n### Re-analysis of {os.path.relpath(args.reanalyse, REPO)} (seed {report['args']['seed']}) — "
+                        f"{datetime.date.today()}\n\n`bench/bench_schedule.py --reanalyse "
+                        f"{os.path.relpath(args.reanalyse, REPO)}`\n\n{text}\n")
+        v = report["verdict"]
+        return 0 if v.get("near_optimum") and v.get("beats_default", True) else 1
     if not args.restart_prior >= 0:
         ap.error(f"--restart-prior must be >= 0 seconds, got {args.restart_prior}")
     for opt, v in (("--mtbf", args.mtbf), ("--cap", args.cap), ("--cap-default", args.cap_default),
@@ -409,47 +557,10 @@ def main(argv=None) -> int:
     finally:
         launcher.kill_live_jobs()
 
-    deltas = [p["blocking_mean_s"]["local"] for p in results if p["blocking_mean_s"]["local"] is not None]
-    delta_block = statistics.fmean(deltas) if deltas else 0.0
-    saves = sum(p["save_events"] for p in results)
-    delta_eff = max(delta_block, sum(p["step_excess_s"] for p in results if p["save_events"]) / saves) \
-        if saves else delta_block
-    Rs = [x for p in results for x in p["restart_s"]]
-    Rw = [x for p in results for x in p["restart_warm_s"]]
-    R = statistics.fmean(Rw) if Rw else 0.0
-    opt = theoretical_optimum(delta_eff, args.mtbf, R)
-    opt["delta_blocking_s"] = delta_block
-    opt["R_first_step_s"] = statistics.fmean(Rs) if Rs else 0.0
-    opt["blocking_only"] = theoretical_optimum(delta_block, args.mtbf, opt["R_first_step_s"])
-    by = {p["policy"]: p for p in results}
-    # a failure-free run of the same steps is bitwise reproducible; compare the loss at the
-    # reference run's last step only when the reference went that far
-    ref_steps = 25
-    losses_equal = "n/a (reference shorter than the runs)" if args.steps != ref_steps else all(
-        p["final_loss"] == ref["final_loss"] for p in results if p["finished"])
-    finished_losses = {p["final_loss"] for p in results if p["finished"]}
-    if args.steps != ref_steps:
-        losses_equal = "all finished policies end on the same loss" if len(finished_losses) <= 1 else \
-            f"DIFFERENT final losses: {sorted(finished_losses)}"
-    verdict = {}
-    if "adaptive" in by:
-        a = by["adaptive"]["waste"]
-        verdict["adaptive_vs_optimum"] = a / opt["waste_opt"] if opt["waste_opt"] > 0 else float("nan")
-        verdict["near_optimum"] = verdict["adaptive_vs_optimum"] <= TARGET_VS_OPTIMUM
-        if "torchtitan-default" in by:
-            verdict["beats_default"] = a < by["torchtitan-default"]["waste"]
-        if "fixed-local-10" in by:
-            verdict["adaptive_vs_fixed10"] = a / by["fixed-local-10"]["waste"]
-    verdict["losses_equal"] = losses_equal
-    few = [p["policy"] for p in results if p["failures"] < 3]
-    if few:
-        verdict["warning"] = (f"{', '.join(few)} saw fewer than 3 failures: this run measures mostly checkpoint "
-                              "overhead; use more steps or seeds for the comparison")
-    report = {"args": vars(args), "t_ref": ref["t_ref"], "reference": ref, "optimum": opt,
-              "policies": results, "verdict": verdict, "elapsed_s": time.time() - t0}
+    report = summarise(args, ref, results, time.time() - t0)
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
-    text = render(report) if "adaptive" in by else json.dumps(verdict)
+    text = render(report) if any(p["policy"] == "adaptive" for p in results) else json.dumps(report["verdict"])
     print(text)
     if args.record:
         cmd = "bench/bench_schedule.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
@@ -457,8 +568,8 @@ def main(argv=None) -> int:
             f.write(f"\n### Adaptive intervals under injected failures — {datetime.date.today()} "
                     f"({platform.machine()}, {os.cpu_count()} cores)\n\n`{cmd.strip()}` "
                     f"(seed {args.seed}, {time.time() - t0:.0f} s)\n\n{text}\n")
-    ok = verdict.get("near_optimum") and verdict.get("beats_default", True)
-    return 0 if ok else 1
+    verdict = report["verdict"]
+    return 0 if verdict.get("near_optimum") and verdict.get("beats_default", True) else 1
 
 
 if __name__ == "__main__":
