@@ -397,6 +397,10 @@ def summarise(args, ref: dict, results: list[dict], elapsed_s: float) -> dict:
                         + ", ".join(f"{k} {100 * v:+.0f} %" for k, v in moved.items())
                         + "): the machine's load changed between phases; each waste is measured against the "
                         "policy's own quiet step time, but δ and R are pooled across phases")
+    negative = [p["policy"] for p in results if p["waste"] < 0]
+    if negative:  # faster than failure-free training: the step time baseline is wrong
+        verdict["near_optimum"] = False
+        warnings.append(f"negative waste ({', '.join(negative)}): the step-time baseline is invalid; rerun")
     if warnings:
         verdict["warning"] = "; ".join(warnings)
     return {"args": vars(args), "t_ref": ref["t_ref"], "reference": ref, "optimum": opt,
