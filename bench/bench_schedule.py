@@ -377,6 +377,8 @@ def summarise(args, ref: dict, results: list[dict], elapsed_s: float) -> dict:
         a = by["adaptive"]["waste"]
         verdict["adaptive_vs_optimum"] = a / opt["waste_opt"] if opt["waste_opt"] > 0 else float("nan")
         verdict["near_optimum"] = verdict["adaptive_vs_optimum"] <= TARGET_VS_OPTIMUM
+        if by["adaptive"]["failures"] < 3:  # one realisation with 0-2 failures tests overhead only
+            verdict["near_optimum"] = None
         w_real = by["adaptive"].get("waste_opt_realised")
         verdict["adaptive_vs_realised_optimum"] = a / w_real if w_real else None
         if "torchtitan-default" in by:
@@ -472,7 +474,7 @@ def render(report: dict) -> str:
                          if p.get("waste_opt_realised") else "– (no failure) |"))
     v = report["verdict"]
     verdicts = [f"adaptive / optimum = {v['adaptive_vs_optimum']:.2f} (target ≤ {TARGET_VS_OPTIMUM}): "
-                f"{'PASS' if v['near_optimum'] else 'FAIL'}"]
+                f"{'INCONCLUSIVE (< 3 failures)' if v['near_optimum'] is None else 'PASS' if v['near_optimum'] else 'FAIL'}"]
     if v.get("adaptive_vs_realised_optimum"):
         verdicts.append(f"adaptive / optimum at its realised MTBF = {v['adaptive_vs_realised_optimum']:.2f}")
     if "beats_default" in v:
