@@ -523,12 +523,10 @@ def main(argv=None) -> int:
             json.dump(report, f, indent=2, default=str)
         print(text)
         if args.record:
-            with open(RESULTS_MD, "a") as f:
-                f.write(f"\n### Re-analysis of {os.path.relpath(args.reanalyse, REPO)} (seed {report['args']['seed']}) — "
-                        f"{datetime.date.today()}\n\n`bench/bench_schedule.py --reanalyse "
-                        f"{os.path.relpath(args.reanalyse, REPO)}`\n\n{text}\n")
-        v = report["verdict"]
-        return 0 if v.get("near_optimum") and v.get("beats_default", True) else 1
+            rel = os.path.relpath(args.reanalyse, REPO)
+            _record(f"Re-analysis of {rel} (seed {report['args']['seed']}) — {datetime.date.today()}",
+                    f"bench/bench_schedule.py --reanalyse {rel}", text)
+        return _exit_code(report["verdict"])
     if not args.restart_prior >= 0:
         ap.error(f"--restart-prior must be >= 0 seconds, got {args.restart_prior}")
     for opt, v in (("--mtbf", args.mtbf), ("--cap", args.cap), ("--cap-default", args.cap_default),
@@ -570,11 +568,20 @@ def main(argv=None) -> int:
     print(text)
     if args.record:
         cmd = "bench/bench_schedule.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-        with open(RESULTS_MD, "a") as f:
-            f.write(f"\n### Adaptive intervals under injected failures — {datetime.date.today()} "
-                    f"({platform.machine()}, {os.cpu_count()} cores)\n\n`{cmd.strip()}` "
-                    f"(seed {args.seed}, {time.time() - t0:.0f} s)\n\n{text}\n")
-    verdict = report["verdict"]
+        _record(f"Adaptive intervals under injected failures — {datetime.date.today()} "
+                f"({platform.machine()}, {os.cpu_count()} cores)",
+                cmd.strip(), text, note=f" (seed {args.seed}, {time.time() - t0:.0f} s)")
+    return _exit_code(report["verdict"])
+
+
+def _record(title: str, cmd: str, text: str, note: str = "") -> None:
+    """Append a report to bench/RESULTS.md: ``### title``, the command line, ``note``, ``text``."""
+    with open(RESULTS_MD, "a") as f:
+        f.write(f"\n### {title}\n\n`{cmd}`{note}\n\n{text}\n")
+
+
+def _exit_code(verdict: dict) -> int:
+    """0 when adaptive met the optimum target and beat the default (inconclusive counts as not)."""
     return 0 if verdict.get("near_optimum") and verdict.get("beats_default", True) else 1
 
 

@@ -51,57 +51,35 @@ _MEGATRON_FLAG = {
 }
 
 
-def _positive_int(flag: str):
-    def conv(text: str) -> int:
+def _number(flag: str, cast, what: str, ok, bound: str):
+    """argparse ``type=`` converter: ``cast(text)`` that ``ok(v)`` accepts, else an
+    ``ArgumentTypeError`` naming ``flag`` ("expected <what> <bound>")."""
+    def conv(text: str):
         try:
-            v = int(text)
+            v = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag}: expected an integer >= 1, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{flag}: expected an integer >= 1, got {v}")
+            raise argparse.ArgumentTypeError(f"{flag}: expected {what} {bound}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{flag}: expected {what} {bound}, got {v}")
         return v
 
     return conv
+
+
+def _positive_int(flag: str):
+    return _number(flag, int, "an integer", lambda v: v >= 1, ">= 1")
 
 
 def _nonneg_int(flag: str, zero_means: str):
-    def conv(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{flag}: expected an integer >= 0 ({zero_means}), got {text!r}") from None
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{flag}: expected an integer >= 0 ({zero_means}), got {v}")
-        return v
-
-    return conv
+    return _number(flag, int, "an integer", lambda v: v >= 0, f">= 0 ({zero_means})")
 
 
 def _positive_float(flag: str):
-    def conv(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag}: expected a number > 0, got {text!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"{flag}: expected a number > 0, got {v}")
-        return v
-
-    return conv
+    return _number(flag, float, "a number", lambda v: v > 0, "> 0")
 
 
 def _nonneg_float(flag: str, zero_means: str):
-    def conv(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag}: expected a number >= 0 ({zero_means}), got {text!r}") from None
-        if not 0 <= v < float("inf"):
-            raise argparse.ArgumentTypeError(f"{flag}: expected a finite number >= 0 ({zero_means}), got {v}")
-        return v
-
-    return conv
+    return _number(flag, float, "a finite number", lambda v: 0 <= v < float("inf"), f">= 0 ({zero_means})")
 
 
 def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
