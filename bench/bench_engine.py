@@ -205,7 +205,7 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
     warm = []
     for _ in range(eng.cfg.staging_buffers):  # allocate every staging buffer set
         dist.barrier()
-        warm.append(gather_max(eng.save(step, sd, tiers=["local"])))
+        warm.append(gather_max(eng.save(step, sd, tiers=["local"]).blocking_s))
         eng.wait()
         step += 1
     out["warmup_delta_s"] = warm
@@ -226,7 +226,7 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
         memcpys.append(memcpy_once())
         settle()
         t0 = time.perf_counter()
-        d = eng.save(step, sd, tiers=["local"])
+        d = eng.save(step, sd, tiers=["local"]).blocking_s
         wall = time.perf_counter() - t0
         deltas.append(gather_max(d))
         save_walls.append(gather_max(wall))

@@ -118,6 +118,10 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ckpt-plugin-adaptive", nargs="+", choices=TIERS, default=None, metavar="TIER",
                    help="Tiers whose interval follows Young/Daly from the measured blocking time and "
                         f"the MTBF estimate (choices: {', '.join(TIERS)}).")
+    g.add_argument("--ckpt-plugin-warn-only", nargs="+", choices=TIERS, default=None, metavar="TIER",
+                   help="Tiers whose failed background save is only logged and recorded in the ledger "
+                        "(default: local). A failed save of any other tier stops training at that tier's "
+                        "next save or at the end of training.")
     g.add_argument("--ckpt-plugin-gpu-mtbf-hours", type=_positive_float("--ckpt-plugin-gpu-mtbf-hours"),
                    default=None, metavar="HOURS",
                    help="Prior MTBF of one GPU for the adaptive scheduler (default: Llama 3's).")
@@ -190,6 +194,7 @@ class PluginSettings:
         notes: human-readable lines about values taken over from Megatron's flags.
         local_wait_timeout_s: seconds a local save waits for the previous one (None = the
             engine's default, 0 = no limit).
+        warn_only: tiers whose failed saves only warn (``TierConfig.warn_only``).
     """
 
     tiers: tuple[str, ...]
@@ -205,6 +210,7 @@ class PluginSettings:
     schedule_options: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     local_wait_timeout_s: float | None = None
+    warn_only: tuple[str, ...] = ("local",)
 
 
 # id(args) -> (weak reference to args, settings); Namespace is not hashable (it defines __eq__)
@@ -435,6 +441,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         simulated_ranks_per_node=int(args.ckpt_plugin_simulated_ranks_per_node or 0),
         schedule_options=schedule, notes=notes,
         local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout,
+        warn_only=tuple(getattr(args, "ckpt_plugin_warn_only", None) or ("local",)),
     )
     # The engine's own checks (template fields, keep values, adaptive ⊆ intervals) with the
     # flag names users typed.
@@ -458,6 +465,7 @@ _FIELD_TO_FLAG = {
     "adaptive": "--ckpt-plugin-adaptive",
     "simulated_ranks_per_node": "--ckpt-plugin-simulated-ranks-per-node",
     "local_wait_timeout_s": "--ckpt-plugin-local-wait-timeout",
+    "warn_only": "--ckpt-plugin-warn-only",
 }
 
 
@@ -478,6 +486,7 @@ def tier_config_from_settings(settings: PluginSettings, *, persistent_root: str)
         intervals=dict(settings.intervals),
         adaptive=settings.adaptive,
         schedule_options=dict(settings.schedule_options),
+        warn_only=settings.warn_only,
     )
 
 

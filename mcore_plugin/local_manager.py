@@ -124,7 +124,7 @@ class TieredLocalCheckpointManager:
         if not isinstance(state_dict, LocalStateDictHolder) or state_dict.state_dict is None:
             raise TypeError("TieredLocalCheckpointManager.save expects the LocalStateDictHolder made by "
                             "MCoreTensorAwareStateDict.from_state_dict with mcore_plugin installed")
-        delta = self.tiers.save(int(iteration), state_dict.state_dict, tiers=["local"])
+        delta = self.tiers.save(int(iteration), state_dict.state_dict, tiers=["local"]).blocking_s
         self.last_saved_step = int(iteration)
         self.latest_iteration = -1
         log.info("tierckpt local tier: step %d staged in %.3fs (writing in the background)", iteration, delta)

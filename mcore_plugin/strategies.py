@@ -93,6 +93,7 @@ from tierckpt.config import TierConfig, validate_tiers
 from tierckpt.dcp_io import crc32_off, digests_under, hashing_writer
 from tierckpt.engine import TieredCheckpointer
 from tierckpt.errors import ConfigError
+from tierckpt.handle import SaveHandle
 from tierckpt.persistent import CountingFileSystemReader, CountingFsspecReader, PersistentIO
 from tierckpt.planner import VerifyingLoadPlanner
 
@@ -452,6 +453,7 @@ class MegatronTiers:
         self.engine = TieredCheckpointer(config, node_id=node_id, persistent_io=MegatronPersistentIO())
         self.last_restore = None
         self.last_restore_format: str | None = None
+        self._handles: dict[int, SaveHandle] = {}
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -481,7 +483,7 @@ class MegatronTiers:
         return self.engine.persistent.store.url_of(layout.persistent_step(step))
 
     def save(self, step: int, state_dict: dict, *, tiers=None,
-             persistent_state_dict: dict | None = None) -> float:
+             persistent_state_dict: dict | None = None) -> SaveHandle:
         """Stage a Megatron state dict and write it to ``tiers`` in the background (collective).
 
         Args:
@@ -492,13 +494,15 @@ class MegatronTiers:
             tiers: subset of the configured tiers (default: :meth:`due`).
             persistent_state_dict: the same state built with the persistent optimizer format.
         Returns:
-            blocking time δ in seconds (the state may change once this returns).
+            :class:`tierckpt.handle.SaveHandle` (``blocking_s``: δ in seconds; the state may
+            change once this returns; one future per started tier).
         Raises:
             ConfigError: unknown or unconfigured tier.
+            TierFailedError: the previous save of a due tier failed (tiers outside warn_only).
         """
         tiers = self.due(step) if tiers is None else list(validate_tiers(tiers))
         if not tiers:
-            return 0.0
+            return SaveHandle(step, 0.0)
         parts = {"local": None, "persistent": None}
         base = split_state_dict(state_dict)
         for t in tiers:
@@ -506,9 +510,10 @@ class MegatronTiers:
                 t == "persistent" and persistent_state_dict is not None) else base
         return self.save_parts(step, {t: parts[t] for t in tiers})
 
-    def save_parts(self, step: int, parts: dict[str, tuple[dict, dict]]) -> float:
+    def save_parts(self, step: int, parts: dict[str, tuple[dict, dict]]) -> SaveHandle:
         """Like :meth:`save` with already split ``{tier: (sharded, common)}``; tiers sharing
-        the same parts object are staged once. Returns δ (seconds, summed over stagings)."""
+        the same parts object are staged once. Returns one handle for the step (δ summed over
+        stagings)."""
         groups: list[tuple[tuple, list[str]]] = []
         for t, p in parts.items():
             for g in groups:
@@ -517,15 +522,21 @@ class MegatronTiers:
                     break
             else:
                 groups.append((p, [t]))
-        delta = 0.0
+        handle = SaveHandle(step, 0.0)
         for (sharded, common), ts in groups:
             for t in ts:
                 fmt = optimizer_format(common)
                 if t == "persistent" and fmt not in (None, "fully_reshardable", "fully_sharded_model_space"):
                     log.warning("tierckpt mcore: persistent step %d holds the %s optimizer format; TP/PP "
                                 "changes on load need `tierckpt export-mcore`", step, fmt)
-            delta += self.engine.save(step, {_TOP: _Payload(_Staged(sharded, common))}, tiers=ts)
-        return delta
+            h = self.engine.save(step, {_TOP: _Payload(_Staged(sharded, common))}, tiers=ts)
+            handle.blocking_s += h.blocking_s
+            handle.futures.update(h.futures)
+            handle.skipped.update(h.skipped)
+        self._handles[step] = handle
+        while len(self._handles) > 8:  # outcome() is asked for the latest saves only
+            self._handles.pop(next(iter(self._handles)))
+        return handle
 
     def wait(self, tiers=None, *, step: int | None = None) -> dict[str, bool]:
         """Block until the background writes of ``tiers`` (default all; only those started at
@@ -534,13 +545,11 @@ class MegatronTiers:
         return self.engine.wait(tiers, step=step)
 
     def outcome(self, step: int, tiers) -> dict[str, bool | None]:
-        """{tier: True (committed) | False (failed) | None (no record)} of ``step``, from this
-        process's history; call after :meth:`wait`."""
-        out: dict[str, bool | None] = {t: None for t in tiers}
-        for rec in list(self.engine.history):
-            if rec.get("step") == step and rec.get("tier") in out:
-                out[rec["tier"]] = bool(rec.get("ok"))
-        return out
+        """{tier: True (committed) | False (failed or skipped) | None (not saved at ``step`` or
+        still running)} of one of the last 8 saves, from its :class:`SaveHandle`; call after
+        :meth:`wait`."""
+        got = self._handles[step].outcome() if step in self._handles else {}
+        return {t: got.get(t) for t in tiers}
 
     def restore(self, state_dict_fn: StateDictFn, step: int | None = None, *,
                 part: str = "all") -> dict | None:
@@ -710,7 +719,7 @@ class TieredSaveStrategy(TorchDistSaveShardedStrategy):
             else:
                 parts[t] = received
         done = os.path.join(tempfile.gettempdir(), f"tierckpt-mcore-{os.getpid()}-{uuid.uuid4().hex}.done")
-        self.last_delta = self.tiers.save_parts(step, parts) if parts else 0.0
+        self.last_delta = self.tiers.save_parts(step, parts).blocking_s if parts else 0.0
 
         def watch():
             try:

@@ -78,6 +78,11 @@ class TierConfig:
         schedule_options: extra :class:`tierckpt.schedule.Scheduler` arguments (``gpu_mtbf_s``,
             ``mtbf_weight``, ``min_steps``, ``max_steps``, ``min_s``, ``max_s``,
             ``restart_prior_s``, ``persistent_share``).
+        warn_only: tiers whose failed background save is only logged and recorded. A failed
+            save of any other tier raises :class:`~tierckpt.errors.TierFailedError` at that
+            tier's next ``save()`` and at a clean ``close()``. Default ``("local",)``: a
+            node-local failure degrades to the persistent tier, a persistent failure stops
+            the job before more work depends on it.
     """
 
     local_root: str | None = None
@@ -96,6 +101,7 @@ class TierConfig:
     intervals: dict[str, int] | None = None
     adaptive: tuple[str, ...] = ()
     schedule_options: dict = field(default_factory=dict)
+    warn_only: tuple[str, ...] = ("local",)
 
     def validate(self) -> "TierConfig":
         """Check every field; return ``self`` with normalised values.
@@ -145,6 +151,7 @@ class TierConfig:
                 if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                     raise ConfigError(f"intervals.{tier}", f"must be an integer number of steps >= 1, got {n!r}")
         self.adaptive = validate_tiers(self.adaptive, "adaptive")
+        self.warn_only = validate_tiers(self.warn_only, "warn_only")
         for tier in self.adaptive:
             if not self.intervals or tier not in self.intervals:
                 raise ConfigError("adaptive", f"tier {tier!r} needs an initial interval in intervals.{tier}")

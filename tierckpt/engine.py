@@ -16,6 +16,7 @@ persistent tier carry on. ``restore()`` runs in the foreground after all backgro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -33,10 +34,12 @@ from . import retention
 from .collectives import FAILURES, all_gather
 from .cadence import Cadence
 from .config import TierConfig, validate_tiers
-from .errors import ConfigError
+from .errors import ConfigError, TierFailedError
+from .handle import SaveHandle
 from .ledger import Ledger
 from .local_tier import LocalTier
 from .persistent import PersistentIO, PersistentTier
+from .records import CheckpointRecord
 from .replication import replicate
 from .restore import PERSISTENT, RestoreResult, Restorer
 from .staging import StagingPool, StagingSlot, resolve_stateful
@@ -119,6 +122,10 @@ class TieredCheckpointer:
         self._job_window: dict[str, tuple[float, float | None]] = {}
         self._lock = threading.Lock()
         self.history: list[dict] = []
+        # failure policy (TierConfig.warn_only): failed records not yet raised to the trainer
+        self._raised: set[tuple[str, int]] = set()
+        self._saved_any = False
+        self.persistent_committed: list[int] = []  # persistent steps committed by this run
         self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
                                  self.cfg.transfer_chunk_bytes)
         self._closed = False
@@ -195,7 +202,7 @@ class TieredCheckpointer:
         return prop
 
     # -- save ----------------------------------------------------------------------------------
-    def save(self, step: int, state_dict: dict, tiers: Iterable[str] | None = None) -> float:
+    def save(self, step: int, state_dict: dict, tiers: Iterable[str] | None = None) -> SaveHandle:
         """Stage ``state_dict`` and start writing it to ``tiers`` in the background.
 
         Collective: every rank calls it with the same ``step`` and ``tiers``. Returns once the
@@ -208,9 +215,13 @@ class TieredCheckpointer:
                 ``Stateful`` values).
             tiers: subset of the configured tiers (default: all configured).
         Returns:
-            blocking time δ of this call, seconds.
+            :class:`~tierckpt.handle.SaveHandle`: ``blocking_s`` (δ, seconds) and one future per
+            started tier resolving to its :class:`~tierckpt.records.CheckpointRecord`.
         Raises:
             ConfigError: unknown or unconfigured tier.
+            TierFailedError: the previous save of a due tier failed and that tier is not in
+                ``TierConfig.warn_only`` (same on every rank: the outcome is agreed). Nothing
+                is staged then; committed steps are untouched.
         """
         if self._closed:
             raise RuntimeError("TieredCheckpointer is closed")
@@ -219,16 +230,17 @@ class TieredCheckpointer:
             if t not in self.cfg.tiers:
                 raise ConfigError("tiers", f"tier {t!r} is not configured; configured: {', '.join(self.cfg.tiers)}")
         if not tiers:
-            return 0.0
+            return SaveHandle(step, 0.0)
         t0 = time.perf_counter()
-        skipped, t_skip = [], 0.0
+        skipped, t_skip, skip_recs = [], 0.0, {}
         for t in tiers:
             if t == "local":
-                ready, t_skip = self._local_ready(step)
+                ready, t_skip, skip_rec = self._local_ready(step)
                 if not ready:
                     skipped.append(t)
+                    skip_recs[t] = skip_rec
                     continue
-            self._wait_tier(t)
+            self._raise_if_failed(self._wait_tier(t))
             if self.cadence is not None:  # every rank reaches this at the same step
                 self.cadence.apply(self._pending_tau.pop(t, None))
         # a skipped local tier's wait is the local tier's cost: keep it out of the other tiers' δ
@@ -238,7 +250,7 @@ class TieredCheckpointer:
                 self.cadence.mark_saved(skipped, step)
             tiers = tuple(t for t in tiers if t not in skipped)
             if not tiers:
-                return time.perf_counter() - t0
+                return SaveHandle(step, time.perf_counter() - t0, skipped=skip_recs)
         slot = self.pool.acquire()
         try:
             staged = slot.stage(resolve_stateful(state_dict), users=len(tiers))
@@ -250,14 +262,38 @@ class TieredCheckpointer:
         delta = blocked - (t_skip if skipped else 0.0)
         if self.cadence is not None:
             self.cadence.mark_saved(tiers, step)
+        self._saved_any = True
+        futures = {}
         for t in tiers:
             job = self._local_job if t == "local" else self._persistent_job
             self._job_window[t] = (time.monotonic(), None)
-            self._pending[t] = self._workers[t].submit(self._guard, job, t, staged, step, delta, t_wait, slot)
+            futures[t] = self._pending[t] = self._workers[t].submit(
+                self._guard, job, t, staged, step, delta, t_wait, slot)
             self._pending_step[t] = step
-        return blocked
+        return SaveHandle(step, blocked, futures, skipped=skip_recs)
 
-    def _local_ready(self, step: int) -> tuple[bool, float]:
+    def _raise_if_failed(self, rec: CheckpointRecord | None) -> None:
+        """Raise a failed save of a tier outside ``warn_only`` once (records are agreed over
+        the tier's ranks, so every rank raises at the same call)."""
+        if rec is None or not rec.failed or rec.tier in self.cfg.warn_only:
+            return
+        if (rec.tier, rec.step) in self._raised:
+            return
+        self._raised.add((rec.tier, rec.step))
+        raise TierFailedError(rec.tier, rec.step, rec.error)
+
+    def unraised_failures(self) -> list[CheckpointRecord]:
+        """Failed, finished saves of tiers outside ``warn_only`` not yet raised (this rank's
+        view of the latest job of each tier; not collective)."""
+        out = []
+        for t, fut in self._pending.items():
+            if fut is not None and fut.done():
+                rec = fut.result()
+                if rec is not None and rec.failed and t not in self.cfg.warn_only and (t, rec.step) not in self._raised:
+                    out.append(rec)
+        return out
+
+    def _local_ready(self, step: int) -> tuple[bool, float, CheckpointRecord | None]:
         """Whether the local tier saves at ``step``, and the seconds spent deciding.
 
         Ready when its previous save finished on every rank within ``local_wait_timeout_s``
@@ -268,7 +304,7 @@ class TieredCheckpointer:
         node-local disk must not stall training."""
         fut, limit = self._pending.get("local"), self.cfg.local_wait_timeout_s
         if fut is None or not limit:
-            return True, 0.0  # _pending is set at the same step on every rank: no collective needed
+            return True, 0.0, None  # _pending is set at the same step on every rank: no collective needed
         t0 = time.perf_counter()
         try:
             fut.result(timeout=0.0 if fut is self._local_overdue else limit)
@@ -279,7 +315,7 @@ class TieredCheckpointer:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.groups.control)
         if int(flag.item()) == 1:
             self._local_overdue = None
-            return True, time.perf_counter() - t0
+            return True, time.perf_counter() - t0, None
         if not done:
             self._local_overdue = fut
         # where each rank's job is: the stuck disk is on the nodes still writing or deleting;
@@ -294,27 +330,28 @@ class TieredCheckpointer:
         error = (f"local save of step {prev} still running on node(s) {stuck} (local_wait_timeout_s = "
                  f"{limit:g}s); local tier skipped")
         log.warning("tierckpt: step %d: %s; training and the persistent tier continue", step, error)
-        rec = dict(tier="local", step=step, ok=False, skipped=True, error=error, stuck_nodes=stuck,
-                   blocking_s=waited, wait_s=waited, bytes=0, background_s=0.0)
+        rec = CheckpointRecord(tier="local", step=step, ok=False, skipped=True, error=error, stuck_nodes=stuck,
+                               blocking_s=waited, wait_s=waited)
         with self._lock:
-            self.history.append(rec)
-        self.ledger.append("checkpoint", **rec)
-        return False, waited
+            self.history.append(rec.as_ledger())
+        self.ledger.append("checkpoint", **rec.as_ledger())
+        return False, waited, rec
 
-    def _guard(self, job, tier, *args) -> None:
-        """Run a tier job; nothing a background job hits may reach (and kill) the trainer."""
+    def _guard(self, job, tier, staged, step, *args) -> CheckpointRecord:
+        """Run a tier job and return its record; nothing a background job hits may reach (and
+        kill) the trainer thread: failures become records, raised by the failure policy."""
         try:
-            job(*args)
+            return job(staged, step, *args)
         except BaseException as e:
             log.error("tierckpt: %s tier job failed unexpectedly: %s", tier, e, exc_info=True)
+            return CheckpointRecord(tier=tier, step=step, ok=False, error=f"{type(e).__name__}: {e}")
 
-    def _wait_tier(self, tier: str) -> None:
+    def _wait_tier(self, tier: str) -> CheckpointRecord | None:
         fut = self._pending.get(tier)
-        if fut is not None:
-            fut.result()  # _guard never raises; failures were logged and recorded
+        return fut.result() if fut is not None else None  # _guard never raises
 
     def wait(self, tiers: Iterable[str] | None = None, *, step: int | None = None,
-             bounded: bool = True) -> dict[str, bool]:
+             bounded: bool = True, raise_failures: bool = False) -> dict[str, bool]:
         """Block until the background work of ``tiers`` (default: all) is finished.
 
         Args:
@@ -324,8 +361,11 @@ class TieredCheckpointer:
                 best effort: a hung node-local disk must not hold back the trainer or the
                 persistent tier's commit). False waits without limit: needed before the
                 trainer thread runs collectives on the local tier's group (restore).
+            raise_failures: raise the first failed save of a tier outside ``warn_only`` (once).
         Returns:
             ``{tier: finished}`` for the tiers waited for.
+        Raises:
+            TierFailedError: with ``raise_failures``, as described.
         """
         out = {}
         for t in (self.cfg.tiers if tiers is None else validate_tiers(tiers)):
@@ -341,6 +381,9 @@ class TieredCheckpointer:
                 out[t] = False
                 log.warning("tierckpt: the local save of step %s is still running after %gs "
                             "(local_wait_timeout_s); not waiting for it", self._pending_step.get(t), limit)
+        if raise_failures:
+            for rec in self.unraised_failures():
+                self._raise_if_failed(rec)
         return out
 
     def _record(self, tier, step, ok, error, delta, t_wait, nbytes, background_s, extra=None):
@@ -349,27 +392,46 @@ class TieredCheckpointer:
         if tier in self._job_window:
             self._job_window[tier] = (self._job_window[tier][0], time.monotonic())
         parts = all_gather((ok, error, nbytes, background_s, delta), group)
-        rec = dict(
+        rec = CheckpointRecord(
             tier=tier, step=step, ok=all(p[0] for p in parts),
             error=next((p[1] for p in parts if p[1]), None),
             blocking_s=max(p[4] for p in parts), wait_s=t_wait,
             bytes=sum(p[2] for p in parts), background_s=max(p[3] for p in parts), **(extra or {}),
+            interference_s=self.cadence.take_interference(tier) if self.cadence is not None else None,
         )
-        if self.cadence is not None:
-            rec["interference_s"] = self.cadence.take_interference(tier)  # None off rank 0
+        if tier == "persistent":
+            rec = self._ledger_checkpoint_strict(rec, group)
+        else:
+            self.ledger.append("checkpoint", **rec.as_ledger())
         with self._lock:
-            self.history.append(rec)
-            if tier == "local" and rec["ok"] and (self.local_anchor is None or step > self.local_anchor):
+            self.history.append(rec.as_ledger())
+            if tier == "local" and rec.ok and (self.local_anchor is None or step > self.local_anchor):
                 self.local_anchor = step
-        self.ledger.append("checkpoint", **rec)
+            if tier == "persistent" and rec.ok:
+                self.persistent_committed.append(step)
         if self.cadence is not None:
-            if rec["ok"]:
-                self.cadence.observe_checkpoint(tier, rec["blocking_s"], rec["background_s"], rec["interference_s"])
+            if rec.ok:
+                self.cadence.observe_checkpoint(tier, rec.blocking_s, rec.background_s, rec.interference_s)
             # M grows with failure-free exposure: re-read the ledger's evidence each time
             self._pending_tau[tier] = self._share_schedule(group, "checkpoint", refresh_ledger=True, step=step)
         return rec
 
-    def _local_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> None:
+    def _ledger_checkpoint_strict(self, rec: CheckpointRecord, group) -> CheckpointRecord:
+        """Append a persistent ``checkpoint`` record; a ledger that cannot be written fails
+        the persistent save on every rank (collective over ``group``): the ledger is how
+        restarts learn MTBF and how a user audits what is durable."""
+        err = None
+        try:
+            self.ledger.append("checkpoint", strict=True, **rec.as_ledger())
+        except OSError as e:
+            err = f"ledger {self.ledger.store.url_of('tierckpt-ledger.jsonl')}: {type(e).__name__}: {e}"
+        err = next((e for e in all_gather(err, group) if e), None)
+        if err is None:
+            return rec
+        log.error("tierckpt: persistent step %d: the ledger could not be written: %s", rec.step, err)
+        return dataclasses.replace(rec, ok=False, error=(rec.error + "; " if rec.error else "") + err)
+
+    def _local_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> CheckpointRecord:
         t0 = time.perf_counter()
         key = f"local:local/step-{step}"
         self.in_use.hold(key)
@@ -384,7 +446,7 @@ class TieredCheckpointer:
                             "the persistent tier still saves: %s", step, self.topo.node, error)
         finally:
             slot.release()
-        rep = None
+        rep, rec = None, None
         self._local_phase = "replicate"
         try:
             rep = replicate(self.local.store, self.topo, self.groups.local_world, self.groups.node,
@@ -395,11 +457,13 @@ class TieredCheckpointer:
         bg = time.perf_counter() - t0
         self._local_phase = "record"
         try:
-            self._record("local", step, ok, error, delta, t_wait,
-                         nbytes if self.topo.is_node_leader else 0, bg,
-                         extra={"replicas_failed": (rep.failed if rep else "replication error")} if (rep is None or rep.failed) else None)
+            rec = self._record("local", step, ok, error, delta, t_wait,
+                               nbytes if self.topo.is_node_leader else 0, bg,
+                               extra={"replicas_failed": (rep.failed if rep else "replication error")} if (rep is None or rep.failed) else None)
         except Exception as e:
             log.warning("tierckpt: could not record local step %d: %s", step, e)
+            rec = CheckpointRecord(tier="local", step=step, ok=False, error=f"stats exchange failed: {e}",
+                                   blocking_s=delta, wait_s=t_wait, background_s=bg)
         self._local_phase = "retention"
         try:
             if self.topo.is_node_leader:
@@ -409,8 +473,9 @@ class TieredCheckpointer:
         except Exception as e:
             log.warning("tierckpt: local retention failed: %s", e)
         self._local_phase = "done"
+        return rec
 
-    def _persistent_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> None:
+    def _persistent_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> CheckpointRecord:
         t0 = time.perf_counter()
         key = f"persistent:step-{step}"
         self.in_use.hold(key)
@@ -424,15 +489,19 @@ class TieredCheckpointer:
             slot.release()
             self.in_use.drop(key)
         try:
-            self._record("persistent", step, ok, error, delta, t_wait,
-                         nbytes if self.topo.rank == 0 else 0, time.perf_counter() - t0)
+            rec = self._record("persistent", step, ok, error, delta, t_wait,
+                               nbytes if self.topo.rank == 0 else 0, time.perf_counter() - t0)
         except Exception as e:
-            log.warning("tierckpt: could not record persistent step %d: %s", step, e)
+            # without agreed stats no rank may report this step as committed
+            log.error("tierckpt: could not record persistent step %d: %s", step, e)
+            rec = CheckpointRecord(tier="persistent", step=step, ok=False, error=f"stats exchange failed: {e}",
+                                   blocking_s=delta, wait_s=t_wait, background_s=time.perf_counter() - t0)
         try:
             if self.topo.rank == 0:
                 retention.purge_persistent(self.persistent.store, self.cfg.keep_latest_k["persistent"], self.in_use)
         except Exception as e:
             log.warning("tierckpt: persistent retention failed: %s", e)
+        return rec
 
     # -- restore -------------------------------------------------------------------------------
     def restore(self, state_dict: dict, step: int | None = None) -> RestoreResult | None:
@@ -513,6 +582,16 @@ class TieredCheckpointer:
         ``clean=False`` records a failed run (the MTBF estimator counts it as a failure). A local
         save still running after ``local_wait_timeout_s`` is abandoned (left uncommitted, noted
         as ``stuck_tiers`` in the ledger's ``run_end``) instead of blocking the trainer's exit.
+        The ``run_end`` record is ``clean`` only when ``clean`` was asked for, no save of a tier
+        outside ``warn_only`` failed unraised, and — when the run saved anything and the
+        persistent tier is configured — a persistent step committed in this run
+        (``durable_step``).
+
+        Raises:
+            TierFailedError: with ``clean=True``, after everything is closed, when a save of a
+                tier outside ``warn_only`` failed and was not raised yet (the end of training
+                must not look successful when its last checkpoint is not durable).
+            OSError: with ``clean=True``, the ledger's ``run_end`` could not be written.
         """
         if self._closed:
             return
@@ -524,12 +603,31 @@ class TieredCheckpointer:
                       self.cfg.local_wait_timeout_s)
         for t, w in self._workers.items():
             w.shutdown(wait=t not in stuck)
+        failed = self.unraised_failures()
+        durable = max(self.persistent_committed) if self.persistent_committed else None
+        not_durable = self._saved_any and "persistent" in self.cfg.tiers and durable is None
+        if not_durable:
+            log.error("tierckpt: this run saved checkpoints but committed no persistent step: its "
+                      "progress lives only on node-local disks")
         extra = {"stuck_tiers": stuck} if stuck else {}
-        self.ledger.append("run_end", clean=bool(clean), exposure_s=time.time() - self._t_start, reason=reason,
-                           **extra)
+        if failed:
+            extra["failures"] = [{"tier": r.tier, "step": r.step, "error": r.error} for r in failed]
+        ledger_error = None
+        try:
+            self.ledger.append("run_end", strict="persistent" in self.cfg.tiers,
+                               clean=bool(clean) and not failed and not not_durable,
+                               exposure_s=time.time() - self._t_start, reason=reason,
+                               durable_step=durable, **extra)
+        except OSError as e:
+            ledger_error = e
+            log.error("tierckpt: could not write the ledger's run_end: %s", e)
         if not stuck:  # a stuck job may still read its staged buffers: leak them rather than free
             self.pool.close()
         self._closed = True
+        if clean and failed:
+            self._raise_if_failed(failed[0])
+        if clean and ledger_error is not None:
+            raise ledger_error
 
     def __enter__(self):
         return self

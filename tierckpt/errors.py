@@ -1,7 +1,11 @@
-"""Exception types raised by tierckpt."""
+"""Exception types raised by tierckpt (all derive from :class:`TierckptError`)."""
 
 
-class ConfigError(ValueError):
+class TierckptError(Exception):
+    """Base class of every error tierckpt raises on purpose."""
+
+
+class ConfigError(TierckptError, ValueError):
     """An option has a value tierckpt cannot use.
 
     The message always names the option (e.g. ``replication_factor``) and the allowed values,
@@ -13,9 +17,26 @@ class ConfigError(ValueError):
         super().__init__(f"{option}: {message}")
 
 
-class VerificationError(RuntimeError):
+class VerificationError(TierckptError, RuntimeError):
     """A checkpoint's bytes do not match its manifest (size or xxhash), or it has no manifest."""
 
 
-class NoCheckpointError(RuntimeError):
+class NoCheckpointError(TierckptError, RuntimeError):
     """Committed checkpoints exist, but none of them could be restored from any source."""
+
+
+class TierFailedError(TierckptError, RuntimeError):
+    """A tier's background save failed and the tier is not ``warn_only``: raised by the next
+    ``save()`` of that tier, by ``wait(raise_failures=True)`` and by a clean ``close()``.
+
+    Attributes:
+        tier: the tier (``"local"`` or ``"persistent"``).
+        step: the step whose save failed.
+        cause: the first error any rank reported (e.g. ``"OSError: [Errno 28] No space left"``).
+    """
+
+    def __init__(self, tier: str, step: int, cause: str | None):
+        self.tier, self.step, self.cause = tier, step, cause
+        super().__init__(f"tierckpt: the {tier} tier's save of step {step} failed: {cause or 'unknown error'} "
+                         f"(nothing of step {step} was committed to the {tier} tier; earlier committed steps "
+                         f"are intact; add {tier!r} to warn_only to let training continue without it)")

@@ -59,9 +59,15 @@ class Ledger:
         self._base: list[dict] | None = None
         self._appended: list[dict] = []
 
-    def append(self, kind: str, **fields) -> dict:
-        """Append one record (only when enabled). Returns the record. I/O errors are logged,
-        never raised: the ledger must not stop training."""
+    def append(self, kind: str, *, strict: bool = False, **fields) -> dict:
+        """Append one record (only when enabled). Returns the record.
+
+        Args:
+            strict: raise I/O errors (the persistent tier's records and ``run_end``: the
+                ledger is the record of what is durable). Otherwise they are logged.
+        Raises:
+            OSError: ``strict`` and the append failed.
+        """
         rec = {"kind": kind, "time": time.time(), "run_id": self.run_id, "job": self.job, **fields}
         if not self.enabled:
             return rec
@@ -72,6 +78,8 @@ class Ledger:
             try:
                 self._append_line(line)
             except OSError as e:
+                if strict:
+                    raise
                 log.warning("tierckpt ledger: could not append to %s: %s", self.store.url_of(LEDGER), e)
         return rec
 

@@ -87,6 +87,7 @@ def tier_config(config: "TieredCheckpointManager.Config", persistent_folder: str
         else {"persistent": config.interval},
         adaptive=tuple(t for t in config.adaptive if t in tiers), schedule_options=sched,
         local_wait_timeout_s=float(config.local_wait_timeout_s),
+        warn_only=tuple(t for t in config.warn_only_tiers if t in tiers),
     )
     return tcfg
 
@@ -143,6 +144,11 @@ class TieredCheckpointManager(CheckpointManager):
         """Restart + restore time R (seconds) the adaptive scheduler assumes until it has seen a
         restore (0 = 300 s). Set it to the launcher's requeue latency plus a restore."""
 
+        warn_only_tiers: list[str] = field(default_factory=lambda: ["local"])
+        """Tiers whose failed background save is only logged and recorded ("local",
+        "persistent"). A failed save of any other tier stops training at that tier's next save,
+        or fails the end of training (non-zero exit naming the tier, step and cause)."""
+
         min_interval_steps: int = 1
         """Lower bound of adaptive intervals, steps."""
 
@@ -159,9 +165,10 @@ class TieredCheckpointManager(CheckpointManager):
                 v = getattr(self, name)
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise ConfigError(f"checkpoint.{name}", f"must be an integer >= 1, got {v!r}")
-            for t in self.adaptive:
-                if t not in ("local", "persistent"):
-                    raise ConfigError("checkpoint.adaptive", f"unknown tier {t!r}; allowed: local, persistent")
+            for opt in ("adaptive", "warn_only_tiers"):
+                for t in getattr(self, opt):
+                    if t not in ("local", "persistent"):
+                        raise ConfigError(f"checkpoint.{opt}", f"unknown tier {t!r}; allowed: local, persistent")
             if self.gpu_mtbf_hours < 0:
                 raise ConfigError("checkpoint.gpu_mtbf_hours", f"must be >= 0 (0 = Llama 3 prior), got {self.gpu_mtbf_hours!r}")
             if isinstance(self.local_wait_timeout_s, bool) or not isinstance(self.local_wait_timeout_s, (int, float)) \
@@ -248,8 +255,9 @@ class TieredCheckpointManager(CheckpointManager):
             tiers.remove("persistent")  # torchtitan's export writes step-N there instead
         saved = False
         if tiers:
-            delta = self.engine.save(curr_step, self._flattened_model_states_sd(), tiers=tiers)
-            log.info("tierckpt: step %d staged for %s in %.3fs", curr_step, "+".join(tiers), delta)
+            # raises TierFailedError when a due tier's previous save failed (not warn-only)
+            handle = self.engine.save(curr_step, self._flattened_model_states_sd(), tiers=tiers)
+            log.info("tierckpt: step %d staged for %s in %.3fs", curr_step, "+".join(tiers), handle.blocking_s)
             saved = True
         if last_step and self.last_save_model_only:
             self.engine.wait()
@@ -293,5 +301,9 @@ class TieredCheckpointManager(CheckpointManager):
             # torchtitan's train.main closes the trainer inside ``except Exception`` on a
             # crash: record that run as unclean so the MTBF estimate counts it.
             exc = sys.exc_info()[1]
-            self.engine.close(clean=exc is None, reason=repr(exc) if exc else "")
+            try:  # a clean close raises when a background save failed (TierFailedError)
+                self.engine.close(clean=exc is None, reason=repr(exc) if exc else "")
+            finally:
+                super()._close()
+            return
         super()._close()

@@ -3,7 +3,8 @@
 Parses and validates the whole configuration (:mod:`titan_plugin.toml`) before any process
 group exists, applies the CPU compatibility patches when no accelerator is present, then runs
 torchtitan's trainer exactly as ``torchtitan.train.main`` does. Exit status 2 on a
-configuration error (the message names the key and the allowed values).
+configuration error (the message names the key and the allowed values); exit status 1 when
+a checkpoint tier's save failed (the message names the tier, the step and the cause).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tierckpt.errors import ConfigError
+from tierckpt.errors import ConfigError, TierFailedError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # checks that need the process group (node count, writable roots)
         print(f"titan_plugin.train: error: {e}", file=sys.stderr)
         return 2
+    except TierFailedError as e:  # a checkpoint tier failed: the run's progress is not durable
+        print(f"titan_plugin.train: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
