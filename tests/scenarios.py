@@ -584,3 +584,85 @@ def phase_hung_local_exit(rank, world, base, limit):
     eng.close()
     return {"close_s": _time.perf_counter() - t0,
             "persistent": [(h["tier"], h["step"], h["ok"]) for h in eng.history]}
+
+
+# --------------------------------------------------------------------------------- resume contract
+class _FailingPersistentIO:
+    """PersistentIO whose saves of ``fail_steps`` hit ENOSPC on every rank (a full shared
+    file system), the rest write normally."""
+
+    def __init__(self, fail_steps):
+        from tierckpt.persistent import PersistentIO
+
+        self.io, self.fail_steps, self.step = PersistentIO(), set(fail_steps), None
+
+    def save(self, state_dict, url, process_group):
+        import errno
+
+        if int(url.rstrip("/").rsplit("step-", 1)[1]) in self.fail_steps:
+            raise OSError(errno.ENOSPC, "No space left on device", url)
+        return self.io.save(state_dict, url, process_group)
+
+    def load(self, state_dict, url, process_group):
+        return self.io.load(state_dict, url, process_group)
+
+
+def _run_end(base: str, sub: str) -> dict:
+    from tierckpt.ledger import Ledger
+    from tierckpt.storage import Store
+
+    return [r for r in Ledger.read(Store(os.path.join(base, sub, "pfs"))) if r["kind"] == "run_end"][-1]
+
+
+def phase_background_failure_policy(rank, world, base):
+    """A failed persistent save reaches the trainer: the next persistent save raises
+    TierFailedError on every rank (once), a clean close raises when the failure was not raised
+    yet, ``warn_only`` only records it, and ``run_end`` is clean only with a durable step."""
+    from tierckpt.errors import TierFailedError
+
+    model, opt = build(seed=0)
+    out = {}
+    # (a) failure raised at the tier's next save, once; later saves go on
+    b = os.path.join(base, "a")
+    eng = TieredCheckpointer(make_config(b), node_id=rank, persistent_io=_FailingPersistentIO({2}))
+    for s in (1, 2):
+        train_step(model, opt, s, rank)
+        h = eng.save(s, app_state(model, opt))
+    recs = h.wait(timeout=120)
+    out["a_step2"] = {t: (r.ok, r.error) for t, r in recs.items()}
+    try:
+        eng.save(3, app_state(model, opt))
+        out["a_raised"] = None
+    except TierFailedError as e:
+        out["a_raised"] = (e.tier, e.step, e.cause)
+    out["a_retry_tiers"] = list(eng.save(3, app_state(model, opt)).wait(timeout=120))
+    eng.close()
+    out["a_committed"] = eng.persistent.committed_steps()
+    # (b) the last save failed: a clean close raises after closing everything
+    b = os.path.join(base, "b")
+    eng = TieredCheckpointer(make_config(b), node_id=rank, persistent_io=_FailingPersistentIO({1}))
+    eng.save(1, app_state(model, opt))
+    try:
+        eng.close()
+        out["b_raised"] = None
+    except TierFailedError as e:
+        out["b_raised"] = (e.tier, e.step)
+    dist.barrier()
+    out["b_run_end"] = _run_end(base, "b")
+    # (c) warn_only: recorded, never raised; a later durable step makes the run clean
+    b = os.path.join(base, "c")
+    eng = TieredCheckpointer(make_config(b, warn_only=("local", "persistent")), node_id=rank,
+                             persistent_io=_FailingPersistentIO({1}))
+    eng.save(1, app_state(model, opt))
+    eng.save(2, app_state(model, opt))
+    eng.close()
+    dist.barrier()
+    out["c_run_end"] = _run_end(base, "c")
+    # (d) only local saves in the run: nothing durable, run_end is not clean
+    b = os.path.join(base, "d")
+    eng = TieredCheckpointer(make_config(b), node_id=rank)
+    eng.save(1, app_state(model, opt), tiers=["local"])
+    eng.close()
+    dist.barrier()
+    out["d_run_end"] = _run_end(base, "d")
+    return out

@@ -151,3 +151,18 @@ def test_close_gives_up_on_a_local_save_that_never_returns_and_the_process_exits
     assert limit - 0.5 < r.value["close_s"] < limit + 5.0, r.value
     assert ("persistent", 1, True) in r.value["persistent"], r.value  # the persistent tier committed
     assert r.exitcode == 0
+
+
+def test_background_persistent_failure_reaches_the_trainer(tmp_path):
+    res = run_world(scenarios.phase_background_failure_policy, 2, str(tmp_path))
+    for r in res:
+        v = r.value
+        assert v["a_step2"]["local"] == (True, None), v
+        assert v["a_step2"]["persistent"][0] is False and "No space left" in v["a_step2"]["persistent"][1], v
+        assert v["a_raised"][:2] == ("persistent", 2) and "No space left" in v["a_raised"][2], v
+        assert v["a_retry_tiers"] == ["local", "persistent"] and v["a_committed"] == [1, 3], v
+        assert v["b_raised"] == ("persistent", 1), v
+        assert v["b_run_end"]["clean"] is False and v["b_run_end"]["durable_step"] is None, v
+        assert v["b_run_end"]["failures"][0]["step"] == 1, v
+        assert v["c_run_end"]["clean"] is True and v["c_run_end"]["durable_step"] == 2, v
+        assert v["d_run_end"]["clean"] is False and v["d_run_end"]["durable_step"] is None, v

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -441,7 +442,7 @@ class TieredCheckpointer:
             try:
                 nbytes = self.local.save(staged, step)
             except FAILURES as e:  # degrade: the persistent tier and training go on
-                ok, error = False, f"{type(e).__name__}: {e}"
+                ok, error = False, describe_failure(e, self.local.store)
                 log.warning("tierckpt: local tier save of step %d failed on node %d; training continues, "
                             "the persistent tier still saves: %s", step, self.topo.node, error)
         finally:
@@ -483,7 +484,7 @@ class TieredCheckpointer:
         try:
             nbytes = self.persistent.save(staged, step, self.groups.persistent_world)
         except FAILURES as e:
-            ok, error = False, f"{type(e).__name__}: {e}"
+            ok, error = False, describe_failure(e, self.persistent.store)
             log.error("tierckpt: persistent save of step %d failed: %s", step, error)
         finally:
             slot.release()
@@ -634,6 +635,24 @@ class TieredCheckpointer:
 
     def __exit__(self, exc_type, exc, tb):
         self.close(clean=exc_type is None, reason=repr(exc) if exc else "")
+
+
+def describe_failure(e: BaseException, store: Store) -> str:
+    """One line naming a failed save's cause: DCP's per-rank failures unpacked, and a full
+    file system named (torch's writers can turn ENOSPC into an unrelated-looking error)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        msg = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(failures.items()))
+    else:
+        msg = f"{type(e).__name__}: {e}"
+    if store.local:
+        try:
+            du = shutil.disk_usage(store.path(""))
+            if du.free < max(1 << 20, du.total // 100):
+                msg += f" [{store.url}: No space left on device: {du.free} of {du.total} bytes free]"
+        except OSError:
+            pass
+    return msg[:2000]
 
 
 def _check_shared(store: Store, run_id: str, rank: int, group) -> None:
