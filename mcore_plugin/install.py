@@ -415,9 +415,20 @@ def _install_training_hooks(rt: Runtime) -> None:
         args.save_interval = iteration if "persistent" in due else away
         args.non_persistent_save_interval = iteration if due == ["local"] else None
         try:
-            return orig_decide(model, optimizer, opt_param_scheduler, iteration, *a, **kw)
+            exiting = orig_decide(model, optimizer, opt_param_scheduler, iteration, *a, **kw)
         finally:
             args.save_interval, args.non_persistent_save_interval = saved
+        try:
+            if exiting and args.save and rt.persistent_saved_step != iteration:
+                # A planned exit (--exit-interval, --exit-duration-in-mins, --exit-signal-handler)
+                # right after a local-only save: Megatron counts that save and skips its exit
+                # save, leaving the state on node-local disks only. Every planned exit must
+                # leave a committed persistent step (the requeued job may land on fresh nodes).
+                # The decision is the same on every rank (Megatron agreed on `exiting`).
+                log.info("tierckpt: planned exit at iteration %d: writing the persistent tier", iteration)
+                _save_persistent_now(tr, model, optimizer, opt_param_scheduler, iteration, a, kw)
+            return exiting
+        finally:
             _log_schedule(rt, iteration)
             rt.last_step_end = time.monotonic()
 
@@ -529,6 +540,18 @@ class _WithPersistent:
 
     def __getattr__(self, name):
         return getattr(self._tiers, name)
+
+
+def _save_persistent_now(tr, model, optimizer, opt_param_scheduler, iteration: int, a: tuple, kw: dict) -> None:
+    """Megatron's own persistent save of ``iteration`` (``save_checkpoint_and_time``, which
+    routes through the plugin's strategy and returns once the step is committed), with the
+    remaining ``checkpoint_and_decide_exit`` arguments (``num_floating_point_operations_so_far``,
+    ``checkpointing_context``, ``train_data_iterator``; the same in 0.16 and 0.19)."""
+    rest = dict(zip(("num_floating_point_operations_so_far", "checkpointing_context", "train_data_iterator"), a))
+    rest.update(kw)
+    tr.save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
+                                rest["num_floating_point_operations_so_far"], rest["checkpointing_context"],
+                                train_data_iterator=rest.get("train_data_iterator"))
 
 
 def _log_schedule(rt: Runtime, iteration: int) -> None:

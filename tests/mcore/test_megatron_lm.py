@@ -311,3 +311,26 @@ def test_pretrain_gpt_persistent_tier_only(reference, tmp_path):
     n = _check_final_state(ref, run)
     print(f"\nMegatron-LM {major_minor}: persistent tier only, resumed at 20 through Megatron's tracker path; "
           f"{n} tensors bitwise equal at step {ITERS}")
+
+
+def test_pretrain_gpt_planned_exit_after_a_local_only_save_is_durable(reference, tmp_path):
+    """Issue 14, item 5: local every 2, persistent every 20, ``--exit-interval 6``: Megatron's
+    exit follows a local-only save at 6 (which it counts as its exit save). The plugin still
+    commits persistent step 6 before the exit, so a requeue onto fresh nodes (every local root
+    wiped) resumes at 6 from the persistent tier, with the reference's losses."""
+    ref, ref_losses, _ = reference
+    run = tmp_path / "run"
+    run.mkdir()
+    _wait(_start(run, "attempt1", extra=["--exit-interval", "6"]))
+    recs = _ledger(run)
+    assert 6 in _committed(recs, "persistent"), _committed(recs, "persistent")
+    ends = [r for r in recs if r.get("kind") == "run_end"]
+    assert ends and ends[-1]["clean"] is True and ends[-1]["durable_step"] == 6, ends
+    shutil.rmtree(run / "local")
+    _wait(_start(run, "attempt2"))
+    restores = _restores_of_last_run(run)
+    # (a persistent-only resume of Megatron-LM restores in both of its load passes)
+    assert restores and {r["step"] for r in restores} == {6}, restores
+    assert {v["source"] for r in restores for v in r["sources"].values()} == {"persistent"}, restores
+    _check_resumed(ref_losses, run / "attempt2.rank1.log", 6)
+    _check_final_state(ref, run)
