@@ -14,7 +14,11 @@ The trainer keeps calling ``load``, ``maybe_wait_for_staging``, ``save(step, las
   before its copy is taken and ``maybe_wait_for_staging`` has nothing to wait for;
 - ``load`` restores from the best committed source (own local > peer replica > persistent);
   only steps with a tierckpt commit marker are resume points, so torchtitan's final
-  model-only export (``last_save_model_only``) can never be picked up as a full resume state.
+  model-only export (``last_save_model_only``) can never be picked up as a full resume state;
+- the last step is a planned exit: every tier saves it and training ends only once the
+  persistent step is committed (a failure exits non-zero). With ``last_save_model_only`` the
+  model-only export goes to ``<folder>/step-N`` as stock torchtitan's; when the persistent
+  tier shares that folder, the committed full step-N (fp32) is the export.
   With no committed step anywhere it falls back to torchtitan's own initial-load logic
   (``initial_load_path``, HF assets).
 """
@@ -22,6 +26,7 @@ The trainer keeps calling ``load``, ``maybe_wait_for_staging``, ``save(step, las
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -57,6 +62,18 @@ class TitanPersistentIO(PersistentIO):
         with crc32_off():
             dcp.save(state_dict, storage_writer=writer, process_group=process_group)
         return digests_under(writer, url)
+
+
+_EXPORT_CLASH = ("the last step's model-only export (last_save_in_hf or export_dtype {dtype}) would take "
+                 "{folder}/step-N, where the persistent tier commits the run's final full state; set "
+                 "checkpoint.persistent_folder to another directory (or last_save_model_only = false, or "
+                 "export_dtype = float32 without HF)")
+
+
+def _same_dir(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def tier_config(config: "TieredCheckpointManager.Config", persistent_folder: str) -> TierConfig:
@@ -184,6 +201,10 @@ class TieredCheckpointManager(CheckpointManager):
                 raise ConfigError("checkpoint.max_interval_steps",
                                   f"need 1 <= min_interval_steps <= max_interval_steps (0 = unbounded), got "
                                   f"{self.min_interval_steps}, {self.max_interval_steps}")
+            if self.last_save_model_only and not self.persistent_folder.strip() and (
+                    self.last_save_in_hf or self.export_dtype != "float32"):
+                raise ConfigError("checkpoint.persistent_folder", _EXPORT_CLASH.format(dtype=self.export_dtype,
+                                                                                        folder=self.folder))
             if self.local_interval and not self.local_root.strip():
                 raise ConfigError("checkpoint.local_root", "a directory template is required when local_interval > 0")
 
@@ -200,6 +221,13 @@ class TieredCheckpointManager(CheckpointManager):
                      "writes in the background", self.async_mode.value)
         self.local_interval = config.local_interval
         self.persistent_folder = config.persistent_folder or self.folder
+        # torchtitan's final model-only export goes to <folder>/step-N, where the persistent
+        # tier's last (durable) step goes when both folders are one
+        self._export_shares_step_dir = _same_dir(self.persistent_folder, self.folder)
+        if self.last_save_model_only and self._export_shares_step_dir and (
+                config.last_save_in_hf or config.export_dtype != "float32"):
+            raise ConfigError("checkpoint.persistent_folder",
+                              _EXPORT_CLASH.format(dtype=config.export_dtype, folder=self.folder))
         tcfg = tier_config(config, self.persistent_folder)
         try:
             self.engine = TieredCheckpointer(tcfg, persistent_io=TitanPersistentIO())
@@ -213,7 +241,7 @@ class TieredCheckpointManager(CheckpointManager):
         tiers = self.engine.due(curr_step)  # fixed or adaptive, the same on every rank
         if curr_step == 1 and self.enable_first_step_checkpoint and "persistent" not in tiers:
             tiers.append("persistent")
-        if last_step and not self.last_save_model_only:
+        if last_step:  # a planned exit: every tier, the persistent one included (durable)
             tiers = [t for t in ("local", "persistent") if t in self.engine.cfg.tiers]
         return [t for t in tiers if t in self.engine.cfg.tiers]
 
@@ -251,8 +279,6 @@ class TieredCheckpointManager(CheckpointManager):
 
     def _save_due(self, curr_step: int, last_step: bool) -> bool:
         tiers = self._due_tiers(curr_step, last_step)
-        if last_step and self.last_save_model_only and "persistent" in tiers:
-            tiers.remove("persistent")  # torchtitan's export writes step-N there instead
         saved = False
         if tiers:
             # raises TierFailedError when a due tier's previous save failed (not warn-only)
@@ -260,8 +286,14 @@ class TieredCheckpointManager(CheckpointManager):
             log.info("tierckpt: step %d staged for %s in %.3fs", curr_step, "+".join(tiers), handle.blocking_s)
             saved = True
         if last_step and self.last_save_model_only:
-            self.engine.wait()
-            self._save_last_step(curr_step)
+            self.engine.wait(raise_failures=True)
+            if self._export_shares_step_dir:
+                # the committed full step-N is a superset of the fp32 model-only export: model-only
+                # loads (initial_load_model_only) read just the model keys from it
+                log.info("tierckpt: last step %d: the committed full checkpoint %s doubles as "
+                         "torchtitan's model-only export", curr_step, self._create_checkpoint_id(curr_step))
+            else:
+                self._save_last_step(curr_step)
             saved = True
         return saved
 
