@@ -68,3 +68,71 @@ def test_warn_only_persistent_failure_exits_zero_but_run_end_is_not_clean(tmp_pa
     ends = [x for x in _ledger(small_pfs) if x["kind"] == "run_end"]
     # the ledger shares the full disk: when its run_end could be written, it is not clean
     assert all(e["clean"] is False and e["durable_step"] is None for e in ends), ends
+
+
+def _cmd(tmp, dump, steps, *extra):
+    from tests.harness import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+            str(free_port()), "-m", "titan_plugin.train", "--toml", os.path.join(ROOT, "configs", "titan_demo.toml"),
+            "--dump_folder", os.path.join(tmp, dump), "--checkpoint.local_root", os.path.join(tmp, "nvme", "node-{node}"),
+            "--training.steps", str(steps), "--checkpoint.local_interval", "3", "--checkpoint.interval", "6", *extra]
+
+
+def _losses(dump) -> dict[int, str]:
+    out = {}
+    for line in open(os.path.join(dump, "metrics", "losses.jsonl")):
+        r = json.loads(line)
+        out[r["step"]] = r["loss_hex"]  # a resumed run appends: its own value wins
+    return out
+
+
+def test_preemption_signal_saves_every_tier_and_the_requeue_resumes_there(tmp_path):
+    """SIGTERM to torchrun (what Slurm sends before SIGKILL; torchrun forwards it to its
+    workers) between two checkpoints: every rank saves at the same step, local + replica and
+    persistent commit within the grace period, the workers exit 75; the requeued job resumes
+    at that step with losses bitwise equal to an uninterrupted run's."""
+    import signal
+    import time
+
+    tmp = str(tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ref = subprocess.run(_cmd(tmp, "ref", 12, "--checkpoint.local_root", os.path.join(tmp, "refnvme", "node-{node}")),
+                         cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ckpt = os.path.join(tmp, "run", "checkpoint")
+    log = open(os.path.join(tmp, "attempt1.log"), "w")
+    p = subprocess.Popen(_cmd(tmp, "run", 12), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:  # past the first local checkpoint (step 3)
+        try:
+            done = [r for r in _ledger(ckpt) if r["kind"] == "checkpoint" and r["ok"] and r["tier"] == "local"]
+        except OSError:
+            done = []
+        if done:
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, "training ended before the signal"
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=120)
+    text = open(os.path.join(tmp, "attempt1.log")).read()
+    assert rc != 0 and "exiting with status 75" in text, text[-3000:]
+    pre = [r for r in _ledger(ckpt) if r["kind"] == "preemption"]
+    assert len(pre) == 1 and pre[0]["signal"] == "SIGTERM", pre
+    step = pre[0]["step"]
+    assert 3 <= step < 12 and pre[0]["committed"] == {"local": True, "persistent": True}, pre
+    ends = [r for r in _ledger(ckpt) if r["kind"] == "run_end"]
+    assert ends[-1]["clean"] is True and ends[-1]["durable_step"] == step, ends
+    r = _train_cmd(_cmd(tmp, "run", 12), env)
+    restores = [x for x in _ledger(ckpt) if x["kind"] == "restore"]
+    assert [x["step"] for x in restores] == [step], restores
+    assert {v["source"] for v in restores[0]["sources"].values()} == {"own-local"}, restores
+    want, got = _losses(os.path.join(tmp, "ref")), _losses(os.path.join(tmp, "run"))
+    assert sorted(got) == list(range(1, 13)), sorted(got)
+    assert got == want, {s: (want[s], got[s]) for s in want if want[s] != got.get(s)}
+
+
+def _train_cmd(cmd, env):
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r

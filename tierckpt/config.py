@@ -83,6 +83,13 @@ class TierConfig:
             tier's next ``save()`` and at a clean ``close()``. Default ``("local",)``: a
             node-local failure degrades to the persistent tier, a persistent failure stops
             the job before more work depends on it.
+        preemption_signals: signals that mean "save and exit" (e.g. ``("SIGTERM", "SIGUSR1")``);
+            the engine records them and :meth:`TieredCheckpointer.preemption_requested` reports
+            them, agreed over every rank. Empty (default): not watched, the process keeps the
+            signals' previous handlers (a framework with its own handler, or plain SIGTERM death).
+        preemption_grace_s: seconds the final save of a preemption notice may take before the
+            trainer exits anyway: the local tier (+ replicas) is waited for first, the persistent
+            tier with what is left (Slurm's KillWait and torchrun's shutdown default to 30 s).
     """
 
     local_root: str | None = None
@@ -102,6 +109,8 @@ class TierConfig:
     adaptive: tuple[str, ...] = ()
     schedule_options: dict = field(default_factory=dict)
     warn_only: tuple[str, ...] = ("local",)
+    preemption_signals: tuple[str, ...] = ()
+    preemption_grace_s: float = 25.0
 
     def validate(self) -> "TierConfig":
         """Check every field; return ``self`` with normalised values.
@@ -152,6 +161,13 @@ class TierConfig:
                     raise ConfigError(f"intervals.{tier}", f"must be an integer number of steps >= 1, got {n!r}")
         self.adaptive = validate_tiers(self.adaptive, "adaptive")
         self.warn_only = validate_tiers(self.warn_only, "warn_only")
+        from .preemption import signal_numbers
+
+        self.preemption_signals = tuple(self.preemption_signals)
+        signal_numbers(self.preemption_signals)
+        g = self.preemption_grace_s
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < float("inf"):
+            raise ConfigError("preemption_grace_s", f"must be seconds > 0, got {g!r}")
         for tier in self.adaptive:
             if not self.intervals or tier not in self.intervals:
                 raise ConfigError("adaptive", f"tier {tier!r} needs an initial interval in intervals.{tier}")

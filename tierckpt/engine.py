@@ -40,6 +40,7 @@ from .handle import SaveHandle
 from .ledger import Ledger
 from .local_tier import LocalTier
 from .persistent import PersistentIO, PersistentTier
+from .preemption import Preempted, PreemptionWatch
 from .records import CheckpointRecord
 from .replication import replicate
 from .restore import PERSISTENT, RestoreResult, Restorer
@@ -127,6 +128,8 @@ class TieredCheckpointer:
         self._raised: set[tuple[str, int]] = set()
         self._saved_any = False
         self.persistent_committed: list[int] = []  # persistent steps committed by this run
+        self.preemption = PreemptionWatch(self.cfg.preemption_signals)
+        self._preempt_seen = False
         self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
                                  self.cfg.transfer_chunk_bytes)
         self._closed = False
@@ -272,6 +275,54 @@ class TieredCheckpointer:
                 self._guard, job, t, staged, step, delta, t_wait, slot)
             self._pending_step[t] = step
         return SaveHandle(step, blocked, futures, skipped=skip_recs)
+
+    # -- preemption ----------------------------------------------------------------------------
+    def preemption_requested(self) -> str | None:
+        """Whether any rank received one of ``TierConfig.preemption_signals``: the signal's name
+        (the same answer on every rank) or None. Collective over the control group when
+        signals are watched (one 4-byte all-reduce); call once per step from the trainer's
+        thread, every rank at the same step."""
+        if not self.cfg.preemption_signals:
+            return None
+        got = self.preemption.received
+        idx = self.cfg.preemption_signals.index(got) if got in self.cfg.preemption_signals else -1
+        flag = torch.tensor([idx], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.control)
+        idx = int(flag.item())
+        return None if idx < 0 else self.cfg.preemption_signals[idx]
+
+    def save_for_preemption(self, step: int, state_dict: dict, signal_name: str,
+                            handle: SaveHandle | None = None) -> Preempted:
+        """The final save of a preemption notice (collective): every configured tier at
+        ``step`` (or the tiers ``handle`` already started at ``step``), the local tier (with its
+        replicas) waited for first, the persistent tier with what is left of
+        ``preemption_grace_s``; a ``preemption`` ledger record says what is durable. Returns
+        the :class:`~tierckpt.preemption.Preempted` for the adapter to raise."""
+        t0 = time.monotonic()
+        if handle is None or handle.step != step:
+            handle = self.save(step, state_dict)
+        else:  # tiers not saved at this step yet (e.g. only the local tier was due)
+            missing = [t for t in self.cfg.tiers if t not in handle.futures and t not in handle.skipped]
+            if missing:
+                more = self.save(step, state_dict, tiers=missing)
+                handle = SaveHandle(step, handle.blocking_s + more.blocking_s, {**handle.futures, **more.futures},
+                                    {**handle.skipped, **more.skipped})
+        committed = {t: False for t in self.cfg.tiers}
+        committed.update({t: r.ok for t, r in handle.skipped.items()})
+        for t in sorted(handle.futures, key=lambda t: t != "local"):
+            left = max(0.0, self.cfg.preemption_grace_s - (time.monotonic() - t0))
+            try:
+                committed[t] = handle.futures[t].result(timeout=left).ok
+            except FuturesTimeout:
+                log.error("tierckpt: preemption: the %s tier did not commit step %d within "
+                          "preemption_grace_s = %gs", t, step, self.cfg.preemption_grace_s)
+        self._preempt_seen = True
+        self.ledger.append("preemption", step=step, signal=signal_name, committed=committed,
+                           seconds=time.monotonic() - t0)
+        log.warning("tierckpt: %s: step %d saved for the requeue (%s) in %.1fs", signal_name, step,
+                    ", ".join(f"{t} {'committed' if ok else 'NOT committed'}" for t, ok in committed.items()),
+                    time.monotonic() - t0)
+        return Preempted(step, signal_name, committed)
 
     def _raise_if_failed(self, rec: CheckpointRecord | None) -> None:
         """Raise a failed save of a tier outside ``warn_only`` once (records are agreed over
@@ -596,12 +647,16 @@ class TieredCheckpointer:
         """
         if self._closed:
             return
-        finished = self.wait()  # the local tier at most local_wait_timeout_s
+        self.preemption.close()
+        if self._preempt_seen:  # the grace period is over: whatever still runs is abandoned
+            finished = {t: f.done() for t, f in self._pending.items() if f is not None}
+        else:
+            finished = self.wait()  # the local tier at most local_wait_timeout_s
         stuck = [t for t, ok in finished.items() if not ok]
         if stuck:
-            log.error("tierckpt: close: abandoning the local save of step %s, still running after %gs "
-                      "(local_wait_timeout_s); it stays uncommitted", self._pending_step.get("local"),
-                      self.cfg.local_wait_timeout_s)
+            log.error("tierckpt: close: abandoning the %s save of step(s) %s, still running (local_wait_timeout_s "
+                      "%gs, or a preemption's grace period); it stays uncommitted", "+".join(stuck),
+                      [self._pending_step.get(t) for t in stuck], self.cfg.local_wait_timeout_s)
         for t, w in self._workers.items():
             w.shutdown(wait=t not in stuck)
         failed = self.unraised_failures()

@@ -42,6 +42,7 @@ from tierckpt.engine import TieredCheckpointer
 from tierckpt.errors import ConfigError
 from tierckpt.dcp_io import crc32_off, digests_under, hashing_writer
 from tierckpt.persistent import PersistentIO
+from tierckpt.preemption import Preempted
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ def tier_config(config: "TieredCheckpointManager.Config", persistent_folder: str
         adaptive=tuple(t for t in config.adaptive if t in tiers), schedule_options=sched,
         local_wait_timeout_s=float(config.local_wait_timeout_s),
         warn_only=tuple(t for t in config.warn_only_tiers if t in tiers),
+        preemption_signals=tuple(config.preemption_signals), preemption_grace_s=float(config.preemption_grace_s),
     )
     return tcfg
 
@@ -161,6 +163,16 @@ class TieredCheckpointManager(CheckpointManager):
         """Restart + restore time R (seconds) the adaptive scheduler assumes until it has seen a
         restore (0 = 300 s). Set it to the launcher's requeue latency plus a restore."""
 
+        preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+        """Signals that mean "save and exit" (Slurm's ``--signal=USR1@90``, the SIGTERM before a
+        SIGKILL, which torchrun forwards to its workers): at the next step end every rank saves
+        every tier, waits up to ``preemption_grace_s`` and exits with status 75 to be requeued.
+        Empty list: signals keep their default action."""
+
+        preemption_grace_s: float = 25.0
+        """Seconds the preemption save may take (local tier + replicas first, persistent tier
+        with the rest); keep it under the scheduler's kill delay (Slurm KillWait, torchrun 30 s)."""
+
         warn_only_tiers: list[str] = field(default_factory=lambda: ["local"])
         """Tiers whose failed background save is only logged and recorded ("local",
         "persistent"). A failed save of any other tier stops training at that tier's next save,
@@ -201,6 +213,12 @@ class TieredCheckpointManager(CheckpointManager):
                 raise ConfigError("checkpoint.max_interval_steps",
                                   f"need 1 <= min_interval_steps <= max_interval_steps (0 = unbounded), got "
                                   f"{self.min_interval_steps}, {self.max_interval_steps}")
+            from tierckpt.preemption import signal_numbers
+
+            signal_numbers(self.preemption_signals, "checkpoint.preemption_signals")
+            g = self.preemption_grace_s
+            if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < float("inf"):
+                raise ConfigError("checkpoint.preemption_grace_s", f"must be seconds > 0, got {g!r}")
             if self.last_save_model_only and not self.persistent_folder.strip() and (
                     self.last_save_in_hf or self.export_dtype != "float32"):
                 raise ConfigError("checkpoint.persistent_folder", _EXPORT_CLASH.format(dtype=self.export_dtype,
@@ -235,6 +253,7 @@ class TieredCheckpointManager(CheckpointManager):
             raise ConfigError(f"checkpoint.{e.option}", str(e).split(": ", 1)[-1]) from None
         self.last_restore = None
         self._t_step_end: float | None = None
+        self._last_handle = None
 
     # -- save ----------------------------------------------------------------------------------
     def _due_tiers(self, curr_step: int, last_step: bool) -> list[str]:
@@ -256,7 +275,12 @@ class TieredCheckpointManager(CheckpointManager):
         if self._t_step_end is not None:  # the trainer calls save() after every step
             self.engine.observe_step(now - self._t_step_end)
         try:
-            return self._save_due(curr_step, last_step)
+            saved = self._save_due(curr_step, last_step)
+            sig = None if last_step else self.engine.preemption_requested()  # agreed on every rank
+            if sig is not None:
+                raise self.engine.save_for_preemption(curr_step, self._flattened_model_states_sd(), sig,
+                                                      handle=self._last_handle)
+            return saved
         finally:
             self._log_schedule(curr_step)
             self._t_step_end = time.perf_counter()
@@ -282,7 +306,7 @@ class TieredCheckpointManager(CheckpointManager):
         saved = False
         if tiers:
             # raises TierFailedError when a due tier's previous save failed (not warn-only)
-            handle = self.engine.save(curr_step, self._flattened_model_states_sd(), tiers=tiers)
+            handle = self._last_handle = self.engine.save(curr_step, self._flattened_model_states_sd(), tiers=tiers)
             log.info("tierckpt: step %d staged for %s in %.3fs", curr_step, "+".join(tiers), handle.blocking_s)
             saved = True
         if last_step and self.last_save_model_only:
@@ -333,8 +357,9 @@ class TieredCheckpointManager(CheckpointManager):
             # torchtitan's train.main closes the trainer inside ``except Exception`` on a
             # crash: record that run as unclean so the MTBF estimate counts it.
             exc = sys.exc_info()[1]
+            clean = exc is None or isinstance(exc, Preempted)  # a preemption is a planned exit
             try:  # a clean close raises when a background save failed (TierFailedError)
-                self.engine.close(clean=exc is None, reason=repr(exc) if exc else "")
+                self.engine.close(clean=clean, reason=str(exc) if isinstance(exc, Preempted) else repr(exc) if exc else "")
             finally:
                 super()._close()
             return

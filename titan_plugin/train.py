@@ -4,7 +4,8 @@ Parses and validates the whole configuration (:mod:`titan_plugin.toml`) before a
 group exists, applies the CPU compatibility patches when no accelerator is present, then runs
 torchtitan's trainer exactly as ``torchtitan.train.main`` does. Exit status 2 on a
 configuration error (the message names the key and the allowed values); exit status 1 when
-a checkpoint tier's save failed (the message names the tier, the step and the cause).
+a checkpoint tier's save failed (the message names the tier, the step and the cause); exit
+status 75 after the final save of a preemption notice (``checkpoint.preemption_signals``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import sys
 
 from tierckpt.errors import ConfigError, TierFailedError
+from tierckpt.preemption import PREEMPTED_EXIT, Preempted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     except TierFailedError as e:  # a checkpoint tier failed: the run's progress is not durable
         print(f"titan_plugin.train: error: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:  # saved on a preemption notice: ask to be requeued
+        print(f"titan_plugin.train: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT
     return 0
 
 
