@@ -71,7 +71,8 @@ def test_ls_lists_every_tier(tree, capsys):
     rc, rows = run_json(capsys, "ls", str(tree["job"]))
     assert rc == 0
     assert all(
-        set(r) == {"tier", "node", "source_node", "step", "committed", "files", "bytes", "path"}
+        set(r) == {"tier", "node", "source_node", "step", "committed", "lineage", "foreign", "files", "bytes",
+                   "path"}
         for r in rows
     )
     got = [(r["tier"], r["node"], r["source_node"], r["step"], r["committed"]) for r in rows]
