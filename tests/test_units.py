@@ -405,7 +405,12 @@ def test_local_steps_of_another_or_no_lineage_are_foreign_and_purged(tmp_path):
     assert own == [2] and reps == {1: [2]}
     assert sorted(foreign) == [("local/step-3", other), ("local/step-4", None), ("replicas/node-1/step-9", other)]
     assert tier.committed_steps() == [2] and tier.committed_replicas() == {1: [2]}
-    # newest-k retention: foreign steps never count towards k, and never push out own steps
+    # retention after a save: foreign steps never count towards k (never push out own steps)
+    _local_step(store, layout.local_step(1), mine)
+    out = retention.purge_local(store, 1, retention.InUse(), lineage_id=mine, drop_foreign=False)
+    assert out == {"local": [1], "node-1": []}
+    assert sorted(store.listdir("local")) == ["step-2", "step-3", "step-4"]
+    # the purge at start: foreign steps go, own ones stay
     out = retention.purge_local(store, 1, retention.InUse(), lineage_id=mine)
     assert out == {"local": [3, 4], "node-1": [9]}
     assert sorted(store.listdir("local")) == ["step-2"] and store.listdir("replicas/node-1") == ["step-2"]

@@ -424,7 +424,7 @@ class TieredCheckpointer:
                 anchor = self.local_anchor
                 retention.purge_local(self.local.store, self.cfg.keep_latest_k["local"], self.in_use,
                                       protect=frozenset(() if anchor is None else (anchor,)),
-                                      lineage_id=self.lineage)
+                                      lineage_id=self.lineage, drop_foreign=False)
         except Exception as e:
             log.warning("tierckpt: local retention failed: %s", e)
         self._local_phase = "done"

@@ -12,8 +12,9 @@ Rules (FIELD-NOTES failure class 7):
   (marked ``tierckpt.inprogress``), never a framework's own folders (e.g. torchtitan's
   model-only export);
 - in a node-local root, committed steps of another lineage (another experiment's, or written
-  before lineages existed; :mod:`tierckpt.lineage`) are deleted like torn ones and never count
-  towards the k kept; steps of the job's own lineage are never deleted for being foreign;
+  before lineages existed; :mod:`tierckpt.lineage`) never count towards the k kept; the purge at
+  start deletes them like torn ones (retention after a save leaves them: restore ignores them
+  anyway); steps of the job's own lineage are never deleted for being foreign;
 - deletion removes the commit marker first, so a half-deleted step is simply uncommitted.
 """
 
@@ -56,7 +57,7 @@ class InUse:
 
 def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix: str,
               only_marked_torn: bool = False, protect: frozenset | set = frozenset(),
-              lineage_id: str | None = None) -> list[int]:
+              lineage_id: str | None = None, drop_foreign: bool = True) -> list[int]:
     """Apply the rules to the ``step-<N>`` directories under ``parent`` of ``store``.
 
     Args:
@@ -64,8 +65,9 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
         key_prefix: prefix of the ``in_use`` keys of this directory (``key_prefix + step_rel``).
         only_marked_torn: delete only torn directories holding ``tierckpt.inprogress``.
         protect: committed steps kept in addition to the newest ``keep_k``.
-        lineage_id: the job's lineage; committed steps recording another one (or none) are
-            deleted (logged with their lineage). None: lineage is not checked.
+        lineage_id: the job's lineage; committed steps recording another one (or none) do not
+            count as committed here. None: lineage is not checked.
+        drop_foreign: delete those steps too (logged with their lineage).
     Returns:
         steps deleted.
     """
@@ -78,7 +80,7 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
     keep = (set(committed[-keep_k:]) | (set(protect) & set(committed))) if keep_k > 0 else set(committed)
     torn = [s for s in steps if docs[s] is None
             and (not only_marked_torn or store.exists(f"{rel(s)}/{layout.INPROGRESS}"))]
-    doomed = sorted([s for s in committed if s not in keep] + torn + list(foreign))
+    doomed = sorted([s for s in committed if s not in keep] + torn + (list(foreign) if drop_foreign else []))
     deleted = []
     for s in doomed:
         r = rel(s)
@@ -102,15 +104,15 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
 
 
 def purge_local(store: Store, keep_k: int, in_use: InUse, protect: frozenset | set = frozenset(),
-                lineage_id: str | None = None) -> dict[str, list[int]]:
+                lineage_id: str | None = None, drop_foreign: bool = True) -> dict[str, list[int]]:
     """Retention of a node's local root: its own steps and every replica it holds; steps in
-    ``protect`` are kept in each of them, steps of a lineage other than ``lineage_id`` are
-    deleted (see the module docstring)."""
-    out = {"local": purge_dir(store, "local", keep_k, in_use, "local:", protect=protect, lineage_id=lineage_id)}
+    ``protect`` are kept in each of them; steps of a lineage other than ``lineage_id`` are not
+    counted, and deleted when ``drop_foreign`` (see the module docstring)."""
+    kw = dict(protect=protect, lineage_id=lineage_id, drop_foreign=drop_foreign)
+    out = {"local": purge_dir(store, "local", keep_k, in_use, "local:", **kw)}
     for name in store.listdir("replicas"):
         if layout.parse_node(name) is not None:
-            out[name] = purge_dir(store, f"replicas/{name}", keep_k, in_use, "local:", protect=protect,
-                                  lineage_id=lineage_id)
+            out[name] = purge_dir(store, f"replicas/{name}", keep_k, in_use, "local:", **kw)
     return out
 
 
