@@ -666,3 +666,35 @@ def phase_background_failure_policy(rank, world, base):
     dist.barrier()
     out["d_run_end"] = _run_end(base, "d")
     return out
+
+
+def phase_lineage(rank, world, base, pfs, save_steps):
+    """One run of the experiment whose persistent root is ``base/<pfs>``, on the shared node-local
+    roots ``base/nvme/node-<n>``: restore, then save ``save_steps`` to the local tier only (so
+    the state exists nowhere else). Returns what the start left on this node's local root, the
+    restored step and the lineage id."""
+    from tierckpt import layout
+    from tierckpt.manifest import read_committed
+    from tierckpt.storage import Store
+
+    def on_disk():
+        store = Store(os.path.join(base, "nvme", f"node-{rank}"))
+        return {parent: [s for s in (layout.parse_step(n) for n in store.listdir(parent))
+                         if s is not None and read_committed(store, f"{parent}/step-{s}")]
+                for parent in ("local", f"replicas/node-{1 - rank}")}
+
+    cfg = make_config(base)
+    cfg.persistent_root = os.path.join(base, pfs)
+    eng = TieredCheckpointer(cfg, node_id=rank)
+    dist.barrier()  # every node leader's start-up purge is done
+    after_start = on_disk()
+    model, opt = build(seed=0)
+    res = eng.restore(app_state(model, opt))
+    for s in save_steps:
+        train_step(model, opt, s, rank)
+        eng.save(s, app_state(model, opt), tiers=["local"])
+    eng.close()
+    dist.barrier()
+    return {"after_start": after_start, "restored": None if res is None else res.step,
+            "sources": None if res is None else sorted({o.source.kind for o in res.sources.values()}),
+            "end": on_disk(), "lineage": eng.lineage}

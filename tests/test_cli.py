@@ -71,7 +71,8 @@ def test_ls_lists_every_tier(tree, capsys):
     rc, rows = run_json(capsys, "ls", str(tree["job"]))
     assert rc == 0
     assert all(
-        set(r) == {"tier", "node", "source_node", "step", "committed", "files", "bytes", "path"}
+        set(r) == {"tier", "node", "source_node", "step", "committed", "lineage", "foreign", "files", "bytes",
+                   "path"}
         for r in rows
     )
     got = [(r["tier"], r["node"], r["source_node"], r["step"], r["committed"]) for r in rows]
@@ -128,6 +129,30 @@ def test_ls_on_fsspec_memory_url(capsys):
         assert cli.main(["verify", url]) == 0
     finally:
         store.rmtree("")
+
+
+def test_ls_lineage_marks_steps_restore_ignores(tree, capsys):
+    from tierckpt import lineage
+
+    lid = lineage.ensure(tree["persist"])
+    n1 = tree["n1"]
+    shutil.rmtree(n1.path(local_step(10)))
+    write_step(n1, local_step(10), dcp_files(1), tier="local", step=10, node=1, lineage=lid)
+    rc, rows = run_json(capsys, "ls", str(tree["job"]), "--lineage", tree["persist"].root)
+    assert rc == 0
+    got = [(r["tier"], r["node"], r["step"], r["committed"], r["lineage"], r["foreign"]) for r in rows]
+    assert got == [
+        ("local", 0, 10, True, None, True),       # no lineage recorded: not this job's
+        ("local", 0, 20, False, None, False),     # uncommitted: nothing to mark
+        ("local", 1, 10, True, lid, False),
+        ("replica", 0, 10, True, None, True),
+        ("persistent", None, 10, True, None, False),  # a persistent step is restorable anyway
+    ]
+    assert cli.main(["ls", str(tree["job"]), "--lineage", lid]) == 0
+    out = capsys.readouterr().out
+    assert "yes, other lineage" in out and "2 committed of another lineage" in out
+    assert cli.main(["ls", str(tree["job"]), "--lineage", str(tree["job"])]) == 2
+    assert "--lineage" in capsys.readouterr().err
 
 
 # -- verify ------------------------------------------------------------------------------------

@@ -166,3 +166,35 @@ def test_background_persistent_failure_reaches_the_trainer(tmp_path):
         assert v["b_run_end"]["failures"][0]["step"] == 1, v
         assert v["c_run_end"]["clean"] is True and v["c_run_end"]["durable_step"] == 2, v
         assert v["d_run_end"]["clean"] is False and v["d_run_end"]["durable_step"] is None, v
+
+
+def test_local_steps_of_another_experiment_are_never_restored_and_purged_on_start(tmp_path):
+    base = str(tmp_path)
+
+    def run(pfs, steps):
+        res = run_world(scenarios.phase_lineage, 2, base, pfs, steps)
+        assert len({r.value["lineage"] for r in res}) == 1, res  # every rank agrees
+        return res[0].value  # node 0's view; the restore result is the same on every rank
+
+    a = run("pfsA", [2, 4])
+    assert a["restored"] is None and a["end"] == {"local": [2, 4], "replicas/node-1": [2, 4]}, a
+    # a new experiment (another persistent root) on the same node-local roots: a fresh start,
+    # expA's steps and replicas are deleted before anything could offer them
+    b = run("pfsB", [3])
+    assert b["lineage"] != a["lineage"]
+    assert b["after_start"] == {"local": [], "replicas/node-1": []}, b
+    assert b["restored"] is None and b["end"] == {"local": [3], "replicas/node-1": [3]}, b
+    # a requeue of expB keeps its lineage and resumes its own step
+    b2 = run("pfsB", [6])
+    assert b2["lineage"] == b["lineage"] and b2["after_start"] == b["end"], b2
+    assert b2["restored"] == 3 and b2["sources"] == ["own-local"], b2
+    # expA again: its node-local steps went with expB's start (its persistent root never had a
+    # step), so it starts fresh, and expB's steps go in turn
+    a2 = run("pfsA", [])
+    assert a2["lineage"] == a["lineage"]
+    assert a2["after_start"] == {"local": [], "replicas/node-1": []} and a2["restored"] is None, a2
+    # a persistent root deleted and created again is a new lineage
+    import shutil
+
+    shutil.rmtree(os.path.join(base, "pfsA"))
+    assert run("pfsA", [])["lineage"] != a["lineage"]

@@ -357,3 +357,61 @@ def test_ledger_records_reads_the_file_once_then_mirrors_own_appends(tmp_path, m
     assert [r["kind"] for r in first] == ["run_start", "run_end", "run_start"]
     assert second == real(store)  # the mirror equals what a reader of the file sees
     assert [r["kind"] for r in second][-2:] == ["checkpoint", "restore"]
+
+
+# -- lineage -----------------------------------------------------------------------------------
+def _local_step(store: Store, rel: str, lid: str | None) -> None:
+    with store.open(f"{rel}/__0_0.distcp", "wb") as f:
+        f.write(b"x" * 8)
+    manifest.commit(store, rel, [manifest.hash_file(store.sub(rel), "__0_0.distcp")], tier="local",
+                    **({"lineage": lid} if lid else {}))
+
+
+def test_lineage_is_created_once_per_persistent_root(tmp_path):
+    from tierckpt import lineage
+
+    store = Store(str(tmp_path / "pfs"))
+    lid = lineage.ensure(store)
+    assert lineage.ensure(store) == lid == lineage.read(store)
+    doc = json.loads(store.read_bytes(layout.LINEAGE))
+    assert doc["persistent_root"] == store.url and doc["created"] > 0
+    store.rmtree("")  # the root deleted and created again: another experiment
+    assert lineage.ensure(store) != lid
+
+
+def test_unreadable_lineage_file_is_never_replaced(tmp_path):
+    from tierckpt import lineage
+
+    store = Store(str(tmp_path))
+    store.write_atomic(layout.LINEAGE, b"{torn")
+    with pytest.raises(ConfigError, match="persistent_root:.*tierckpt-lineage.json.*delete it"):
+        lineage.ensure(store)
+    assert store.read_bytes(layout.LINEAGE) == b"{torn"
+
+
+def test_local_steps_of_another_or_no_lineage_are_foreign_and_purged(tmp_path):
+    from tierckpt import retention
+    from tierckpt.local_tier import LocalTier
+
+    store = Store(str(tmp_path))
+    mine, other = "a" * 32, "b" * 32
+    _local_step(store, layout.local_step(2), mine)
+    _local_step(store, layout.local_step(3), other)
+    _local_step(store, layout.local_step(4), None)  # written before lineages existed
+    _local_step(store, layout.replica_step(1, 2), mine)
+    _local_step(store, layout.replica_step(1, 9), other)
+    tier = LocalTier(store, None, None, lineage=mine)
+    own, reps, foreign = tier.scan()
+    assert own == [2] and reps == {1: [2]}
+    assert sorted(foreign) == [("local/step-3", other), ("local/step-4", None), ("replicas/node-1/step-9", other)]
+    assert tier.committed_steps() == [2] and tier.committed_replicas() == {1: [2]}
+    # retention after a save: foreign steps never count towards k (never push out own steps)
+    _local_step(store, layout.local_step(1), mine)
+    out = retention.purge_local(store, 1, retention.InUse(), lineage_id=mine, drop_foreign=False)
+    assert out == {"local": [1], "node-1": []}
+    assert sorted(store.listdir("local")) == ["step-2", "step-3", "step-4"]
+    # the purge at start: foreign steps go, own ones stay
+    out = retention.purge_local(store, 1, retention.InUse(), lineage_id=mine)
+    assert out == {"local": [3, 4], "node-1": [9]}
+    assert sorted(store.listdir("local")) == ["step-2"] and store.listdir("replicas/node-1") == ["step-2"]
+    assert LocalTier(store, None, None).scan() == ([2], {1: [2]}, [])

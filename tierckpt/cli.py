@@ -2,7 +2,8 @@
 
 Subcommands::
 
-    tierckpt ls <root> [--json]        every step directory under <root>, by tier and node
+    tierckpt ls <root> [--json] [--lineage ROOT|ID]
+                                       every step directory under <root>, by tier and node
     tierckpt verify <root> [--json]    re-hash every committed step; exit 1 if one is corrupt
     tierckpt ledger <root> [--json]    runs, failures, checkpoints and restores of the ledger
     tierckpt export-mcore SRC DST      dp_reshardable → fully_reshardable Megatron checkpoint
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import posixpath
+import re
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -36,8 +38,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import manifest
-from .layout import LEDGER, MARKER, parse_node, parse_step
+from . import lineage, manifest
+from .errors import ConfigError
+from .layout import LEDGER, LINEAGE, MARKER, parse_node, parse_step
 from .ledger import Ledger, summarize
 from .storage import Store
 
@@ -191,6 +194,18 @@ class StepDir:
     @property
     def committed(self) -> bool:
         return self.manifest is not None
+
+    @property
+    def lineage(self) -> str | None:
+        """Lineage id the committed manifest records (None: uncommitted, or none recorded)."""
+        return lineage.of_manifest(self.manifest)
+
+    def foreign(self, lineage_id: str | None) -> bool:
+        """Whether restore ignores this committed node-local step or replica because it belongs
+        to another lineage than ``lineage_id`` (never for persistent steps; False when
+        ``lineage_id`` is None)."""
+        return (lineage_id is not None and self.committed and self.tier in ("local", "replica")
+                and self.lineage != lineage_id)
 
     @property
     def path(self) -> str:
@@ -349,14 +364,42 @@ def find_steps(root: str, max_depth: int = DEFAULT_MAX_DEPTH) -> list[StepDir]:
 # --------------------------------------------------------------------------------------------
 # ls
 # --------------------------------------------------------------------------------------------
-def _committed_label(s: StepDir) -> str:
+def _committed_label(s: StepDir, lineage_id: str | None = None) -> str:
     if s.committed:
-        return "yes"
+        return "yes, other lineage" if s.foreign(lineage_id) else "yes"
     return "no (bad marker)" if s.marker_present else "no"
 
 
+_LINEAGE_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def resolve_lineage(value: str | None) -> str | None:
+    """The lineage id ``ls --lineage`` compares against: ``value`` itself when it is a lineage
+    id (32 hex digits), else the id recorded in the persistent root ``value``.
+
+    Raises:
+        CliError: ``value`` is neither an id nor a root holding a lineage file.
+    """
+    if value is None:
+        return None
+    if _LINEAGE_ID.match(value):
+        return value
+    store = open_root(value)
+    try:
+        lid = lineage.read(store)
+    except (ConfigError, OSError) as e:
+        raise CliError(f"--lineage: {e}") from None
+    if lid is None:
+        raise CliError(f"--lineage: {value!r} has no {LINEAGE}; pass the job's persistent root or a lineage "
+                       "id (32 hex digits)")
+    return lid
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    """``tierckpt ls``: table (or JSON list) of every step directory under ``args.root``."""
+    """``tierckpt ls``: table (or JSON list) of every step directory under ``args.root``.
+    With ``--lineage``, committed node-local steps and replicas of another lineage (which
+    restore ignores and the next start deletes) are marked."""
+    lineage_id = resolve_lineage(getattr(args, "lineage", None))
     steps = find_steps(args.root, args.max_depth)
     rows = []
     for s in steps:
@@ -368,6 +411,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "source_node": s.source_node,
                 "step": s.step,
                 "committed": s.committed,
+                "lineage": s.lineage,
+                "foreign": s.foreign(lineage_id),
                 "files": files,
                 "bytes": nbytes,
                 "path": s.path,
@@ -382,6 +427,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ("node", {}),
         ("step", {"justify": "right"}),
         ("committed", {}),
+        ("lineage", {}),
         ("files", {"justify": "right"}),
         ("bytes", {"justify": "right"}),
         ("path", {"overflow": "fold"}),
@@ -389,13 +435,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
         table.add_column(col, **kw)
     for s, r in zip(steps, rows):
         table.add_row(
-            s.tier, s.node_label(), str(s.step), _committed_label(s), str(r["files"]),
-            human_bytes(r["bytes"]), r["path"],
+            s.tier, s.node_label(), str(s.step), _committed_label(s, lineage_id),
+            (s.lineage or "-")[:8], str(r["files"]), human_bytes(r["bytes"]), r["path"],
         )
     con = _stdout()
     con.print(table)
     n_c = sum(1 for s in steps if s.committed)
-    con.print(f"{len(steps)} step directories, {n_c} committed, {len(steps) - n_c} uncommitted")
+    n_f = sum(1 for s in steps if s.foreign(lineage_id))
+    con.print(f"{len(steps)} step directories, {n_c} committed, {len(steps) - n_c} uncommitted"
+              + (f"; {n_f} committed of another lineage (restore ignores them)" if lineage_id else ""))
     return EXIT_OK
 
 
@@ -559,6 +607,9 @@ def _register_ls(subparsers) -> None:
     _add_root_and_json(p)
     p.add_argument("--max-depth", type=int, default=DEFAULT_MAX_DEPTH,
                    help=f"directory levels searched below ROOT (default {DEFAULT_MAX_DEPTH})")
+    p.add_argument("--lineage", metavar="ROOT|ID", default=None,
+                   help=f"the job's persistent root (its {LINEAGE}) or lineage id: mark committed node-local "
+                        "steps and replicas of another lineage, which restore ignores")
     p.set_defaults(func=cmd_ls)
 
 

@@ -31,7 +31,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from . import retention
+from . import lineage, retention
 from .collectives import FAILURES, all_gather
 from .cadence import Cadence
 from .config import TierConfig, validate_tiers
@@ -60,6 +60,9 @@ class TieredCheckpointer:
         node_id: explicit node id of this rank (simulation/tests); otherwise from the
             environment (see :mod:`tierckpt.topology`).
         persistent_io: how persistent steps are written/read (default: plain DCP).
+
+    ``lineage`` is the persistent root's lineage id (:mod:`tierckpt.lineage`), the same on every
+    rank; node-local steps of any other lineage are deleted here and never restored.
 
     Raises:
         ConfigError: invalid option, impossible J/F for the node count, local root that
@@ -95,16 +98,30 @@ class TieredCheckpointer:
                 err = ConfigError("local_root", f"{root!r} (node {topo.node}) is not writable: {e}")
             self.local = LocalTier(Store(root), topo, self.groups.node)
         pstore = Store(self.cfg.persistent_root)
+        lineage_id = None
         if topo.rank == 0 and err is None:
             try:
                 pstore.makedirs("")
+                lineage_id = lineage.ensure(pstore)
             except OSError as e:
                 err = ConfigError("persistent_root", f"{self.cfg.persistent_root!r} cannot be created: {e}")
+            except ConfigError as e:
+                err = e
         errors = [e for e in all_gather(None if err is None else (err.option, str(err)), self.groups.local_world) if e]
         if errors:
             raise err if err is not None else ConfigError(errors[0][0], f"failed on another rank: {errors[0][1]}")
         self.persistent = PersistentTier(pstore, persistent_io)
-        run_id = all_gather(uuid.uuid4().hex[:12] if topo.rank == 0 else None, self.groups.local_world)[0]
+        run_id, self.lineage = all_gather((uuid.uuid4().hex[:12], lineage_id) if topo.rank == 0 else None,
+                                          self.groups.local_world)[0]
+        self.persistent.lineage = self.lineage
+        if self.local is not None:
+            self.local.lineage = self.lineage
+            if topo.is_node_leader:
+                try:  # another experiment's steps must never be offered to (or fill the disk of) this one
+                    retention.purge_local(self.local.store, 0, self.in_use, lineage_id=self.lineage)
+                except OSError as e:
+                    log.warning("tierckpt: could not purge node-local steps of other lineages under %s: %s",
+                                self.local.store.url, e)
         _check_shared(pstore, run_id, topo.rank, self.groups.local_world)
         self.ledger = Ledger(pstore, enabled=topo.rank == 0, run_id=run_id, job=self.cfg.resolved_job_id())
         self._t_start = time.time()
@@ -113,6 +130,7 @@ class TieredCheckpointer:
             restart_count=_restart_count(), host=socket.gethostname(), tiers=list(self.cfg.tiers),
             process_start=_process_start_time(),
             replication_jump=topo.jump, replication_factor=topo.factor,
+            lineage=self.lineage,
         )
         self.pool = StagingPool(self.cfg.staging_buffers)
         self._workers = {t: DaemonWorker(f"tierckpt-{t}") for t in self.cfg.tiers}
@@ -521,7 +539,8 @@ class TieredCheckpointer:
             if self.topo.is_node_leader:
                 anchor = self.local_anchor
                 retention.purge_local(self.local.store, self.cfg.keep_latest_k["local"], self.in_use,
-                                      protect=frozenset(() if anchor is None else (anchor,)))
+                                      protect=frozenset(() if anchor is None else (anchor,)),
+                                      lineage_id=self.lineage, drop_foreign=False)
         except Exception as e:
             log.warning("tierckpt: local retention failed: %s", e)
         self._local_phase = "done"

@@ -9,6 +9,7 @@ Persistent root::
 
     <persistent_root>/step-<N>/                  global DCP checkpoint of step N
     <persistent_root>/tierckpt-ledger.jsonl      the ledger
+    <persistent_root>/tierckpt-lineage.json      the lineage id of its steps (tierckpt.lineage)
 
 Each step directory holds DCP's files (``.metadata``, ``__<r>_<i>.distcp``) plus
 ``tierckpt.manifest.json`` and, once committed, ``tierckpt.committed``.
@@ -22,6 +23,7 @@ MANIFEST = "tierckpt.manifest.json"
 MARKER = "tierckpt.committed"
 INPROGRESS = "tierckpt.inprogress"  # persistent steps tierckpt started (retention may clean them)
 LEDGER = "tierckpt-ledger.jsonl"
+LINEAGE = "tierckpt-lineage.json"
 COMMIT_FILES = (MANIFEST, MARKER)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")

@@ -5,7 +5,8 @@ and ``job``. Kinds and their fields:
 
 - ``run_start``: world_size, nodes, ranks_per_node, restart_count (the first set of
   TIERCKPT_RESTART_COUNT — launch/ —, SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT), host,
-  process_start (UNIX time rank 0's process was created; None where unknown).
+  process_start (UNIX time rank 0's process was created; None where unknown), lineage (the
+  persistent root's lineage id, :mod:`tierckpt.lineage`).
 - ``run_end``: clean (bool), exposure_s (seconds since run_start), reason; stuck_tiers when
   close() gave up on a local save still running after ``local_wait_timeout_s``.
 - ``checkpoint``: tier, step, blocking_s (max over ranks), background_s (max over ranks),

@@ -14,7 +14,7 @@ import time
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from . import layout, manifest
+from . import layout, lineage, manifest
 from .collectives import all_gather, run_agreed
 from .dcp_io import crc32_off, digests_under, hashing_writer
 from .planner import NodeLocalSavePlanner, VerifyingLoadPlanner
@@ -54,12 +54,17 @@ class LocalTier:
         store: the node's local root (``TierConfig.local_root`` expanded for this node).
         topo: the job topology.
         node_group: gloo group of this node's ranks.
+        lineage: the job's lineage id (:mod:`tierckpt.lineage`), recorded in every step it
+            commits; committed steps of another lineage are not listed as this job's. None:
+            every committed step is listed (no lineage known).
     """
 
-    def __init__(self, store: Store, topo: Topology, node_group: dist.ProcessGroup):
+    def __init__(self, store: Store, topo: Topology, node_group: dist.ProcessGroup,
+                 lineage: str | None = None):
         self.store = store
         self.topo = topo
         self.group = node_group
+        self.lineage = lineage
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, staged: dict, step: int) -> int:
@@ -97,34 +102,52 @@ class LocalTier:
                 manifest.commit(
                     self.store, rel, [e for part in gathered for e in part],
                     tier="local", step=step, node=topo.node, ranks=topo.local_ranks,
-                    world_size=topo.world_size, nodes=topo.nodes,
+                    world_size=topo.world_size, nodes=topo.nodes, lineage=self.lineage,
                 )
 
         run_agreed(do_commit, self.group, f"local step {step}: commit")
         return sum(e.size for part in gathered for e in part)
 
     # -- inventory -----------------------------------------------------------------------------
+    def scan(self) -> tuple[list[int], dict[int, list[int]], list[tuple[str, str | None]]]:
+        """One pass over the local root's committed steps (each manifest read once).
+
+        Returns:
+            ``(own steps ascending, {source node: replica steps ascending}, foreign)`` where
+            the first two hold only steps of this tier's lineage and ``foreign`` lists the
+            committed steps and replicas of another lineage (or of none) as
+            ``(path relative to the root, their lineage id or None)``.
+        """
+        own: list[int] = []
+        reps: dict[int, list[int]] = {}
+        foreign: list[tuple[str, str | None]] = []
+        dirs = [(None, "local")] + [(n, layout.replica_dir(n)) for n in
+                                    (layout.parse_node(x) for x in self.store.listdir("replicas")) if n is not None]
+        for n, parent in dirs:
+            for name in self.store.listdir(parent):
+                s = layout.parse_step(name)
+                if s is None:
+                    continue
+                rel = layout.local_step(s) if n is None else layout.replica_step(n, s)
+                doc = manifest.read_committed(self.store, rel)
+                if doc is None:
+                    continue
+                if self.lineage is not None and lineage.of_manifest(doc) != self.lineage:
+                    foreign.append((rel, lineage.of_manifest(doc)))
+                elif n is None:
+                    own.append(s)
+                else:
+                    reps.setdefault(n, []).append(s)
+        return sorted(own), {n: sorted(v) for n, v in sorted(reps.items())}, foreign
+
     def committed_steps(self) -> list[int]:
-        """Steps of ``local/`` with a valid commit marker, ascending."""
-        steps = []
-        for name in self.store.listdir("local"):
-            s = layout.parse_step(name)
-            if s is not None and manifest.read_committed(self.store, layout.local_step(s)):
-                steps.append(s)
-        return sorted(steps)
+        """Steps of ``local/`` with a valid commit marker and this tier's lineage, ascending."""
+        return self.scan()[0]
 
     def committed_replicas(self) -> dict[int, list[int]]:
-        """Committed replica steps held here, per source node: {node: [steps ascending]}."""
-        out: dict[int, list[int]] = {}
-        for name in self.store.listdir("replicas"):
-            n = layout.parse_node(name)
-            if n is None:
-                continue
-            for sname in self.store.listdir(layout.replica_dir(n)):
-                s = layout.parse_step(sname)
-                if s is not None and manifest.read_committed(self.store, layout.replica_step(n, s)):
-                    out.setdefault(n, []).append(s)
-        return {n: sorted(v) for n, v in out.items()}
+        """Committed replica steps of this tier's lineage held here, per source node:
+        {node: [steps ascending]}."""
+        return self.scan()[1]
 
 
 def verify_split(store: Store, rel: str, index: int, count: int) -> list[str]:

@@ -76,11 +76,14 @@ class PersistentTier:
     Args:
         store: the persistent root.
         io: how a step's DCP files are written and read.
+        lineage: the job's lineage id, recorded in each step's manifest (informational: a
+            persistent step is restorable whatever it records, e.g. after a copy to a new root).
     """
 
-    def __init__(self, store: Store, io: PersistentIO | None = None):
+    def __init__(self, store: Store, io: PersistentIO | None = None, lineage: str | None = None):
         self.store = store
         self.io = io or PersistentIO()
+        self.lineage = lineage
 
     def save(self, staged: dict, step: int, group) -> int:
         """Write and commit ``step-<step>`` (collective over ``group``, all ranks of the job).
@@ -111,7 +114,7 @@ class PersistentTier:
             if rank == 0:
                 self.store.fsync_tree(rel)
                 manifest.commit(self.store, rel, [e for p in gathered for e in p],
-                                tier="persistent", step=step, world_size=world)
+                                tier="persistent", step=step, world_size=world, lineage=self.lineage)
 
         run_agreed(do_commit, group, f"persistent step {step}: commit")
         return sum(e.size for p in gathered for e in p)

@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from . import layout, manifest
+from . import layout, lineage, manifest
 from .collectives import FAILURES, all_gather, run_agreed
 from .errors import NoCheckpointError, VerificationError
 from .local_tier import LocalTier, load_dir, verify_split
@@ -154,14 +154,18 @@ class Restorer:
         self.local, self.persistent = local, persistent
         self.in_use = in_use
         self.chunk_bytes = chunk_bytes
+        self._foreign_logged: set = set()  # (node, rel, lineage) already reported
 
     # -- inventory -----------------------------------------------------------------------------
     def inventory(self) -> Inventory:
-        """All-gather the committed steps of every node and of the persistent tier."""
+        """All-gather the committed steps of every node and of the persistent tier.
+
+        Node-local steps and replicas of another lineage than the local tier's are left out
+        (global rank 0 logs them, once per process)."""
         mine = None
         if self.topo.is_node_leader and self.local is not None:
             try:
-                mine = (self.topo.node, self.local.committed_steps(), self.local.committed_replicas())
+                mine = (self.topo.node, *self.local.scan())
             except OSError as e:  # a dead local disk: this node simply has nothing local
                 log.warning("tierckpt restore: cannot list node %d's local root: %s", self.topo.node, e)
         pers = None
@@ -172,13 +176,21 @@ class Restorer:
                 log.warning("tierckpt restore: cannot list the persistent tier: %s", e)
         gathered = all_gather((mine, pers), self.groups.local_world)
         inv = Inventory(persistent=set(gathered[0][1] or []))
+        foreign = []
         for m, _ in gathered:
             if m is None:
                 continue
-            node, steps, reps = m
+            node, steps, reps, other = m
             inv.local[node] = set(steps)
             for src, st in reps.items():
                 inv.replicas.setdefault(int(src), {})[node] = set(st)
+            foreign += [(node, rel, lid) for rel, lid in other]
+        new = [f for f in foreign if f not in self._foreign_logged]
+        if new and self.topo.rank == 0:
+            log.warning("tierckpt restore: ignoring node-local steps of another lineage than this job's (%s): %s",
+                        lineage.label(self.local.lineage if self.local else None),
+                        "; ".join(f"node {n} {rel} (lineage {lineage.label(lid)})" for n, rel, lid in new))
+        self._foreign_logged.update(new)
         return inv
 
     # -- restore -------------------------------------------------------------------------------

@@ -11,6 +11,10 @@ Rules (FIELD-NOTES failure class 7):
   disk must not keep the disk full — but in the persistent root only those tierckpt started
   (marked ``tierckpt.inprogress``), never a framework's own folders (e.g. torchtitan's
   model-only export);
+- in a node-local root, committed steps of another lineage (another experiment's, or written
+  before lineages existed; :mod:`tierckpt.lineage`) never count towards the k kept; the purge at
+  start deletes them like torn ones (retention after a save leaves them: restore ignores them
+  anyway); steps of the job's own lineage are never deleted for being foreign;
 - deletion removes the commit marker first, so a half-deleted step is simply uncommitted.
 """
 
@@ -19,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from . import layout, manifest
+from . import layout, lineage, manifest
 from .storage import Store
 
 log = logging.getLogger(__name__)
@@ -52,7 +56,8 @@ class InUse:
 
 
 def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix: str,
-              only_marked_torn: bool = False, protect: frozenset | set = frozenset()) -> list[int]:
+              only_marked_torn: bool = False, protect: frozenset | set = frozenset(),
+              lineage_id: str | None = None, drop_foreign: bool = True) -> list[int]:
     """Apply the rules to the ``step-<N>`` directories under ``parent`` of ``store``.
 
     Args:
@@ -60,16 +65,22 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
         key_prefix: prefix of the ``in_use`` keys of this directory (``key_prefix + step_rel``).
         only_marked_torn: delete only torn directories holding ``tierckpt.inprogress``.
         protect: committed steps kept in addition to the newest ``keep_k``.
+        lineage_id: the job's lineage; committed steps recording another one (or none) do not
+            count as committed here. None: lineage is not checked.
+        drop_foreign: delete those steps too (logged with their lineage).
     Returns:
         steps deleted.
     """
     steps = sorted(s for s in (layout.parse_step(n) for n in store.listdir(parent)) if s is not None)
     rel = (lambda s: f"{parent}/{layout.step_name(s)}") if parent else layout.step_name
-    committed = [s for s in steps if manifest.read_committed(store, rel(s)) is not None]
+    docs = {s: manifest.read_committed(store, rel(s)) for s in steps}
+    foreign = {s: lineage.of_manifest(d) for s, d in docs.items()
+               if d is not None and lineage_id is not None and lineage.of_manifest(d) != lineage_id}
+    committed = [s for s in steps if docs[s] is not None and s not in foreign]
     keep = (set(committed[-keep_k:]) | (set(protect) & set(committed))) if keep_k > 0 else set(committed)
-    torn = [s for s in steps if s not in committed
+    torn = [s for s in steps if docs[s] is None
             and (not only_marked_torn or store.exists(f"{rel(s)}/{layout.INPROGRESS}"))]
-    doomed = sorted([s for s in committed if s not in keep] + torn)
+    doomed = sorted([s for s in committed if s not in keep] + torn + (list(foreign) if drop_foreign else []))
     deleted = []
     for s in doomed:
         r = rel(s)
@@ -81,19 +92,27 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
             deleted.append(s)
         except OSError as e:
             log.warning("tierckpt retention: could not delete %s: %s", store.url_of(r), e)
-    if deleted:
-        log.info("tierckpt retention: deleted %s under %s (keep %d)", deleted, store.url_of(parent), keep_k)
+    gone = [s for s in deleted if s in foreign]
+    if gone:
+        log.warning("tierckpt: deleted node-local steps %s under %s: they belong to another lineage (%s), "
+                    "not this job's (%s, from its persistent root)", gone, store.url_of(parent),
+                    ", ".join(sorted({lineage.label(foreign[s]) for s in gone})), lineage.label(lineage_id))
+    if len(gone) < len(deleted):
+        log.info("tierckpt retention: deleted %s under %s (keep %d)", [s for s in deleted if s not in foreign],
+                 store.url_of(parent), keep_k)
     return deleted
 
 
-def purge_local(store: Store, keep_k: int, in_use: InUse, protect: frozenset | set = frozenset()
-                ) -> dict[str, list[int]]:
+def purge_local(store: Store, keep_k: int, in_use: InUse, protect: frozenset | set = frozenset(),
+                lineage_id: str | None = None, drop_foreign: bool = True) -> dict[str, list[int]]:
     """Retention of a node's local root: its own steps and every replica it holds; steps in
-    ``protect`` are kept in each of them (see the module docstring)."""
-    out = {"local": purge_dir(store, "local", keep_k, in_use, "local:", protect=protect)}
+    ``protect`` are kept in each of them; steps of a lineage other than ``lineage_id`` are not
+    counted, and deleted when ``drop_foreign`` (see the module docstring)."""
+    kw = dict(protect=protect, lineage_id=lineage_id, drop_foreign=drop_foreign)
+    out = {"local": purge_dir(store, "local", keep_k, in_use, "local:", **kw)}
     for name in store.listdir("replicas"):
         if layout.parse_node(name) is not None:
-            out[name] = purge_dir(store, f"replicas/{name}", keep_k, in_use, "local:", protect=protect)
+            out[name] = purge_dir(store, f"replicas/{name}", keep_k, in_use, "local:", **kw)
     return out
 
 
