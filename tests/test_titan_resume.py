@@ -1,4 +1,5 @@
-"""torchtitan resume semantics: a final model-only export is never a resume point."""
+"""torchtitan resume semantics: a final model-only export is never a resume point; a seed
+checkpoint (step 0) is loaded model-only, as torchtitan loads it."""
 
 from __future__ import annotations
 
@@ -13,17 +14,27 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _train(tmp, steps, *extra):
+def _train(tmp, steps, *extra, nproc=2, ok=True):
     from tests.harness import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(free_port()), "-m", "titan_plugin.train", "--toml", os.path.join(ROOT, "configs", "titan_demo.toml"),
            "--dump_folder", os.path.join(tmp, "run"), "--checkpoint.local_root", os.path.join(tmp, "nvme", "node-{node}"),
            "--training.steps", str(steps), "--checkpoint.local_interval", "3", "--checkpoint.interval", "3", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    if ok:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return r
+
+
+def _ledger(ckpt):
+    return [json.loads(x) for x in open(os.path.join(ckpt, "tierckpt-ledger.jsonl"))]
+
+
+def _losses(tmp):
+    """{step: exact loss (hex)} of ``<tmp>/run``, the last record of each step."""
+    return {r["step"]: r["loss_hex"] for r in map(json.loads, open(os.path.join(tmp, "run", "metrics", "losses.jsonl")))}
 
 
 def test_model_only_last_save_is_not_a_resume_point(tmp_path):
@@ -38,3 +49,67 @@ def test_model_only_last_save_is_not_a_resume_point(tmp_path):
     restores = [r for r in recs if r["kind"] == "restore"]
     assert len(restores) == 1 and restores[0]["step"] == 3, restores  # the last full state
     assert {v["source"] for v in restores[0]["sources"].values()} == {"own-local"}
+
+
+def _make_seed(tmp):
+    """Seed checkpoint on one rank with the demo TOML unchanged (its J/F are for training).
+    Its init (debug.seed 1234) differs from the demo's own, so a run that ignored the seed
+    would have other losses."""
+    _train(tmp, 4, "--checkpoint.create_seed_checkpoint", "true", "--debug.seed", "1234", nproc=1)
+    return os.path.join(tmp, "run", "checkpoint", "step-0")
+
+
+def test_seed_checkpoint_is_loaded_model_only_then_resumes_full_state(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    tmp = str(tmp_path)
+    ckpt = os.path.join(tmp, "run", "checkpoint")
+    seed = _make_seed(tmp)
+    # model only, checksummed, no commit marker (never a resume point), no local tier written
+    assert os.path.exists(os.path.join(seed, ".metadata")) and os.path.exists(os.path.join(seed, "tierckpt.seed.json"))
+    assert not os.path.exists(os.path.join(seed, "tierckpt.committed"))
+    assert not os.path.exists(os.path.join(tmp, "nvme"))
+    keys = FileSystemReader(seed).read_metadata().state_dict_metadata
+    assert "tok_embeddings.weight" in keys
+    assert not [k for k in keys if k.split(".")[0] in ("optimizer", "dataloader", "lr_scheduler", "train_state")]
+
+    _train(tmp, 4)  # 2 ranks: starts from the seed's weights, fresh optimizer/dataloader/step
+    # the same seed loaded by torchtitan's own model-only initial load, in another folder
+    ref = os.path.join(tmp, "ref")
+    _train(ref, 4, "--checkpoint.initial_load_path", seed)
+    got = _losses(tmp)
+    assert sorted(got) == [1, 2, 3, 4] and got == _losses(ref), (got, _losses(ref))
+    recs = _ledger(ckpt)
+    restores = [r for r in recs if r["kind"] == "restore"]
+    assert len(restores) == 1, restores
+    assert restores[0]["step"] == 0 and restores[0]["model_only"] is True and restores[0]["checksummed"] is True
+    assert {v["source"] for v in restores[0]["sources"].values()} == {"seed"} and len(restores[0]["sources"]) == 2
+    assert [r["clean"] for r in recs if r["kind"] == "run_end"] == [True]
+
+    # a restart resumes the run's own committed step (full state), not the seed
+    _train(tmp, 6)
+    restores = [r for r in _ledger(ckpt) if r["kind"] == "restore"]
+    assert len(restores) == 2 and restores[1]["step"] == 4 and "model_only" not in restores[1], restores
+    assert {v["source"] for v in restores[1]["sources"].values()} == {"own-local"}
+    steps = [json.loads(x)["step"] for x in open(os.path.join(tmp, "run", "metrics", "losses.jsonl"))]
+    assert steps == [1, 2, 3, 4, 5, 6], steps
+    # the seed is kept (retention never deletes it) and still is no resume point
+    assert os.path.exists(os.path.join(seed, "tierckpt.seed.json"))
+    assert not os.path.exists(os.path.join(seed, "tierckpt.committed"))
+
+
+def test_corrupt_seed_checkpoint_stops_the_run(tmp_path):
+    tmp = str(tmp_path)
+    seed = _make_seed(tmp)
+    data = os.path.join(seed, "__0_0.distcp")
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    r = _train(tmp, 2, ok=False)
+    assert r.returncode != 0
+    assert "seed checkpoint" in r.stderr and "corrupt" in r.stderr and "__0_0.distcp" in r.stderr, r.stderr[-3000:]
+    recs = _ledger(os.path.join(tmp, "run", "checkpoint"))
+    assert not [x for x in recs if x["kind"] in ("restore", "checkpoint")], recs
+    assert not os.path.exists(os.path.join(tmp, "run", "checkpoint", "step-2"))
