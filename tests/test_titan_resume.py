@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -86,6 +87,15 @@ def test_seed_checkpoint_is_loaded_model_only_then_resumes_full_state(tmp_path):
     assert {v["source"] for v in restores[0]["sources"].values()} == {"seed"} and len(restores[0]["sources"]) == 2
     assert [r["clean"] for r in recs if r["kind"] == "run_end"] == [True]
 
+    # a seed torchtitan wrote itself (DCP files only, no tierckpt checksums) is loaded too
+    stock = os.path.join(tmp, "stock")
+    shutil.copytree(seed, os.path.join(stock, "run", "checkpoint", "step-0"),
+                    ignore=shutil.ignore_patterns("tierckpt.*"))
+    _train(stock, 1)
+    assert _losses(stock) == {1: got[1]}
+    restores = [r for r in _ledger(os.path.join(stock, "run", "checkpoint")) if r["kind"] == "restore"]
+    assert [(r["step"], r["model_only"], r["checksummed"]) for r in restores] == [(0, True, False)]
+
     # a restart resumes the run's own committed step (full state), not the seed
     _train(tmp, 6)
     restores = [r for r in _ledger(ckpt) if r["kind"] == "restore"]
@@ -96,6 +106,13 @@ def test_seed_checkpoint_is_loaded_model_only_then_resumes_full_state(tmp_path):
     # the seed is kept (retention never deletes it) and still is no resume point
     assert os.path.exists(os.path.join(seed, "tierckpt.seed.json"))
     assert not os.path.exists(os.path.join(seed, "tierckpt.committed"))
+
+    # training from the seed by name over committed steps would write over them: refused
+    before = sorted(os.listdir(ckpt))
+    r = _train(tmp, 8, "--checkpoint.load_step", "0", ok=False)
+    assert r.returncode != 0 and "checkpoint.load_step" in r.stderr and "[3, 4, 6]" in r.stderr, r.stderr[-3000:]
+    assert sorted(os.listdir(ckpt)) == before
+    assert len([x for x in _ledger(ckpt) if x["kind"] == "restore"]) == 2
 
 
 def test_corrupt_seed_checkpoint_stops_the_run(tmp_path):

@@ -334,9 +334,21 @@ class TieredCheckpointManager(CheckpointManager):
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
         """Restore the newest committed step every node can be served from (or ``step``);
-        with none anywhere, torchtitan's initial-load path (``initial_load_path``, HF)."""
+        with none anywhere, the seed checkpoint (model only), else torchtitan's initial-load
+        path (``initial_load_path``, HF). ``step`` 0 is the seed, as in torchtitan.
+
+        Raises:
+            ConfigError: ``load_step`` 0 in a training run while committed steps exist.
+            FileNotFoundError: ``step`` does not exist.
+            VerificationError: the seed is corrupt or incomplete.
+        """
         t0 = time.perf_counter()
         if step == SEED_STEP:  # torchtitan: step 0 is the seed, loaded model-only
+            newer = [] if self.load_only else sorted(self.engine.restorer.inventory().all_steps())
+            if newer:  # this run's saves would overwrite and interleave with them
+                raise ConfigError("checkpoint.load_step", f"0 is the seed checkpoint, but committed steps {newer} "
+                                  "exist: a training run from the seed would write over them; name one of them, "
+                                  "use checkpoint.load_only, or train from the seed in a new dump_folder")
             if self._load_seed(t0):
                 return True
             raise FileNotFoundError(f"checkpoint.load_step=0: no seed checkpoint (step-0) in "
