@@ -130,3 +130,25 @@ def test_corrupt_seed_checkpoint_stops_the_run(tmp_path):
     recs = _ledger(os.path.join(tmp, "run", "checkpoint"))
     assert not [x for x in recs if x["kind"] in ("restore", "checkpoint")], recs
     assert not os.path.exists(os.path.join(tmp, "run", "checkpoint", "step-2"))
+
+
+def test_seed_folder_states(tmp_path):
+    """What the next run makes of step-0: a tierckpt seed (checksums), a seed torchtitan wrote
+    (DCP files only), an interrupted seed creation (refused, never loaded as complete), or none."""
+    from tierckpt.storage import Store
+    from titan_plugin.manager import SEED_MANIFEST, _find_seed
+
+    store, rel = Store(str(tmp_path)), "step-0"
+    assert _find_seed(store, rel) is None
+    store.write_atomic(f"{rel}/.metadata", b"x")
+    assert _find_seed(store, rel) == ("torchtitan", None)
+    store.write_atomic(f"{rel}/tierckpt.inprogress", b"x")  # creation started, not finished
+    assert _find_seed(store, rel) == ("torn", None)
+    store.remove(f"{rel}/tierckpt.inprogress")
+    store.write_atomic(f"{rel}/{SEED_MANIFEST}", b'{"format": "tierckpt-manifest", "model_only": true, "files": []}')
+    assert _find_seed(store, rel)[0] == "tierckpt"
+    store.write_atomic(f"{rel}/{SEED_MANIFEST}", b'{"format": "tierck')
+    assert _find_seed(store, rel) == ("torn", None)
+    store.remove(f"{rel}/{SEED_MANIFEST}")
+    store.write_atomic(f"{rel}/tierckpt.committed", b"{}")  # a full step 0 is the engine's business
+    assert _find_seed(store, rel) is None

@@ -299,11 +299,14 @@ class TieredCheckpointManager(CheckpointManager):
                               "from them and ignores a seed; use a new dump_folder or checkpoint.folder")
         t0 = time.perf_counter()
         rel = layout.persistent_step(SEED_STEP)
-        store.remove(f"{rel}/{SEED_MANIFEST}")  # an older seed stops counting before it is replaced
-        store.rmtree(rel)
         store.makedirs(rel)
-        # retention deletes a marked step-0 without a manifest: a torn seed does not linger
+        # From here until the new seed is complete, step-0 reads as torn, never as an older
+        # seed or as a seed torchtitan wrote (a complete .metadata without checksums).
         store.write_atomic(f"{rel}/{layout.INPROGRESS}", b"tierckpt seed checkpoint in progress\n")
+        store.remove(f"{rel}/{SEED_MANIFEST}")
+        for p in store.walk_files(rel):
+            if p != layout.INPROGRESS:
+                store.remove(f"{rel}/{p}")
         states = self.states[MODEL].state_dict()
         group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         digests = TitanPersistentIO().save(states, store.url_of(rel), group)
@@ -312,9 +315,11 @@ class TieredCheckpointManager(CheckpointManager):
             e = manifest.hash_file(store, f"{rel}/{p}") if p not in digests else None
             entries.append(manifest.FileEntry(p, *digests[p]) if e is None else manifest.FileEntry(p, e.size, e.xxh3_64))
         store.fsync_tree(rel)
+        # The data is durable: unmark before the manifest, so a complete seed never carries the
+        # mark that lets persistent retention delete step-0 as torn.
+        store.remove(f"{rel}/{layout.INPROGRESS}")
         store.write_atomic(f"{rel}/{SEED_MANIFEST}", manifest.manifest_bytes(
             entries, tier="seed", step=SEED_STEP, model_only=True, world_size=1, tensors=len(states)))
-        store.remove(f"{rel}/{layout.INPROGRESS}")
         log.info("tierckpt: seed checkpoint (model only, %d tensors, %d bytes) written to %s in %.2fs",
                  len(states), sum(e.size for e in entries), store.url_of(rel), time.perf_counter() - t0)
         return True
