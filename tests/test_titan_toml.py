@@ -98,3 +98,20 @@ def test_cli_exit_code_and_message(tmp_path):
     r = subprocess.run([sys.executable, "-m", "titan_plugin.train", "--toml", path],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2 and "checkpoint.replication_jump" in r.stderr, r.stderr[-2000:]
+
+
+def test_seed_checkpoint_run_validation(monkeypatch):
+    """A seed run (one rank) takes the demo TOML unchanged: J/F do not apply to it; more than
+    one rank, or checkpointing off, is an error naming the option."""
+    demo = os.path.join(ROOT, "configs", "titan_demo.toml")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    c = load_config(demo, ["--checkpoint.create_seed_checkpoint", "true"])
+    assert c.checkpoint.create_seed_checkpoint and c.checkpoint.replication_factor == 2
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as e:
+        load_config(demo, ["--checkpoint.create_seed_checkpoint", "true"])
+    assert e.value.option == "checkpoint.create_seed_checkpoint" and "allowed: 1" in str(e.value)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError) as e:
+        load_config(demo, ["--checkpoint.create_seed_checkpoint", "true", "--checkpoint.enable", "false"])
+    assert e.value.option == "checkpoint.create_seed_checkpoint" and "enable" in str(e.value)

@@ -19,12 +19,18 @@ The trainer keeps calling ``load``, ``maybe_wait_for_staging``, ``save(step, las
   persistent step is committed (a failure exits non-zero). With ``last_save_model_only`` the
   model-only export goes to ``<folder>/step-N`` as stock torchtitan's; when the persistent
   tier shares that folder, the committed full step-N (fp32) is the export.
-  With no committed step anywhere it falls back to torchtitan's own initial-load logic
-  (``initial_load_path``, HF assets).
+  With no committed step anywhere a seed checkpoint (below) is loaded model-only, else
+  torchtitan's own initial-load logic runs (``initial_load_path``, HF assets);
+- **seed checkpoint** (``create_seed_checkpoint``, one rank, as ``torchtitan.train.main``):
+  the unsharded model alone as ``step-0`` of the persistent folder, checksummed in
+  ``tierckpt.seed.json`` and without a commit marker, so it is never a resume point, never
+  deleted by retention and never loaded with optimizer or dataloader state; the next run
+  loads it model-only (as torchtitan loads step 0) until that run commits a step of its own.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -33,18 +39,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import MODEL, CheckpointManager
 
+from tierckpt import layout, manifest
 from tierckpt.cadence import decision_metrics
+from tierckpt.collectives import PeerFailure, all_gather, run_agreed
 from tierckpt.config import TierConfig
 from tierckpt.engine import TieredCheckpointer
-from tierckpt.errors import ConfigError
+from tierckpt.errors import ConfigError, VerificationError
 from tierckpt.dcp_io import crc32_off, digests_under, hashing_writer
 from tierckpt.persistent import PersistentIO
 from tierckpt.preemption import Preempted
+from tierckpt.storage import Store
 
 log = logging.getLogger(__name__)
+
+SEED_STEP = 0  # torchtitan's seed checkpoint is step 0 of the checkpoint folder
+SEED_MANIFEST = "tierckpt.seed.json"  # checksums of a seed; not a commit marker (never a resume point)
 
 
 class TitanPersistentIO(PersistentIO):
@@ -232,13 +245,17 @@ class TieredCheckpointManager(CheckpointManager):
                          lr_schedulers=lr_schedulers, states=states, sd_adapter=sd_adapter,
                          base_folder=base_folder)
         self.engine: TieredCheckpointer | None = None
+        self.seed_run = bool(config.create_seed_checkpoint)
         if not self.enable:
+            return
+        self.persistent_folder = config.persistent_folder or self.folder
+        if self.seed_run:
+            # one process writing the unsharded model: no local tier, replicas or ledger
             return
         if self.async_mode.value != "disabled":
             log.info("tierckpt: checkpoint.async_mode=%s is superseded: every tier stages once and "
                      "writes in the background", self.async_mode.value)
         self.local_interval = config.local_interval
-        self.persistent_folder = config.persistent_folder or self.folder
         # torchtitan's final model-only export goes to <folder>/step-N, where the persistent
         # tier's last (durable) step goes when both folders are one
         self._export_shares_step_dir = _same_dir(self.persistent_folder, self.folder)
@@ -271,6 +288,8 @@ class TieredCheckpointManager(CheckpointManager):
         export runs (synchronously, not a resume point)."""
         if self.load_only:
             return False
+        if self.seed_run:
+            return self._save_seed(curr_step)
         now = time.perf_counter()
         if self._t_step_end is not None:  # the trainer calls save() after every step
             self.engine.observe_step(now - self._t_step_end)
@@ -321,6 +340,54 @@ class TieredCheckpointManager(CheckpointManager):
             saved = True
         return saved
 
+    def _save_seed(self, curr_step: int) -> bool:
+        """Write the seed checkpoint: the model alone (flattened FQNs, its own dtype) as
+        ``step-0`` of the persistent folder, then ``tierckpt.seed.json`` with its files'
+        checksums. Unlike torchtitan, never the optimizer or dataloader (they would be a
+        1-rank state nobody may resume) and never ``export_dtype``: a seed is a training
+        input, and a dtype change would be refused by the verified load.
+
+        Raises:
+            ConfigError: not step 0, or the folder already holds committed steps (the next run
+                would resume from them and ignore the seed).
+        """
+        if curr_step != SEED_STEP:
+            raise ConfigError("checkpoint.create_seed_checkpoint",
+                              f"a seed is step {SEED_STEP} and ends the run; save({curr_step}) was called")
+        store = Store(self.persistent_folder)
+        committed = [s for s in (layout.parse_step(n) for n in store.listdir(""))
+                     if s is not None and manifest.read_committed(store, layout.persistent_step(s))]
+        if committed:
+            raise ConfigError("checkpoint.create_seed_checkpoint",
+                              f"{store.url} already holds committed steps {committed}: the next run resumes "
+                              "from them and ignores a seed; use a new dump_folder or checkpoint.folder")
+        t0 = time.perf_counter()
+        rel = layout.persistent_step(SEED_STEP)
+        store.makedirs(rel)
+        # From here until the new seed is complete, step-0 reads as torn, never as an older
+        # seed or as a seed torchtitan wrote (a complete .metadata without checksums).
+        store.write_atomic(f"{rel}/{layout.INPROGRESS}", b"tierckpt seed checkpoint in progress\n")
+        store.remove(f"{rel}/{SEED_MANIFEST}")
+        for p in store.walk_files(rel):
+            if p != layout.INPROGRESS:
+                store.remove(f"{rel}/{p}")
+        states = self.states[MODEL].state_dict()
+        group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        digests = TitanPersistentIO().save(states, store.url_of(rel), group)
+        entries = []
+        for p in manifest.data_files(store, rel):  # a file DCP wrote without hashing it is re-read
+            e = manifest.hash_file(store, f"{rel}/{p}") if p not in digests else None
+            entries.append(manifest.FileEntry(p, *digests[p]) if e is None else manifest.FileEntry(p, e.size, e.xxh3_64))
+        store.fsync_tree(rel)
+        # The data is durable: unmark before the manifest, so a complete seed never carries the
+        # mark that lets persistent retention delete step-0 as torn.
+        store.remove(f"{rel}/{layout.INPROGRESS}")
+        store.write_atomic(f"{rel}/{SEED_MANIFEST}", manifest.manifest_bytes(
+            entries, tier="seed", step=SEED_STEP, model_only=True, world_size=1, tensors=len(states)))
+        log.info("tierckpt: seed checkpoint (model only, %d tensors, %d bytes) written to %s in %.2fs",
+                 len(states), sum(e.size for e in entries), store.url_of(rel), time.perf_counter() - t0)
+        return True
+
     def _maybe_wait_for_staging(self) -> None:
         """Nothing to wait for: ``save`` returns only once the staging copy is complete."""
 
@@ -336,13 +403,32 @@ class TieredCheckpointManager(CheckpointManager):
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
         """Restore the newest committed step every node can be served from (or ``step``);
-        with none anywhere, torchtitan's initial-load path (``initial_load_path``, HF)."""
+        with none anywhere, the seed checkpoint (model only), else torchtitan's initial-load
+        path (``initial_load_path``, HF). ``step`` 0 is the seed, as in torchtitan.
+
+        Raises:
+            ConfigError: ``load_step`` 0 in a training run while committed steps exist.
+            FileNotFoundError: ``step`` does not exist.
+            VerificationError: the seed is corrupt or incomplete.
+        """
         t0 = time.perf_counter()
+        if step == SEED_STEP:  # torchtitan: step 0 is the seed, loaded model-only
+            newer = [] if self.load_only else sorted(self.engine.restorer.inventory().all_steps())
+            if newer:  # this run's saves would overwrite and interleave with them
+                raise ConfigError("checkpoint.load_step", f"0 is the seed checkpoint, but committed steps {newer} "
+                                  "exist: a training run from the seed would write over them; name one of them, "
+                                  "use checkpoint.load_only, or train from the seed in a new dump_folder")
+            if self._load_seed(t0):
+                return True
+            raise FileNotFoundError(f"checkpoint.load_step=0: no seed checkpoint (step-0) in "
+                                    f"{self.engine.persistent.store.url}")
         states = self._states_to_load(model_only=False)
         res = self.engine.restore(states, step=None if step == -1 else step)
         if res is None:
             if step != -1:
                 raise FileNotFoundError(f"checkpoint.load_step={step}: no committed checkpoint of that step")
+            if self._load_seed(t0):
+                return True
             return super()._load(-1)
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(states)
@@ -350,6 +436,68 @@ class TieredCheckpointManager(CheckpointManager):
         log.info("tierckpt: resumed from step %d (%s) in %.2fs", res.step,
                  ", ".join(f"node {n}: {o.source.kind}" for n, o in res.sources.items()),
                  time.perf_counter() - t0)
+        return True
+
+    def _load_seed(self, t0: float) -> bool:
+        """Load the seed checkpoint (``step-0``), model only, if there is one (collective).
+
+        A tierckpt seed is checksum-verified (files split over the ranks) and loaded with the
+        verifying planner; a seed torchtitan itself wrote (DCP ``.metadata``, no tierckpt
+        files) is loaded as torchtitan loads it. The optimizer, lr scheduler, dataloader and
+        step stay fresh. Rank 0 appends a ``restore`` record with ``step`` 0 and
+        ``model_only`` true to the ledger.
+
+        Returns:
+            whether a seed was loaded (False: none in the persistent folder).
+        Raises:
+            VerificationError: the seed is corrupt or incomplete (its creation did not finish).
+        """
+        eng = self.engine
+        store, rel, group = eng.persistent.store, layout.persistent_step(SEED_STEP), eng.groups.local_world
+        found = None
+        if eng.topo.rank == 0:  # one view of the shared folder for every rank
+            found = _find_seed(store, rel)
+        kind, doc = all_gather(found, group)[0] or (None, None)
+        if kind is None:
+            return False
+        url = store.url_of(rel)
+        if kind == "torn":
+            raise VerificationError(f"seed checkpoint {url} is incomplete (its creation did not finish): re-run "
+                                    "checkpoint.create_seed_checkpoint, or remove it to start from a fresh init")
+        mine = manifest.entries_of(doc)[eng.topo.rank::eng.topo.world_size] if doc else []
+
+        def verify():
+            problems = manifest.verify_files(store, rel, mine)
+            if problems:
+                raise VerificationError("; ".join(problems[:3]))
+
+        try:
+            run_agreed(verify, group, f"verify seed {url}")
+        except PeerFailure as e:
+            raise VerificationError(f"seed checkpoint {url} is corrupt ({e}); re-create it with "
+                                    "checkpoint.create_seed_checkpoint, or remove it to start from a fresh init") from e
+        states = self.states[MODEL].state_dict()
+        if doc is not None:
+            read = eng.persistent.io.load(states, url, group)
+        else:
+            log.warning("tierckpt: seed %s has no tierckpt checksums (written by torchtitan); loading it unverified", url)
+            dcp.load(states, checkpoint_id=url, process_group=group)
+            read = 0
+        self.states[MODEL].load_state_dict(states)
+        secs = time.perf_counter() - t0
+        per_rank = all_gather(read, group)
+        per_node: dict[int, int] = {}
+        for r, b in enumerate(per_rank):
+            n = eng.topo.node_of_rank[r]
+            per_node[n] = per_node.get(n, 0) + b
+        eng.ledger.append(
+            "restore", step=SEED_STEP, model_only=True, seconds=secs, attempts=1, persistent_bytes=sum(per_rank),
+            bytes=sum(per_rank), checksummed=doc is not None,
+            sources={str(n): {"source": "seed", "holder": None, "bytes": b, "seconds": secs}
+                     for n, b in sorted(per_node.items())},
+            failures=[])
+        log.info("tierckpt: loaded the seed checkpoint %s (model only; optimizer, dataloader and step fresh) "
+                 "in %.2fs", url, secs)
         return True
 
     def _close(self) -> None:
@@ -364,3 +512,23 @@ class TieredCheckpointManager(CheckpointManager):
                 super()._close()
             return
         super()._close()
+
+
+def _find_seed(store: Store, rel: str) -> tuple[str, dict | None] | None:
+    """What ``rel`` holds: ("tierckpt", seed manifest), ("torchtitan", None) for a seed
+    torchtitan wrote, ("torn", None) for one whose creation did not finish, or None."""
+    try:
+        doc = json.loads(store.read_bytes(f"{rel}/{SEED_MANIFEST}"))
+    except (FileNotFoundError, NotADirectoryError):
+        doc = None
+    except (ValueError, OSError):
+        return ("torn", None)
+    if doc is not None:
+        if not isinstance(doc, dict) or doc.get("format") != manifest.FORMAT or not doc.get("model_only"):
+            return ("torn", None)
+        return ("tierckpt", doc)
+    if store.exists(f"{rel}/{layout.INPROGRESS}"):
+        return ("torn", None)
+    if store.exists(f"{rel}/.metadata") and not store.exists(f"{rel}/{layout.MARKER}"):
+        return ("torchtitan", None)
+    return None

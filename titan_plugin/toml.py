@@ -305,10 +305,23 @@ def _merge(a: dict, b: dict) -> dict:
 def check_tiers_early(ckpt) -> None:
     """Validate the tier settings that do not need a process group, plus J/F against the node
     count when the launcher tells it (WORLD_SIZE with LOCAL_WORLD_SIZE or
-    ``simulated_ranks_per_node``)."""
+    ``simulated_ranks_per_node``). A ``create_seed_checkpoint`` run must be one rank
+    (WORLD_SIZE unset or 1) with checkpointing enabled; J/F do not apply to it.
+
+    Raises:
+        ConfigError: naming the ``checkpoint.*`` key and the allowed values.
+    """
     from tierckpt.config import TierConfig
     from tierckpt.topology import check_replication
 
+    seed = ckpt.create_seed_checkpoint
+    if seed:  # as torchtitan.train.main: one process writes the unsharded model and exits
+        if not ckpt.enable:
+            raise ConfigError("checkpoint.create_seed_checkpoint", "needs checkpoint.enable = true")
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world != "1":
+            raise ConfigError("checkpoint.create_seed_checkpoint",
+                              f"runs on a single rank (the model unsharded); got WORLD_SIZE={world}; allowed: 1")
     if not ckpt.enable:
         return
     tiers = ("local", "persistent") if ckpt.local_interval > 0 else ("persistent",)
@@ -320,7 +333,7 @@ def check_tiers_early(ckpt) -> None:
                    simulated_ranks_per_node=ckpt.simulated_ranks_per_node).validate()
         world = int(os.environ.get("WORLD_SIZE", "0"))
         rpn = ckpt.simulated_ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-        if world and rpn and "local" in tiers:
+        if world and rpn and "local" in tiers and not seed:  # a seed run writes no local tier
             check_replication(max(1, world // rpn), ckpt.replication_jump, ckpt.replication_factor)
     except ConfigError as e:
         raise ConfigError(f"checkpoint.{e.option}", str(e).split(": ", 1)[-1]) from None

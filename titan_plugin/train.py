@@ -44,7 +44,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(config) -> None:
-    """Build and run torchtitan's trainer for ``config`` (mirrors ``torchtitan.train.main``)."""
+    """Build and run torchtitan's trainer for ``config`` (mirrors ``torchtitan.train.main``:
+    with ``checkpoint.create_seed_checkpoint`` it only writes the seed checkpoint, step 0).
+
+    Raises:
+        ConfigError: a seed run on more than one rank or with checkpointing disabled.
+    """
     import torch
     from torchtitan.tools.logging import init_logger, logger
 
@@ -55,7 +60,16 @@ def run(config) -> None:
     trainer = None
     try:
         trainer = config.build()
-        trainer.train()
+        if config.checkpoint.create_seed_checkpoint:
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            if world != 1 or not config.checkpoint.enable:
+                raise ConfigError("checkpoint.create_seed_checkpoint",
+                                  f"needs one rank and checkpoint.enable = true (got {world} ranks, "
+                                  f"enable = {config.checkpoint.enable})")
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
     except Exception:
         if trainer:
             trainer.close()
