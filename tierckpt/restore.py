@@ -154,6 +154,7 @@ class Restorer:
         self.local, self.persistent = local, persistent
         self.in_use = in_use
         self.chunk_bytes = chunk_bytes
+        self.last_inventory = Inventory()  # what the last restore planned from
 
     # -- inventory -----------------------------------------------------------------------------
     def inventory(self) -> Inventory:
@@ -194,7 +195,7 @@ class Restorer:
         t0 = time.perf_counter()
         topo = self.topo
         self._persistent_bytes = 0
-        inv = self.inventory()
+        inv = self.last_inventory = self.inventory()
         if not inv.all_steps():
             log.info("tierckpt restore: no committed checkpoint in any tier; starting fresh")
             return None

@@ -11,6 +11,9 @@ Rules (FIELD-NOTES failure class 7):
   disk must not keep the disk full — but in the persistent root only those tierckpt started
   (marked ``tierckpt.inprogress``), never a framework's own folders (e.g. torchtitan's
   model-only export);
+- a step an explicit rollback superseded (``tierckpt.committed.superseded``) is not torn: it is
+  kept until the new timeline writes the same step number again (the rollback can be undone
+  by renaming the marker back);
 - deletion removes the commit marker first, so a half-deleted step is simply uncommitted.
 """
 
@@ -68,6 +71,7 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
     committed = [s for s in steps if manifest.read_committed(store, rel(s)) is not None]
     keep = (set(committed[-keep_k:]) | (set(protect) & set(committed))) if keep_k > 0 else set(committed)
     torn = [s for s in steps if s not in committed
+            and not store.exists(f"{rel(s)}/{layout.MARKER}.superseded")
             and (not only_marked_torn or store.exists(f"{rel(s)}/{layout.INPROGRESS}"))]
     doomed = sorted([s for s in committed if s not in keep] + torn)
     deleted = []
