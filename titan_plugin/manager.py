@@ -13,6 +13,8 @@ The trainer keeps calling ``load``, ``maybe_wait_for_staging``, ``save(step, las
   dataloader, train_state); ``save`` returns once it is complete, so no parameter changes
   before its copy is taken and ``maybe_wait_for_staging`` has nothing to wait for;
 - ``load`` restores from the best committed source (own local > peer replica > persistent);
+  ``checkpoint.load_step`` picks that step from whichever tier holds it: read-only with
+  ``checkpoint.load_only``, a rollback in a training run (:mod:`tierckpt.rollback`);
   only steps with a tierckpt commit marker are resume points, so torchtitan's final
   model-only export (``last_save_model_only``) can never be picked up as a full resume state.
   With no committed step anywhere it falls back to torchtitan's own initial-load logic
@@ -272,10 +274,16 @@ class TieredCheckpointManager(CheckpointManager):
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
         """Restore the newest committed step every node can be served from (or ``step``);
-        with none anywhere, torchtitan's initial-load path (``initial_load_path``, HF)."""
+        with none anywhere, torchtitan's initial-load path (``initial_load_path``, HF).
+
+        An explicit ``step`` (``checkpoint.load_step``) is read-only with
+        ``checkpoint.load_only`` (an evaluation never rewrites history); in a training run it
+        is a rollback: the newer steps are superseded once this run commits its first step."""
         t0 = time.perf_counter()
         states = self._states_to_load(model_only=False)
-        res = self.engine.restore(states, step=None if step == -1 else step)
+        explicit = step != -1
+        res = self.engine.restore(states, step=step if explicit else None,
+                                  rollback=explicit and not self.load_only)
         if res is None:
             if step != -1:
                 raise FileNotFoundError(f"checkpoint.load_step={step}: no committed checkpoint of that step")
