@@ -357,7 +357,10 @@ def _install_training_hooks(rt: Runtime) -> None:
             return base
         from mcore_plugin import strategies
 
-        return strategies.TieredLoadStrategy(rt.tiers, base=base, state_dict_fn=rt.regenerate)
+        # Megatron's own path loads the tracker's step, or --ckpt-step's: only the latter is
+        # a step named by the user (a rollback when this run trains on from it)
+        return strategies.TieredLoadStrategy(rt.tiers, base=base, state_dict_fn=rt.regenerate,
+                                             rollback=explicit_step(_args())[1])
 
     _replace(ck, rt.spec.save_strategy, save_strategy)
     _replace(ck, rt.spec.load_strategy, load_strategy)
@@ -554,6 +557,17 @@ def _log_schedule(rt: Runtime, iteration: int) -> None:
         log.warning("tierckpt: could not write schedule metrics: %s", e)
 
 
+def explicit_step(args) -> tuple[int | None, bool]:
+    """``(step, rollback)`` for Megatron's ``--ckpt-step``: the step (None when not given; 0
+    means not given, as in Megatron's own ``if args.ckpt_step``), and whether loading it is a
+    rollback, i.e. this run trains on from it (no ``--skip-train``). An evaluation run loads
+    it read-only."""
+    step = getattr(args, "ckpt_step", None)
+    if not step:
+        return None, False
+    return int(step), not getattr(args, "skip_train", False)
+
+
 def _close(rt: Runtime, clean: bool, reason: str = "") -> None:
     if rt.tiers is not None:
         rt.tiers.close(clean=clean, reason=reason)
@@ -580,7 +594,9 @@ def _create_tiers(rt: Runtime, args, checkpointing_context) -> None:
     if "local" in cfg.tiers:
         from mcore_plugin.local_manager import TieredLocalCheckpointManager
 
-        rt.local_manager = TieredLocalCheckpointManager(rt.tiers, regenerate=rt.regenerate)
+        step, rollback = explicit_step(args)
+        rt.local_manager = TieredLocalCheckpointManager(rt.tiers, regenerate=rt.regenerate, step=step,
+                                                        rollback=rollback)
         if checkpointing_context is not None:
             checkpointing_context["local_checkpoint_manager"] = rt.local_manager
         if rt.local_tier_masked:
