@@ -476,6 +476,8 @@ class TieredCheckpointer:
         return res
 
     def _arm_rollback(self, step: int) -> None:
+        """Remember the steps newer than ``step`` the restore saw; :meth:`_finish_rollback`
+        supersedes them at this run's first commit."""
         from .rollback import PendingRollback
 
         rb = PendingRollback(step, self.restorer.last_inventory, time.time())
@@ -507,7 +509,7 @@ class TieredCheckpointer:
                     log.warning("tierckpt: rolled back from step %d to %d at this run's first commit (%s step %d); "
                                 "superseded (marker renamed *.superseded): %s", rb.from_step, rb.to_step, tier, step,
                                 ", ".join(gone))
-            except OSError as e:
+            except Exception as e:  # runs on a tier's background thread: warn, never raise
                 log.warning("tierckpt: rollback to step %d: could not supersede newer steps: %s", rb.to_step, e)
             self.ledger.append("rollback", from_step=rb.from_step, to_step=rb.to_step,
                                trigger={"tier": tier, "step": step}, superseded=rb.planned(mine))

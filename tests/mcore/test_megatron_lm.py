@@ -311,3 +311,78 @@ def test_pretrain_gpt_persistent_tier_only(reference, tmp_path):
     n = _check_final_state(ref, run)
     print(f"\nMegatron-LM {major_minor}: persistent tier only, resumed at 20 through Megatron's tracker path; "
           f"{n} tensors bitwise equal at step {ITERS}")
+
+
+def _check_resumed_until(ref_losses, log: Path, step: int, last: int) -> None:
+    """Resumed at ``step + 1`` and, from ``step + 3`` (see :func:`_check_resumed`) to ``last``,
+    losses equal to the uninterrupted reference."""
+    after = _losses(log)
+    assert min(after) == step + 1 and max(after) == last, f"resumed at {min(after)}, ended at {max(after)}"
+    compared = list(range(step + 3, last + 1))
+    diff = {i: (ref_losses[i], after[i]) for i in compared if ref_losses[i] != after[i]}
+    assert compared and not diff, f"losses after the resume differ from the reference: {diff}"
+
+
+def test_pretrain_gpt_ckpt_step_is_honoured_with_the_local_tier(reference, tmp_path):
+    """Issue 14, item 6: persistent steps 4 and 8, every local root lost; ``--ckpt-step 4``
+    with the local tier on resumes at 4 (from the persistent tier), as stock Megatron does
+    without it. The relaunch trains on, so it is a rollback: persistent 8 stays a resume point
+    until the relaunch's first commit (local step 6), then it is superseded."""
+    ref, ref_losses, major_minor = reference
+    run = tmp_path / "ckpt-step"
+    run.mkdir()
+    every4 = ["--save-interval", "4"]
+    _wait(_start(run, "attempt1", extra=[*every4, "--exit-interval", "8"]))
+    assert max(_losses(run / "attempt1.rank1.log")) == 8
+    assert {4, 8} <= set(_committed(_ledger(run), "persistent"))
+    shutil.rmtree(run / "local")
+    _wait(_start(run, "attempt2", extra=[*every4, "--ckpt-step", "4", "--exit-interval", "12"]))
+    restores = _restores_of_last_run(run)
+    assert restores and all(r["step"] == 4 for r in restores), restores
+    assert {v["source"] for v in restores[-1]["sources"].values()} == {"persistent"}, restores[-1]
+    _check_resumed_until(ref_losses, run / "attempt2.rank1.log", 4, 12)
+    ledger = _ledger(run)
+    last_start = max(i for i, r in enumerate(ledger) if r.get("kind") == "run_start")
+    run2 = ledger[last_start:]
+    (rb,) = [r for r in run2 if r.get("kind") == "rollback"]
+    assert (rb["from_step"], rb["to_step"]) == (8, 4) and "persistent/8" in rb["superseded"], rb
+    first_commit = next(r for r in run2 if r.get("kind") == "checkpoint" and r.get("ok"))
+    assert run2.index(rb) > run2.index(first_commit), "superseded before the relaunch committed a step"
+    print(f"\nMegatron-LM {major_minor}: --ckpt-step 4 with the local tier resumed at 4 (persistent 8 existed); "
+          f"losses 7..12 equal the reference; rollback recorded at {rb['trigger']}")
+
+
+def test_pretrain_gpt_corrupt_newest_local_step_falls_back(reference, tmp_path):
+    """Issue 14, item 4: the newest local step N of node 1 is corrupt in its own copy and in
+    its replica on node 0 (one byte flipped in each). The relaunch (same command line) goes
+    through Megatron's local-checkpoint path, which resumes from the newest step that passes
+    verification (the previous local step), not a NoCheckpointError on every restart."""
+    from tests.mcore.scenarios import _flip_byte
+    from tierckpt.cli import find_steps
+
+    ref, ref_losses, major_minor = reference
+    run = tmp_path / "corrupt-newest"
+    run.mkdir()
+    keep = ["--ckpt-plugin-local-keep", "3"]  # two steps every node committed survive the kill
+    procs = _start(run, "attempt1", extra=keep)
+    _kill_when(procs, run, lambda recs: any(s >= 6 for s in _committed(recs, "local")), "local step >= 6")
+    for p, _ in procs:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    own = {n: {s.step for s in find_steps(str(run / "local")) if s.committed and s.tier == "local" and s.node == n}
+           for n in (0, 1)}
+    both = sorted(own[0] & own[1])
+    assert len(both) >= 2, own
+    newest, previous = both[-1], both[-2]
+    _flip_byte(str(run / "local" / "node-1" / "local" / f"step-{newest}"))
+    replica = run / "local" / "node-0" / "replicas" / "node-1" / f"step-{newest}"
+    if replica.exists():  # absent when the kill came before its replication finished
+        _flip_byte(str(replica))
+    last = previous + 8
+    _wait(_start(run, "attempt2", extra=[*keep, "--exit-interval", str(last)]))
+    restores = _restores_of_last_run(run)
+    assert restores and restores[-1]["step"] == previous, restores
+    assert any(f["step"] == newest and f["node"] == 1 for f in restores[-1]["failures"]), restores[-1]
+    _check_resumed_until(ref_losses, run / "attempt2.rank1.log", previous, last)
+    print(f"\nMegatron-LM {major_minor}: local step {newest} corrupt on node 1 and its replica; resumed at "
+          f"{previous}, losses equal to the reference up to {last}")
