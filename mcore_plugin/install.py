@@ -568,6 +568,37 @@ def explicit_step(args) -> tuple[int | None, bool]:
     return int(step), not getattr(args, "skip_train", False)
 
 
+def retrack(engine, save_dir: str, to_step: int) -> None:
+    """After a rollback ran: point Megatron's tracker file (``latest_checkpointed_iteration.txt``
+    under ``save_dir``) at the newest persistent step still committed, or remove it when none
+    is (global rank 0; atomic replace).
+
+    Why: the tracker still names the abandoned timeline's newest persistent step. Megatron
+    prefers its ``--load`` path whenever the tracker is newer than the local manager's
+    ``find_latest``; a restart after the rollback's first (local) commit would then ask for a
+    superseded step and fail on every restart.
+    """
+    if engine.topo.rank != 0:
+        return
+    import os
+
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    path = get_checkpoint_tracker_filename(save_dir)
+    steps = engine.persistent.committed_steps()
+    if not steps:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(max(steps)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    log.info("tierckpt: Megatron's tracker now names persistent step %d (rollback to %d)", max(steps), to_step)
+
+
 def _close(rt: Runtime, clean: bool, reason: str = "") -> None:
     if rt.tiers is not None:
         rt.tiers.close(clean=clean, reason=reason)
@@ -587,6 +618,8 @@ def _create_tiers(rt: Runtime, args, checkpointing_context) -> None:
     optim_state.install()
     _dp_reshardable_load_without_grad()
     rt.tiers = MegatronTiers(cfg)
+    engine = rt.tiers.engine
+    engine.rollback_hooks.append(lambda rb: retrack(engine, args.save, rb.to_step))
     from mcore_plugin.args import settings_of
 
     for note in settings_of(args).notes:

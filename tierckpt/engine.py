@@ -120,6 +120,9 @@ class TieredCheckpointer:
         self._lock = threading.Lock()
         self._rollback = None  # a PendingRollback until this run's first commit
         self._rollback_lock = threading.Lock()
+        # called with the PendingRollback once it ran (background thread): adapters point a
+        # framework's own "latest" record (Megatron's tracker file) away from superseded steps
+        self.rollback_hooks: list = []
         self.history: list[dict] = []
         self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
                                  self.cfg.transfer_chunk_bytes)
@@ -509,6 +512,8 @@ class TieredCheckpointer:
                     log.warning("tierckpt: rolled back from step %d to %d at this run's first commit (%s step %d); "
                                 "superseded (marker renamed *.superseded): %s", rb.from_step, rb.to_step, tier, step,
                                 ", ".join(gone))
+                for hook in self.rollback_hooks:
+                    hook(rb)
             except Exception as e:  # runs on a tier's background thread: warn, never raise
                 log.warning("tierckpt: rollback to step %d: could not supersede newer steps: %s", rb.to_step, e)
             self.ledger.append("rollback", from_step=rb.from_step, to_step=rb.to_step,

@@ -327,7 +327,9 @@ def test_pretrain_gpt_ckpt_step_is_honoured_with_the_local_tier(reference, tmp_p
     """Issue 14, item 6: persistent steps 4 and 8, every local root lost; ``--ckpt-step 4``
     with the local tier on resumes at 4 (from the persistent tier), as stock Megatron does
     without it. The relaunch trains on, so it is a rollback: persistent 8 stays a resume point
-    until the relaunch's first commit (local step 6), then it is superseded."""
+    until the relaunch's first commit (local step 6), then it is superseded and Megatron's
+    tracker no longer names it. The relaunch exits at 6; the next plain restart resumes the
+    new timeline at 6, with losses equal to the uninterrupted run."""
     ref, ref_losses, major_minor = reference
     run = tmp_path / "ckpt-step"
     run.mkdir()
@@ -336,11 +338,12 @@ def test_pretrain_gpt_ckpt_step_is_honoured_with_the_local_tier(reference, tmp_p
     assert max(_losses(run / "attempt1.rank1.log")) == 8
     assert {4, 8} <= set(_committed(_ledger(run), "persistent"))
     shutil.rmtree(run / "local")
-    _wait(_start(run, "attempt2", extra=[*every4, "--ckpt-step", "4", "--exit-interval", "12"]))
+    _wait(_start(run, "attempt2", extra=[*every4, "--ckpt-step", "4", "--exit-interval", "6"]))
     restores = _restores_of_last_run(run)
     assert restores and all(r["step"] == 4 for r in restores), restores
     assert {v["source"] for v in restores[-1]["sources"].values()} == {"persistent"}, restores[-1]
-    _check_resumed_until(ref_losses, run / "attempt2.rank1.log", 4, 12)
+    after = _losses(run / "attempt2.rank1.log")
+    assert (min(after), max(after)) == (5, 6), sorted(after)
     ledger = _ledger(run)
     last_start = max(i for i, r in enumerate(ledger) if r.get("kind") == "run_start")
     run2 = ledger[last_start:]
@@ -348,8 +351,15 @@ def test_pretrain_gpt_ckpt_step_is_honoured_with_the_local_tier(reference, tmp_p
     assert (rb["from_step"], rb["to_step"]) == (8, 4) and "persistent/8" in rb["superseded"], rb
     first_commit = next(r for r in run2 if r.get("kind") == "checkpoint" and r.get("ok"))
     assert run2.index(rb) > run2.index(first_commit), "superseded before the relaunch committed a step"
+    assert (run / "ckpt" / "step-8" / "tierckpt.committed.superseded").exists()
+    assert int((run / "ckpt" / "latest_checkpointed_iteration.txt").read_text()) < 8
+
+    _wait(_start(run, "attempt3", extra=[*every4, "--exit-interval", "12"]))
+    restores = _restores_of_last_run(run)
+    assert restores and restores[-1]["step"] == 6, restores
+    _check_resumed_until(ref_losses, run / "attempt3.rank1.log", 6, 12)
     print(f"\nMegatron-LM {major_minor}: --ckpt-step 4 with the local tier resumed at 4 (persistent 8 existed); "
-          f"losses 7..12 equal the reference; rollback recorded at {rb['trigger']}")
+          f"rollback at {rb['trigger']}; the next restart resumed at 6, losses 9..12 equal the reference")
 
 
 def test_pretrain_gpt_corrupt_newest_local_step_falls_back(reference, tmp_path):
