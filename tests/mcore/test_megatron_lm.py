@@ -16,6 +16,11 @@ iterations, local tier + replica on the other node every 2, persistent tier ever
    nodes at 20 from the persistent tier and finishes.
 2. ``..._persistent_tier_only``: the plugin without a local tier; Megatron's own tracker /
    ``iter_N`` load path goes through the hooked strategies (``--exit-interval 20``, resume).
+3. ``..._ckpt_step_is_honoured_with_the_local_tier`` (issue 14, item 6): ``--ckpt-step 4``
+   with persistent 4 and 8 and no local roots resumes at 4; the rollback supersedes 8 at the
+   relaunch's first commit, and the next plain restart resumes the new timeline.
+4. ``..._corrupt_newest_local_step_falls_back`` (issue 14, item 4): node 1's newest local step
+   corrupt in both copies; the relaunch resumes at the previous local step.
 
 Checks: the ledger's restore records (step, per-node source, persistent bytes), the logged
 losses after each resume equal the reference's (compared as printed strings), and the final
