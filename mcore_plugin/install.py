@@ -357,7 +357,10 @@ def _install_training_hooks(rt: Runtime) -> None:
             return base
         from mcore_plugin import strategies
 
-        return strategies.TieredLoadStrategy(rt.tiers, base=base, state_dict_fn=rt.regenerate)
+        # Megatron's own path loads the tracker's step, or --ckpt-step's: only the latter is
+        # a step named by the user (a rollback when this run trains on from it)
+        return strategies.TieredLoadStrategy(rt.tiers, base=base, state_dict_fn=rt.regenerate,
+                                             rollback=explicit_step(_args())[1])
 
     _replace(ck, rt.spec.save_strategy, save_strategy)
     _replace(ck, rt.spec.load_strategy, load_strategy)
@@ -577,6 +580,48 @@ def _log_schedule(rt: Runtime, iteration: int) -> None:
         log.warning("tierckpt: could not write schedule metrics: %s", e)
 
 
+def explicit_step(args) -> tuple[int | None, bool]:
+    """``(step, rollback)`` for Megatron's ``--ckpt-step``: the step (None when not given; 0
+    means not given, as in Megatron's own ``if args.ckpt_step``), and whether loading it is a
+    rollback, i.e. this run trains on from it (no ``--skip-train``). An evaluation run loads
+    it read-only."""
+    step = getattr(args, "ckpt_step", None)
+    if not step:
+        return None, False
+    return int(step), not getattr(args, "skip_train", False)
+
+
+def retrack(engine, save_dir: str, to_step: int) -> None:
+    """After a rollback ran: point Megatron's tracker file (``latest_checkpointed_iteration.txt``
+    under ``save_dir``) at the newest persistent step still committed, or remove it when none
+    is (global rank 0; atomic replace).
+
+    Why: the tracker still names the abandoned timeline's newest persistent step. Megatron
+    prefers its ``--load`` path whenever the tracker is newer than the local manager's
+    ``find_latest``; a restart after the rollback's first (local) commit would then ask for a
+    superseded step and fail on every restart.
+    """
+    if engine.topo.rank != 0:
+        return
+    import os
+
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    path = get_checkpoint_tracker_filename(save_dir)
+    steps = engine.persistent.committed_steps()
+    if not steps:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(max(steps)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    log.info("tierckpt: Megatron's tracker now names persistent step %d (rollback to %d)", max(steps), to_step)
+
+
 def _close(rt: Runtime, clean: bool, reason: str = "") -> None:
     if rt.tiers is not None:
         rt.tiers.close(clean=clean, reason=reason)
@@ -596,6 +641,8 @@ def _create_tiers(rt: Runtime, args, checkpointing_context) -> None:
     optim_state.install()
     _dp_reshardable_load_without_grad()
     rt.tiers = MegatronTiers(cfg)
+    engine = rt.tiers.engine
+    engine.rollback_hooks.append(lambda rb: retrack(engine, args.save, rb.to_step))
     from mcore_plugin.args import settings_of
 
     for note in settings_of(args).notes:
@@ -603,7 +650,9 @@ def _create_tiers(rt: Runtime, args, checkpointing_context) -> None:
     if "local" in cfg.tiers:
         from mcore_plugin.local_manager import TieredLocalCheckpointManager
 
-        rt.local_manager = TieredLocalCheckpointManager(rt.tiers, regenerate=rt.regenerate)
+        step, rollback = explicit_step(args)
+        rt.local_manager = TieredLocalCheckpointManager(rt.tiers, regenerate=rt.regenerate, step=step,
+                                                        rollback=rollback)
         if checkpointing_context is not None:
             checkpointing_context["local_checkpoint_manager"] = rt.local_manager
         if rt.local_tier_masked:

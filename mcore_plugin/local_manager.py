@@ -24,6 +24,14 @@ every file is checksummed; a restore falls back to a peer's replica and then to 
 persistent tier, so ``find_latest`` reports the newest step *every node* can be served from
 in any tier (Megatron then takes this path whenever it is not older than ``--load``'s
 tracker).
+
+Which step is loaded is the engine's restore plan, not ``find_latest``'s number: ``find_latest``
+only lists commit markers, and a step whose files fail verification on every copy would
+otherwise be pinned on every restart (a crash loop). The load restores the newest step that
+passes verification (``restore(step=None)``); Megatron-LM takes the resumed iteration from the
+loaded state dict (``state_dict['iteration']`` in ``load_checkpoint``), so it resumes at the
+step actually restored. An explicit step (``--ckpt-step``) is returned by ``find_latest`` and
+loaded from whichever tier holds it: read-only, or a rollback in a training run.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ class LocalStateDictHolder:
     Attributes:
         state_dict: the Megatron state dict of a save (None for a load handle).
         manager: the manager of a load handle.
-        step: the step a load handle restores.
+        step: the step a load handle restores (None: the newest verified one).
     """
 
     def __init__(self, state_dict: dict | None = None, *, manager: "TieredLocalCheckpointManager | None" = None,
@@ -66,7 +74,8 @@ class LocalStateDictHolder:
     def to_state_dict(self, sharded_state_dict: dict | None = None, algo: str = "atomic",
                       exchange_algo: str = "broadcast", validate_access_integrity: bool = True,
                       parallelization_group=None, strict=None, return_mismatch_keys: bool = False):
-        """Restore this handle's step (collective).
+        """Restore this handle's step (collective): the explicit step, or (``step`` None) the
+        newest step that passes verification.
 
         Args:
             sharded_state_dict: Megatron's load template; None or empty loads only the common
@@ -78,7 +87,7 @@ class LocalStateDictHolder:
             RuntimeError: a save holder (no step to restore).
             tierckpt.errors.NoCheckpointError: the step can no longer be served by any tier.
         """
-        if self.manager is None or self.step is None:
+        if self.manager is None:
             raise RuntimeError("LocalStateDictHolder: this holder was made for a save, not a load")
         out = self.manager.restore(self.step, sharded_state_dict or None)
         return (out, [], []) if return_mismatch_keys else out
@@ -93,6 +102,10 @@ class TieredLocalCheckpointManager:
             dict in another distributed-optimizer format (``mcore_plugin.install`` records
             ``generate_state_dict``); needed when a restore is served by the persistent tier,
             whose optimizer format differs from the local tier's.
+        step: an explicit step to load (Megatron's ``--ckpt-step``) from whichever tier holds
+            it; None = the newest verified step.
+        rollback: with ``step``, this run trains on from it: the newer steps are superseded
+            at its first commit (:mod:`tierckpt.rollback`). False = read-only.
 
     Attributes:
         local_ckpt_dir: this node's local root (Megatron prints it).
@@ -101,9 +114,12 @@ class TieredLocalCheckpointManager:
         last_restore: :class:`tierckpt.restore.RestoreResult` of the last full load.
     """
 
-    def __init__(self, tiers: Any, regenerate: Callable[[str, bool], dict] | None = None):
+    def __init__(self, tiers: Any, regenerate: Callable[[str, bool], dict] | None = None, *,
+                 step: int | None = None, rollback: bool = False):
         self.tiers = tiers
         self.regenerate = regenerate
+        self.step = step
+        self.rollback = bool(rollback and step is not None)
         eng = tiers.engine
         self.local_ckpt_dir = eng.local.store.url if eng.local is not None else str(eng.cfg.local_root)
         self.latest_iteration = -1
@@ -133,31 +149,55 @@ class TieredLocalCheckpointManager:
     # -- load --------------------------------------------------------------------------------
     def find_latest(self) -> int:
         """Newest step every node can be served from (own local > peer replica > persistent),
-        or -1 (collective: gathers every node's committed steps). Waits for background saves."""
+        or -1 (collective: gathers every node's committed steps). Waits for background saves.
+
+        Only commit markers are read: :meth:`load` restores the newest step whose files pass
+        verification, which may be older (Megatron resumes from the loaded state's
+        iteration). With an explicit ``step`` that step, when every node can be served it.
+
+        Raises:
+            tierckpt.errors.NoCheckpointError: the explicit step is not committed for every
+                node in any tier (names ``--ckpt-step`` and the committed steps).
+        """
         from tierckpt.restore import plan_restore
 
         eng = self.tiers.engine
         eng.wait()
         inv = eng.restorer.inventory()
-        plan = plan_restore(inv, eng.topo.nodes, set())
+        plan = plan_restore(inv, eng.topo.nodes, set(), self.step)
+        if self.step is not None and plan is None:
+            from tierckpt.errors import NoCheckpointError
+
+            raise NoCheckpointError(f"--ckpt-step {self.step}: no tier holds that step for every node; committed "
+                                    f"steps (any tier, any node): {sorted(inv.all_steps())}")
         self.latest_iteration = plan[0] if plan is not None else -1
         return self.latest_iteration
 
     def load(self):
-        """``(handle, name)`` for the step of the last :meth:`find_latest`; the handle's
-        ``to_state_dict`` does the restore (Megatron calls it right after).
+        """``(handle, name)``: the handle's ``to_state_dict`` (Megatron calls it right after)
+        restores the explicit step, or the newest step that passes verification, not
+        necessarily :meth:`find_latest`'s (see the module docstring).
 
         Raises:
             RuntimeError: :meth:`find_latest` found nothing (Megatron never calls it then).
         """
         if self.latest_iteration < 0:
             raise RuntimeError("TieredLocalCheckpointManager.load: call find_latest() first (no step found)")
-        step = self.latest_iteration
-        return LocalStateDictHolder(manager=self, step=step), f"{self.local_ckpt_dir} (tierckpt step {step})"
+        name = f"{self.local_ckpt_dir} (tierckpt step {self.step if self.step is not None else 'newest verified'})"
+        return LocalStateDictHolder(manager=self, step=self.step), name
 
-    def restore(self, step: int, template: dict | None) -> dict:
-        """Restore ``step`` into ``template`` (None: the common part only, read from one
-        verified node-local copy when there is one, not a full restore). Collective."""
+    def restore(self, step: int | None, template: dict | None) -> dict:
+        """Restore ``step`` (None: the newest step that passes verification, in any tier) into
+        ``template``. Collective.
+
+        ``template`` None: the common part only (Megatron's first pass: ``args`` and the like,
+        the same in every step of a run), read from one verified node-local copy of the
+        newest committed step when there is one, not a full restore; the full load that
+        follows decides the step and the resumed iteration.
+
+        Raises:
+            tierckpt.errors.NoCheckpointError: nothing restorable (any more).
+        """
         if template is None:
             got = self.tiers.read_common(step)
             if got is not None:
@@ -171,15 +211,21 @@ class TieredLocalCheckpointManager:
                 return template
             return self.regenerate(fmt, True)
 
-        out = self.tiers.restore(fn, step=step)
+        # the common-only pass must not arm the rollback: the full load that follows does
+        out = self.tiers.restore(fn, step=step, rollback=self.rollback and template is not None)
         if out is None:
             from tierckpt.errors import NoCheckpointError
 
-            raise NoCheckpointError(f"step {step} was found by find_latest but nothing is committed now")
+            raise NoCheckpointError(f"find_latest found step {self.latest_iteration} but nothing is committed now")
         res = self.tiers.last_restore
         if template is not None:
             self.last_restore = res
             if res is not None:
+                if res.step != self.latest_iteration:
+                    log.warning("tierckpt: find_latest listed step %d but it failed verification on every copy; "
+                                "restored step %d (Megatron resumes from the loaded iteration)",
+                                self.latest_iteration, res.step)
+                self.latest_iteration = res.step
                 log.info("tierckpt: restored step %d: %s; persistent bytes read: %d", res.step,
                          {n: res.source_of(n) for n in res.sources}, res.persistent_bytes_read)
         return out

@@ -552,11 +552,13 @@ class MegatronTiers:
         return {t: got.get(t) for t in tiers}
 
     def restore(self, state_dict_fn: StateDictFn, step: int | None = None, *,
-                part: str = "all") -> dict | None:
+                part: str = "all", rollback: bool = False) -> dict | None:
         """Load the newest step every node can be served from (or ``step``), collectively.
 
         ``state_dict_fn(fmt, True)`` builds the template for the source chosen: the local
-        format for own-local/peer-replica, the persistent format for persistent.
+        format for own-local/peer-replica, the persistent format for persistent. An explicit
+        ``step`` is read-only unless ``rollback`` (a training run resuming an older step: see
+        :meth:`tierckpt.engine.TieredCheckpointer.restore`).
 
         Returns:
             the loaded Megatron state dict (common values + loaded tensors, like
@@ -568,7 +570,7 @@ class MegatronTiers:
             NoCheckpointError: checkpoints exist but none could be restored.
         """
         req = _Restore(state_dict_fn, self.local_fmt, self.persistent_fmt)
-        res = self.engine.restore({_TOP: req}, step=step)
+        res = self.engine.restore({_TOP: req}, step=step, rollback=rollback)
         self.last_restore = res
         if res is None:
             return None
@@ -788,6 +790,8 @@ class TieredLoadStrategy(TorchDistLoadShardedStrategy):
             holds a different one than the template passed to ``load``; without it the given
             template is used for every source.
         step: step to load; default parsed from ``checkpoint_dir``.
+        rollback: the step was named explicitly by a training run (``--ckpt-step``): newer
+            steps are superseded at its first commit. Default read-only.
 
     Attributes:
         last_restore: RestoreResult of the last load.
@@ -798,12 +802,14 @@ class TieredLoadStrategy(TorchDistLoadShardedStrategy):
     """
 
     def __init__(self, tiers: MegatronTiers, base: TorchDistLoadShardedStrategy | None = None, *,
-                 state_dict_fn: StateDictFn | None = None, step: int | None = None):
+                 state_dict_fn: StateDictFn | None = None, step: int | None = None,
+                 rollback: bool = False):
         super().__init__()
         self.base_strategy = base if base is not None else TorchDistLoadShardedStrategy()
         self.tiers = tiers
         self.state_dict_fn = state_dict_fn
         self.step = step
+        self.rollback = rollback
         self.last_restore = None
 
     @property
@@ -830,7 +836,7 @@ class TieredLoadStrategy(TorchDistLoadShardedStrategy):
             sharded, _ = extract_sharded_base(sharded)
             return sharded
 
-        got = self.tiers.restore(fn, step=step)
+        got = self.tiers.restore(fn, step=step, rollback=self.rollback)
         self.last_restore = self.tiers.last_restore
         # Megatron merges this over checkpoint_dir's common state and refuses duplicate
         # values: drop what that common state already holds, keep the rest of the tier's

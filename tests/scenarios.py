@@ -386,20 +386,46 @@ def phase_adaptive(rank, world, base, clean_end, steps):
 
 
 def phase_rollback(rank, world, base):
-    """Save 2, 4, 6; roll back to 2 explicitly; the next default restore must pick 2, not 6."""
-    eng = TieredCheckpointer(make_config(base, keep_latest_k={"local": 3, "persistent": 3}), node_id=rank)
+    """Save 2, 4, 6. ``restore(step=2)`` is read-only: the next default restore picks 6. A
+    rollback to 2 whose run ends before committing anything (a crash) leaves 4 and 6 resume
+    points. A rollback to 2 that then commits step 3 supersedes 4 and 6 (local, replica,
+    persistent) only from that commit on: the next default restore picks 3, not 6."""
+    import json
+
+    from tierckpt.cli import find_steps
+
+    cfg = make_config(base, keep_latest_k={"local": 3, "persistent": 3})
+    eng = TieredCheckpointer(cfg, node_id=rank)
     model, opt = build(seed=0)
     for s in (2, 4, 6):
         train_step(model, opt, s, rank)
         eng.save(s, app_state(model, opt))
     eng.wait()
-    sd = app_state(model, opt)
-    assert eng.restore(sd, step=2).step == 2
-    dist.barrier()
-    sd = app_state(model, opt)
-    again = eng.restore(sd).step
+
+    def committed():
+        dist.barrier()
+        return sorted({(x.tier, x.step) for x in find_steps(base) if x.committed})
+
+    before = committed()
+    out = {"read_only": eng.restore(app_state(model, opt), step=2).step}
+    out["after_read_only"] = committed() == before
+    out["default_after_read_only"] = eng.restore(app_state(model, opt)).step
+    out["rollback_armed"] = eng.restore(app_state(model, opt), step=2, rollback=True).step
+    out["after_arm"] = committed() == before
+    eng.close(clean=False, reason="crash before the first commit of the new timeline")
+    eng = TieredCheckpointer(cfg, node_id=rank)
+    out["default_after_crash"] = eng.restore(app_state(model, opt)).step
+    assert eng.restore(app_state(model, opt), step=2, rollback=True).step == 2
+    train_step(model, opt, 3, rank)
+    eng.save(3, app_state(model, opt))
+    eng.wait()
+    out["committed_after"] = committed()
+    out["default_after_commit"] = eng.restore(app_state(model, opt)).step
     eng.close()
-    return again
+    recs = [json.loads(x) for x in open(os.path.join(base, "pfs", "tierckpt-ledger.jsonl"))]
+    out["rollbacks"] = [(r["from_step"], r["to_step"], r["trigger"]["step"], sorted(r["superseded"]))
+                        for r in recs if r["kind"] == "rollback"]
+    return out
 
 
 def phase_unshared_persistent(rank, world, base):

@@ -72,11 +72,25 @@ def test_retention_and_staging_isolation(tmp_path):
         assert r.value["persistent"] == ["step-3", "step-4", "step-5"], r.value
 
 
-def test_explicit_rollback_supersedes_newer_steps(tmp_path):
+def test_explicit_step_is_read_only_and_rollback_waits_for_the_first_commit(tmp_path):
     res = run_world(scenarios.phase_rollback, 2, str(tmp_path))
-    assert [r.value for r in res] == [2, 2]
-    sup = os.path.join(str(tmp_path), "pfs", "step-6", "tierckpt.committed.superseded")
-    assert os.path.exists(sup)
+    for r in res:
+        v = r.value
+        assert v["read_only"] == 2 and v["after_read_only"] and v["default_after_read_only"] == 6, v
+        assert v["rollback_armed"] == 2 and v["after_arm"] and v["default_after_crash"] == 6, v
+        # the new timeline's step 3 is committed everywhere; 4 and 6 are not resume points any more
+        tiers = {"local", "replica", "persistent"}
+        assert {(t, s) for t, s in v["committed_after"] if s > 2} == {(t, 3) for t in tiers}, v
+        assert v["default_after_commit"] == 3, v
+    planned = sorted(["persistent/4", "persistent/6"] + [f"local node-{n}/{s}" for n in (0, 1) for s in (4, 6)]
+                     + [f"replica node-{n}@node-{1 - n}/{s}" for n in (0, 1) for s in (4, 6)])
+    assert res[0].value["rollbacks"] == [(6, 2, 3, planned)], res[0].value["rollbacks"]
+    for rel in ("pfs/step-6", "pfs/step-4"):
+        assert os.path.exists(os.path.join(str(tmp_path), rel, "tierckpt.committed.superseded"))
+    from tierckpt.cli import _committed_label, find_steps
+
+    labels = {s.step: _committed_label(s) for s in find_steps(str(tmp_path / "pfs"))}
+    assert labels == {2: "yes", 3: "yes", 4: "no (superseded by a rollback)", 6: "no (superseded by a rollback)"}, labels
 
 
 def test_persistent_root_must_be_shared(tmp_path):

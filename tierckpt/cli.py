@@ -367,6 +367,8 @@ def find_steps(root: str, max_depth: int = DEFAULT_MAX_DEPTH) -> list[StepDir]:
 def _committed_label(s: StepDir, lineage_id: str | None = None) -> str:
     if s.committed:
         return "yes, other lineage" if s.foreign(lineage_id) else "yes"
+    if s.store.exists(f"{s.rel}/{MARKER}.superseded"):
+        return "no (superseded by a rollback)"
     return "no (bad marker)" if s.marker_present else "no"
 
 

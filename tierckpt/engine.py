@@ -141,6 +141,11 @@ class TieredCheckpointer:
         # monotonic (submitted, finished or None) of each tier's latest background job
         self._job_window: dict[str, tuple[float, float | None]] = {}
         self._lock = threading.Lock()
+        self._rollback = None  # a PendingRollback until this run's first commit
+        self._rollback_lock = threading.Lock()
+        # called with the PendingRollback once it ran (background thread): adapters point a
+        # framework's own "latest" record (Megatron's tracker file) away from superseded steps
+        self.rollback_hooks: list = []
         self.history: list[dict] = []
         # failure policy (TierConfig.warn_only): failed records not yet raised to the trainer
         self._raised: set[tuple[str, int]] = set()
@@ -479,6 +484,8 @@ class TieredCheckpointer:
                 self.local_anchor = step
             if tier == "persistent" and rec.ok:
                 self.persistent_committed.append(step)
+        if rec.ok and self._rollback is not None:
+            self._finish_rollback(tier, step)
         if self.cadence is not None:
             if rec.ok:
                 self.cadence.observe_checkpoint(tier, rec.blocking_s, rec.background_s, rec.interference_s)
@@ -575,22 +582,33 @@ class TieredCheckpointer:
         return rec
 
     # -- restore -------------------------------------------------------------------------------
-    def restore(self, state_dict: dict, step: int | None = None) -> RestoreResult | None:
+    def restore(self, state_dict: dict, step: int | None = None, *,
+                rollback: bool = False) -> RestoreResult | None:
         """Load ``state_dict`` in place from the newest step every node can be served from.
 
         Collective. Waits for background saves first. See :mod:`tierckpt.restore`.
 
+        Args:
+            step: restore exactly this step (from whichever tier holds it). Read-only: newer
+                committed steps stay resume points.
+            rollback: ``step`` starts a new timeline (a training run that names an older step):
+                the newer committed steps this restore saw are superseded once this run
+                commits its first step of any tier (:mod:`tierckpt.rollback`; ledger
+                ``rollback`` record), never before.
         Returns:
             RestoreResult, or None if no committed checkpoint exists (fresh start).
         Raises:
             NoCheckpointError: checkpoints exist but none could be restored.
+            ValueError: ``rollback`` without ``step``.
         """
+        if rollback and step is None:
+            raise ValueError("restore(rollback=True) needs the step rolled back to")
         self.wait(bounded=False)
         res = self.restorer.restore(state_dict, step)
         if res is not None:
             self._ledger_restore(res)
-            if step is not None:
-                self._supersede_newer(res.step)
+            if rollback:
+                self._arm_rollback(res.step)
             with self._lock:  # every node's copy of res.step sits on some node's local disk
                 self.local_anchor = res.step if all(
                     o.source.kind != PERSISTENT for o in res.sources.values()) else None
@@ -600,32 +618,47 @@ class TieredCheckpointer:
                                                     refresh_ledger=True, step=res.step))
         return res
 
-    def _supersede_newer(self, step: int) -> None:
-        """After an explicit rollback to ``step``, newer committed steps belong to an abandoned
-        timeline: without this, the next restart would resume from them and retention would
-        delete the new timeline's steps first. Each node leader handles its local root, rank 0
-        the persistent tier (local, no collective)."""
-        from . import layout, manifest
+    def _arm_rollback(self, step: int) -> None:
+        """Remember the steps newer than ``step`` the restore saw; :meth:`_finish_rollback`
+        supersedes them at this run's first commit."""
+        from .rollback import PendingRollback
 
-        gone = []
-        try:
-            if self.local is not None and self.topo.is_node_leader:
-                for s in self.local.committed_steps():
-                    if s > step and manifest.supersede(self.local.store, layout.local_step(s)):
-                        gone.append(f"local/{s}")
-                for n, steps in self.local.committed_replicas().items():
-                    for s in steps:
-                        if s > step and manifest.supersede(self.local.store, layout.replica_step(n, s)):
-                            gone.append(f"replica node-{n}/{s}")
-            if self.topo.rank == 0:
-                for s in self.persistent.committed_steps():
-                    if s > step and manifest.supersede(self.persistent.store, layout.persistent_step(s)):
-                        gone.append(f"persistent/{s}")
-        except OSError as e:
-            log.warning("tierckpt: rollback to step %d: could not supersede newer steps: %s", step, e)
-        if gone:
-            log.warning("tierckpt: rolled back to step %d; newer steps superseded (marker renamed "
-                        "*.superseded, not resume points any more): %s", step, ", ".join(gone))
+        rb = PendingRollback(step, self.restorer.last_inventory, time.time())
+        if rb.empty:
+            return
+        with self._rollback_lock:
+            self._rollback = rb
+        log.warning("tierckpt: rollback to step %d armed: the newer steps up to %d stay resume points "
+                    "until this run commits its first step, then they are superseded", step, rb.from_step)
+
+    def _finish_rollback(self, tier: str, step: int) -> None:
+        """Run the armed rollback once, at this run's first committed step (``tier``, ``step``).
+        Holding the lock to the end keeps the other tier's thread (its retention) waiting until
+        the abandoned steps no longer count as the newest."""
+        with self._rollback_lock:
+            rb = self._rollback
+            if rb is None:
+                return
+            with self._lock:  # this run's own steps, written or being written: never superseded
+                mine = {t: {r["step"] for r in self.history if r.get("tier") == t} for t in ("local", "persistent")}
+            for t, s in list(self._pending_step.items()):
+                mine[t].add(s)
+            try:
+                gone = rb.execute(node=self.topo.node,
+                                  local_store=self.local.store if (self.local and self.topo.is_node_leader) else None,
+                                  persistent_store=self.persistent.store if self.topo.rank == 0 else None,
+                                  exclude=mine)
+                if gone:
+                    log.warning("tierckpt: rolled back from step %d to %d at this run's first commit (%s step %d); "
+                                "superseded (marker renamed *.superseded): %s", rb.from_step, rb.to_step, tier, step,
+                                ", ".join(gone))
+                for hook in self.rollback_hooks:
+                    hook(rb)
+            except Exception as e:  # runs on a tier's background thread: warn, never raise
+                log.warning("tierckpt: rollback to step %d: could not supersede newer steps: %s", rb.to_step, e)
+            self.ledger.append("rollback", from_step=rb.from_step, to_step=rb.to_step,
+                               trigger={"tier": tier, "step": step}, superseded=rb.planned(mine))
+            self._rollback = None
 
     def _ledger_restore(self, res: RestoreResult) -> None:
         """Append the restore record (global rank 0 writes)."""

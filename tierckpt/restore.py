@@ -155,6 +155,7 @@ class Restorer:
         self.in_use = in_use
         self.chunk_bytes = chunk_bytes
         self._foreign_logged: set = set()  # (node, rel, lineage) already reported
+        self.last_inventory = Inventory()  # what the last restore planned from
 
     # -- inventory -----------------------------------------------------------------------------
     def inventory(self) -> Inventory:
@@ -206,7 +207,7 @@ class Restorer:
         t0 = time.perf_counter()
         topo = self.topo
         self._persistent_bytes = 0
-        inv = self.inventory()
+        inv = self.last_inventory = self.inventory()
         if not inv.all_steps():
             log.info("tierckpt restore: no committed checkpoint in any tier; starting fresh")
             return None

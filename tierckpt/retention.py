@@ -15,6 +15,9 @@ Rules (FIELD-NOTES failure class 7):
   before lineages existed; :mod:`tierckpt.lineage`) never count towards the k kept; the purge at
   start deletes them like torn ones (retention after a save leaves them: restore ignores them
   anyway); steps of the job's own lineage are never deleted for being foreign;
+- a step an explicit rollback superseded (``tierckpt.committed.superseded``) is not torn: it is
+  kept until the new timeline writes the same step number again (the rollback can be undone
+  by renaming the marker back);
 - deletion removes the commit marker first, so a half-deleted step is simply uncommitted.
 """
 
@@ -79,6 +82,7 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
     committed = [s for s in steps if docs[s] is not None and s not in foreign]
     keep = (set(committed[-keep_k:]) | (set(protect) & set(committed))) if keep_k > 0 else set(committed)
     torn = [s for s in steps if docs[s] is None
+            and not store.exists(f"{rel(s)}/{layout.MARKER}.superseded")
             and (not only_marked_torn or store.exists(f"{rel(s)}/{layout.INPROGRESS}"))]
     doomed = sorted([s for s in committed if s not in keep] + torn + (list(foreign) if drop_foreign else []))
     deleted = []

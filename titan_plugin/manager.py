@@ -13,6 +13,8 @@ The trainer keeps calling ``load``, ``maybe_wait_for_staging``, ``save(step, las
   dataloader, train_state); ``save`` returns once it is complete, so no parameter changes
   before its copy is taken and ``maybe_wait_for_staging`` has nothing to wait for;
 - ``load`` restores from the best committed source (own local > peer replica > persistent);
+  ``checkpoint.load_step`` picks that step from whichever tier holds it: read-only with
+  ``checkpoint.load_only``, a rollback in a training run (:mod:`tierckpt.rollback`);
   only steps with a tierckpt commit marker are resume points, so torchtitan's final
   model-only export (``last_save_model_only``) can never be picked up as a full resume state;
 - the last step is a planned exit: every tier saves it and training ends only once the
@@ -406,6 +408,10 @@ class TieredCheckpointManager(CheckpointManager):
         with none anywhere, the seed checkpoint (model only), else torchtitan's initial-load
         path (``initial_load_path``, HF). ``step`` 0 is the seed, as in torchtitan.
 
+        Another explicit ``step`` (``checkpoint.load_step``) is read-only with
+        ``checkpoint.load_only`` (an evaluation never rewrites history); in a training run it
+        is a rollback: the newer steps are superseded once this run commits its first step.
+
         Raises:
             ConfigError: ``load_step`` 0 in a training run while committed steps exist.
             FileNotFoundError: ``step`` does not exist.
@@ -423,7 +429,9 @@ class TieredCheckpointManager(CheckpointManager):
             raise FileNotFoundError(f"checkpoint.load_step=0: no seed checkpoint (step-0) in "
                                     f"{self.engine.persistent.store.url}")
         states = self._states_to_load(model_only=False)
-        res = self.engine.restore(states, step=None if step == -1 else step)
+        explicit = step != -1
+        res = self.engine.restore(states, step=step if explicit else None,
+                                  rollback=explicit and not self.load_only)
         if res is None:
             if step != -1:
                 raise FileNotFoundError(f"checkpoint.load_step={step}: no committed checkpoint of that step")

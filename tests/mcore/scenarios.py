@@ -297,3 +297,93 @@ def _load_all(path: str) -> dict:
           else io.BytesIO() for k, v in md.state_dict_metadata.items()}
     dcp.load(sd, storage_reader=FileSystemReader(path), no_dist=True)
     return sd
+
+
+def _flip_byte(step_dir: str) -> str:
+    """Flip one byte in the middle of the largest DCP data file of ``step_dir``; returns its name."""
+    name = max((f for f in os.listdir(step_dir) if f.endswith(".distcp")),
+               key=lambda f: os.path.getsize(os.path.join(step_dir, f)))
+    path = os.path.join(step_dir, name)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return name
+
+
+def phase_local_manager_resume_point(rank: int, world: int, base: str) -> dict:
+    """Megatron-LM's local-checkpoint load path (``find_latest`` → ``load`` →
+    ``to_state_dict(None)`` → ``to_state_dict(template)``, as ``load_checkpoint`` calls it).
+
+    Persistent step 1, local steps 2 and 3 (+ replicas). One byte of node 1's step-3 data file
+    and of its replica on node 0 is flipped: two restarts in a row (fresh tiers each) load
+    step 2 bitwise, with iteration 2 in the loaded state (what Megatron resumes from), instead
+    of failing on the step ``find_latest`` listed. An explicit step (``--ckpt-step 1``):
+    ``find_latest`` returns it although newer steps exist, it is served from the persistent
+    tier bitwise and no committed step is touched; a step no tier holds names ``--ckpt-step``.
+    """
+    from mcore_plugin.local_manager import TieredLocalCheckpointManager
+    from tests.scenarios import assert_bitwise
+    from tierckpt.cli import find_steps
+    from tierckpt.errors import NoCheckpointError
+
+    M.setup(tp=1)
+    model, opt = M.build(seed=0)
+    tiers = _tiers(base)
+    snaps = {}
+    for s in (1, 2, 3):
+        M.train_step(model, opt, s)
+        fn = M.state_dict_fn(model, opt, s)
+        if s == 1:
+            tiers.save(s, fn("fully_reshardable", False), tiers=["persistent"])
+        else:
+            tiers.save(s, fn("dp_reshardable", False), tiers=["local"])
+        snaps[s] = M.snapshot(model, opt)
+    tiers.wait()
+    tiers.close()
+    nvme = os.path.join(base, "nvme")
+    if rank == 1:
+        _flip_byte(os.path.join(nvme, "node-1", "local", "step-3"))
+    else:
+        _flip_byte(os.path.join(nvme, "node-0", "replicas", "node-1", "step-3"))
+    dist.barrier()
+
+    def megatron_load(step=None):
+        t = _tiers(base)
+        m, o = M.build(seed=40)
+        regen = lambda fmt, is_loading: M.state_dict_fn(m, o, 0)(fmt, True)  # noqa: E731
+        mgr = TieredLocalCheckpointManager(t, regenerate=regen, **({} if step is None else {"step": step}))
+        found = mgr.find_latest()
+        handle, _ = mgr.load()
+        common = handle.to_state_dict(None)  # Megatron's first ("rank0") pass
+        sd = handle.to_state_dict(M.state_dict_fn(m, o, 0)("dp_reshardable", True))
+        M.apply_loaded(m, o, sd)
+        res = mgr.last_restore
+        out = {"found": found, "iteration": sd["iteration"], "common_iteration": common["iteration"],
+               "restored": res.step, "sources": {n: x.source.kind for n, x in res.sources.items()}}
+        return t, m, o, out
+
+    out = {}
+    for attempt in (1, 2):
+        t, m, o, got = megatron_load()
+        assert_bitwise(snaps[2], M.snapshot(m, o), f"restart {attempt}")
+        t.close()
+        out[f"restart{attempt}"] = got
+
+    dist.barrier()
+    before = sorted((x.tier, x.node, x.step) for x in find_steps(base) if x.committed)
+    t, m, o, got = megatron_load(step=1)
+    assert_bitwise(snaps[1], M.snapshot(m, o), "--ckpt-step 1")
+    t.close()
+    out["explicit"] = got
+    dist.barrier()
+    out["untouched"] = before == sorted((x.tier, x.node, x.step) for x in find_steps(base) if x.committed)
+    t = _tiers(base)
+    try:
+        TieredLocalCheckpointManager(t, step=7).find_latest()
+        out["missing"] = None
+    except NoCheckpointError as e:
+        out["missing"] = str(e)
+    t.close()
+    return out

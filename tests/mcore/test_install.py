@@ -244,3 +244,15 @@ def test_schedule_decisions_go_to_megatron_writers(monkeypatch):
     assert wb.calls and wb.calls[0][1] == 42 and wb.calls[0][0]["tierckpt/local/mtbf_s"] == 100.0
     install._log_schedule(rt, 43)  # nothing new: nothing written
     assert len(wb.calls) == 1
+
+
+def test_ckpt_step_is_a_rollback_only_in_a_training_run():
+    """``--ckpt-step N`` loads N read-only with ``--skip-train`` (evaluation) and as a rollback
+    otherwise; 0 or absent means no explicit step (Megatron's own ``if args.ckpt_step``)."""
+    from types import SimpleNamespace as NS
+
+    assert install.explicit_step(NS(ckpt_step=4, skip_train=False)) == (4, True)
+    assert install.explicit_step(NS(ckpt_step=4, skip_train=True)) == (4, False)
+    assert install.explicit_step(NS(ckpt_step=None, skip_train=False)) == (None, False)
+    assert install.explicit_step(NS(ckpt_step=0)) == (None, False)
+    assert install.explicit_step(NS()) == (None, False)

@@ -72,3 +72,22 @@ def test_export_cli_without_megatron(monkeypatch, capsys, tmp_path):
                         lambda name, *a: None if name.startswith("megatron") else real(name, *a))
     assert cli(["export-mcore", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     assert "megatron-core" in capsys.readouterr().err
+
+
+def test_local_manager_path_falls_back_past_a_corrupt_step_and_honours_an_explicit_step(tmp_path):
+    """Issue 14, items 4 and 6 on the harness (``scenarios.phase_local_manager_resume_point``)."""
+    from tests.mcore import scenarios
+
+    res = run_world(scenarios.phase_local_manager_resume_point, 2, str(tmp_path), timeout=420, env=ENV)
+    for r in res:
+        v = r.value
+        for attempt in ("restart1", "restart2"):  # every restart, not a crash loop
+            got = v[attempt]
+            assert got["found"] == 3, got  # find_latest lists markers only
+            assert got["restored"] == 2 and got["iteration"] == 2, got
+            assert got["sources"] == {0: "own-local", 1: "own-local"}, got
+        exp = v["explicit"]
+        assert exp["found"] == 1 and exp["restored"] == 1 and exp["iteration"] == exp["common_iteration"] == 1, exp
+        assert exp["sources"] == {0: "persistent", 1: "persistent"}, exp
+        assert v["untouched"], "an explicit step without rollback changed the committed steps"
+        assert v["missing"] and "--ckpt-step 7" in v["missing"], v["missing"]

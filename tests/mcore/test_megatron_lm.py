@@ -16,6 +16,11 @@ iterations, local tier + replica on the other node every 2, persistent tier ever
    nodes at 20 from the persistent tier and finishes.
 2. ``..._persistent_tier_only``: the plugin without a local tier; Megatron's own tracker /
    ``iter_N`` load path goes through the hooked strategies (``--exit-interval 20``, resume).
+3. ``..._ckpt_step_is_honoured_with_the_local_tier`` (issue 14, item 6): ``--ckpt-step 4``
+   with persistent 4 and 8 and no local roots resumes at 4; the rollback supersedes 8 at the
+   relaunch's first commit, and the next plain restart resumes the new timeline.
+4. ``..._corrupt_newest_local_step_falls_back`` (issue 14, item 4): node 1's newest local step
+   corrupt in both copies; the relaunch resumes at the previous local step.
 
 Checks: the ledger's restore records (step, per-node source, persistent bytes), the logged
 losses after each resume equal the reference's (compared as printed strings), and the final
@@ -334,3 +339,88 @@ def test_pretrain_gpt_planned_exit_after_a_local_only_save_is_durable(reference,
     assert {v["source"] for r in restores for v in r["sources"].values()} == {"persistent"}, restores
     _check_resumed(ref_losses, run / "attempt2.rank1.log", 6)
     _check_final_state(ref, run)
+
+
+def _check_resumed_until(ref_losses, log: Path, step: int, last: int) -> None:
+    """Resumed at ``step + 1`` and, from ``step + 3`` (see :func:`_check_resumed`) to ``last``,
+    losses equal to the uninterrupted reference."""
+    after = _losses(log)
+    assert min(after) == step + 1 and max(after) == last, f"resumed at {min(after)}, ended at {max(after)}"
+    compared = list(range(step + 3, last + 1))
+    diff = {i: (ref_losses[i], after[i]) for i in compared if ref_losses[i] != after[i]}
+    assert compared and not diff, f"losses after the resume differ from the reference: {diff}"
+
+
+def test_pretrain_gpt_ckpt_step_is_honoured_with_the_local_tier(reference, tmp_path):
+    """Issue 14, item 6: persistent steps 4 and 8, every local root lost; ``--ckpt-step 4``
+    with the local tier on resumes at 4 (from the persistent tier), as stock Megatron does
+    without it. The relaunch trains on, so it is a rollback: persistent 8 stays a resume point
+    until the relaunch's first commit (local step 6), then it is superseded and Megatron's
+    tracker no longer names it. The relaunch exits at 6; the next plain restart resumes the
+    new timeline at 6, with losses equal to the uninterrupted run."""
+    ref, ref_losses, major_minor = reference
+    run = tmp_path / "ckpt-step"
+    run.mkdir()
+    every4 = ["--save-interval", "4"]
+    _wait(_start(run, "attempt1", extra=[*every4, "--exit-interval", "8"]))
+    assert max(_losses(run / "attempt1.rank1.log")) == 8
+    assert {4, 8} <= set(_committed(_ledger(run), "persistent"))
+    shutil.rmtree(run / "local")
+    _wait(_start(run, "attempt2", extra=[*every4, "--ckpt-step", "4", "--exit-interval", "6"]))
+    restores = _restores_of_last_run(run)
+    assert restores and all(r["step"] == 4 for r in restores), restores
+    assert {v["source"] for v in restores[-1]["sources"].values()} == {"persistent"}, restores[-1]
+    after = _losses(run / "attempt2.rank1.log")
+    assert (min(after), max(after)) == (5, 6), sorted(after)
+    ledger = _ledger(run)
+    last_start = max(i for i, r in enumerate(ledger) if r.get("kind") == "run_start")
+    run2 = ledger[last_start:]
+    (rb,) = [r for r in run2 if r.get("kind") == "rollback"]
+    assert (rb["from_step"], rb["to_step"]) == (8, 4) and "persistent/8" in rb["superseded"], rb
+    first_commit = next(r for r in run2 if r.get("kind") == "checkpoint" and r.get("ok"))
+    assert run2.index(rb) > run2.index(first_commit), "superseded before the relaunch committed a step"
+    assert (run / "ckpt" / "step-8" / "tierckpt.committed.superseded").exists()
+    assert int((run / "ckpt" / "latest_checkpointed_iteration.txt").read_text()) < 8
+
+    _wait(_start(run, "attempt3", extra=[*every4, "--exit-interval", "12"]))
+    restores = _restores_of_last_run(run)
+    assert restores and restores[-1]["step"] == 6, restores
+    _check_resumed_until(ref_losses, run / "attempt3.rank1.log", 6, 12)
+    print(f"\nMegatron-LM {major_minor}: --ckpt-step 4 with the local tier resumed at 4 (persistent 8 existed); "
+          f"rollback at {rb['trigger']}; the next restart resumed at 6, losses 9..12 equal the reference")
+
+
+def test_pretrain_gpt_corrupt_newest_local_step_falls_back(reference, tmp_path):
+    """Issue 14, item 4: the newest local step N of node 1 is corrupt in its own copy and in
+    its replica on node 0 (one byte flipped in each). The relaunch (same command line) goes
+    through Megatron's local-checkpoint path, which resumes from the newest step that passes
+    verification (the previous local step), not a NoCheckpointError on every restart."""
+    from tests.mcore.scenarios import _flip_byte
+    from tierckpt.cli import find_steps
+
+    ref, ref_losses, major_minor = reference
+    run = tmp_path / "corrupt-newest"
+    run.mkdir()
+    keep = ["--ckpt-plugin-local-keep", "3"]  # two steps every node committed survive the kill
+    procs = _start(run, "attempt1", extra=keep)
+    _kill_when(procs, run, lambda recs: any(s >= 6 for s in _committed(recs, "local")), "local step >= 6")
+    for p, _ in procs:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    own = {n: {s.step for s in find_steps(str(run / "local")) if s.committed and s.tier == "local" and s.node == n}
+           for n in (0, 1)}
+    both = sorted(own[0] & own[1])
+    assert len(both) >= 2, own
+    newest, previous = both[-1], both[-2]
+    _flip_byte(str(run / "local" / "node-1" / "local" / f"step-{newest}"))
+    replica = run / "local" / "node-0" / "replicas" / "node-1" / f"step-{newest}"
+    if replica.exists():  # absent when the kill came before its replication finished
+        _flip_byte(str(replica))
+    last = previous + 8
+    _wait(_start(run, "attempt2", extra=[*keep, "--exit-interval", str(last)]))
+    restores = _restores_of_last_run(run)
+    assert restores and restores[-1]["step"] == previous, restores
+    assert any(f["step"] == newest and f["node"] == 1 for f in restores[-1]["failures"]), restores[-1]
+    _check_resumed_until(ref_losses, run / "attempt2.rank1.log", previous, last)
+    print(f"\nMegatron-LM {major_minor}: local step {newest} corrupt on node 1 and its replica; resumed at "
+          f"{previous}, losses equal to the reference up to {last}")

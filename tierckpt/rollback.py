@@ -1,0 +1,102 @@
+"""Explicit rollback of a training run to an older committed step.
+
+``TieredCheckpointer.restore(state, step=N)`` alone is read-only: an evaluation or any other
+load-only run never rewrites history. A *training* run that names an older step (torchtitan
+``checkpoint.load_step``, Megatron ``--ckpt-step``) asks for a rollback by name
+(``restore(state, step=N, rollback=True)``). The committed steps newer than N that the restore
+saw stay resume points until this run commits its first step of any tier; only then are they
+superseded (commit marker renamed ``tierckpt.committed.superseded``, data kept), so a crash
+before the new timeline's first commit loses nothing, and after it neither a restart nor
+retention can prefer the abandoned timeline over the new one.
+
+Each node leader supersedes the copies in its own local root (its steps and the replicas it
+holds), global rank 0 the persistent tier: no collective, so it can run on whichever tier's
+background thread records the first commit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from . import layout, manifest
+from .restore import Inventory
+from .storage import Store
+
+log = logging.getLogger(__name__)
+
+
+class PendingRollback:
+    """A rollback to ``to_step`` armed by a restore, executed at this run's first commit.
+
+    Args:
+        to_step: the step restored.
+        inv: the inventory the restore planned from (every node's view, all-gathered).
+        armed_at: ``time.time()`` of this process at the restore; a marker committed after it
+            belongs to this run's new timeline and is never superseded.
+
+    Attributes:
+        from_step: the newest committed step at the restore (the abandoned timeline's head).
+    """
+
+    def __init__(self, to_step: int, inv: Inventory, armed_at: float):
+        self.to_step = to_step
+        self.armed_at = armed_at
+        self.local = {n: sorted(s for s in steps if s > to_step) for n, steps in inv.local.items()}
+        self.replicas = {src: {h: sorted(s for s in steps if s > to_step) for h, steps in by_h.items()}
+                         for src, by_h in inv.replicas.items()}
+        self.persistent = sorted(s for s in inv.persistent if s > to_step)
+        newer = [s for s in inv.all_steps() if s > to_step]
+        self.from_step = max(newer) if newer else to_step
+
+    @property
+    def empty(self) -> bool:
+        """Nothing newer than ``to_step`` was committed anywhere."""
+        return self.from_step == self.to_step
+
+    def planned(self, exclude: dict[str, set[int]]) -> list[str]:
+        """Every copy this rollback supersedes over the whole job, as ``persistent/<s>``,
+        ``local node-<n>/<s>``, ``replica node-<src>@node-<holder>/<s>``; steps this run wrote
+        itself (``exclude``: {"local" | "persistent": steps}) left out."""
+        out = [f"persistent/{s}" for s in self.persistent if s not in exclude.get("persistent", ())]
+        for n in sorted(self.local):
+            out += [f"local node-{n}/{s}" for s in self.local[n] if s not in exclude.get("local", ())]
+        for src in sorted(self.replicas):
+            for h in sorted(self.replicas[src]):
+                out += [f"replica node-{src}@node-{h}/{s}" for s in self.replicas[src][h]
+                        if s not in exclude.get("local", ())]
+        return out
+
+    def execute(self, *, node: int, local_store: Store | None, persistent_store: Store | None,
+                exclude: dict[str, set[int]]) -> list[str]:
+        """Supersede this process's share: ``local_store`` (the node leader's local root, else
+        None) and ``persistent_store`` (global rank 0's, else None). Returns what it renamed.
+
+        Raises:
+            OSError: a store cannot be read or a marker cannot be renamed.
+        """
+        done = []
+        jobs: list[tuple[Store, str, str]] = []
+        if local_store is not None:
+            jobs += [(local_store, layout.local_step(s), f"local node-{node}/{s}")
+                     for s in self.local.get(node, ()) if s not in exclude.get("local", ())]
+            for src, by_h in sorted(self.replicas.items()):
+                jobs += [(local_store, layout.replica_step(src, s), f"replica node-{src}@node-{node}/{s}")
+                         for s in by_h.get(node, ()) if s not in exclude.get("local", ())]
+        if persistent_store is not None:
+            jobs += [(persistent_store, layout.persistent_step(s), f"persistent/{s}")
+                     for s in self.persistent if s not in exclude.get("persistent", ())]
+        for store, rel, label in jobs:
+            if _committed_before(store, rel, self.armed_at) and manifest.supersede(store, rel):
+                done.append(label)
+        return done
+
+
+def _committed_before(store: Store, rel: str, t: float) -> bool:
+    """``rel`` is still committed by a marker written before ``t`` (not a copy this run wrote
+    again under the same step number)."""
+    try:
+        marker = json.loads(store.read_bytes(f"{rel}/{layout.MARKER}"))
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return False
+    return isinstance(marker, dict) and float(marker.get("committed_at", 0.0)) < t
