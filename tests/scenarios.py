@@ -691,6 +691,27 @@ def phase_background_failure_policy(rank, world, base):
     eng.close()
     dist.barrier()
     out["d_run_end"] = _run_end(base, "d")
+    # (e) a ledger that cannot be written fails the persistent save (not just a warning)
+    b = os.path.join(base, "e")
+    eng = TieredCheckpointer(make_config(b), node_id=rank)
+    dist.barrier()
+    if rank == 0:
+        ledger = os.path.join(b, "pfs", "tierckpt-ledger.jsonl")
+        os.remove(ledger)
+        os.makedirs(ledger)  # appends now fail with IsADirectoryError
+    dist.barrier()
+    recs = eng.save(1, app_state(model, opt)).wait(timeout=120)
+    out["e_persistent"] = (recs["persistent"].ok, recs["persistent"].error)
+    try:
+        eng.save(2, app_state(model, opt), tiers=["persistent"])
+        out["e_raised"] = None
+    except TierFailedError as e:
+        out["e_raised"] = (e.tier, e.step)
+    try:
+        eng.close()
+        out["e_close"] = None
+    except OSError as e:
+        out["e_close"] = type(e).__name__
     return out
 
 
