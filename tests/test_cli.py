@@ -134,7 +134,7 @@ def test_ls_on_fsspec_memory_url(capsys):
 def test_ls_lineage_marks_steps_restore_ignores(tree, capsys):
     from tierckpt import lineage
 
-    lid = lineage.ensure(tree["persist"])
+    lid = lineage.ensure(tree["persist"])[0]
     n1 = tree["n1"]
     shutil.rmtree(n1.path(local_step(10)))
     write_step(n1, local_step(10), dcp_files(1), tier="local", step=10, node=1, lineage=lid)

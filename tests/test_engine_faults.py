@@ -197,14 +197,15 @@ def test_local_steps_of_another_experiment_are_never_restored_and_purged_on_star
     a = run("pfsA", [2, 4])
     assert a["restored"] is None and a["end"] == {"local": [2, 4], "replicas/node-1": [2, 4]}, a
     # a new experiment (another persistent root) on the same node-local roots: a fresh start,
-    # expA's steps and replicas are deleted before anything could offer them
+    # expA's steps are never offered; the start that creates a lineage deletes nothing (a new,
+    # or wrongly empty, persistent root must not cost the real experiment its local steps)
     b = run("pfsB", [3])
     assert b["lineage"] != a["lineage"]
-    assert b["after_start"] == {"local": [], "replicas/node-1": []}, b
-    assert b["restored"] is None and b["end"] == {"local": [3], "replicas/node-1": [3]}, b
-    # a requeue of expB keeps its lineage and resumes its own step
+    assert b["after_start"] == {"local": [2, 4], "replicas/node-1": [2, 4]}, b
+    assert b["restored"] is None and b["end"] == {"local": [2, 3, 4], "replicas/node-1": [2, 3, 4]}, b
+    # a requeue of expB keeps its lineage, purges expA's steps and resumes its own step
     b2 = run("pfsB", [6])
-    assert b2["lineage"] == b["lineage"] and b2["after_start"] == b["end"], b2
+    assert b2["lineage"] == b["lineage"] and b2["after_start"] == {"local": [3], "replicas/node-1": [3]}, b2
     assert b2["restored"] == 3 and b2["sources"] == ["own-local"], b2
     # expA again: its node-local steps went with expB's start (its persistent root never had a
     # step), so it starts fresh, and expB's steps go in turn

@@ -371,12 +371,21 @@ def test_lineage_is_created_once_per_persistent_root(tmp_path):
     from tierckpt import lineage
 
     store = Store(str(tmp_path / "pfs"))
-    lid = lineage.ensure(store)
-    assert lineage.ensure(store) == lid == lineage.read(store)
+    lid, created, adopt = lineage.ensure(store)
+    assert created and not adopt  # a new experiment owns no unlabelled steps
+    assert lineage.ensure(store) == (lid, False, False) and lid == lineage.read(store)
     doc = json.loads(store.read_bytes(layout.LINEAGE))
     assert doc["persistent_root"] == store.url and doc["created"] > 0
     store.rmtree("")  # the root deleted and created again: another experiment
-    assert lineage.ensure(store) != lid
+    assert lineage.ensure(store)[0] != lid
+    # a root that already holds an experiment (its ledger predates lineages) adopts the
+    # node-local steps that record no lineage: upgrading never makes them foreign
+    old = Store(str(tmp_path / "old"))
+    old.write_atomic("tierckpt-ledger.jsonl", b"{}\n")
+    lid2, created, adopt = lineage.ensure(old)
+    assert created and adopt and lineage.ensure(old) == (lid2, False, True)
+    assert not lineage.is_foreign({"lineage": None}, lid2, adopt_unlabelled=True)
+    assert lineage.is_foreign({}, lid2) and lineage.is_foreign({"lineage": "x"}, lid2, adopt_unlabelled=True)
 
 
 def test_unreadable_lineage_file_is_never_replaced(tmp_path):

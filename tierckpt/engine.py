@@ -102,7 +102,7 @@ class TieredCheckpointer:
         if topo.rank == 0 and err is None:
             try:
                 pstore.makedirs("")
-                lineage_id = lineage.ensure(pstore)
+                lineage_id = lineage.ensure(pstore)  # (id, created, adopt)
             except OSError as e:
                 err = ConfigError("persistent_root", f"{self.cfg.persistent_root!r} cannot be created: {e}")
             except ConfigError as e:
@@ -111,18 +111,23 @@ class TieredCheckpointer:
         if errors:
             raise err if err is not None else ConfigError(errors[0][0], f"failed on another rank: {errors[0][1]}")
         self.persistent = PersistentTier(pstore, persistent_io)
-        run_id, self.lineage = all_gather((uuid.uuid4().hex[:12], lineage_id) if topo.rank == 0 else None,
-                                          self.groups.local_world)[0]
+        run_id, (self.lineage, created, adopt) = all_gather(
+            (uuid.uuid4().hex[:12], lineage_id) if topo.rank == 0 else None, self.groups.local_world)[0]
         self.persistent.lineage = self.lineage
+        _check_shared(pstore, run_id, topo.rank, self.groups.local_world)
         if self.local is not None:
-            self.local.lineage = self.lineage
-            if topo.is_node_leader:
-                try:  # another experiment's steps must never be offered to (or fill the disk of) this one
-                    retention.purge_local(self.local.store, 0, self.in_use, lineage_id=self.lineage)
+            self.local.lineage, self.local.adopt_unlabelled = self.lineage, adopt
+            # Another experiment's steps are never offered (restore filters them) and are purged
+            # so they do not fill the disk, but never in the start that created the lineage: a
+            # persistent root that is new (or, by mistake, empty: an unmounted file system)
+            # must not cost the real experiment its node-local steps.
+            if topo.is_node_leader and not created:
+                try:  # (local copies a rollback superseded go too: the persistent copy stays)
+                    retention.purge_local(self.local.store, 0, self.in_use, lineage_id=self.lineage,
+                                          adopt_unlabelled=adopt, drop_superseded=True)
                 except OSError as e:
                     log.warning("tierckpt: could not purge node-local steps of other lineages under %s: %s",
                                 self.local.store.url, e)
-        _check_shared(pstore, run_id, topo.rank, self.groups.local_world)
         self.ledger = Ledger(pstore, enabled=topo.rank == 0, run_id=run_id, job=self.cfg.resolved_job_id())
         self._t_start = time.time()
         self.ledger.append(
@@ -229,7 +234,8 @@ class TieredCheckpointer:
         return prop
 
     # -- save ----------------------------------------------------------------------------------
-    def save(self, step: int, state_dict: dict, tiers: Iterable[str] | None = None) -> SaveHandle:
+    def save(self, step: int, state_dict: dict, tiers: Iterable[str] | None = None, *,
+             raise_failures: bool = True) -> SaveHandle:
         """Stage ``state_dict`` and start writing it to ``tiers`` in the background.
 
         Collective: every rank calls it with the same ``step`` and ``tiers``. Returns once the
@@ -241,6 +247,8 @@ class TieredCheckpointer:
             state_dict: DCP state dict (tensors, DTensors, picklable objects, top-level
                 ``Stateful`` values).
             tiers: subset of the configured tiers (default: all configured).
+            raise_failures: False keeps a failure of a previous save from raising here (it is
+                raised later, at the next save or a clean close).
         Returns:
             :class:`~tierckpt.handle.SaveHandle`: ``blocking_s`` (δ, seconds) and one future per
             started tier resolving to its :class:`~tierckpt.records.CheckpointRecord`.
@@ -267,7 +275,9 @@ class TieredCheckpointer:
                     skipped.append(t)
                     skip_recs[t] = skip_rec
                     continue
-            self._raise_if_failed(self._wait_tier(t))
+            rec = self._wait_tier(t)
+            if raise_failures:
+                self._raise_if_failed(rec)
             if self.cadence is not None:  # every rank reaches this at the same step
                 self.cadence.apply(self._pending_tau.pop(t, None))
         # a skipped local tier's wait is the local tier's cost: keep it out of the other tiers' δ
@@ -322,12 +332,14 @@ class TieredCheckpointer:
         ``preemption_grace_s``; a ``preemption`` ledger record says what is durable. Returns
         the :class:`~tierckpt.preemption.Preempted` for the adapter to raise."""
         t0 = time.monotonic()
+        earlier = [f"{r.tier} step {r.step}: {r.error}" for r in self.unraised_failures()]
+        # an earlier failed save must not cancel the final one: it is reported, not raised
         if handle is None or handle.step != step:
-            handle = self.save(step, state_dict)
+            handle = self.save(step, state_dict, raise_failures=False)
         else:  # tiers not saved at this step yet (e.g. only the local tier was due)
             missing = [t for t in self.cfg.tiers if t not in handle.futures and t not in handle.skipped]
             if missing:
-                more = self.save(step, state_dict, tiers=missing)
+                more = self.save(step, state_dict, tiers=missing, raise_failures=False)
                 handle = SaveHandle(step, handle.blocking_s + more.blocking_s, {**handle.futures, **more.futures},
                                     {**handle.skipped, **more.skipped})
         committed = {t: False for t in self.cfg.tiers}
@@ -341,7 +353,7 @@ class TieredCheckpointer:
                           "preemption_grace_s = %gs", t, step, self.cfg.preemption_grace_s)
         self._preempt_seen = True
         self.ledger.append("preemption", step=step, signal=signal_name, committed=committed,
-                           seconds=time.monotonic() - t0)
+                           seconds=time.monotonic() - t0, earlier_failures=earlier)
         log.warning("tierckpt: %s: step %d saved for the requeue (%s) in %.1fs", signal_name, step,
                     ", ".join(f"{t} {'committed' if ok else 'NOT committed'}" for t, ok in committed.items()),
                     time.monotonic() - t0)
@@ -547,7 +559,8 @@ class TieredCheckpointer:
                 anchor = self.local_anchor
                 retention.purge_local(self.local.store, self.cfg.keep_latest_k["local"], self.in_use,
                                       protect=frozenset(() if anchor is None else (anchor,)),
-                                      lineage_id=self.lineage, drop_foreign=False)
+                                      lineage_id=self.lineage, drop_foreign=False,
+                                      adopt_unlabelled=self.local.adopt_unlabelled)
         except Exception as e:
             log.warning("tierckpt: local retention failed: %s", e)
         self._local_phase = "done"
@@ -680,7 +693,7 @@ class TieredCheckpointer:
         }
 
     # -- shutdown ------------------------------------------------------------------------------
-    def close(self, clean: bool = True, reason: str = "") -> None:
+    def close(self, clean: bool = True, reason: str = "", *, raise_failures: bool = True) -> None:
         """Finish background work, record the run's end, release buffers and threads.
 
         ``clean=False`` records a failed run (the MTBF estimator counts it as a failure). A local
@@ -690,6 +703,8 @@ class TieredCheckpointer:
         outside ``warn_only`` failed unraised, and — when the run saved anything and the
         persistent tier is configured — a persistent step committed in this run
         (``durable_step``).
+
+        ``raise_failures=False`` (a preemption's exit) records failures in ``run_end`` only.
 
         Raises:
             TierFailedError: with ``clean=True``, after everything is closed, when a save of a
@@ -732,10 +747,10 @@ class TieredCheckpointer:
         if not stuck:  # a stuck job may still read its staged buffers: leak them rather than free
             self.pool.close()
         self._closed = True
-        if clean and failed:
+        if clean and raise_failures and failed:
             self._raise_if_failed(failed[0])
-        if clean and ledger_error is not None:
-            raise ledger_error
+        if clean and raise_failures and ledger_error is not None:
+            raise ledger_error  # global rank 0 only: the ledger's one writer
 
     def __enter__(self):
         return self

@@ -38,5 +38,5 @@ class TierFailedError(TierckptError, RuntimeError):
     def __init__(self, tier: str, step: int, cause: str | None):
         self.tier, self.step, self.cause = tier, step, cause
         super().__init__(f"tierckpt: the {tier} tier's save of step {step} failed: {cause or 'unknown error'} "
-                         f"(nothing of step {step} was committed to the {tier} tier; earlier committed steps "
-                         f"are intact; add {tier!r} to warn_only to let training continue without it)")
+                         f"(step {step} is not a durable {tier} step of this run; earlier committed steps are "
+                         f"intact; add {tier!r} to warn_only to let training continue without it)")

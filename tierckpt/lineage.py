@@ -49,23 +49,45 @@ def read(store: Store) -> str | None:
     return lid
 
 
-def ensure(store: Store) -> str:
-    """The persistent root's lineage id, creating it if absent (call on one rank only).
+def ensure(store: Store) -> tuple[str, bool, bool]:
+    """The persistent root's lineage, creating it if absent (call on one rank only).
 
     Written atomically (:meth:`Store.write_atomic`) and read back, so a concurrent creator's
-    id wins consistently.
+    id wins consistently. A lineage created over a root that already holds an experiment (a
+    ledger: the run predates lineages) *adopts* node-local steps that record no lineage, so
+    upgrading tierckpt never turns a running experiment's local steps foreign.
 
+    Returns:
+        ``(lineage id, created now, adopts unlabelled steps)``.
     Raises:
         ConfigError: the existing file is unreadable as a lineage file.
         OSError: the root cannot be read or written.
     """
     lid = read(store)
     if lid is not None:
-        return lid
+        return lid, False, adopts_unlabelled(store)
+    adopt = store.exists("tierckpt-ledger.jsonl")
     doc = {"format": "tierckpt-lineage", "lineage": uuid.uuid4().hex, "created": time.time(),
-           "persistent_root": store.url}
+           "persistent_root": store.url, "adopts_unlabelled": adopt}
     store.write_atomic(LINEAGE, json.dumps(doc).encode())
-    return read(store) or doc["lineage"]
+    return read(store) or doc["lineage"], True, adopts_unlabelled(store)
+
+
+def adopts_unlabelled(store: Store) -> bool:
+    """Whether the root's lineage owns node-local steps that record no lineage (see :func:`ensure`)."""
+    try:
+        return bool(json.loads(store.read_bytes(LINEAGE)).get("adopts_unlabelled"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def is_foreign(doc: dict | None, own: str | None, adopt_unlabelled: bool = False) -> bool:
+    """Whether a committed step's manifest ``doc`` belongs to another lineage than ``own``
+    (None: lineage not checked; a step without one is foreign unless ``adopt_unlabelled``)."""
+    if own is None:
+        return False
+    lid = of_manifest(doc)
+    return lid != own and not (lid is None and adopt_unlabelled)
 
 
 def of_manifest(doc: dict | None) -> str | None:

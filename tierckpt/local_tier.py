@@ -65,6 +65,7 @@ class LocalTier:
         self.topo = topo
         self.group = node_group
         self.lineage = lineage
+        self.adopt_unlabelled = False  # steps recording no lineage are this job's (lineage.ensure)
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, staged: dict, step: int) -> int:
@@ -132,7 +133,7 @@ class LocalTier:
                 doc = manifest.read_committed(self.store, rel)
                 if doc is None:
                     continue
-                if self.lineage is not None and lineage.of_manifest(doc) != self.lineage:
+                if lineage.is_foreign(doc, self.lineage, self.adopt_unlabelled):
                     foreign.append((rel, lineage.of_manifest(doc)))
                 elif n is None:
                     own.append(s)

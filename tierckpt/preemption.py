@@ -10,6 +10,7 @@ the same step even when the signal reached them at different steps.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 
@@ -60,7 +61,9 @@ def signal_numbers(names, option: str = "preemption_signals") -> tuple[int, ...]
 
 
 class PreemptionWatch:
-    """Records the first of ``signals`` this process receives (main thread only installs).
+    """Records the first of ``signals`` this process receives (main thread only installs); a
+    second one gets the signal's previous action (default: the process dies), so a trainer
+    stuck in a collective can still be stopped.
 
     Args:
         signals: signal names; empty = watch nothing (the framework handles signals itself).
@@ -82,6 +85,15 @@ class PreemptionWatch:
     def _handler(self, signum, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
+            return
+        # a second signal: the sender insists (or the trainer is stuck in a collective and never
+        # reaches a step end): the signal's previous action, e.g. death by SIGTERM
+        prev = self._previous.get(signum, signal.SIG_DFL)
+        self.close()
+        if callable(prev):
+            prev(signum, frame)
+        elif prev != signal.SIG_IGN:
+            os.kill(os.getpid(), signum)
 
     def close(self) -> None:
         """Put the previous handlers back (main thread)."""

@@ -60,7 +60,8 @@ class InUse:
 
 def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix: str,
               only_marked_torn: bool = False, protect: frozenset | set = frozenset(),
-              lineage_id: str | None = None, drop_foreign: bool = True) -> list[int]:
+              lineage_id: str | None = None, drop_foreign: bool = True,
+              adopt_unlabelled: bool = False, drop_superseded: bool = False) -> list[int]:
     """Apply the rules to the ``step-<N>`` directories under ``parent`` of ``store``.
 
     Args:
@@ -71,6 +72,9 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
         lineage_id: the job's lineage; committed steps recording another one (or none) do not
             count as committed here. None: lineage is not checked.
         drop_foreign: delete those steps too (logged with their lineage).
+        adopt_unlabelled: steps recording no lineage belong to ``lineage_id``.
+        drop_superseded: delete steps a rollback superseded too (the purge at start of a local
+            root: they would otherwise stay until the step number is written again).
     Returns:
         steps deleted.
     """
@@ -78,11 +82,11 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
     rel = (lambda s: f"{parent}/{layout.step_name(s)}") if parent else layout.step_name
     docs = {s: manifest.read_committed(store, rel(s)) for s in steps}
     foreign = {s: lineage.of_manifest(d) for s, d in docs.items()
-               if d is not None and lineage_id is not None and lineage.of_manifest(d) != lineage_id}
+               if d is not None and lineage.is_foreign(d, lineage_id, adopt_unlabelled)}
     committed = [s for s in steps if docs[s] is not None and s not in foreign]
     keep = (set(committed[-keep_k:]) | (set(protect) & set(committed))) if keep_k > 0 else set(committed)
     torn = [s for s in steps if docs[s] is None
-            and not store.exists(f"{rel(s)}/{layout.MARKER}.superseded")
+            and (drop_superseded or not store.exists(f"{rel(s)}/{layout.MARKER}.superseded"))
             and (not only_marked_torn or store.exists(f"{rel(s)}/{layout.INPROGRESS}"))]
     doomed = sorted([s for s in committed if s not in keep] + torn + (list(foreign) if drop_foreign else []))
     deleted = []
@@ -108,11 +112,13 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
 
 
 def purge_local(store: Store, keep_k: int, in_use: InUse, protect: frozenset | set = frozenset(),
-                lineage_id: str | None = None, drop_foreign: bool = True) -> dict[str, list[int]]:
+                lineage_id: str | None = None, drop_foreign: bool = True,
+                adopt_unlabelled: bool = False, drop_superseded: bool = False) -> dict[str, list[int]]:
     """Retention of a node's local root: its own steps and every replica it holds; steps in
     ``protect`` are kept in each of them; steps of a lineage other than ``lineage_id`` are not
     counted, and deleted when ``drop_foreign`` (see the module docstring)."""
-    kw = dict(protect=protect, lineage_id=lineage_id, drop_foreign=drop_foreign)
+    kw = dict(protect=protect, lineage_id=lineage_id, drop_foreign=drop_foreign, adopt_unlabelled=adopt_unlabelled,
+              drop_superseded=drop_superseded)
     out = {"local": purge_dir(store, "local", keep_k, in_use, "local:", **kw)}
     for name in store.listdir("replicas"):
         if layout.parse_node(name) is not None:

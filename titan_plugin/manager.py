@@ -331,7 +331,7 @@ class TieredCheckpointManager(CheckpointManager):
             log.info("tierckpt: step %d staged for %s in %.3fs", curr_step, "+".join(tiers), handle.blocking_s)
             saved = True
         if last_step and self.last_save_model_only:
-            self.engine.wait(raise_failures=True)
+            self.engine.wait()  # a failure raises at close(), after the export's collectives
             if self._export_shares_step_dir:
                 # the committed full step-N is a superset of the fp32 model-only export: model-only
                 # loads (initial_load_model_only) read just the model keys from it
@@ -514,8 +514,10 @@ class TieredCheckpointManager(CheckpointManager):
             # crash: record that run as unclean so the MTBF estimate counts it.
             exc = sys.exc_info()[1]
             clean = exc is None or isinstance(exc, Preempted)  # a preemption is a planned exit
-            try:  # a clean close raises when a background save failed (TierFailedError)
-                self.engine.close(clean=clean, reason=str(exc) if isinstance(exc, Preempted) else repr(exc) if exc else "")
+            try:  # a clean close raises when a background save failed (TierFailedError), except
+                # after a preemption: its exit status must stay "requeue me" (the ledger has it)
+                self.engine.close(clean=clean, reason=str(exc) if isinstance(exc, Preempted) else repr(exc) if exc else "",
+                                  raise_failures=not isinstance(exc, Preempted))
             finally:
                 super()._close()
             return
