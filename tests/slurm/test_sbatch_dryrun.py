@@ -1,6 +1,7 @@
 """launch/*.sbatch without a cluster: shell syntax, and the command line each node would run
 (TIERCKPT_DRY_RUN=1 prints it; a stand-in ``scontrol`` expands the node list). Runs in
-``make test``; the real cluster tests are in test_slurm_launch.py.
+``make test``; the real cluster tests are in test_slurm_launch.py. The preemption logic runs with
+stand-ins for srun, scancel and scontrol.
 
 mcore.sbatch is checked only this way here: a real Megatron-LM run needs a checkout
 (MEGATRON_LM_DIR) and is the Megatron issue's test.
