@@ -131,11 +131,22 @@ tck_notice() {
 }
 
 # SIGTERM to every step of the job but the batch step (scancel's default), i.e. to every process
-# of the running attempt; torchrun forwards it to its workers.
+# of the running attempt; torchrun forwards it to its workers. Not when Slurm is ending the job:
+# it signals the steps itself, and scancel would retry ("try again later") until KillWait ends.
 tck_forward_notice() {
     [ -n "$TCK_NOTICE" ] && [ -n "${TCK_SRUN_PID:-}" ] || return 0
-    scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null ||
-        tck_log "could not forward SIGTERM to the training step (scancel failed); Slurm ends it itself"
+    local state
+    state=$(tck_job_state)
+    if [ -n "$state" ] && [ "$state" != RUNNING ]; then
+        tck_log "Slurm is ending the job (JobState=$state): it signals the training step itself"
+        return 0
+    fi
+    timeout 10 scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null ||
+        tck_log "could not forward SIGTERM to the training step (scancel failed)"
+}
+
+tck_job_state() {
+    scontrol show job "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n 's/^JobState=//p' | head -1
 }
 
 # Why attempt directory $1 ended as a preemption, or nothing: a notice to this script
@@ -166,7 +177,7 @@ tck_preemption() {
 # limit), Slurm decides what comes next. Args: why.
 tck_requeue_preempted() {
     local state
-    state=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n 's/^JobState=//p' | head -1)
+    state=$(tck_job_state)
     if [ -n "$state" ] && [ "$state" != RUNNING ]; then
         echo "$(date +%s) slurm-ends state=$state reason=\"preempted ($1)\"" >> "$TIERCKPT_STATE_DIR/events"
         tck_log "preempted ($1): Slurm is ending this job itself (JobState=$state); not requeueing it here"

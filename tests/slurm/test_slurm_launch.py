@@ -362,13 +362,16 @@ def _reference_losses(tmp_path) -> dict[int, str]:
     return {x["step"]: x["loss_hex"] for x in _jsonl(ref / "run" / "metrics" / "losses.jsonl")}
 
 
-def test_titan_preemption_notice_saves_and_requeued_job_resumes_there(slurm_cluster, tmp_path):
-    """`#SBATCH --signal=B:USR1@…` as Slurm delivers it (`scancel --batch --signal=USR1`: the batch
-    script only) at a random point between two local checkpoints: the launcher forwards SIGTERM
-    to the training step, every rank saves at the same step S (local + replica, persistent
-    within the grace period), the workers exit 75 and the job is requeued — not retried in the
-    allocation. The requeued job restores step S from the node-local tier (same nodes: no
-    persistent read), runs S+1..12, and every loss is bitwise the uninterrupted run's."""
+@pytest.mark.parametrize("how", ["notice", "scontrol-requeue"])
+def test_titan_preemption_saves_requeues_and_resumes_there(slurm_cluster, tmp_path, how):
+    """A preemption at a random point between two local checkpoints. ``notice``:
+    `#SBATCH --signal=B:USR1@…` as Slurm delivers it (`scancel --batch --signal=USR1`: the batch
+    script only); the launcher forwards SIGTERM to the training step and requeues the job itself
+    — it does not retry in the allocation. ``scontrol-requeue``: Slurm requeues the job and
+    SIGTERMs all of its processes, SIGKILL after KillWait; the launcher leaves the requeue to
+    Slurm. Either way every rank saves at the same step S (local + replica, persistent within
+    the grace period) and exits 75; the requeued job restores S from the node-local tier (same
+    nodes: no persistent read), runs S+1..12, and every loss is bitwise the uninterrupted run's."""
     import random
 
     t0 = time.time()
@@ -387,16 +390,19 @@ def test_titan_preemption_notice_saves_and_requeued_job_resumes_there(slurm_clus
         if ck and logged and max(logged) > after:
             break
         time.sleep(0.2)
-    r = subprocess.run(["scancel", "--batch", "--signal=USR1", str(jobid)], env=slurm_cluster.env(),
-                       capture_output=True, text=True)
+    cmd = ["scancel", "--batch", "--signal=USR1"] if how == "notice" else ["scontrol", "requeue"]
+    r = subprocess.run([*cmd, str(jobid)], env=slurm_cluster.env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     signalled_after = max(r["step"] for r in _jsonl(losses))
     info = wait_done(slurm_cluster, jobid, 420, out)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", (info, _tail(out))
     ev = events(shared / "state")
-    assert [e["kind"] for e in ev] == ["start", "notice", "end", "requeue", "start", "end"], ev
-    assert ev[1]["signal"] == "SIGUSR1" and ev[2]["preempted"] == "SIGUSR1", ev
-    assert ev[3]["mode"] == "scontrol" and ev[3]["exclude"] == "-" and ev[4]["slurm_restart"] == "1", ev
+    sig = "SIGUSR1" if how == "notice" else "SIGTERM"
+    then = "requeue" if how == "notice" else "slurm-ends"
+    assert [e["kind"] for e in ev] == ["start", "notice", "end", then, "start", "end"], ev
+    assert ev[1]["signal"] == sig and ev[2]["preempted"] == sig and ev[4]["slurm_restart"] == "1", ev
+    if how == "notice":
+        assert ev[3]["mode"] == "scontrol" and ev[3]["exclude"] == "-", ev
 
     from tierckpt.ledger import Ledger, summarize
     from tierckpt.storage import Store
