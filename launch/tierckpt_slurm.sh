@@ -313,7 +313,7 @@ tck_run() {
         pre=$(tck_preemption "$TCK_ATTEMPT_DIR")
         if [ -n "$pre" ]; then
             echo "$(date +%s) end attempt=$attempt rc=$rc preempted=$pre" >> "$TIERCKPT_STATE_DIR/events"
-            tck_log "attempt $attempt ended on a preemption notice ($pre, srun exit $rc): requeueing, not retrying"
+            tck_log "attempt $attempt ended on a preemption notice ($pre, srun exit $rc): not retried in this allocation"
             tck_requeue_preempted "$pre"
         fi
         b=$(tck_blamed_nodes "$TCK_ATTEMPT_DIR")
