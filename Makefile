@@ -25,7 +25,7 @@ bench-schedule: venv
 	OMP_NUM_THREADS=1 $(VPY) bench/bench_schedule.py $(BENCH_ARGS)
 
 # launch/*.sbatch on a real private Slurm cluster on this machine (root: installs slurm-wlm +
-# munge with apt-get through scripts/setup_slurm.sh; 3-4 min on 2 cores)
+# munge with apt-get through scripts/setup_slurm.sh; about 8 min on 2 cores)
 test-slurm: venv
 	TIERCKPT_SLURM_TESTS=1 OMP_NUM_THREADS=1 $(VPY) -m pytest tests/slurm -q
 

@@ -114,6 +114,78 @@ tck_requeue() {
     esac
 }
 
+# A preemption notice to the batch script: `#SBATCH --signal=B:USR1@<seconds>` before the time
+# limit, PreemptParameters=send_user_signal, `scancel --batch --signal=USR1`, or the SIGTERM Slurm
+# sends every process of the job before SIGKILL (scontrol requeue, preemption, time limit).
+# The trap only records it and forwards SIGTERM to the training step (never to srun, which
+# answers SIGTERM by SIGKILLing its step); the workers make their final save and exit, and the
+# job is requeued instead of retried (tck_run). Args: the signal's name without "SIG".
+TCK_NOTICE=""
+tck_notice() {
+    TCK_WOKE=1
+    [ -n "$TCK_NOTICE" ] && return
+    TCK_NOTICE=$1
+    echo "$(date +%s) notice signal=SIG$1 attempt=${TCK_ATTEMPT:-0}" >> "$TIERCKPT_STATE_DIR/events"
+    tck_log "SIG$1: preemption notice; the training step is asked to save and exit (SIGTERM)"
+    tck_forward_notice
+}
+
+# SIGTERM to every step of the job but the batch step (scancel's default), i.e. to every process
+# of the running attempt; torchrun forwards it to its workers. Not when Slurm is ending the job:
+# it signals the steps itself, and scancel would retry ("try again later") until KillWait ends.
+tck_forward_notice() {
+    [ -n "$TCK_NOTICE" ] && [ -n "${TCK_SRUN_PID:-}" ] || return 0
+    local state
+    state=$(tck_job_state)
+    if [ -n "$state" ] && [ "$state" != RUNNING ]; then
+        tck_log "Slurm is ending the job (JobState=$state): it signals the training step itself"
+        return 0
+    fi
+    timeout 10 scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null ||
+        tck_log "could not forward SIGTERM to the training step (scancel failed)"
+}
+
+tck_job_state() {
+    scontrol show job "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n 's/^JobState=//p' | head -1
+}
+
+# Why attempt directory $1 ended as a preemption, or nothing: a notice to this script
+# ("SIGUSR1"), a worker that exited 75 after its final save ("exit-75": the training's status
+# for "saved for a preemption, requeue me", e.g. `--signal=USR1@…` without B: reaching the
+# workers directly), or a SIGTERM that reached every node of the step and not this script
+# ("SIGTERM-to-step": preemption with GraceTime). A failed node takes the others down with a
+# SIGTERM too, but its own record shows none.
+tck_preemption() {
+    local f n=0 t=0
+    [ -n "$TCK_NOTICE" ] && { echo "SIG$TCK_NOTICE"; return; }
+    for f in "$1"/node-*.err; do
+        [ -e "$f" ] || continue
+        [ "$(tck_root_cause "$f")" = 75 ] && { echo exit-75; return; }
+    done
+    for f in "$1"/node-*.exit; do
+        [ -e "$f" ] || continue
+        n=$((n + 1))
+        [ "$(awk '{print $4}' "$f")" = TERM ] && t=$((t + 1))
+    done
+    [ "$n" -eq "$TCK_NNODES" ] && [ "$t" -eq "$n" ] && echo SIGTERM-to-step
+    return 0
+}
+
+# Requeue after a preemption (never returns): no node is excluded and the retries of this
+# allocation are not used; it counts against TIERCKPT_MAX_REQUEUES. When Slurm itself is ending
+# the job (JobState no longer RUNNING: scontrol requeue, PreemptMode=REQUEUE, scancel, the time
+# limit), Slurm decides what comes next. Args: why.
+tck_requeue_preempted() {
+    local state
+    state=$(tck_job_state)
+    if [ -n "$state" ] && [ "$state" != RUNNING ]; then
+        echo "$(date +%s) slurm-ends state=$state reason=\"preempted ($1)\"" >> "$TIERCKPT_STATE_DIR/events"
+        tck_log "preempted ($1): Slurm is ending this job itself (JobState=$state); not requeueing it here"
+        exit "${TCK_LAST_RC:-1}"
+    fi
+    tck_requeue "preempted ($1)"
+}
+
 # MASTER_PORT for global attempt $1: unique per job (mod 1500 job ids) and per attempt (mod 8),
 # in 20000..31999 (below Linux's ephemeral range); a port someone listens on is skipped.
 tck_port() {
@@ -130,18 +202,26 @@ tck_port() {
 }
 
 # What runs on every node of an attempt (srun task): torchrun, its stderr also kept in a file,
-# then an exit record (node id, host, torchrun status).
+# then an exit record (node id, host, torchrun status, "TERM" if the step got SIGTERM else "-").
+# A SIGTERM to the step (a preemption notice forwarded by the batch script, Slurm's own before
+# SIGKILL) reaches every process: torchrun forwards it to its workers, which make their final
+# save; this bash and tee must outlive them, or the workers' stderr pipe breaks mid-save and the
+# record is never written. SIGUSR1 (`--signal=USR1@…` without B:) is ignored here and so in
+# torchrun, which would die of it; the workers install their own handler.
 # shellcheck disable=SC2016
 TCK_NODE_SCRIPT='
 f="$TCK_ATTEMPT_DIR/node-$SLURM_NODEID"
+sig=-
+trap "sig=TERM" TERM
+trap "" USR1
 echo "${SLURMD_NODENAME:-$(hostname -s)}" > "$f.host"
 # a pipeline, not a process substitution: bash waits for tee, so the file is complete
 { "$TIERCKPT_PYTHON" -m torch.distributed.run --nnodes="$TCK_NNODES" --node-rank="$SLURM_NODEID" \
     --nproc-per-node="$TIERCKPT_NPROC_PER_NODE" --master-addr="$MASTER_ADDR" \
-    --master-port="$MASTER_PORT" --max-restarts=0 "$@" 2>&1 1>&3 3>&- | tee "$f.err" >&2 3>&-
+    --master-port="$MASTER_PORT" --max-restarts=0 "$@" 2>&1 1>&3 3>&- | (trap "" TERM; exec tee "$f.err") >&2 3>&-
   rc=${PIPESTATUS[0]}; } 3>&1
 trap "" TERM INT  # srun stops the step now: finish the record first
-echo "$SLURM_NODEID $(cat "$f.host") $rc" > "$f.exit"
+echo "$SLURM_NODEID $(cat "$f.host") $rc $sig" > "$f.exit"
 exit $rc
 '
 
@@ -183,11 +263,15 @@ tck_init() {
 # Run the training command ("$@": what follows torchrun's options, e.g. -m titan_plugin.train …)
 # under the retry loop; exits with its status, or requeues.
 tck_run() {
-    local attempt=0 counter rc blamed="" unhealthy b
+    local attempt=0 counter rc blamed="" unhealthy b pre
     counter=$TIERCKPT_STATE_DIR/attempts
     tck_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $TCK_NNODES nodes ($SLURM_JOB_NODELIST) x $TIERCKPT_NPROC_PER_NODE ranks, master $MASTER_ADDR, local root $TIERCKPT_LOCAL_ROOT, state $TIERCKPT_STATE_DIR"
+    trap 'tck_notice USR1' USR1
+    trap 'tck_notice TERM' TERM
     while :; do
+        [ -n "$TCK_NOTICE" ] && tck_requeue_preempted "SIG$TCK_NOTICE, between attempts"
         attempt=$((attempt + 1))
+        TCK_ATTEMPT=$attempt
         # attempts of this job in every allocation so far: the ledger's restart_count
         TIERCKPT_RESTART_COUNT=$(cat "$counter" 2>/dev/null || echo 0)
         [[ "$TIERCKPT_RESTART_COUNT" =~ ^[0-9]+$ ]] || TIERCKPT_RESTART_COUNT=0
@@ -207,14 +291,30 @@ tck_run() {
                 --max-restarts=0 "$@"; echo
             exit 0
         fi
+        # in the background: bash runs a trap only once the foreground command ends, and a
+        # notice must reach the training while it runs; `wait` returns early for each one
         srun --kill-on-bad-exit=1 --nodes="$TCK_NNODES" --ntasks="$TCK_NNODES" --ntasks-per-node=1 \
-            bash -c "$TCK_NODE_SCRIPT" tierckpt-node "$@"
-        rc=$?
+            bash -c "$TCK_NODE_SCRIPT" tierckpt-node "$@" &
+        TCK_SRUN_PID=$!
+        tck_forward_notice
+        while :; do
+            TCK_WOKE=""
+            wait "$TCK_SRUN_PID"
+            rc=$?
+            [ -z "$TCK_WOKE" ] && break
+        done
+        TCK_SRUN_PID=""
         TCK_LAST_RC=$rc
         if [ "$rc" -eq 0 ]; then
             echo "$(date +%s) end attempt=$attempt rc=0" >> "$TIERCKPT_STATE_DIR/events"
             tck_log "training finished (attempt $attempt)"
             exit 0
+        fi
+        pre=$(tck_preemption "$TCK_ATTEMPT_DIR")
+        if [ -n "$pre" ]; then
+            echo "$(date +%s) end attempt=$attempt rc=$rc preempted=$pre" >> "$TIERCKPT_STATE_DIR/events"
+            tck_log "attempt $attempt ended on a preemption notice ($pre, srun exit $rc): not retried in this allocation"
+            tck_requeue_preempted "$pre"
         fi
         b=$(tck_blamed_nodes "$TCK_ATTEMPT_DIR")
         blamed=$(echo "$blamed $b" | tr ' ' '\n' | awk 'NF' | sort -u | tr '\n' ' ')

@@ -88,6 +88,9 @@ class SlurmCluster:
             job becomes eligible again cred_expire + 1 s after the requeue.
         requeue_exit: exit status of a batch script that makes slurmctld requeue the job
             (``RequeueExit``), as an admin would configure for ``launch/*.sbatch``.
+        kill_wait: seconds between the SIGTERM and the SIGKILL of a job Slurm ends
+            (``KillWait``; Slurm's default 30): the time a preempted or requeued job's final save
+            gets, which on 2 busy CPU cores is one training step plus the save, more than 5 s.
     """
 
     root: str
@@ -95,6 +98,7 @@ class SlurmCluster:
     cpus: int = 2
     cred_expire: int = 10
     requeue_exit: int = 75
+    kill_wait: int = 30
     pids: dict[str, int] = field(default_factory=dict)
 
     # -- paths -----------------------------------------------------------------------------
@@ -212,7 +216,7 @@ class SlurmCluster:
             "JobRequeue=1",
             f"RequeueExit={int(self.requeue_exit)}",
             "MinJobAge=3600",
-            "KillWait=5",
+            f"KillWait={int(self.kill_wait)}",
             "InactiveLimit=0",
             "MessageTimeout=20",
             "SlurmdTimeout=300",

@@ -2,7 +2,7 @@
 
 Tests marked ``slurm`` run only when asked for (``make test-slurm`` sets TIERCKPT_SLURM_TESTS=1):
 they install slurm-wlm + munge with apt-get (scripts/setup_slurm.sh, root) and run real
-training jobs for 3-4 minutes on 2 CPU cores. Otherwise they are skipped with
+training jobs for about 8 minutes on 2 CPU cores. Otherwise they are skipped with
 that reason. When asked for, they are skipped only if Slurm cannot be installed (the reason
 says why).
 """
@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
     if os.environ.get("TIERCKPT_SLURM_TESTS") == "1":
         return
     skip = pytest.mark.skip(reason="real Slurm cluster test (installs slurm-wlm+munge with apt-get as root, "
-                                   "about 3-4 min of training jobs): run `make test-slurm`")
+                                   "about 8 min of training jobs): run `make test-slurm`")
     for item in items:
         if item.get_closest_marker("slurm") is not None:
             item.add_marker(skip)

@@ -1,6 +1,7 @@
 """launch/*.sbatch without a cluster: shell syntax, and the command line each node would run
 (TIERCKPT_DRY_RUN=1 prints it; a stand-in ``scontrol`` expands the node list). Runs in
-``make test``; the real cluster tests are in test_slurm_launch.py.
+``make test``; the real cluster tests are in test_slurm_launch.py. The preemption logic runs with
+stand-ins for srun, scancel and scontrol.
 
 mcore.sbatch is checked only this way here: a real Megatron-LM run needs a checkout
 (MEGATRON_LM_DIR) and is the Megatron issue's test.
@@ -8,6 +9,7 @@ mcore.sbatch is checked only this way here: a real Megatron-LM run needs a check
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -129,3 +131,168 @@ def test_titan_bad_variables(tmp_path, var, value, needle):
 def test_outside_slurm(tmp_path):
     r = _run(tmp_path, "titan.sbatch", {"SLURM_JOB_ID": ""})
     assert r.returncode == 2 and "inside a Slurm allocation" in r.stderr
+
+
+# ------------------------------------------------- preemption, with stand-ins for srun and Slurm
+# srun: one process group per node running the real node script (SLURM_NODEID 0..N-1), and, as
+# --kill-on-bad-exit=1 does, SIGTERM to the other nodes once one exits non-zero. scancel: the
+# signal to every node's process group (what Slurm does to a step's processes). scontrol: the
+# host list, the job's state ($FAKE_JOBSTATE, default RUNNING) and a logged `requeue`.
+FAKE_SRUN = r"""#!/bin/bash
+while [ $# -gt 0 ] && [ "$1" != bash ]; do shift; done
+shift 2; script=$1; shift 2
+set -m
+pids=()
+for i in $(seq 0 $((TCK_NNODES - 1))); do
+  SLURM_NODEID=$i SLURMD_NODENAME=gpu0$((i + 1)) bash -c "$script" tierckpt-node "$@" &
+  pids+=($!); echo $! >> "$FAKE_DIR/groups"
+done
+rc=0
+for _ in "${pids[@]}"; do
+  wait -n; r=$?
+  if [ "$r" -ne 0 ] && [ "$rc" -eq 0 ]; then
+    rc=$r
+    for p in "${pids[@]}"; do kill -TERM -- -"$p" 2>/dev/null; done
+  fi
+done
+exit $rc
+"""
+
+FAKE_SCANCEL = r"""#!/bin/bash
+echo "scancel $*" >> "$FAKE_DIR/calls"
+sig=${1#--signal=}
+for g in $(cat "$FAKE_DIR/groups"); do kill -"$sig" -- -"$g" 2>/dev/null; done
+exit 0
+"""
+
+FAKE_SCONTROL = r"""#!/bin/bash
+echo "scontrol $*" >> "$FAKE_DIR/calls"
+case "$1 $2" in
+  "show hostnames") echo gpu01; echo gpu02 ;;
+  "show job") echo "JobId=1234 JobState=${FAKE_JOBSTATE:-RUNNING} ExcNodeList=(null)" ;;
+  "requeue 1234") ;;
+  *) echo "fake scontrol: unexpected $*" >&2; exit 1 ;;
+esac
+"""
+
+# torchrun + its worker on one node ($FAKE_MODE): "exit75": the worker saved for a preemption
+# and exited 75, torchrun reports it as the root cause; "crash": the worker raised (exit 1);
+# "wait": train until SIGTERM (torchrun's SignalException: exit 1 after the worker's final save).
+FAKE_TORCHRUN = r"""#!/bin/bash
+rank=; for a in "$@"; do case "$a" in --node-rank=*) rank=${a#*=} ;; esac; done
+echo "node $rank attempt $TIERCKPT_RESTART_COUNT" >> "$FAKE_DIR/nodes"
+summary() { printf 'Root Cause (first observed failure):\n[0]:\n  exitcode  : %s (pid: 1)\n' "$1" >&2; }
+case "$FAKE_MODE" in
+  exit75) sleep 0.3; echo "titan_plugin.train: SIGUSR1 received: step 4 saved" >&2; summary 75; exit 1 ;;
+  crash) sleep 0.3; [ "$rank" = 0 ] && { summary 1; exit 1; }; sleep 30; exit 0 ;;
+  wait)
+    trap 'trap "" TERM; echo "node $rank got TERM" >> "$FAKE_DIR/nodes"; sleep 0.5; echo "final save done" >&2; exit 1' TERM
+    touch "$FAKE_DIR/running-$rank"
+    for i in $(seq 300); do sleep 0.1; done; exit 0 ;;
+esac
+"""
+
+
+def _launcher(tmp_path, env: dict[str, str]):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL), ("scontrol", FAKE_SCONTROL),
+                       ("sinfo", "#!/bin/sh\nexit 0\n"), ("python", FAKE_TORCHRUN)):
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    e = {"PATH": f"{bindir}:/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_ID": "1234",
+         "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_NUM_NODES": "2", "SLURM_SUBMIT_DIR": str(tmp_path),
+         "SLURM_JOB_PARTITION": "gpu", "TIERCKPT_HOME": str(REPO), "TIERCKPT_PYTHON": str(bindir / "python"),
+         "TIERCKPT_LOCAL_ROOT": str(tmp_path / "nvme"), "FAKE_DIR": str(fake), **env}
+    p = subprocess.Popen(["bash", str(REPO / "launch" / "titan.sbatch")], env=e, cwd=str(tmp_path),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return p, fake, tmp_path / ".tierckpt" / "slurm-1234"
+
+
+def _events(state: Path) -> list[tuple[str, dict[str, str]]]:
+    import re
+
+    out = []
+    for line in (state / "events").read_text().splitlines():
+        parts = line.split(" ", 2)
+        out.append((parts[1], dict(re.findall(r'(\w+)=("[^"]*"|\S+)', parts[2] if len(parts) > 2 else ""))))
+    return out
+
+
+def _calls(fake: Path) -> list[str]:
+    f = fake / "calls"
+    return [c for c in f.read_text().splitlines() if "show hostnames" not in c] if f.exists() else []
+
+
+def test_worker_exit_75_requeues_instead_of_retrying(tmp_path):
+    """A worker that saved for a preemption exits 75: one attempt, then `scontrol requeue`
+    without excluding a node — not the retries a failure gets."""
+    p, fake, state = _launcher(tmp_path, {"FAKE_MODE": "exit75", "TIERCKPT_MAX_ATTEMPTS": "3"})
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    ev = _events(state)
+    assert [k for k, _ in ev] == ["start", "end", "requeue"], ev
+    assert ev[1][1]["preempted"] == "exit-75" and ev[2][1]["exclude"] == "-", ev
+    assert "scontrol requeue 1234" in _calls(fake) and not any(c.startswith("scontrol update") for c in _calls(fake))
+    assert (state / "attempts").read_text().strip() == "1"
+
+
+def test_worker_crash_still_retried(tmp_path):
+    """A crash on node 0 stops node 1 with SIGTERM (kill-on-bad-exit): not a preemption."""
+    p, fake, state = _launcher(tmp_path, {"FAKE_MODE": "crash", "TIERCKPT_MAX_ATTEMPTS": "2",
+                                          "TIERCKPT_MAX_REQUEUES": "0"})
+    out, err = p.communicate(timeout=120)
+    assert p.returncode != 0, err
+    assert [k for k, _ in _events(state)] == ["start", "end", "start", "end", "give-up"], _events(state)
+    # node 1's wrapper outlives the SIGTERM: its record says how torchrun ended, and the TERM
+    recs = [(state / "attempt-0" / f"node-{n}.exit").read_text().split() for n in (0, 1)]
+    assert recs == [["0", "gpu01", "1", "-"], ["1", "gpu02", "143", "TERM"]], recs
+
+
+@pytest.mark.parametrize("sig,jobstate", [("SIGUSR1", "RUNNING"), ("SIGTERM", "RUNNING"), ("SIGTERM", "PENDING"),
+                                          ("step", "RUNNING")])
+def test_notice_to_batch_script_forwards_sigterm_and_requeues(tmp_path, sig, jobstate):
+    """`--signal=B:USR1@…` (or a SIGTERM) to the batch script while training runs: SIGTERM to
+    the training step (scancel, not srun), every node's wrapper outlives its workers' final save
+    and writes its record, and the job is requeued once — unless Slurm is already ending it
+    (JobState not RUNNING: scontrol requeue, preemption; Slurm signals the step itself), then
+    nothing more is done. "step":
+    Slurm's SIGTERM to the training step only (preemption with GraceTime), no notice to the
+    batch script: every node got it, so it is a preemption too."""
+    import signal
+    import time
+
+    p, fake, state = _launcher(tmp_path, {"FAKE_MODE": "wait", "FAKE_JOBSTATE": jobstate})
+    deadline = time.time() + 30
+    while not ((fake / "running-0").exists() and (fake / "running-1").exists()):
+        assert time.time() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    if sig == "step" or jobstate != "RUNNING":  # Slurm's own SIGTERM to every process of the step
+        for g in (fake / "groups").read_text().split():
+            os.killpg(int(g), signal.SIGTERM)
+    if sig != "step":
+        p.send_signal(getattr(signal, sig))
+    out, err = p.communicate(timeout=60)
+    ev = _events(state)
+    kinds = [k for k, _ in ev]
+    if sig == "step":
+        assert p.returncode == 0 and kinds == ["start", "end", "requeue"], (ev, err)
+        assert ev[1][1]["preempted"] == "SIGTERM-to-step" and "scontrol requeue 1234" in _calls(fake), ev
+        return
+    # forwarded, unless Slurm is ending the job (it signals the step itself; scancel would hang)
+    assert ("scancel --signal=TERM 1234" in _calls(fake)) == (jobstate == "RUNNING"), (_calls(fake), err)
+    assert sorted((fake / "nodes").read_text().splitlines()) == [
+        "node 0 attempt 0", "node 0 got TERM", "node 1 attempt 0", "node 1 got TERM"]
+    for n in (0, 1):
+        rec = (state / "attempt-0" / f"node-{n}.exit").read_text().split()
+        assert rec == [str(n), f"gpu0{n + 1}", "1", "TERM"], rec
+        assert "final save done" in (state / "attempt-0" / f"node-{n}.err").read_text()
+    assert ev[1] == ("notice", {"signal": sig, "attempt": "1"}) and ev[2][1]["preempted"] == sig, ev
+    if jobstate == "RUNNING":
+        assert p.returncode == 0 and kinds == ["start", "notice", "end", "requeue"], (ev, err)
+        assert "scontrol requeue 1234" in _calls(fake)
+    else:
+        assert p.returncode == 1 and kinds == ["start", "notice", "end", "slurm-ends"], (ev, err)
+        assert "scontrol requeue 1234" not in _calls(fake)

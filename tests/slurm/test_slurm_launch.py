@@ -14,6 +14,9 @@ Marked ``slurm``: run by ``make test-slurm`` (see conftest.py).
   disk wiped too) and once with a requeue that swaps the failed node for the spare: each time
   the job restores node 1 from its neighbour's replica, finishes, and the ledger shows exactly
   one failure, one restore and a clean end.
+- ``test_titan_preemption_*``: a preemption notice to the batch script at a random step; the
+  job saves there, is requeued once and resumes at that step with bitwise the losses of an
+  uninterrupted run.
 """
 
 from __future__ import annotations
@@ -216,7 +219,8 @@ def test_launcher_gives_up_after_requeue_budget(fake):
 STEPS, LOCAL_EVERY, KILL_AFTER = 6, 2, 2
 
 
-def _titan_job(cluster, tmp_path, extra_env: dict[str, str]):
+def _titan_job(cluster, tmp_path, extra_env: dict[str, str], steps: int = STEPS, local_every: int = LOCAL_EVERY,
+               persistent_every: int | None = None):
     name = tmp_path.name
     shared = Path(cluster.shared) / name
     run = shared / "run"
@@ -225,8 +229,8 @@ def _titan_job(cluster, tmp_path, extra_env: dict[str, str]):
            "TIERCKPT_LOCAL_ROOT": f"{cluster.nvme}/{name}", "TIERCKPT_DUMP_FOLDER": str(run),
            "TIERCKPT_STATE_DIR": str(shared / "state"), **extra_env}
     # the real topology (torchrun's node rank), not the demo's simulated one
-    args = ["--training.steps", str(STEPS), "--checkpoint.local_interval", str(LOCAL_EVERY),
-            "--checkpoint.interval", str(STEPS), "--checkpoint.simulated_ranks_per_node", "0",
+    args = ["--training.steps", str(steps), "--checkpoint.local_interval", str(local_every),
+            "--checkpoint.interval", str(persistent_every or steps), "--checkpoint.simulated_ranks_per_node", "0",
             "--checkpoint.job_id", name]
     out = shared / "job.out"
     shared.mkdir(parents=True)
@@ -335,3 +339,101 @@ def test_titan_requeue_swaps_failed_node_restores_from_replica(slurm_cluster, tm
     assert {n: v["source"] for n, v in rest["sources"].items()} == {"0": "own-local", "1": "peer-replica"}, rest
     no_leftovers(slurm_cluster)
     print(f"requeue: {time.time() - t0:.1f}s")
+
+
+# ------------------------------------------------------------------------------- preemption
+PRE_STEPS, PRE_LOCAL_EVERY = 12, 2
+
+
+def _reference_losses(tmp_path) -> dict[int, str]:
+    """Losses of an uninterrupted run of the same job (2 ranks on this machine, outside Slurm:
+    the same world size, seed and data; the node layout only places checkpoints)."""
+    from tests.harness import free_port
+
+    ref = tmp_path / "reference"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "titan_plugin.train", "--toml", str(REPO / "configs" / "titan_demo.toml"),
+           "--dump_folder", str(ref / "run"), "--checkpoint.local_root", str(ref / "nvme" / "node-{node}"),
+           "--training.steps", str(PRE_STEPS), "--checkpoint.local_interval", str(PRE_STEPS),
+           "--checkpoint.interval", str(PRE_STEPS)]
+    r = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return {x["step"]: x["loss_hex"] for x in _jsonl(ref / "run" / "metrics" / "losses.jsonl")}
+
+
+@pytest.mark.parametrize("how", ["notice", "scontrol-requeue"])
+def test_titan_preemption_saves_requeues_and_resumes_there(slurm_cluster, tmp_path, how):
+    """A preemption at a random point between two local checkpoints. ``notice``:
+    `#SBATCH --signal=B:USR1@…` as Slurm delivers it (`scancel --batch --signal=USR1`: the batch
+    script only); the launcher forwards SIGTERM to the training step and requeues the job itself
+    — it does not retry in the allocation. ``scontrol-requeue``: Slurm requeues the job and
+    SIGTERMs all of its processes, SIGKILL after KillWait; the launcher leaves the requeue to
+    Slurm. Either way every rank saves at the same step S (local + replica, persistent within
+    the grace period) and exits 75; the requeued job restores S from the node-local tier (same
+    nodes: no persistent read), runs S+1..12, and every loss is bitwise the uninterrupted run's."""
+    import random
+
+    t0 = time.time()
+    jobid, shared, run, out = _titan_job(slurm_cluster, tmp_path, {"TIERCKPT_MAX_ATTEMPTS": "3"},
+                                         steps=PRE_STEPS, local_every=PRE_LOCAL_EVERY, persistent_every=PRE_STEPS)
+    after = random.choice(range(PRE_LOCAL_EVERY, PRE_STEPS - 3, PRE_LOCAL_EVERY))  # local step 2, 4, 6 or 8
+    ledger, losses = run / "checkpoint" / "tierckpt-ledger.jsonl", run / "metrics" / "losses.jsonl"
+    deadline = time.time() + 300
+    while True:
+        info = job_info(slurm_cluster, jobid)
+        assert info.get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), (info, _tail(out))
+        assert time.time() < deadline, f"local step {after} not committed in time\n{_tail(out)}"
+        ck = [r for r in _jsonl(ledger) if r.get("kind") == "checkpoint" and r.get("tier") == "local"
+              and r.get("step") == after and r.get("ok")]
+        logged = [r["step"] for r in _jsonl(losses)]
+        if ck and logged and max(logged) > after:
+            break
+        time.sleep(0.2)
+    cmd = ["scancel", "--batch", "--signal=USR1"] if how == "notice" else ["scontrol", "requeue"]
+    r = subprocess.run([*cmd, str(jobid)], env=slurm_cluster.env(), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    signalled_after = max(r["step"] for r in _jsonl(losses))
+    info = wait_done(slurm_cluster, jobid, 420, out)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", (info, _tail(out))
+    ev = events(shared / "state")
+    sig = "SIGUSR1" if how == "notice" else "SIGTERM"
+    then = "requeue" if how == "notice" else "slurm-ends"
+    assert [e["kind"] for e in ev] == ["start", "notice", "end", then, "start", "end"], ev
+    assert ev[1]["signal"] == sig and ev[2]["preempted"] == sig and ev[4]["slurm_restart"] == "1", ev
+    if how == "notice":
+        assert ev[3]["mode"] == "scontrol" and ev[3]["exclude"] == "-", ev
+
+    from tierckpt.ledger import Ledger, summarize
+    from tierckpt.storage import Store
+
+    recs = Ledger.read(Store(str(run / "checkpoint")))
+    pre = [x for x in recs if x["kind"] == "preemption"]
+    assert len(pre) == 1 and pre[0]["signal"] == "SIGTERM", pre
+    step = pre[0]["step"]
+    assert signalled_after <= step < PRE_STEPS and pre[0]["committed"]["local"] is True, (pre, signalled_after)
+    s = summarize(recs)
+    assert [x["restart_count"] for x in s["runs"]] == [0, 1], s["runs"]
+    assert [x["clean"] for x in s["runs"]] == [True, True] and not s["failures"], s["runs"]  # a planned exit
+    ends = [x for x in recs if x["kind"] == "run_end"]
+    assert ends[0]["run_id"] == s["runs"][0]["run_id"] and ends[0]["durable_step"] == step, ends
+    ok = {(x["tier"], x["step"]) for x in recs if x["kind"] == "checkpoint" and x.get("ok")}
+    assert ("local", step) in ok and (("persistent", step) in ok) == pre[0]["committed"]["persistent"], ok
+    assert len(s["restores"]) == 1, s["restores"]
+    rest = s["restores"][0]
+    assert rest["run_id"] == s["runs"][1]["run_id"] and rest["step"] == step, rest
+    assert info["NodeList"] == "n[1-2]"  # the same nodes: both come back from their own NVMe
+    assert {n: v["source"] for n, v in rest["sources"].items()} == {"0": "own-local", "1": "own-local"}, rest
+    assert rest["persistent_bytes"] == 0, rest
+    # every step ran once; the first attempt stopped at S, the requeued one went on from S + 1
+    by_pid: dict[int, dict[int, str]] = {}
+    for x in _jsonl(losses):
+        by_pid.setdefault(x["pid"], {})[x["step"]] = x["loss_hex"]
+    first, second = list(by_pid.values())
+    assert sorted(first) == list(range(1, step + 1)) and sorted(second) == list(range(step + 1, PRE_STEPS + 1)), by_pid
+    assert ("persistent", PRE_STEPS) in ok and ("local", PRE_STEPS) in ok, ok
+    no_leftovers(slurm_cluster)
+    want = _reference_losses(tmp_path)
+    got = {**first, **second}
+    assert got == want, {k: (want.get(k), got.get(k)) for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)}
+    print(f"preemption after step {signalled_after}, saved at {step}: {time.time() - t0:.1f}s")
