@@ -652,8 +652,12 @@ class TieredCheckpointer:
             rb = self._rollback
             if rb is None:
                 return
-            with self._lock:  # this run's own steps, written or being written: never superseded
-                mine = {t: {r["step"] for r in self.history if r.get("tier") == t} for t in ("local", "persistent")}
+            # this run's own committed steps and those being written: never superseded (a failed
+            # save's number is not excluded: an old-timeline copy under it must still go, and
+            # copies this run committed are protected by their marker's time anyway)
+            with self._lock:
+                mine = {t: {r["step"] for r in self.history if r.get("tier") == t and r.get("ok")}
+                        for t in ("local", "persistent")}
             for t, s in list(self._pending_step.items()):
                 mine[t].add(s)
             try:
