@@ -422,14 +422,7 @@ def _install_training_hooks(rt: Runtime) -> None:
         finally:
             args.save_interval, args.non_persistent_save_interval = saved
         try:
-            if exiting and args.save and rt.persistent_saved_step != iteration:
-                # A planned exit (--exit-interval, --exit-duration-in-mins, --exit-signal-handler)
-                # right after a local-only save: Megatron counts that save and skips its exit
-                # save, leaving the state on node-local disks only. Every planned exit must
-                # leave a committed persistent step (the requeued job may land on fresh nodes).
-                # The decision is the same on every rank (Megatron agreed on `exiting`).
-                log.info("tierckpt: planned exit at iteration %d: writing the persistent tier", iteration)
-                _save_persistent_now(tr, model, optimizer, opt_param_scheduler, iteration, a, kw)
+            _durable_exit(rt, tr, args, exiting, model, optimizer, opt_param_scheduler, iteration, a, kw)
             return exiting
         finally:
             _log_schedule(rt, iteration)
@@ -543,6 +536,22 @@ class _WithPersistent:
 
     def __getattr__(self, name):
         return getattr(self._tiers, name)
+
+
+def _durable_exit(rt: Runtime, tr, args, exiting: bool, model, optimizer, opt_param_scheduler, iteration: int,
+                  a: tuple, kw: dict) -> bool:
+    """After Megatron's ``checkpoint_and_decide_exit`` returned ``exiting``: a planned exit
+    (``--exit-interval``, ``--exit-duration-in-mins``, ``--exit-signal-handler``) right after a
+    local-only save leaves the state on node-local disks only, because Megatron counts that save
+    as its exit save. Every planned exit must leave a committed persistent step (the requeued job
+    may land on fresh nodes), so the persistent tier is written now. The decision is the same on
+    every rank (Megatron agreed on ``exiting``; ``persistent_saved_step`` follows the same calls).
+    Returns whether it saved."""
+    if not (exiting and getattr(args, "save", None) and rt.persistent_saved_step != iteration):
+        return False
+    log.info("tierckpt: planned exit at iteration %d: writing the persistent tier", iteration)
+    _save_persistent_now(tr, model, optimizer, opt_param_scheduler, iteration, a, kw)
+    return True
 
 
 def _save_persistent_now(tr, model, optimizer, opt_param_scheduler, iteration: int, a: tuple, kw: dict) -> None:

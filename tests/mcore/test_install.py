@@ -256,3 +256,38 @@ def test_ckpt_step_is_a_rollback_only_in_a_training_run():
     assert install.explicit_step(NS(ckpt_step=None, skip_train=False)) == (None, False)
     assert install.explicit_step(NS(ckpt_step=0)) == (None, False)
     assert install.explicit_step(NS()) == (None, False)
+
+
+def test_planned_exit_after_a_local_only_save_writes_the_persistent_tier():
+    """Issue 14, item 5, without a Megatron-LM checkout: Megatron's exit decision followed a
+    local-only save (its ``saved_checkpoint`` was set by the non-persistent save, so it skipped
+    its exit save). The plugin's hook then calls Megatron's own ``save_checkpoint_and_time``
+    for the persistent path at that iteration, with the loop's arguments; it does nothing when
+    the persistent tier already has the iteration, when training goes on, or without --save.
+    (tests/mcore/test_megatron_lm.py runs the same through pretrain_gpt.py.)"""
+    import types
+
+    from mcore_plugin import install
+
+    calls = []
+
+    def save_checkpoint_and_time(iteration, model, optimizer, sched, flops, ctx, non_persistent_ckpt=False,
+                                 train_data_iterator=None):
+        calls.append((iteration, model, optimizer, sched, flops, ctx, non_persistent_ckpt, train_data_iterator))
+        rt.persistent_saved_step = iteration  # what the strategy's due() records for a persistent save
+
+    tr = types.SimpleNamespace(save_checkpoint_and_time=save_checkpoint_and_time)
+    rt = install.Runtime(spec=None)
+    args = types.SimpleNamespace(save="/ckpt")
+    loop = ("model", "opt", "sched")
+    rest = (123.0, {"ctx": 1})
+    # a planned exit at 6 after a local-only save: the persistent tier is written, as Megatron's
+    # own exit save would (persistent path), with train_data_iterator passed through
+    assert install._durable_exit(rt, tr, args, True, *loop, 6, rest, {"train_data_iterator": "it"})
+    assert calls == [(6, "model", "opt", "sched", 123.0, {"ctx": 1}, False, "it")]
+    # the same iteration again (Megatron's end-of-training save path): already durable
+    assert not install._durable_exit(rt, tr, args, True, *loop, 6, rest, {"train_data_iterator": "it"})
+    # not exiting, or no --save: nothing
+    assert not install._durable_exit(rt, tr, args, False, *loop, 8, rest, {})
+    assert not install._durable_exit(rt, tr, types.SimpleNamespace(save=None), True, *loop, 8, rest, {})
+    assert len(calls) == 1
