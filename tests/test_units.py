@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import uuid
 from pathlib import Path
 
@@ -424,3 +425,37 @@ def test_local_steps_of_another_or_no_lineage_are_foreign_and_purged(tmp_path):
     assert out == {"local": [3, 4], "node-1": [9]}
     assert sorted(store.listdir("local")) == ["step-2"] and store.listdir("replicas/node-1") == ["step-2"]
     assert LocalTier(store, None, None).scan() == ([2], {1: [2]}, [])
+
+
+def test_preemption_watch_records_duplicates_and_escalates_a_late_repeat():
+    """A repeated notice within ``escalate_after_s`` is the same notice (Slurm signals every
+    process of a step and torchrun forwards SIGTERM to its workers: a worker gets it twice);
+    a repeat after it gets the signal's previous action, so a stuck trainer can still die."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        from tierckpt.preemption import PreemptionWatch
+        w = PreemptionWatch(("SIGUSR1",), escalate_after_s=0.5)
+        os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.05)
+        print("recorded", w.received, flush=True)
+        time.sleep(0.6)
+        os.kill(os.getpid(), signal.SIGUSR1); time.sleep(1.0)
+        print("survived", flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "recorded SIGUSR1" in r.stdout and "survived" not in r.stdout, (r.stdout, r.stderr)
+    assert r.returncode == -signal.SIGUSR1, r.returncode
+
+
+def test_preemption_signal_names_are_checked():
+    from tierckpt.preemption import signal_numbers
+
+    assert signal_numbers(["SIGTERM", "USR1"]) == (int(signal.SIGTERM), int(signal.SIGUSR1))
+    with pytest.raises(ConfigError, match="preemption_signals.*SIGKILL"):
+        signal_numbers(["SIGKILL"])
+    with pytest.raises(ConfigError, match="preemption_signals"):
+        signal_numbers(["SIGNOPE"])

@@ -156,7 +156,9 @@ class TieredCheckpointer:
         self._raised: set[tuple[str, int]] = set()
         self._saved_any = False
         self.persistent_committed: list[int] = []  # persistent steps committed by this run
-        self.preemption = PreemptionWatch(self.cfg.preemption_signals)
+        # a repeat within the grace period (+ a margin for the exit) is the same notice
+        self.preemption = PreemptionWatch(self.cfg.preemption_signals,
+                                          escalate_after_s=self.cfg.preemption_grace_s + 20.0)
         self._preempt_seen = False
         self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
                                  self.cfg.transfer_chunk_bytes)

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 from .errors import ConfigError, TierckptError
 
@@ -61,19 +62,24 @@ def signal_numbers(names, option: str = "preemption_signals") -> tuple[int, ...]
 
 
 class PreemptionWatch:
-    """Records the first of ``signals`` this process receives (main thread only installs); a
-    second one gets the signal's previous action (default: the process dies), so a trainer
-    stuck in a collective can still be stopped.
+    """Records the first of ``signals`` this process receives (main thread only installs). A
+    signal arriving ``escalate_after_s`` or more after the first gets the signal's previous
+    action (default: the process dies), so a trainer stuck in a collective can still be
+    stopped; earlier repeats are duplicates (Slurm signals every process of a step and torchrun
+    forwards the same SIGTERM to its workers) and only recorded.
 
     Args:
         signals: signal names; empty = watch nothing (the framework handles signals itself).
+        escalate_after_s: seconds after the first signal from which another one escalates.
     Raises:
         ConfigError: as :func:`signal_numbers`.
     """
 
-    def __init__(self, signals=DEFAULT_SIGNALS):
+    def __init__(self, signals=DEFAULT_SIGNALS, escalate_after_s: float = 60.0):
         self._nums = signal_numbers(signals)
+        self.escalate_after_s = escalate_after_s
         self.received: str | None = None
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
         if threading.current_thread() is not threading.main_thread():
             if self._nums:
@@ -85,9 +91,12 @@ class PreemptionWatch:
     def _handler(self, signum, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
+            self._first_at = time.monotonic()
             return
-        # a second signal: the sender insists (or the trainer is stuck in a collective and never
-        # reaches a step end): the signal's previous action, e.g. death by SIGTERM
+        if time.monotonic() - self._first_at < self.escalate_after_s:
+            return  # the same notice delivered twice (Slurm to every process, torchrun forwarding)
+        # the sender insists long after the notice (the trainer is stuck in a collective and
+        # never reaches a step end): the signal's previous action, e.g. death by SIGTERM
         prev = self._previous.get(signum, signal.SIG_DFL)
         self.close()
         if callable(prev):
