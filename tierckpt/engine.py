@@ -770,7 +770,10 @@ def describe_failure(e: BaseException, store: Store) -> str:
     file system named (torch's writers can turn ENOSPC into an unrelated-looking error)."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
-        msg = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(failures.items()))
+        # DCP keeps (exception, traceback frames) per rank: name the exception only
+        errs = {r: x[0] if isinstance(x, tuple) and x and isinstance(x[0], BaseException) else x
+                for r, x in failures.items()}
+        msg = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(errs.items()))
     else:
         msg = f"{type(e).__name__}: {e}"
     if store.local:
