@@ -780,7 +780,7 @@ def describe_failure(e: BaseException, store: Store) -> str:
         try:
             du = shutil.disk_usage(store.path(""))
             if du.free < max(1 << 20, du.total // 100):
-                msg += f" [{store.url}: No space left on device: {du.free} of {du.total} bytes free]"
+                msg += f" [{store.url}: file system full: {du.free} of {du.total} bytes free]"
         except OSError:
             pass
     return msg[:2000]
