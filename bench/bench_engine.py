@@ -11,7 +11,7 @@ machine are noisy; ratios are what we compare):
 2. local-tier write throughput: ``LocalTier.save`` (DCP write + fsync + checksum + commit) of
    the staged dict vs a plain sequential write+fsync of the same tensor bytes to a file on
    the same filesystem, order ABBA-alternated.                          target ours/plain ≥ 0.8
-3. replication throughput: ``tierckpt.replication.replicate`` of a committed step, both ranks
+3. replication throughput: ``tierckpt.tiers.replication.replicate`` of a committed step, both ranks
    sending to each other at once (F=2), vs raw gloo isend/irecv of the same bytes in the same
    pattern and chunk size (``transfer_chunk_bytes``), ABBA-alternated. target ours/raw ≥ 0.7
 
@@ -98,8 +98,9 @@ def install_probes():
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
-    from tierckpt import local_tier, manifest, replication, transfer
-    from tierckpt.storage import Store
+    from tierckpt.tiers import commit, local_tier, replication, transfer
+    from tierckpt.io import manifest
+    from tierckpt.io.storage import Store
 
     # local tier: DCP save (whole), inside it the per-item serialisation (torch.save into the
     # file stream) and every fsync; then checksums, fsync_tree, manifest+marker commit.
@@ -108,7 +109,7 @@ def install_probes():
     local_tier.dcp = proxy
     dcp_fs._write_item = PROF.wrap("dcp: torch.save of items", dcp_fs._write_item)
     os.fsync = PROF.wrap("os.fsync (all callers)", os.fsync)
-    local_tier.hash_split = PROF.wrap("checksum (read+xxh3)", local_tier.hash_split)
+    commit.hash_split = PROF.wrap("checksum (read+xxh3)", commit.hash_split)
     Store.fsync_tree = PROF.wrap("Store.fsync_tree", Store.fsync_tree)
     manifest.commit = PROF.wrap("manifest.commit", manifest.commit)
     # replication: the transfer (send thread ∥ receive loop) and the commit of received files
@@ -155,10 +156,10 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from tierckpt.collectives import all_gather
+    from tierckpt.dist.collectives import all_gather
     from tierckpt.config import TierConfig
     from tierckpt.engine import TieredCheckpointer
-    from tierckpt.replication import replicate
+    from tierckpt.tiers.replication import replicate
 
     warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
     install_probes()

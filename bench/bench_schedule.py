@@ -33,7 +33,7 @@ not finish within ``--cap`` × N · t_ref is stopped; its waste is reported from
 committed step instead (``1 − step_committed · t_step / W``, a lower bound).
 
 The theoretical optimum is Daly's complete model for Poisson failures
-(:func:`tierckpt.schedule.daly_waste_fraction`) minimised over the interval, with the injected
+(:func:`tierckpt.sched.schedule.daly_waste_fraction`) minimised over the interval, with the injected
 MTBF and two costs measured from the trainer's own step log (not from the engine's estimates):
 
 - δ, the full cost of one save: the step-time excess over ``t_ref`` of all steady steps (each
@@ -82,9 +82,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from tierckpt.ledger import Ledger  # noqa: E402
-from tierckpt.schedule import daly_interval, daly_waste_fraction  # noqa: E402
-from tierckpt.storage import Store  # noqa: E402
+from tierckpt.history.ledger import Ledger  # noqa: E402
+from tierckpt.sched.schedule import daly_interval, daly_waste_fraction  # noqa: E402
+from tierckpt.io.storage import Store  # noqa: E402
 
 RESULTS_MD = os.path.join(REPO, "bench", "RESULTS.md")
 TOML = os.path.join(REPO, "configs", "titan_demo.toml")

@@ -512,7 +512,7 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
               "background_s": r["background_s"], "bytes": r["bytes"], "ok": r.get("ok", True),
               "attempt": attempt_of.get(r.get("run_id"))}
              for r in ledger if r.get("kind") == "checkpoint"]
-    from tierckpt.ledger import summarize
+    from tierckpt.history.ledger import summarize
 
     ledger_runs = [{"attempt": attempt_of.get(r["run_id"]), "restart_count": r["restart_count"], "clean": r["clean"]}
                    for r in summarize(ledger)["runs"]]

@@ -189,7 +189,7 @@ class PluginSettings:
         local_root, local_root_is_node_private: the local-tier template.
         replication_jump, replication_factor: J (nodes) and F.
         keep_latest_k: ``{tier: k}`` (0 keeps all).
-        schedule_options: :class:`tierckpt.schedule.Scheduler` options (``gpu_mtbf_s`` seconds,
+        schedule_options: :class:`tierckpt.sched.schedule.Scheduler` options (``gpu_mtbf_s`` seconds,
             ``restart_prior_s`` seconds, ``min_steps``, ``max_steps``).
         notes: human-readable lines about values taken over from Megatron's flags.
         local_wait_timeout_s: seconds a local save waits for the previous one (None = the

@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from tierckpt.accel import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
+from tierckpt.dist.accel import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
 
 log = logging.getLogger("mcore_plugin.cpu")
 

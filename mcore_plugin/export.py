@@ -214,9 +214,9 @@ def _check_tierckpt_commit(src: str) -> None:
     Raises:
         ExportError: not committed, or a file's size/xxh3 differs from the manifest.
     """
-    from tierckpt import manifest
-    from tierckpt.layout import INPROGRESS, MANIFEST
-    from tierckpt.storage import Store
+    from tierckpt.io import manifest
+    from tierckpt.io.layout import INPROGRESS, MANIFEST
+    from tierckpt.io.storage import Store
 
     if not any(os.path.exists(os.path.join(src, n)) for n in (MANIFEST, INPROGRESS)):
         return  # a plain Megatron checkpoint: nothing of ours to check

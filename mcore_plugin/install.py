@@ -2,7 +2,7 @@
 
 Megatron-LM's ``megatron/training`` is not a library with extension points for checkpoint
 storage, so the plugin replaces a few module-level names it looks up at call time. Which names
-depends on the megatron-core version (DESIGN.md, "Megatron-Core specifics"):
+depends on the megatron-core version (mcore_plugin/README.md):
 
 ========================  =====================================================  ==========================================
 hook point                megatron-core 0.16.x                                   megatron-core 0.19.x
@@ -570,7 +570,7 @@ def _log_schedule(rt: Runtime, iteration: int) -> None:
     """New interval decisions to Megatron-LM's TensorBoard and W&B writers (they exist on the
     last rank only; the engine hands every rank the decisions), as
     ``tierckpt/<tier>/{tau_steps,tau_s,delta_s,mtbf_s,restart_s,p}`` at ``iteration``."""
-    from tierckpt.cadence import decision_metrics
+    from tierckpt.sched.cadence import decision_metrics
 
     recs = rt.tiers.engine.drain_schedule_log()
     if not recs:

@@ -105,7 +105,7 @@ class TieredLocalCheckpointManager:
         step: an explicit step to load (Megatron's ``--ckpt-step``) from whichever tier holds
             it; None = the newest verified step.
         rollback: with ``step``, this run trains on from it: the newer steps are superseded
-            at its first commit (:mod:`tierckpt.rollback`). False = read-only.
+            at its first commit (:mod:`tierckpt.history.rollback`). False = read-only.
 
     Attributes:
         local_ckpt_dir: this node's local root (Megatron prints it).

@@ -10,7 +10,7 @@ which keeps a ``step`` tensor per parameter. Megatron's checkpoint keeps only on
   ``step`` (``_process_value_according_to_param_policy`` returns it as is). The single-tensor
   AdamW then runs ``step_t += 1`` once per parameter on the shared tensor: after one more
   iteration every parameter's step is ``old + n_params``, bias correction changes, and the
-  trajectory departs from the uninterrupted run (FIELD-NOTES failure class 11).
+  trajectory departs from the uninterrupted run.
 
 :func:`install` patches four DistributedOptimizer methods; their step handling is active only
 where Megatron uses torch's optimizer (``distrib_optimizer.HAVE_APEX_OR_TE`` false):

@@ -20,13 +20,13 @@ Public API (stable; changes are announced here):
   the compatibility checks are forwarded to the wrapped one; ``load`` takes the step's tensors
   from the fastest verified source). Pass it as ``sharded_strategy`` to
   ``megatron.core.dist_checkpointing.load``.
-- :class:`MegatronPersistentIO` — the persistent tier's :class:`tierckpt.persistent.PersistentIO`:
+- :class:`MegatronPersistentIO` — the persistent tier's :class:`tierckpt.tiers.persistent.PersistentIO`:
   ``<persistent_root>/step-<N>/`` is a complete ``torch_dist`` checkpoint (``.metadata``,
   ``__<r>_<t>.distcp`` written with Megatron's ``MCoreSavePlanner``, ``common.pt``,
   ``metadata.json``) plus tierckpt's manifest and commit marker, so stock
   ``megatron.core.dist_checkpointing.load`` reads it without this plugin.
 
-Tiers and formats (DESIGN.md "Megatron-Core specifics"):
+Tiers and formats (mcore_plugin/README.md):
 
 - local tier (+ replica): one DCP checkpoint per node written by the engine; Megatron's
   ShardedTensors become DCP-checkpointable chunks with *global* offsets (Megatron's own
@@ -90,12 +90,13 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
 from tierckpt.config import TierConfig, validate_tiers
-from tierckpt.dcp_io import crc32_off, digests_under, hashing_writer
+from tierckpt.io.dcp_io import crc32_off, digests_under, hashing_writer
 from tierckpt.engine import TieredCheckpointer
 from tierckpt.errors import ConfigError
 from tierckpt.handle import SaveHandle
-from tierckpt.persistent import CountingFileSystemReader, CountingFsspecReader, PersistentIO
-from tierckpt.planner import VerifyingLoadPlanner
+from tierckpt.io.dcp_io import CountingFileSystemReader, CountingFsspecReader
+from tierckpt.tiers.persistent import PersistentIO
+from tierckpt.io.planner import VerifyingLoadPlanner
 
 log = logging.getLogger(__name__)
 
@@ -478,7 +479,7 @@ class MegatronTiers:
     def checkpoint_dir(self, step: int) -> str:
         """Directory or URL of the persistent tier's ``step`` (``<persistent_root>/step-<N>``),
         a stock torch_dist checkpoint once committed."""
-        from tierckpt import layout
+        from tierckpt.io import layout
 
         return self.engine.persistent.store.url_of(layout.persistent_step(step))
 
@@ -580,14 +581,14 @@ class MegatronTiers:
     def read_common(self, step: int | None = None) -> tuple[int, dict] | None:
         """Megatron's common state (``args``, ``iteration``, …) of ``step`` (None: the newest
         step every node can be served from), read from one verified node-local copy instead of
-        a full restore (collective; :func:`tierckpt.peek.read_item`). Megatron-LM's first,
+        a full restore (collective; :func:`tierckpt.io.peek.read_item`). Megatron-LM's first,
         "rank0" load pass needs only this.
 
         Returns:
             ``(step, common dict)``, or None when no node-local copy could be read (the step is
             only in the persistent tier): run :meth:`restore` with an empty template then.
         """
-        from tierckpt.peek import read_item
+        from tierckpt.io.peek import read_item
 
         got = read_item(self.engine, f"{_TOP}.{COMMON_KEY}", step)  # DCP flattens {"mcore": {...}}
         if got is None:

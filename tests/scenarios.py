@@ -445,7 +445,7 @@ def phase_retention_anchor(rank, world, base, factor):
     """Node 1's local saves fail from step 3 on (a dying disk) while node 0's succeed; with
     keep_latest_k = 2 node 0 must still keep step 2, the newest step both nodes committed, so
     the job resumes from the local tier (no persistent step exists at all)."""
-    from tierckpt.local_tier import LocalTier
+    from tierckpt.tiers.local_tier import LocalTier
 
     eng = TieredCheckpointer(make_config(base, replication_factor=factor, keep_latest_k={"local": 2, "persistent": 2}),
                              node_id=rank)
@@ -488,7 +488,7 @@ def phase_hung_local_disk(rank, world, base, limit):
     must return after about ``limit``."""
     import time as _time
 
-    from tierckpt.local_tier import LocalTier
+    from tierckpt.tiers.local_tier import LocalTier
 
     def release(step):
         return os.path.join(base, f"release-disk-{step}")
@@ -542,14 +542,14 @@ def phase_hung_local_disk(rank, world, base, limit):
 
 
 def phase_peek(rank, world, base):
-    """tierckpt.peek.read_item: one item of a step from a verified node-local copy, falling over
+    """tierckpt.io.peek.read_item: one item of a step from a verified node-local copy, falling over
     corrupt copies to the next copy and the next node; None when no node-local copy is usable."""
     import json as _json
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    from tierckpt import layout
-    from tierckpt.peek import read_item
+    from tierckpt.io import layout
+    from tierckpt.io.peek import read_item
 
     eng = TieredCheckpointer(make_config(base), node_id=rank)
     model, opt = build(seed=0)
@@ -594,7 +594,7 @@ def phase_hung_local_exit(rank, world, base, limit):
     process exits (the stuck job runs on a daemon thread; the harness fails on a hang)."""
     import time as _time
 
-    from tierckpt.local_tier import LocalTier
+    from tierckpt.tiers.local_tier import LocalTier
 
     eng = TieredCheckpointer(make_config(base, replication_factor=1, local_wait_timeout_s=limit), node_id=rank)
 
@@ -618,7 +618,7 @@ class _FailingPersistentIO:
     file system), the rest write normally."""
 
     def __init__(self, fail_steps):
-        from tierckpt.persistent import PersistentIO
+        from tierckpt.tiers.persistent import PersistentIO
 
         self.io, self.fail_steps, self.step = PersistentIO(), set(fail_steps), None
 
@@ -634,8 +634,8 @@ class _FailingPersistentIO:
 
 
 def _run_end(base: str, sub: str) -> dict:
-    from tierckpt.ledger import Ledger
-    from tierckpt.storage import Store
+    from tierckpt.history.ledger import Ledger
+    from tierckpt.io.storage import Store
 
     return [r for r in Ledger.read(Store(os.path.join(base, sub, "pfs"))) if r["kind"] == "run_end"][-1]
 
@@ -720,9 +720,9 @@ def phase_lineage(rank, world, base, pfs, save_steps):
     roots ``base/nvme/node-<n>``: restore, then save ``save_steps`` to the local tier only (so
     the state exists nowhere else). Returns what the start left on this node's local root, the
     restored step and the lineage id."""
-    from tierckpt import layout
-    from tierckpt.manifest import read_committed
-    from tierckpt.storage import Store
+    from tierckpt.io import layout
+    from tierckpt.io.manifest import read_committed
+    from tierckpt.io.storage import Store
 
     def on_disk():
         store = Store(os.path.join(base, "nvme", f"node-{rank}"))

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt import cli, manifest
-from tierckpt.layout import LEDGER, MANIFEST, local_step, persistent_step, replica_step
-from tierckpt.ledger import Ledger
-from tierckpt.storage import Store
+from tierckpt import cli
+from tierckpt.io import manifest
+from tierckpt.io.layout import LEDGER, MANIFEST, local_step, persistent_step, replica_step
+from tierckpt.history.ledger import Ledger
+from tierckpt.io.storage import Store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,7 +133,7 @@ def test_ls_on_fsspec_memory_url(capsys):
 
 
 def test_ls_lineage_marks_steps_restore_ignores(tree, capsys):
-    from tierckpt import lineage
+    from tierckpt.history import lineage
 
     lid = lineage.ensure(tree["persist"])[0]
     n1 = tree["n1"]

@@ -87,7 +87,7 @@ def test_explicit_step_is_read_only_and_rollback_waits_for_the_first_commit(tmp_
     assert res[0].value["rollbacks"] == [(6, 2, 3, planned)], res[0].value["rollbacks"]
     for rel in ("pfs/step-6", "pfs/step-4"):
         assert os.path.exists(os.path.join(str(tmp_path), rel, "tierckpt.committed.superseded"))
-    from tierckpt.cli import _committed_label, find_steps
+    from tierckpt.cli.steps import _committed_label, find_steps
 
     labels = {s.step: _committed_label(s) for s in find_steps(str(tmp_path / "pfs"))}
     assert labels == {2: "yes", 3: "yes", 4: "no (superseded by a rollback)", 6: "no (superseded by a rollback)"}, labels

@@ -7,8 +7,8 @@ import os
 
 from tests import scenarios
 from tests.harness import run_world
-from tierckpt.ledger import Ledger
-from tierckpt.storage import Store
+from tierckpt.history.ledger import Ledger
+from tierckpt.io.storage import Store
 
 
 def test_adaptive_intervals_agree_and_shorten_after_failures(tmp_path):

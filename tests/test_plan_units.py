@@ -6,12 +6,12 @@ import os
 
 import pytest
 
-from tierckpt import layout, manifest
+from tierckpt.io import layout, manifest
 from tierckpt.errors import ConfigError
 from tierckpt.restore import Inventory, Source, plan_restore
-from tierckpt.retention import InUse, purge_dir, purge_persistent
-from tierckpt.storage import Store
-from tierckpt.topology import Topology, _local_node_label, check_replication, clique, peers
+from tierckpt.tiers.retention import InUse, purge_dir, purge_persistent
+from tierckpt.io.storage import Store
+from tierckpt.dist.topology import Topology, _local_node_label, check_replication, clique, peers
 
 
 def test_cliques_follow_jump_and_factor():

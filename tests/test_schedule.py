@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt import cli, mtbf, schedule, simulate
+from tierckpt import cli
+from tierckpt.sched import mtbf, schedule, simulate
 from tierckpt.errors import ConfigError
-from tierckpt.layout import LEDGER
-from tierckpt.ledger import Ledger
-from tierckpt.mtbf import MTBFEstimator, evidence_from_ledger
-from tierckpt.schedule import (
+from tierckpt.io.layout import LEDGER
+from tierckpt.history.ledger import Ledger
+from tierckpt.sched.mtbf import MTBFEstimator, evidence_from_ledger
+from tierckpt.sched.schedule import (
     Scheduler,
     daly_higher_order_interval,
     daly_interval,
@@ -24,7 +25,7 @@ from tierckpt.schedule import (
     waste_fraction,
     young_interval,
 )
-from tierckpt.storage import Store
+from tierckpt.io.storage import Store
 
 M_LLAMA3 = 54 * 24 / 419 * 3600.0  # 3.09 h in seconds, exactly as the issue defines it
 H = 3600.0
@@ -683,7 +684,7 @@ def test_restarted_scheduler_takes_step_time_from_the_ledger():
 
 
 def test_decision_metrics_for_metric_writers():
-    from tierckpt.cadence import decision_metrics
+    from tierckpt.sched.cadence import decision_metrics
 
     recs = [{"tier": "local", "tau_steps": 4, "tau_s": 6.0, "delta": 0.1, "M": 90.0, "R": 12.0, "p": 0.1},
             {"tier": "local", "tau_steps": 5, "tau_s": 7.5, "delta": 0.2, "M": 80.0, "R": 12.0, "p": 0.1},

@@ -11,7 +11,6 @@ one torchrun per node, the restart as its second attempt on a fresh port, restar
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest

@@ -13,10 +13,10 @@ import subprocess
 import sys
 
 from titan_plugin.metrics import read_losses
-from tierckpt import lineage
-from tierckpt.layout import LINEAGE
-from tierckpt.manifest import read_committed
-from tierckpt.storage import Store
+from tierckpt.history import lineage
+from tierckpt.io.layout import LINEAGE
+from tierckpt.io.manifest import read_committed
+from tierckpt.io.storage import Store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

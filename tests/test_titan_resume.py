@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,7 +157,7 @@ def test_corrupt_seed_checkpoint_stops_the_run(tmp_path):
 def test_seed_folder_states(tmp_path):
     """What the next run makes of step-0: a tierckpt seed (checksums), a seed torchtitan wrote
     (DCP files only), an interrupted seed creation (refused, never loaded as complete), or none."""
-    from tierckpt.storage import Store
+    from tierckpt.io.storage import Store
     from titan_plugin.manager import SEED_MANIFEST, _find_seed
 
     store, rel = Store(str(tmp_path)), "step-0"

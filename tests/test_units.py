@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt import layout, manifest
+from tierckpt.io import layout, manifest
 from tierckpt.config import TIERS, TierConfig
 from tierckpt.errors import ConfigError, VerificationError
-from tierckpt.ledger import Ledger, summarize
-from tierckpt.storage import Store
+from tierckpt.history.ledger import Ledger, summarize
+from tierckpt.io.storage import Store
 
 
 # -- config ------------------------------------------------------------------------------------
@@ -369,7 +369,7 @@ def _local_step(store: Store, rel: str, lid: str | None) -> None:
 
 
 def test_lineage_is_created_once_per_persistent_root(tmp_path):
-    from tierckpt import lineage
+    from tierckpt.history import lineage
 
     store = Store(str(tmp_path / "pfs"))
     lid, created, adopt = lineage.ensure(store)
@@ -390,7 +390,7 @@ def test_lineage_is_created_once_per_persistent_root(tmp_path):
 
 
 def test_unreadable_lineage_file_is_never_replaced(tmp_path):
-    from tierckpt import lineage
+    from tierckpt.history import lineage
 
     store = Store(str(tmp_path))
     store.write_atomic(layout.LINEAGE, b"{torn")
@@ -400,8 +400,8 @@ def test_unreadable_lineage_file_is_never_replaced(tmp_path):
 
 
 def test_local_steps_of_another_or_no_lineage_are_foreign_and_purged(tmp_path):
-    from tierckpt import retention
-    from tierckpt.local_tier import LocalTier
+    from tierckpt.tiers import retention
+    from tierckpt.tiers.local_tier import LocalTier
 
     store = Store(str(tmp_path))
     mine, other = "a" * 32, "b" * 32

@@ -2,7 +2,7 @@
 
 Every field is validated in :meth:`TierConfig.validate`, which raises :class:`ConfigError`
 naming the field and the values it accepts. Topology-dependent checks (``replication_factor``
-against the node count) run when the topology is known, in :mod:`tierckpt.topology`.
+against the node count) run when the topology is known, in :mod:`tierckpt.dist.topology`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import string
 from dataclasses import dataclass, field
 
-from .errors import ConfigError
+from tierckpt.errors import ConfigError
 
 TIERS = ("local", "persistent")
 """Tiers a save can target. Replication is part of the local tier (F>1), not a tier of its own."""
@@ -74,8 +74,8 @@ class TierConfig:
             adaptive tier, the interval used until the scheduler knows the step time. None: the
             caller decides when to save.
         adaptive: tiers whose interval comes from Young/Daly with measured δ and the MTBF
-            estimate (:mod:`tierckpt.schedule`); each must be in ``intervals``.
-        schedule_options: extra :class:`tierckpt.schedule.Scheduler` arguments (``gpu_mtbf_s``,
+            estimate (:mod:`tierckpt.sched.schedule`); each must be in ``intervals``.
+        schedule_options: extra :class:`tierckpt.sched.schedule.Scheduler` arguments (``gpu_mtbf_s``,
             ``mtbf_weight``, ``min_steps``, ``max_steps``, ``min_s``, ``max_s``,
             ``restart_prior_s``, ``persistent_share``).
         warn_only: tiers whose failed background save is only logged and recorded. A failed
@@ -161,7 +161,7 @@ class TierConfig:
                     raise ConfigError(f"intervals.{tier}", f"must be an integer number of steps >= 1, got {n!r}")
         self.adaptive = validate_tiers(self.adaptive, "adaptive")
         self.warn_only = validate_tiers(self.warn_only, "warn_only")
-        from .preemption import signal_numbers
+        from tierckpt.preemption import signal_numbers
 
         self.preemption_signals = tuple(self.preemption_signals)
         signal_numbers(self.preemption_signals)

@@ -31,23 +31,24 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from . import lineage, retention
-from .collectives import FAILURES, all_gather
-from .cadence import Cadence
-from .config import TierConfig, validate_tiers
-from .errors import ConfigError, TierFailedError
-from .handle import SaveHandle
-from .ledger import Ledger
-from .local_tier import LocalTier
-from .persistent import PersistentIO, PersistentTier
-from .preemption import Preempted, PreemptionWatch
-from .records import CheckpointRecord
-from .replication import replicate
-from .restore import PERSISTENT, RestoreResult, Restorer
-from .staging import StagingPool, StagingSlot, resolve_stateful
-from .storage import Store
-from .topology import discover
-from .workers import DaemonWorker
+from tierckpt.config import TierConfig, validate_tiers
+from tierckpt.dist.collectives import FAILURES, all_gather
+from tierckpt.dist.topology import discover
+from tierckpt.errors import ConfigError, TierFailedError
+from tierckpt.handle import SaveHandle
+from tierckpt.history import lineage
+from tierckpt.history.ledger import Ledger
+from tierckpt.io.staging import StagingPool, StagingSlot, resolve_stateful
+from tierckpt.io.storage import Store
+from tierckpt.preemption import Preempted, PreemptionWatch
+from tierckpt.records import CheckpointRecord
+from tierckpt.restore import PERSISTENT, Restorer, RestoreResult
+from tierckpt.sched.cadence import Cadence
+from tierckpt.tiers import retention
+from tierckpt.tiers.local_tier import LocalTier
+from tierckpt.tiers.persistent import PersistentIO, PersistentTier
+from tierckpt.tiers.replication import replicate
+from tierckpt.tiers.workers import DaemonWorker
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,10 @@ class TieredCheckpointer:
     Args:
         config: tiers, roots, J/F, retention (validated here).
         node_id: explicit node id of this rank (simulation/tests); otherwise from the
-            environment (see :mod:`tierckpt.topology`).
+            environment (see :mod:`tierckpt.dist.topology`).
         persistent_io: how persistent steps are written/read (default: plain DCP).
 
-    ``lineage`` is the persistent root's lineage id (:mod:`tierckpt.lineage`), the same on every
+    ``lineage`` is the persistent root's lineage id (:mod:`tierckpt.history.lineage`), the same on every
     rank; node-local steps of any other lineage are deleted here and never restored.
 
     Raises:
@@ -193,7 +194,7 @@ class TieredCheckpointer:
     def observe_step(self, seconds: float) -> None:
         """Report one training step's wall time (seconds, without checkpoint stalls) to the
         adaptive scheduler. Cheap; call every step, right after the step ends. Tiers whose
-        background work overlapped the step are charged its slowdown (:mod:`tierckpt.schedule`)."""
+        background work overlapped the step are charged its slowdown (:mod:`tierckpt.sched.schedule`)."""
         if self.cadence is not None:
             now = time.monotonic()
             busy = [t for t, (t0, t1) in list(self._job_window.items())
@@ -202,7 +203,7 @@ class TieredCheckpointer:
 
     def drain_schedule_log(self) -> list[dict]:
         """The interval decisions (ledger ``schedule`` records) made since the last call, on
-        every rank, for the trainer's metric writers (:func:`tierckpt.cadence.decision_metrics`)."""
+        every rank, for the trainer's metric writers (:func:`tierckpt.sched.cadence.decision_metrics`)."""
         with self._lock:
             recs, self.schedule_log[:] = list(self.schedule_log), []
         return recs
@@ -608,7 +609,7 @@ class TieredCheckpointer:
                 committed steps stay resume points.
             rollback: ``step`` starts a new timeline (a training run that names an older step):
                 the newer committed steps this restore saw are superseded once this run
-                commits its first step of any tier (:mod:`tierckpt.rollback`; ledger
+                commits its first step of any tier (:mod:`tierckpt.history.rollback`; ledger
                 ``rollback`` record), never before.
         Returns:
             RestoreResult, or None if no committed checkpoint exists (fresh start).
@@ -636,7 +637,7 @@ class TieredCheckpointer:
     def _arm_rollback(self, step: int) -> None:
         """Remember the steps newer than ``step`` the restore saw; :meth:`_finish_rollback`
         supersedes them at this run's first commit."""
-        from .rollback import PendingRollback
+        from tierckpt.history.rollback import PendingRollback
 
         rb = PendingRollback(step, self.restorer.last_inventory, time.time())
         if rb.empty:

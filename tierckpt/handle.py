@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-from .records import CheckpointRecord
+from tierckpt.records import CheckpointRecord
 
 
 class SaveHandle:

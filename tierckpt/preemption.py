@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 
-from .errors import ConfigError, TierckptError
+from tierckpt.errors import ConfigError, TierckptError
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Restore from the fastest valid source, with agreed fallback (DESIGN.md "Restore data flow").
+"""Restore from the fastest valid source, with agreed fallback (docs/architecture.md, "Restore flow").
 
 1. Every node leader lists the committed steps of its local root (own steps and the replicas
    it holds); global rank 0 lists the persistent tier. The lists are all-gathered.
@@ -7,7 +7,7 @@
 3. A node served from a peer replica pulls the files into its own ``local/step-<N>`` first
    (checksummed on receipt, committed with the source manifest).
 4. Every other chosen source is checksum-verified (files split across the node's ranks)
-   before DCP reads a byte; the load uses :class:`~tierckpt.planner.VerifyingLoadPlanner`
+   before DCP reads a byte; the load uses :class:`~tierckpt.io.planner.VerifyingLoadPlanner`
    over the node group.
 5. Outcomes are all-gathered. A failed (node, source, step) is marked bad and the plan is
    recomputed — possibly an older step for everyone — until every node loaded the same step.
@@ -22,15 +22,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from . import layout, lineage, manifest
-from .collectives import FAILURES, all_gather, run_agreed
-from .errors import NoCheckpointError, VerificationError
-from .local_tier import LocalTier, load_dir, verify_split
-from .persistent import PersistentTier
-from .replication import commit_received
-from .retention import InUse
-from .topology import Groups, Topology
-from .transfer import Transfer, run_transfers
+from tierckpt.dist.collectives import FAILURES, all_gather, run_agreed
+from tierckpt.dist.topology import Groups, Topology
+from tierckpt.errors import NoCheckpointError, VerificationError
+from tierckpt.history import lineage
+from tierckpt.io import layout, manifest
+from tierckpt.tiers.local_tier import LocalTier, load_dir, verify_split
+from tierckpt.tiers.persistent import PersistentTier
+from tierckpt.tiers.replication import commit_received
+from tierckpt.tiers.retention import InUse
+from tierckpt.tiers.transfer import Transfer, run_transfers
 
 log = logging.getLogger(__name__)
 

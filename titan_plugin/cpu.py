@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from tierckpt.accel import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
+from tierckpt.dist.accel import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
 
 log = logging.getLogger("titan_plugin.cpu")
 

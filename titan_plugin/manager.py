@@ -14,7 +14,7 @@ The trainer keeps calling ``load``, ``maybe_wait_for_staging``, ``save(step, las
   before its copy is taken and ``maybe_wait_for_staging`` has nothing to wait for;
 - ``load`` restores from the best committed source (own local > peer replica > persistent);
   ``checkpoint.load_step`` picks that step from whichever tier holds it: read-only with
-  ``checkpoint.load_only``, a rollback in a training run (:mod:`tierckpt.rollback`);
+  ``checkpoint.load_only``, a rollback in a training run (:mod:`tierckpt.history.rollback`);
   only steps with a tierckpt commit marker are resume points, so torchtitan's final
   model-only export (``last_save_model_only``) can never be picked up as a full resume state;
 - the last step is a planned exit: every tier saves it and training ends only once the
@@ -45,16 +45,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import MODEL, CheckpointManager
 
-from tierckpt import layout, manifest
-from tierckpt.cadence import decision_metrics
-from tierckpt.collectives import PeerFailure, all_gather, run_agreed
+from tierckpt.io import layout, manifest
+from tierckpt.sched.cadence import decision_metrics
+from tierckpt.dist.collectives import PeerFailure, all_gather, run_agreed
 from tierckpt.config import TierConfig
 from tierckpt.engine import TieredCheckpointer
 from tierckpt.errors import ConfigError, VerificationError
-from tierckpt.dcp_io import crc32_off, digests_under, hashing_writer
-from tierckpt.persistent import PersistentIO
+from tierckpt.io.dcp_io import crc32_off, digests_under, hashing_writer
+from tierckpt.tiers.persistent import PersistentIO
 from tierckpt.preemption import Preempted
-from tierckpt.storage import Store
+from tierckpt.io.storage import Store
 
 log = logging.getLogger(__name__)
 

@@ -312,7 +312,7 @@ def check_tiers_early(ckpt) -> None:
         ConfigError: naming the ``checkpoint.*`` key and the allowed values.
     """
     from tierckpt.config import TierConfig
-    from tierckpt.topology import check_replication
+    from tierckpt.dist.topology import check_replication
 
     seed = ckpt.create_seed_checkpoint
     if seed:  # as torchtitan.train.main: one process writes the unsharded model and exits

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from mcore_plugin.export import ExportError, _check_tierckpt_commit, export
-from tierckpt import manifest
-from tierckpt.layout import INPROGRESS
-from tierckpt.storage import Store
+from tierckpt.io import manifest
+from tierckpt.io.layout import INPROGRESS
+from tierckpt.io.storage import Store
 
 
 def _fake_step(root, name="step-5"):

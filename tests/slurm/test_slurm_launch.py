@@ -280,8 +280,8 @@ def _kill_node1_after_local_step(cluster, jobid, run: Path, out: Path, node_host
 
 
 def _check_ledger_and_losses(run: Path, killed_at: int, restart_counts: list[int]) -> dict:
-    from tierckpt.ledger import Ledger, summarize
-    from tierckpt.storage import Store
+    from tierckpt.history.ledger import Ledger, summarize
+    from tierckpt.io.storage import Store
 
     recs = Ledger.read(Store(str(run / "checkpoint")))
     s = summarize(recs)
@@ -404,8 +404,8 @@ def test_titan_preemption_saves_requeues_and_resumes_there(slurm_cluster, tmp_pa
     if how == "notice":
         assert ev[3]["mode"] == "scontrol" and ev[3]["exclude"] == "-", ev
 
-    from tierckpt.ledger import Ledger, summarize
-    from tierckpt.storage import Store
+    from tierckpt.history.ledger import Ledger, summarize
+    from tierckpt.io.storage import Store
 
     recs = Ledger.read(Store(str(run / "checkpoint")))
     pre = [x for x in recs if x["kind"] == "preemption"]

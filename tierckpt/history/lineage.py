@@ -19,9 +19,9 @@ import json
 import time
 import uuid
 
-from .errors import ConfigError
-from .layout import LINEAGE
-from .storage import Store
+from tierckpt.errors import ConfigError
+from tierckpt.io.layout import LINEAGE
+from tierckpt.io.storage import Store
 
 
 def read(store: Store) -> str | None:

@@ -22,10 +22,10 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
     _validate_global_plan,
+    create_default_global_save_plan,
 )
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
-from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.tensor import DTensor
 
@@ -38,7 +38,7 @@ class NodeLocalSavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner for a per-node checkpoint (global coordinates, node-local coverage).
 
     Plan caching stays off: a cached plan silently reused after the state's structure changed
-    is failure class 6 of FIELD-NOTES.md.
+    loads or saves the wrong chunks without an error.
     """
 
     def __init__(self) -> None:

@@ -4,8 +4,8 @@ A save copies the state dict once into host memory (``DefaultStager`` with
 ``StagingOptions``: pinned memory when CUDA is present, synchronous copy) and returns; the
 tiers then write from that copy while training changes the live tensors. DCP's
 ``StateDictStager`` keys its cached host storages by the source storage, so the second and
-later saves of the same state reuse the same host buffers (no host-memory growth per save,
-FIELD-NOTES failure class 10).
+later saves of the same state reuse the same host buffers (no host-memory growth per save;
+per-save host allocations are a known source of RSS growth in async checkpointing).
 
 A :class:`StagingPool` holds ``n`` such buffer sets. A set is busy from ``stage()`` until every
 tier job that reads it has called :meth:`StagingSlot.release`; :meth:`StagingPool.acquire`

@@ -1,6 +1,7 @@
 """Retention: keep the newest ``keep_latest_k`` committed steps of each tier.
 
-Rules (FIELD-NOTES failure class 7):
+Rules (a retention that deletes the step a restore is reading, or the only complete one, loses a
+committed checkpoint):
 - a step in ``in_use`` (being written or read right now) is never deleted;
 - fewer than k committed steps are never left: only committed steps beyond the newest k
   are deleted;
@@ -12,7 +13,7 @@ Rules (FIELD-NOTES failure class 7):
   (marked ``tierckpt.inprogress``), never a framework's own folders (e.g. torchtitan's
   model-only export);
 - in a node-local root, committed steps of another lineage (another experiment's, or written
-  before lineages existed; :mod:`tierckpt.lineage`) never count towards the k kept; the purge at
+  before lineages existed; :mod:`tierckpt.history.lineage`) never count towards the k kept; the purge at
   start deletes them like torn ones (retention after a save leaves them: restore ignores them
   anyway); steps of the job's own lineage are never deleted for being foreign;
 - a step an explicit rollback superseded (``tierckpt.committed.superseded``) is not torn: it is
@@ -26,8 +27,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from . import layout, lineage, manifest
-from .storage import Store
+from tierckpt.history import lineage
+from tierckpt.io import layout, manifest
+from tierckpt.io.storage import Store
 
 log = logging.getLogger(__name__)
 

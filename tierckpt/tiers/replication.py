@@ -1,4 +1,4 @@
-"""Neighbour replication of committed local steps (DESIGN.md "Tiers": replica).
+"""Neighbour replication of committed local steps (docs/architecture.md, "Save flow").
 
 After every node has tried to commit step N locally, node n's files go to the other members
 of its clique (``replication_jump`` J, ``replication_factor`` F, see :mod:`topology`), over
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from . import layout, manifest
-from .collectives import all_gather
-from .storage import Store
-from .topology import Topology, clique
-from .transfer import Received, Transfer, run_transfers
+from tierckpt.dist.collectives import all_gather
+from tierckpt.dist.topology import Topology, clique
+from tierckpt.io import layout, manifest
+from tierckpt.io.storage import Store
+from tierckpt.tiers.transfer import Received, Transfer, run_transfers
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from . import layout, manifest
-from .collectives import FAILURES
-from .restore import Inventory, plan_restore
-from .storage import Store
+from tierckpt.dist.collectives import FAILURES
+from tierckpt.io import layout, manifest
+from tierckpt.io.storage import Store
+from tierckpt.restore import Inventory, plan_restore
 
 log = logging.getLogger(__name__)
 

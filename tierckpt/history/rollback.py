@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 import logging
 
-from . import layout, manifest
-from .restore import Inventory
-from .storage import Store
+from tierckpt.io import layout, manifest
+from tierckpt.io.storage import Store
+from tierckpt.restore import Inventory
 
 log = logging.getLogger(__name__)
 

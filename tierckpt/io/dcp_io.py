@@ -18,7 +18,8 @@ import threading
 from pathlib import Path
 
 import xxhash
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.serialization import get_crc32_options, set_crc32_options
 
@@ -121,3 +122,22 @@ def digests_under(writer: FileSystemWriter, base: str) -> dict[str, tuple[int, s
     base = os.path.abspath(base)
     return {os.path.relpath(p, base).replace(os.sep, "/"): d for p, d in fs.digests.items()
             if p.startswith(base + os.sep)}
+
+
+class _Counting:
+    """Mixin for DCP storage readers: ``bytes_read`` sums the byte ranges read."""
+
+    bytes_read = 0
+
+    def read_data(self, plan, planner):
+        for item in plan.items:
+            self.bytes_read += self.storage_data[item.storage_index].length
+        return super().read_data(plan, planner)
+
+
+class CountingFsspecReader(_Counting, FsspecReader):
+    """DCP FsspecReader (object stores, ``s3://`` …) that counts ``bytes_read``."""
+
+
+class CountingFileSystemReader(_Counting, FileSystemReader):
+    """DCP FileSystemReader (POSIX paths) that counts ``bytes_read``."""

@@ -1,6 +1,6 @@
 """When each tier saves, agreed by every rank (fixed step intervals or adaptive, issue 4).
 
-Global rank 0 owns the :class:`~tierckpt.schedule.Scheduler` (it observes step times, the
+Global rank 0 owns the :class:`~tierckpt.sched.schedule.Scheduler` (it observes step times, the
 δ and background times gathered after each checkpoint, and the ledger's MTBF, restart and
 fallback evidence) and proposes ``tau_steps`` per tier. Proposals travel on collectives the
 engine runs anyway (the stats all-gather after a checkpoint, the restore all-gather) and are
@@ -10,7 +10,7 @@ same for every step (a disagreement would deadlock the next collective).
 
 An adaptive tier starts with its configured interval (``initial``) until the scheduler knows
 the step time; afterwards τ = sqrt(2δ(M+R)) − δ (Daly 2006) in steps, clamped (see
-:mod:`tierckpt.schedule`).
+:mod:`tierckpt.sched.schedule`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 
-from .schedule import Decision, Scheduler
+from tierckpt.sched.schedule import Decision, Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -1,165 +1,38 @@
-"""The ``tierckpt`` command: inspect and verify the tiers of a tierckpt checkpoint tree.
-
-Subcommands::
-
-    tierckpt ls <root> [--json] [--lineage ROOT|ID]
-                                       every step directory under <root>, by tier and node
-    tierckpt verify <root> [--json]    re-hash every committed step; exit 1 if one is corrupt
-    tierckpt ledger <root> [--json]    runs, failures, checkpoints and restores of the ledger
-    tierckpt export-mcore SRC DST      dp_reshardable → fully_reshardable Megatron checkpoint
-
-``<root>`` is a local path or an fsspec URL (``s3://bucket/run``, ``memory://x``). It may be one
-node's local root, a directory holding several node roots (``/nvme/job/node-0``,
-``/nvme/job/node-1``), a persistent root, a single step directory, or any ancestor of these.
-All file access goes through :class:`tierckpt.storage.Store`.
-
-Exit codes: 0 success; 1 ``verify`` found a corrupt committed step; 2 bad input (root missing,
-no ledger, unreadable URL).
-
-Adding a subcommand: write ``register(subparsers)`` in your module; it calls
-``subparsers.add_parser(...)`` and ``parser.set_defaults(func=handler)``, where
-``handler(args) -> int`` returns the exit code. Then append it to :data:`REGISTRARS` (or call
-:func:`register_command` before :func:`main` runs).
-"""
+"""``tierckpt ls``, ``verify`` and ``ledger``: find, classify and re-hash step directories of any tier."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import posixpath
 import re
 import sys
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Callable, Iterator
+from typing import Iterator
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import lineage, manifest
-from .errors import ConfigError
-from .layout import LEDGER, LINEAGE, MARKER, parse_node, parse_step
-from .ledger import Ledger, summarize
-from .storage import Store
-
-EXIT_OK = 0
-EXIT_CORRUPT = 1
-EXIT_USAGE = 2
-
-DEFAULT_MAX_DEPTH = 10
-"""How many directory levels below ``<root>`` the step search descends (symlink-loop guard)."""
-
-TIER_ORDER = {"local": 0, "replica": 1, "persistent": 2}
-
-
-class CliError(Exception):
-    """Bad input the user can fix (missing root, no ledger); reported on stderr, exit 2."""
-
-
-# --------------------------------------------------------------------------------------------
-# formatting helpers
-# --------------------------------------------------------------------------------------------
-def human_bytes(n: int | float | None) -> str:
-    """Binary-prefixed size, e.g. ``1536`` → ``"1.5 KiB"``; ``None`` → ``"-"``."""
-    if n is None:
-        return "-"
-    n = float(n)
-    if abs(n) < 1024:
-        return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        n /= 1024.0
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.1f} {unit}"
-    raise AssertionError("unreachable")
-
-
-def _fmt_seconds(s: float | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s:.3f}" if abs(s) < 10 else f"{s:.1f}"
-
-
-def _fmt_time(t: float | None) -> str:
-    """UNIX seconds → local ISO-8601 time with UTC offset."""
-    if t is None:
-        return "-"
-    try:
-        return datetime.fromtimestamp(float(t)).astimezone().isoformat(timespec="seconds")
-    except (TypeError, ValueError, OverflowError, OSError):
-        return str(t)
-
-
-def _short(s: str, n: int = 12) -> str:
-    s = str(s)
-    return s if len(s) <= n else s[: n - 1] + "…"
-
-
-def _fmt_sources(sources) -> str:
-    """A restore record's per-node ``sources`` as ``node 0: local, node 1: replica@2``."""
-
-    def one(node, v) -> str:
-        if isinstance(v, dict):
-            tier = v.get("source", v.get("tier", "?"))
-            holder = v.get("holder")
-            txt = f"{tier}@{holder}" if holder is not None and tier != "persistent" else str(tier)
-        else:
-            txt = str(v)
-        return f"node {node}: {txt}"
-
-    if isinstance(sources, dict):
-        def key(k):
-            return (0, int(k)) if str(k).isdigit() else (1, str(k))
-        return ", ".join(one(k, sources[k]) for k in sorted(sources, key=key))
-    if isinstance(sources, list):
-        return ", ".join(
-            one(v.get("node", i) if isinstance(v, dict) else i, v) for i, v in enumerate(sources)
-        )
-    return "-" if sources is None else str(sources)
-
-
-PIPE_WIDTH = 240
-"""Console width when stdout is not a terminal and COLUMNS is unset (rich would use 80 and
-fold paths); tables still take only the width they need."""
-
-
-def _silence_stdout() -> None:
-    """After a broken pipe (``tierckpt ls | head``): send further output to /dev/null so the
-    command still finishes and returns its real exit code (``verify`` keeps its 1)."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError, AttributeError):
-        pass
-
-
-class _Console(Console):
-    def on_broken_pipe(self) -> None:  # rich's default exits with status 1
-        self.quiet = True
-        _silence_stdout()
-
-
-def _stdout() -> Console:
-    # Created per call so output follows sys.stdout as it is at that moment (pytest capture).
-    width = None
-    if "COLUMNS" not in os.environ and not sys.stdout.isatty():
-        width = PIPE_WIDTH
-    # markup off: paths and ledger strings may contain "[...]"; styling uses Text objects.
-    return _Console(highlight=False, markup=False, width=width)
-
-
-def _print_json(obj) -> None:
-    try:
-        sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
-        sys.stdout.flush()
-    except BrokenPipeError:
-        _silence_stdout()
-
-
-def _error(msg: str) -> None:
-    print(f"tierckpt: error: {msg}", file=sys.stderr)
+from tierckpt.cli.common import (
+    DEFAULT_MAX_DEPTH,
+    EXIT_CORRUPT,
+    EXIT_OK,
+    TIER_ORDER,
+    CliError,
+    _fmt_seconds,
+    _fmt_sources,
+    _fmt_time,
+    _print_json,
+    _short,
+    _stdout,
+    human_bytes,
+)
+from tierckpt.errors import ConfigError
+from tierckpt.history import lineage
+from tierckpt.history.ledger import Ledger, summarize
+from tierckpt.io import manifest
+from tierckpt.io.layout import LEDGER, LINEAGE, MARKER, parse_node, parse_step
+from tierckpt.io.storage import Store
 
 
 # --------------------------------------------------------------------------------------------
@@ -635,90 +508,3 @@ def _register_ledger(subparsers) -> None:
     )
     _add_root_and_json(p)
     p.set_defaults(func=cmd_ledger)
-
-
-Registrar = Callable[[argparse._SubParsersAction], None]
-
-REGISTRARS: list[Registrar] = [_register_ls, _register_verify, _register_ledger]
-"""Functions that add subcommands; each takes the ``subparsers`` object of the top parser."""
-
-
-def register_command(fn: Registrar) -> Registrar:
-    """Add a subcommand registrar (usable as a decorator); it runs on the next :func:`build_parser`."""
-    if fn not in REGISTRARS:
-        REGISTRARS.append(fn)
-    return fn
-
-
-# Subcommands defined in other modules (imported here, after the helpers they use lazily).
-from .schedule import register_cli as _register_interval  # noqa: E402
-from .simulate import register_cli as _register_simulate  # noqa: E402
-
-register_command(_register_interval)  # tierckpt interval
-register_command(_register_simulate)  # tierckpt simulate
-
-
-def _register_export_mcore(subparsers) -> None:
-    """``tierckpt export-mcore SRC DST``: defined in mcore_plugin.export, imported only when
-    run (tierckpt never imports Megatron at import time)."""
-    p = subparsers.add_parser(
-        "export-mcore", help="convert a dp_reshardable Megatron torch_dist checkpoint to fully_reshardable",
-        description="Write DST, a fully_reshardable copy (loads under any TP/PP/DP) of the dp_reshardable "
-                    "Megatron-Core torch_dist checkpoint SRC. Single process; needs megatron-core.")
-    p.add_argument("src", metavar="SRC", help="dp_reshardable torch_dist checkpoint directory")
-    p.add_argument("dst", metavar="DST", help="output directory (must not exist unless --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=_cmd_export_mcore)
-
-
-def _cmd_export_mcore(args: argparse.Namespace) -> int:
-    import importlib.util
-
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        raise CliError("export-mcore needs megatron-core, which is not installed "
-                       "(pip install 'tierckpt[mcore]' or megatron-core>=0.16)")
-    from mcore_plugin.export import run_cli
-
-    return run_cli(args)
-
-
-register_command(_register_export_mcore)  # tierckpt export-mcore
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(
-        prog="tierckpt", description="Inspect, verify and summarise tierckpt checkpoints."
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    for register in REGISTRARS:
-        register(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the ``tierckpt`` command line.
-
-    Args:
-        argv: arguments without the program name; default ``sys.argv[1:]``.
-
-    Returns:
-        the exit code: 0 ok, 1 corruption found by ``verify``, 2 bad input (argparse errors
-        included).
-    """
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help
-        return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
-    try:
-        return int(args.func(args))
-    except CliError as e:
-        _error(str(e))
-        return EXIT_USAGE
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from . import manifest
-from .storage import Store
+from tierckpt.io import manifest
+from tierckpt.io.storage import Store
 
 log = logging.getLogger(__name__)
 

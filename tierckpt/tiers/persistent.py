@@ -11,36 +11,21 @@ import logging
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-from . import layout, manifest
-from .collectives import all_gather, run_agreed
-from .dcp_io import crc32_off, digests_under, hashing_writer
-from .local_tier import written_entries
-from .planner import VerifyingLoadPlanner
-from .storage import Store
+from tierckpt.io import layout, manifest
+from tierckpt.io.dcp_io import (
+    CountingFileSystemReader,
+    CountingFsspecReader,
+    crc32_off,
+    digests_under,
+    hashing_writer,
+)
+from tierckpt.io.planner import VerifyingLoadPlanner
+from tierckpt.io.storage import Store
+from tierckpt.tiers.commit import save_step
 
 log = logging.getLogger(__name__)
-
-
-class _Counting:
-    """Mixin for DCP storage readers: ``bytes_read`` sums the byte ranges read."""
-
-    bytes_read = 0
-
-    def read_data(self, plan, planner):
-        for item in plan.items:
-            self.bytes_read += self.storage_data[item.storage_index].length
-        return super().read_data(plan, planner)
-
-
-class CountingFsspecReader(_Counting, FsspecReader):
-    """DCP FsspecReader (object stores, ``s3://`` …) that counts ``bytes_read``."""
-
-
-class CountingFileSystemReader(_Counting, FileSystemReader):
-    """DCP FileSystemReader (POSIX paths) that counts ``bytes_read``."""
 
 
 class PersistentIO:
@@ -95,29 +80,10 @@ class PersistentTier:
         """
         rel = layout.persistent_step(step)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-
-        def prepare():
-            if rank == 0:
-                manifest.uncommit(self.store, rel)
-                self.store.rmtree(rel)
-                self.store.makedirs(rel)
-                with self.store.open(f"{rel}/{layout.INPROGRESS}", "wb") as f:
-                    f.write(b"tierckpt persistent save in progress\n")
-
-        run_agreed(prepare, group, f"persistent step {step}: prepare")
-        mine = self.io.save(staged, self.store.url_of(rel), group) or {}
-        entries = run_agreed(lambda: written_entries(self.store, rel, mine, rank, world, group), group,
-                             f"persistent step {step}: checksum")
-        gathered = all_gather(entries, group)
-
-        def do_commit():
-            if rank == 0:
-                self.store.fsync_tree(rel)
-                manifest.commit(self.store, rel, [e for p in gathered for e in p],
-                                tier="persistent", step=step, world_size=world, lineage=self.lineage)
-
-        run_agreed(do_commit, group, f"persistent step {step}: commit")
-        return sum(e.size for p in gathered for e in p)
+        return save_step(self.store, rel, lambda: self.io.save(staged, self.store.url_of(rel), group), group,
+                         index=rank, count=world, leader=rank == 0, label=f"persistent step {step}",
+                         mark_in_progress=True, tier="persistent", step=step, world_size=world,
+                         lineage=self.lineage)
 
     def committed_steps(self) -> list[int]:
         """Committed steps, ascending."""

@@ -14,37 +14,20 @@ import time
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from . import layout, lineage, manifest
-from .collectives import all_gather, run_agreed
-from .dcp_io import crc32_off, digests_under, hashing_writer
-from .planner import NodeLocalSavePlanner, VerifyingLoadPlanner
-from .storage import Store
-from .topology import Topology
+from tierckpt.dist.topology import Topology
+from tierckpt.history import lineage
+from tierckpt.io import layout, manifest
+from tierckpt.io.dcp_io import (
+    CountingFileSystemReader,
+    crc32_off,
+    digests_under,
+    hashing_writer,
+)
+from tierckpt.io.planner import NodeLocalSavePlanner, VerifyingLoadPlanner
+from tierckpt.io.storage import Store
+from tierckpt.tiers.commit import save_step
 
 log = logging.getLogger(__name__)
-
-
-def hash_split(store: Store, step_rel: str, files: list[str], index: int, count: int) -> list[manifest.FileEntry]:
-    """Checksum this rank's share (``files[index::count]``) of a step's files."""
-    return [
-        manifest.FileEntry(f, *_hash(store, f"{step_rel}/{f}")) for f in files[index::count]
-    ]
-
-
-def written_entries(store: Store, rel: str, mine: dict[str, tuple[int, str]], index: int, count: int,
-                    group) -> list[manifest.FileEntry]:
-    """Checksums of a just-saved step: ``mine`` ({relative path: (size, xxh3-64)} hashed by this
-    rank while writing), plus a re-read of any file no rank hashed (split ``index::count``
-    across the group's ranks). Collective over ``group`` (all-gathers which files were hashed)."""
-    hashed = set().union(*all_gather(sorted(mine), group))
-    missing = [f for f in manifest.data_files(store, rel) if f not in hashed]
-    return [manifest.FileEntry(p, s, h) for p, (s, h) in sorted(mine.items())] + \
-        hash_split(store, rel, missing, index, count)
-
-
-def _hash(store: Store, rel: str) -> tuple[int, str]:
-    e = manifest.hash_file(store, rel)
-    return e.size, e.xxh3_64
 
 
 class LocalTier:
@@ -54,7 +37,7 @@ class LocalTier:
         store: the node's local root (``TierConfig.local_root`` expanded for this node).
         topo: the job topology.
         node_group: gloo group of this node's ranks.
-        lineage: the job's lineage id (:mod:`tierckpt.lineage`), recorded in every step it
+        lineage: the job's lineage id (:mod:`tierckpt.history.lineage`), recorded in every step it
             commits; committed steps of another lineage are not listed as this job's. None:
             every committed step is listed (no lineage known).
     """
@@ -80,34 +63,16 @@ class LocalTier:
         rel = layout.local_step(step)
         topo = self.topo
 
-        def prepare():
-            if topo.is_node_leader:
-                manifest.uncommit(self.store, rel)
-                self.store.rmtree(rel)
-                self.store.makedirs(rel)
+        def write() -> dict[str, tuple[int, str]]:
+            writer = hashing_writer(self.store.path(rel))
+            with crc32_off():
+                dcp.save(staged, storage_writer=writer, planner=NodeLocalSavePlanner(), process_group=self.group)
+            return digests_under(writer, self.store.path(rel))
 
-        run_agreed(prepare, self.group, f"local step {step}: prepare")
-        writer = hashing_writer(self.store.path(rel))
-        with crc32_off():
-            dcp.save(staged, storage_writer=writer, planner=NodeLocalSavePlanner(), process_group=self.group)
-        entries = run_agreed(
-            lambda: written_entries(self.store, rel, digests_under(writer, self.store.path(rel)),
-                                    topo.local_rank, topo.ranks_per_node, self.group),
-            self.group, f"local step {step}: checksum",
-        )
-        gathered = all_gather(entries, self.group)
-
-        def do_commit():
-            if topo.is_node_leader:
-                self.store.fsync_tree(rel)  # DCP fsyncs its files; this also covers the dirs
-                manifest.commit(
-                    self.store, rel, [e for part in gathered for e in part],
-                    tier="local", step=step, node=topo.node, ranks=topo.local_ranks,
-                    world_size=topo.world_size, nodes=topo.nodes, lineage=self.lineage,
-                )
-
-        run_agreed(do_commit, self.group, f"local step {step}: commit")
-        return sum(e.size for part in gathered for e in part)
+        return save_step(self.store, rel, write, self.group, index=topo.local_rank, count=topo.ranks_per_node,
+                         leader=topo.is_node_leader, label=f"local step {step}", tier="local", step=step,
+                         node=topo.node, ranks=topo.local_ranks, world_size=topo.world_size, nodes=topo.nodes,
+                         lineage=self.lineage)
 
     # -- inventory -----------------------------------------------------------------------------
     def scan(self) -> tuple[list[int], dict[int, list[int]], list[tuple[str, str | None]]]:
@@ -166,8 +131,6 @@ def load_dir(state_dict: dict, path: str, group: dist.ProcessGroup) -> int:
     Uses :class:`VerifyingLoadPlanner`: nothing is read unless the checkpoint covers every
     local chunk with the same dtype. Returns bytes read by this rank.
     """
-    from .persistent import CountingFileSystemReader
-
     reader = CountingFileSystemReader(path)
     t0 = time.perf_counter()
     dcp.load(state_dict, storage_reader=reader, planner=VerifyingLoadPlanner(), process_group=group)

@@ -6,7 +6,7 @@ and ``job``. Kinds and their fields:
 - ``run_start``: world_size, nodes, ranks_per_node, restart_count (the first set of
   TIERCKPT_RESTART_COUNT — launch/ —, SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT), host,
   process_start (UNIX time rank 0's process was created; None where unknown), lineage (the
-  persistent root's lineage id, :mod:`tierckpt.lineage`).
+  persistent root's lineage id, :mod:`tierckpt.history.lineage`).
 - ``run_end``: clean (bool), exposure_s (seconds since run_start), reason; stuck_tiers when
   close() gave up on a local save still running after ``local_wait_timeout_s``.
 - ``checkpoint``: tier, step, blocking_s (max over ranks), background_s (max over ranks),
@@ -16,8 +16,8 @@ and ``job``. Kinds and their fields:
   stuck_nodes (nodes whose save was still writing or deleting), wait_s.
 - ``restore``: step, sources (per node: tier and holder), bytes, seconds, attempts,
   persistent_bytes.
-- ``schedule``: an interval decision of the adaptive scheduler (:mod:`tierckpt.cadence`):
-  trigger, at_step and the fields of :class:`tierckpt.schedule.Decision`.
+- ``schedule``: an interval decision of the adaptive scheduler (:mod:`tierckpt.sched.cadence`):
+  trigger, at_step and the fields of :class:`tierckpt.sched.schedule.Decision`.
 
 A run with ``run_start`` and no ``run_end`` (or ``clean: false``) ended in a failure. Only
 global rank 0 writes. A torn last line (the writer died mid-append) is skipped on read and
@@ -33,8 +33,8 @@ import threading
 import time
 from collections import defaultdict
 
-from .layout import LEDGER
-from .storage import Store
+from tierckpt.io.layout import LEDGER
+from tierckpt.io.storage import Store
 
 log = logging.getLogger(__name__)
 

@@ -9,17 +9,17 @@ Persistent root::
 
     <persistent_root>/step-<N>/                  global DCP checkpoint of step N
     <persistent_root>/tierckpt-ledger.jsonl      the ledger
-    <persistent_root>/tierckpt-lineage.json      the lineage id of its steps (tierckpt.lineage)
+    <persistent_root>/tierckpt-lineage.json      the lineage id of its steps (tierckpt.history.lineage)
 
 Each step directory holds DCP's files (``.metadata``, ``__<r>_<i>.distcp``) plus
-``tierckpt.manifest.json`` and, once committed, ``tierckpt.committed``.
+``tierckpt.io.manifest.json`` and, once committed, ``tierckpt.committed``.
 """
 
 from __future__ import annotations
 
 import re
 
-MANIFEST = "tierckpt.manifest.json"
+MANIFEST = "tierckpt.io.manifest.json"
 MARKER = "tierckpt.committed"
 INPROGRESS = "tierckpt.inprogress"  # persistent steps tierckpt started (retention may clean them)
 LEDGER = "tierckpt-ledger.jsonl"

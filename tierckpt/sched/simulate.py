@@ -1,6 +1,6 @@
 """Discrete-event simulation of a training job under Poisson failures (``tierckpt simulate``).
 
-Model (Daly 2006's complete model, see :func:`tierckpt.schedule.daly_waste_fraction`):
+Model (Daly 2006's complete model, see :func:`tierckpt.sched.schedule.daly_waste_fraction`):
 
 - the job needs W seconds of useful work, done in steps of ``step_s`` seconds;
 - after every interval of τ compute it checkpoints, blocking δ seconds (no checkpoint after
@@ -15,7 +15,7 @@ Policies:
 
 - **fixed**: a constant interval (``--fixed-interval`` seconds, as torchtitan's
   ``checkpoint.interval`` steps × step time);
-- **adaptive**: a :class:`tierckpt.schedule.Scheduler` for the local tier that measures δ, R and
+- **adaptive**: a :class:`tierckpt.sched.schedule.Scheduler` for the local tier that measures δ, R and
   the step time and learns M with the Gamma–Poisson estimator from the failures seen so far,
   starting from a deliberately wrong prior (``--prior-mtbf``, default 10 × M, weight one
   pseudo-failure) and a prior δ of 5 s;
@@ -30,17 +30,14 @@ reproducible from ``--seed``.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import statistics
 from dataclasses import asdict, dataclass
 
-from .errors import ConfigError
-from .schedule import (
-    DURATION_UNITS,
+from tierckpt.errors import ConfigError
+from tierckpt.sched.schedule import (
     Scheduler,
-    _duration_arg,
     daly_interval,
     daly_waste_fraction,
     format_duration,
@@ -170,7 +167,7 @@ class FixedPolicy:
 
 
 class AdaptivePolicy(FixedPolicy):
-    """The :class:`~tierckpt.schedule.Scheduler` of one local tier, fed what the job measures."""
+    """The :class:`~tierckpt.sched.schedule.Scheduler` of one local tier, fed what the job measures."""
 
     name = "adaptive"
 
@@ -309,7 +306,7 @@ def simulate(params: SimParams) -> dict:
     """Run the three policies; return a JSON-ready dict.
 
     Keys: ``params``; ``young_period_s`` (sqrt(2δM)); ``daly_tau_s``; ``model_waste_at_daly``
-    (:func:`~tierckpt.schedule.daly_waste_fraction` at Daly's τ); ``policies`` (``fixed``,
+    (:func:`~tierckpt.sched.schedule.daly_waste_fraction` at Daly's τ); ``policies`` (``fixed``,
     ``adaptive``, ``oracle``: :class:`PolicyResult` fields); ``scan`` (``interval_s``,
     ``waste``, ``waste_sd``, ``model_waste`` per scanned interval).
     """
@@ -367,92 +364,3 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-# --------------------------------------------------------------------------------------------
-# CLI: tierckpt simulate
-# --------------------------------------------------------------------------------------------
-def cmd_simulate(args: argparse.Namespace) -> int:
-    """``tierckpt simulate``: waste of the fixed, adaptive and oracle policies."""
-    from . import cli
-
-    params = SimParams(mtbf_s=args.mtbf, delta_s=args.delta, restart_s=args.restart, work_s=args.work,
-                       step_s=args.step_time, seed=args.seed, runs=args.runs,
-                       fixed_interval_s=args.fixed_interval, prior_mtbf_s=args.prior_mtbf,
-                       prior_weight=args.prior_weight)
-    try:
-        result = simulate(params)
-    except ConfigError as e:
-        raise cli.CliError(str(e)) from None
-    if args.plot:
-        try:
-            plot(result, args.plot)
-        except OSError as e:
-            raise cli.CliError(f"--plot: cannot write {args.plot!r}: {e}") from None
-    if args.json:
-        cli._print_json(result)
-        return cli.EXIT_OK
-    from rich.table import Table
-
-    p = result["params"]
-    table = Table(title=f"simulated waste: M = {format_duration(p['mtbf_s'])}, delta = {p['delta_s']:g} s, "
-                  f"R = {p['restart_s']:g} s, W = {format_duration(p['work_s'])}, {p['runs']} runs, seed {p['seed']}")
-    table.add_column("policy")
-    table.add_column("interval", justify="right")
-    for col in ("waste", "± sd", "failures", "checkpoints"):
-        table.add_column(col, justify="right")
-    oracle = result["policies"]["oracle"]["waste"]
-    table.add_column("vs oracle", justify="right")
-    for name, pol in result["policies"].items():
-        table.add_row(name, format_duration(pol["interval_s"]), f"{100 * pol['waste']:.2f} %",
-                      f"{100 * pol['waste_sd']:.2f}", f"{pol['failures']:.1f}", f"{pol['checkpoints']:.0f}",
-                      f"{pol['waste'] / oracle:.2f}x" if oracle > 0 else "-")
-    con = cli._stdout()
-    con.print(table)
-    line = (f"Young period {format_duration(result['young_period_s'])}, Daly tau "
-            f"{format_duration(result['daly_tau_s'])}")
-    if result["model_waste_at_daly"] is not None:
-        line += f", model waste at Daly tau {100 * result['model_waste_at_daly']:.2f} %"
-    ad = result["policies"]["adaptive"]
-    if ad.get("final_mtbf_s"):
-        line += (f"; adaptive prior M {format_duration(p['prior_mtbf_s'])}, learned M "
-                 f"{format_duration(ad['final_mtbf_s'])}")
-    con.print(line)
-    if args.plot:
-        con.print(f"plot written to {args.plot}")
-    return cli.EXIT_OK
-
-
-def register_cli(subparsers) -> None:
-    """Add ``tierckpt simulate`` (see :data:`tierckpt.cli.REGISTRARS`)."""
-    units = ", ".join(DURATION_UNITS)
-    p = subparsers.add_parser(
-        "simulate", help="simulate fixed, adaptive and oracle checkpoint intervals under Poisson failures",
-        description="Discrete-event simulation of a job needing --work seconds of useful work under "
-        "Poisson failures (MTBF --mtbf), each checkpoint blocking --delta and each failure costing "
-        "the work since the last checkpoint plus --restart. Prints each policy's wasted fraction "
-        f"(wall - work) / wall. Durations: seconds, or a number with unit {units} (45m, 3.09h, 2d).",
-    )
-    p.add_argument("--mtbf", type=_duration_arg("--mtbf", positive=True), default=DEFAULT_MTBF_S,
-                   metavar="DURATION", help="true MTBF of the failure process (default 54*24/419 h = 3.09 h)")
-    p.add_argument("--delta", type=_duration_arg("--delta", positive=False), default=DEFAULT_DELTA_S,
-                   metavar="S", help=f"blocking time per checkpoint (default {DEFAULT_DELTA_S:g} s)")
-    p.add_argument("--restart", type=_duration_arg("--restart", positive=False), default=DEFAULT_RESTART_S,
-                   metavar="S", help=f"restart time per failure (default {DEFAULT_RESTART_S:g} s)")
-    p.add_argument("--work", type=_duration_arg("--work", positive=True), default=DEFAULT_WORK_S,
-                   metavar="DURATION", help="useful work the job needs (default 30d)")
-    p.add_argument("--step-time", type=_duration_arg("--step-time", positive=True), default=DEFAULT_STEP_S,
-                   metavar="S", help=f"training step time (default {DEFAULT_STEP_S:g} s)")
-    p.add_argument("--seed", type=int, default=0, help="base random seed (default 0)")
-    p.add_argument("--runs", type=int, default=DEFAULT_RUNS,
-                   help=f"runs (seeds) averaged per policy (default {DEFAULT_RUNS})")
-    p.add_argument("--fixed-interval", type=_duration_arg("--fixed-interval", positive=True),
-                   default=DEFAULT_FIXED_INTERVAL_S, metavar="S",
-                   help=f"the fixed policy's interval (default {DEFAULT_FIXED_INTERVAL_S:g} s)")
-    p.add_argument("--prior-mtbf", type=_duration_arg("--prior-mtbf", positive=True), default=None,
-                   metavar="DURATION", help="adaptive policy's prior MTBF (default 10 x --mtbf)")
-    p.add_argument("--prior-weight", type=float, default=1.0,
-                   help="weight of that prior in pseudo-failures (default 1)")
-    p.add_argument("--plot", metavar="FILE.png", help="draw waste against interval (matplotlib)")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.set_defaults(func=cmd_simulate)

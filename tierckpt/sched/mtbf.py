@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from tierckpt.errors import ConfigError
 
 LLAMA3_GPUS = 16384
 """GPUs of the Llama 3 405B pre-training run (Dubey et al. 2024, §3.3.4)."""
@@ -179,7 +179,7 @@ def evidence_from_ledger(records: list[dict], current_run_id: str | None = None,
                          job: str | None = None) -> Evidence:
     """Exposure and failure count of a job from its ledger records.
 
-    Records are grouped into runs by ``run_id`` (see :mod:`tierckpt.ledger` for the kinds).
+    Records are grouped into runs by ``run_id`` (see :mod:`tierckpt.history.ledger` for the kinds).
 
     - **Exposure** (seconds): per run, ``run_end.exposure_s``; a run without ``run_end``
       (crashed, or in progress) counts from its ``run_start`` time (its first record's time if
@@ -202,7 +202,7 @@ def evidence_from_ledger(records: list[dict], current_run_id: str | None = None,
       fills one gap instead of counting twice.
 
     Args:
-        records: as returned by :meth:`tierckpt.ledger.Ledger.read`, oldest first.
+        records: as returned by :meth:`tierckpt.history.ledger.Ledger.read`, oldest first.
         current_run_id: the run in progress: its exposure counts, its missing ``run_end``
             does not make it a failure.
         gpus: current job size for the exposure scaling; None = no scaling.

@@ -1,7 +1,7 @@
 """Manifests, commit markers and checksum verification.
 
 Commit protocol of one step directory (DESIGN.md "Commit protocol"):
-data files written and fsynced → ``tierckpt.manifest.json`` (relative path, size and
+data files written and fsynced → ``tierckpt.io.manifest.json`` (relative path, size and
 xxh3-64 of every file) written atomically → ``tierckpt.committed`` written by atomic rename
 → directory fsynced. A step directory without a valid marker does not exist for restore or
 retention. The marker records the xxh3-64 of the manifest bytes, so a manifest swapped or
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .errors import VerificationError
-from .layout import COMMIT_FILES, INPROGRESS, MANIFEST, MARKER
-from .storage import Store
+from tierckpt.errors import VerificationError
+from tierckpt.io.layout import COMMIT_FILES, INPROGRESS, MANIFEST, MARKER
+from tierckpt.io.storage import Store
 
 HASH_NAME = "xxh3_64"
 FORMAT = "tierckpt-manifest"

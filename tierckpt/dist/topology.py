@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from .errors import ConfigError
+from tierckpt.errors import ConfigError
 
 
 def check_replication(nodes: int, jump: int, factor: int) -> None:

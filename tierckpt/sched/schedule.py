@@ -24,7 +24,7 @@ Formulas (all times in seconds)
 
 The scheduler
 -------------
-:class:`Scheduler` applies Daly's formula per tier (DESIGN.md "Interval scheduling"):
+:class:`Scheduler` applies Daly's formula per tier (docs/architecture.md, "Scheduling"):
 
 - δ_i: exponential moving average (EMA) of what one save of tier i costs training: its
   measured blocking time plus, by default, the measured slowdown of the steps that ran while
@@ -34,7 +34,7 @@ The scheduler
   formula (``interference=False`` forces that). C_i: EMA of its background completion time;
   the step time: EMA of the trainer's step time over steps without checkpoint stalls or
   background work. EMA: ``e_1 = x_1``, ``e_n = e_{n-1} + a·(x_n − e_{n-1})``.
-- M: :mod:`tierckpt.mtbf` Gamma–Poisson estimate (prior, then ledger evidence).
+- M: :mod:`tierckpt.sched.mtbf` Gamma–Poisson estimate (prior, then ledger evidence).
 - R: prior until observed, then the mean of observed restart times.
 - The local tier uses M. The persistent tier uses M/p: only the share p of failures that the
   local and replica tiers cannot serve (several nodes lost, a requeue on other nodes) needs
@@ -54,14 +54,13 @@ still, only global rank 0 decides (it alone reads the ledger) and the engine bro
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from .config import TIERS, validate_tiers
-from .errors import ConfigError
-from .mtbf import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT, MTBFEstimator
+from tierckpt.config import TIERS, validate_tiers
+from tierckpt.errors import ConfigError
+from tierckpt.sched.mtbf import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT, MTBFEstimator
 
 DEFAULT_DELTA_PRIOR_S = {"local": 5.0, "persistent": 60.0}
 """Blocking time assumed for a tier before its first checkpoint is measured, seconds."""
@@ -185,7 +184,7 @@ def daly_higher_order_interval(delta: float, M: float) -> float:
 def waste_fraction(tau: float, delta: float, M: float, R: float = 0.0) -> float:
     """First-order wasted fraction of wall time for a checkpoint period ``tau``.
 
-    ``f = δ/τ + τ/(2M) + R/M`` (the cost function of DESIGN.md plus one restart per failure).
+    ``f = δ/τ + τ/(2M) + R/M`` (Young 1974's first-order cost plus one restart per failure).
     ``tau`` is the period, start to start (compute + δ); Young's period minimises it, giving
     ``sqrt(2δ/M) + R/M``. Valid while τ, δ, R ≪ M; see :func:`daly_waste_fraction` otherwise.
 
@@ -211,7 +210,7 @@ def daly_waste_fraction(tau: float, delta: float, M: float, R: float = 0.0) -> f
     With compute time ``tau`` between checkpoints, a segment of τ + δ restarts from its
     beginning on every failure, each failure costs a restart R that failures may also
     interrupt. The expected wall time per segment is ``M·e^(R/M)·(e^((τ+δ)/M) − 1)``, so the
-    wasted fraction is ``1 − τ / (M·e^(R/M)·(e^((τ+δ)/M) − 1))``. :mod:`tierckpt.simulate`
+    wasted fraction is ``1 − τ / (M·e^(R/M)·(e^((τ+δ)/M) − 1))``. :mod:`tierckpt.sched.simulate`
     simulates exactly this model.
 
     Args:
@@ -494,7 +493,7 @@ class Scheduler:
                            gpus: int | None = None, now: float | None = None) -> None:
         """Re-derive M, R, p (and δ, C of tiers not yet measured in this process) from a ledger.
 
-        - M: :meth:`tierckpt.mtbf.MTBFEstimator.from_ledger` (``gpus`` rebuilds the prior for a
+        - M: :meth:`tierckpt.sched.mtbf.MTBFEstimator.from_ledger` (``gpus`` rebuilds the prior for a
           new job size; ``now`` extends the current run's exposure).
         - R: per ``restore`` record, its time minus its run's start: the ``process_start`` of the
           ``run_start`` record (when the trainer process was created, so interpreter start,
@@ -715,7 +714,7 @@ class Scheduler:
 
 
 # --------------------------------------------------------------------------------------------
-# CLI: tierckpt interval
+# the report behind `tierckpt interval`
 # --------------------------------------------------------------------------------------------
 def interval_report(delta: float, M: float, R: float = 0.0) -> dict:
     """What ``tierckpt interval`` prints (seconds and fractions).
@@ -746,68 +745,3 @@ def interval_report(delta: float, M: float, R: float = 0.0) -> dict:
         "young_period_s": young_interval(delta, M),
         "daly_waste": daly_waste_fraction(compute, delta, M, R) if compute > 0 else None,
     }
-
-
-def _duration_arg(option: str, *, positive: bool):
-    def parse(text: str) -> float:
-        try:
-            v = parse_duration(text, option)
-        except ConfigError as e:  # argparse prefixes "argument --mtbf: " itself
-            raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
-        if v < 0 or (positive and v == 0):
-            raise argparse.ArgumentTypeError(f"must be {'> 0' if positive else '>= 0'}, got {text!r}")
-        return v
-    return parse
-
-
-def cmd_interval(args: argparse.Namespace) -> int:
-    """``tierckpt interval``: the Young/Daly interval, waste and lost work for given δ, M, R."""
-    from . import cli
-
-    rep = interval_report(args.delta, args.mtbf, args.restart)
-    if args.json:
-        cli._print_json({k: rep[k] for k in ("tau_s", "compute_s", "waste", "lost_per_failure_s")})
-        return cli.EXIT_OK
-    from rich.table import Table
-
-    table = Table(title="checkpoint interval (Young 1974 / Daly 2006)")
-    table.add_column("quantity")
-    table.add_column("seconds", justify="right")
-    table.add_column("", justify="right")
-    rows = [
-        ("blocking time delta", args.delta, format_duration(args.delta)),
-        ("MTBF M", args.mtbf, format_duration(args.mtbf)),
-        ("restart time R", args.restart, format_duration(args.restart)),
-        ("tau: checkpoint interval sqrt(2 delta (M + R))", rep["tau_s"], format_duration(rep["tau_s"])),
-        ("training between checkpoints tau - delta", rep["compute_s"], format_duration(rep["compute_s"])),
-        ("Young's interval sqrt(2 delta M)", rep["young_period_s"], format_duration(rep["young_period_s"])),
-        ("lost per failure tau/2 + R", rep["lost_per_failure_s"], format_duration(rep["lost_per_failure_s"])),
-    ]
-    for name, s, human in rows:
-        table.add_row(name, f"{s:.1f}", human)
-    table.add_row("waste delta/tau + tau/2M + R/M", "", f"{100 * rep['waste']:.1f} %")
-    if rep["daly_waste"] is not None:
-        table.add_row("waste, Daly's complete model", "", f"{100 * rep['daly_waste']:.1f} %")
-    con = cli._stdout()
-    con.print(table)
-    return cli.EXIT_OK
-
-
-def register_cli(subparsers) -> None:
-    """Add ``tierckpt interval`` (see :data:`tierckpt.cli.REGISTRARS`)."""
-    p = subparsers.add_parser(
-        "interval", help="optimal checkpoint interval for a blocking time and an MTBF",
-        description="Optimum checkpoint interval tau = sqrt(2 delta (M + R)), start to start (Young's "
-        "sqrt(2 delta M) when R = 0; Daly 2006: tau - delta seconds of training between checkpoints), "
-        "the wasted fraction delta/tau + tau/(2M) + R/M and the expected time lost per failure "
-        "tau/2 + R. Durations: a number of seconds or a number with unit "
-        + ", ".join(DURATION_UNITS) + " (600s, 45m, 3.09h, 2d).",
-    )
-    p.add_argument("--delta", required=True, type=_duration_arg("--delta", positive=True), metavar="SECONDS",
-                   help="blocking time of one checkpoint")
-    p.add_argument("--mtbf", required=True, type=_duration_arg("--mtbf", positive=True), metavar="DURATION",
-                   help="mean time between failures of the job (e.g. 3.09h)")
-    p.add_argument("--restart", default=0.0, type=_duration_arg("--restart", positive=False), metavar="SECONDS",
-                   help="restart + restore time R (default 0)")
-    p.add_argument("--json", action="store_true", help="print {tau_s, compute_s, waste, lost_per_failure_s} as JSON (seconds, fraction)")
-    p.set_defaults(func=cmd_interval)

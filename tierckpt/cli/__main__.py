@@ -1,0 +1,7 @@
+"""``python -m tierckpt.cli``."""
+
+import sys
+
+from tierckpt.cli import main
+
+sys.exit(main())
