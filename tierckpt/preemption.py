@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+from typing import Any
 import time
 
 from tierckpt.errors import ConfigError, TierckptError
@@ -80,7 +81,7 @@ class PreemptionWatch:
         self.escalate_after_s = escalate_after_s
         self.received: str | None = None
         self._first_at = 0.0
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}  # what signal.signal returned: a handler, SIG_DFL/SIG_IGN or None
         if threading.current_thread() is not threading.main_thread():
             if self._nums:
                 log.warning("tierckpt: not in the main thread: preemption signals are not watched")

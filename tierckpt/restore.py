@@ -210,7 +210,8 @@ class Restorer:
         self._persistent_bytes = 0
         inv = self.last_inventory = self.inventory()
         if not inv.all_steps():
-            log.info("tierckpt restore: no committed checkpoint in any tier; starting fresh")
+            if topo.rank == 0:
+                log.info("tierckpt restore: no committed checkpoint in any tier; starting fresh")
             return None
         bad: set = set()
         loaded: dict[int, NodeOutcome] = {}
@@ -222,8 +223,9 @@ class Restorer:
                 raise NoCheckpointError(_no_checkpoint_message(step, inv, failures))
             s, sources = choice
             todo = {n for n in range(topo.nodes) if n not in loaded or loaded[n].step != s}
-            log.info("tierckpt restore attempt %d: step %d, sources %s", attempt, s,
-                     {n: (sources[n].kind, sources[n].holder) for n in sorted(todo)})
+            if topo.rank == 0:
+                log.info("tierckpt restore attempt %d: step %d, sources %s", attempt, s,
+                         {n: (sources[n].kind, sources[n].holder) for n in sorted(todo)})
             outcome = self._attempt(state_dict, s, sources, todo)
             for o in all_gather(outcome, self.groups.local_world):
                 if o is None or not self.topo.is_leader_rank(o[0]):
@@ -235,18 +237,29 @@ class Restorer:
                     failures.append(no)
                     bad.add((no.node, no.source.kind, no.source.holder, no.step))
                     loaded.pop(no.node, None)
-                    log.warning("tierckpt restore: node %d step %d from %s (node %s) failed: %s",
-                                no.node, no.step, no.source.kind, no.source.holder, no.error)
+                    if topo.rank == 0:  # every rank gathered it; say it once
+                        log.warning("tierckpt restore: node %d step %d from %s (node %s) failed: %s",
+                                    no.node, no.step, no.source.kind, no.source.holder, no.error)
             if all(n in loaded and loaded[n].step == s for n in range(topo.nodes)):
                 pbytes = sum(all_gather(self._persistent_bytes, self.groups.local_world))
                 res = RestoreResult(step=s, sources=dict(sorted(loaded.items())), attempts=attempt,
                                     failures=failures, seconds=time.perf_counter() - t0,
                                     persistent_bytes_read=pbytes)
-                for n, o in res.sources.items():
-                    log.info("tierckpt restore: node %d step %d from %s (holder %s): %d bytes in %.3fs",
-                             n, o.step, o.source.kind, o.source.holder, o.bytes, o.seconds)
+                _log_result(res, topo)
                 return res
         raise NoCheckpointError(f"restore did not converge after {max_attempts} attempts")
+
+    def _local(self) -> LocalTier:
+        """The local tier; only called for sources that exist only when it is configured."""
+        if self.local is None:
+            raise RuntimeError("tierckpt restore: a node-local source was planned without a local tier")
+        return self.local
+
+    def _persistent(self) -> PersistentTier:
+        """The persistent tier; only called for persistent sources."""
+        if self.persistent is None:
+            raise RuntimeError("tierckpt restore: a persistent source was planned without a persistent tier")
+        return self.persistent
 
     def _attempt(self, state_dict: dict, s: int, sources: dict[int, Source], todo: set[int]):
         """Run one round; returns (global rank, NodeOutcome for this node) or None."""
@@ -267,11 +280,11 @@ class Restorer:
         self.in_use.hold(key)
         try:
             if src.kind == OWN:
-                store, rel = self.local.store, layout.local_step(s)
+                store, rel = self._local().store, layout.local_step(s)
             elif src.kind == REPLICA:
-                store, rel = self.local.store, layout.local_step(s)  # pulled into own local
+                store, rel = self._local().store, layout.local_step(s)  # pulled into own local
             else:
-                store, rel = self.persistent.store, layout.persistent_step(s)
+                store, rel = self._persistent().store, layout.persistent_step(s)
             group = self.groups.node
             # Every node restoring the same persistent step (the usual case after losing
             # several nodes) reads the same files: hash them once, split over all ranks, not
@@ -291,7 +304,7 @@ class Restorer:
 
             run_agreed(verify, v_group, f"verify {store.url_of(rel)}")
             if src.kind == PERSISTENT:
-                read = self.persistent.io.load(state_dict, store.url_of(rel), group)
+                read = self._persistent().io.load(state_dict, store.url_of(rel), group)
                 out.persistent_bytes = read
             else:
                 read = load_dir(state_dict, store.path(rel), group)
@@ -319,6 +332,7 @@ class Restorer:
             if sources[n].kind != REPLICA:
                 continue
             h = sources[n].holder
+            assert h is not None  # a replica source always names its holder
             for r in range(topo.ranks_per_node):
                 out.append(Transfer(
                     src_rank=topo.ranks_of(h)[r], dst_rank=topo.ranks_of(n)[r],
@@ -335,8 +349,8 @@ class Restorer:
         receiving = any(topo.node_of_rank[t.dst_rank] == topo.node for t in pulls)
         if receiving and topo.is_node_leader:
             try:
-                manifest.uncommit(self.local.store, layout.local_step(s))
-                self.local.store.rmtree(layout.local_step(s))
+                manifest.uncommit(self._local().store, layout.local_step(s))
+                self._local().store.rmtree(layout.local_step(s))
             except OSError as e:  # the pull will fail and be reported; never skip the barrier
                 log.warning("tierckpt restore: cannot clear local step %d before the pull: %s", s, e)
         import torch.distributed as dist
@@ -346,11 +360,11 @@ class Restorer:
         for rel in holding:
             self.in_use.hold("local:" + rel)
         try:
-            results = run_transfers(pulls, topo.rank, self.local.store, self.groups.local_world, self.chunk_bytes)
+            results = run_transfers(pulls, topo.rank, self._local().store, self.groups.local_world, self.chunk_bytes)
         finally:
             for rel in holding:
                 self.in_use.drop("local:" + rel)
-        ok, bad = commit_received(self.local.store, topo, self.groups.node, results, pulls)
+        ok, bad = commit_received(self._local().store, topo, self.groups.node, results, pulls)
         nbytes = sum(r.nbytes for r in results.values())
         if not receiving:
             return False, None, nbytes
@@ -371,3 +385,19 @@ def _no_checkpoint_message(step: int | None, inv: Inventory, failures: list[Node
     want = f"step {step}" if step is not None else "any step"
     return (f"no source could restore {want} on every node (committed steps seen: "
             f"{sorted(inv.all_steps())}); causes:\n  " + "\n  ".join(lines or ["no source holds it"]))
+
+
+def _log_result(res: RestoreResult, topo: Topology) -> None:
+    """Each node leader logs its own node's source; global rank 0 logs the summary (one line per
+    restore, not one per node on every rank)."""
+    mine = res.sources.get(topo.node)
+    if topo.is_node_leader and mine is not None:
+        log.info("tierckpt restore: node %d step %d from %s (holder %s): %d bytes in %.3fs",
+                 topo.node, mine.step, mine.source.kind, mine.source.holder, mine.bytes, mine.seconds)
+    if topo.rank == 0:
+        kinds: dict[str, int] = {}
+        for o in res.sources.values():
+            kinds[o.source.kind] = kinds.get(o.source.kind, 0) + 1
+        log.info("tierckpt restore: step %d on %d nodes in %.3fs (%s), %d persistent bytes read, %d attempt(s)",
+                 res.step, len(res.sources), res.seconds, ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())),
+                 res.persistent_bytes_read, res.attempts)

@@ -72,6 +72,7 @@ class StagingSlot:
         """Copy ``state_dict`` into this slot's host buffers; ``users`` jobs will release it."""
         self.refs = users
         staged = self.stager.stage(state_dict)
+        assert isinstance(staged, dict)  # a synchronous stager returns the copy, never a Future
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return staged

@@ -293,7 +293,7 @@ def run_adaptive(params: SimParams) -> PolicyResult:
 def scan_intervals(params: SimParams) -> list[float]:
     """Intervals the oracle tries: geometric around Daly's τ, whole steps, deduplicated."""
     centre = max(daly_interval(params.delta_s, params.mtbf_s, params.restart_s), params.step_s)
-    out = []
+    out: list[float] = []
     for i in range(SCAN_POINTS):
         x = centre * SCAN_SPAN ** (2.0 * i / (SCAN_POINTS - 1) - 1.0)
         s = _steps(x, params.step_s) * params.step_s

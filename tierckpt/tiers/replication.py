@@ -58,13 +58,13 @@ def plan_replication(topo: Topology, step: int, node_ok: dict[int, bool]) -> lis
 
 
 def commit_received(store: Store, topo: Topology, node_group, results: dict[int, Received],
-                    transfers: list[Transfer]) -> tuple[list[int], dict[int, str]]:
+                    transfers: list[Transfer]) -> tuple[list[str], dict[str, str]]:
     """Gather every share a node received to its leader, which commits each complete,
     intact step directory with the source's manifest bytes (collective over ``node_group``).
 
     Returns:
-        (committed destination dirs' source keys, {key: reason}) on every rank of the node,
-        where a key is the index of the transfer group (its ``dst_rel``).
+        (committed destination directories, {destination directory: reason}) on every rank of
+        the node; directories are paths relative to the root (each transfer's ``dst_rel``).
     """
     mine = {
         transfers[i].dst_rel: (r.ok, [e.__dict__ for e in r.entries], r.manifest_bytes, r.problems)

@@ -119,12 +119,15 @@ def purge_local(store: Store, keep_k: int, in_use: InUse, protect: frozenset | s
     """Retention of a node's local root: its own steps and every replica it holds; steps in
     ``protect`` are kept in each of them; steps of a lineage other than ``lineage_id`` are not
     counted, and deleted when ``drop_foreign`` (see the module docstring)."""
-    kw = dict(protect=protect, lineage_id=lineage_id, drop_foreign=drop_foreign, adopt_unlabelled=adopt_unlabelled,
-              drop_superseded=drop_superseded)
-    out = {"local": purge_dir(store, "local", keep_k, in_use, "local:", **kw)}
+    def purge(parent: str) -> list[int]:
+        return purge_dir(store, parent, keep_k, in_use, "local:", protect=protect, lineage_id=lineage_id,
+                         drop_foreign=drop_foreign, adopt_unlabelled=adopt_unlabelled,
+                         drop_superseded=drop_superseded)
+
+    out = {"local": purge("local")}
     for name in store.listdir("replicas"):
         if layout.parse_node(name) is not None:
-            out[name] = purge_dir(store, f"replicas/{name}", keep_k, in_use, "local:", **kw)
+            out[name] = purge(f"replicas/{name}")
     return out
 
 

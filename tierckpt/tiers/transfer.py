@@ -114,17 +114,17 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
     bufs = None
     pending: collections.deque = collections.deque()
     k = 0
-    for e in entries:
-        path = f"{t.src_rel}/{e.path}"
-        mapped = _map_file(store, path, e.size)
+    for entry in entries:
+        path = f"{t.src_rel}/{entry.path}"
+        mapped = _map_file(store, path, entry.size)
         if mapped is not None:
             # Send straight from the page cache: no copy into a staging buffer.
             m, data = mapped
-            for off in range(0, e.size, chunk_bytes):
+            for off in range(0, entry.size, chunk_bytes):
                 if len(pending) >= 2:
                     pending.popleft().wait()
-                pending.append(dist.isend(data[off:off + chunk_bytes], dst, group=group))
-                sent += min(chunk_bytes, e.size - off)
+                pending.append(_work(dist.isend(data[off:off + chunk_bytes], dst, group=group)))
+                sent += min(chunk_bytes, entry.size - off)
             while pending:
                 pending.popleft().wait()
             del data
@@ -138,21 +138,21 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
             f = store.open(path, "rb")
         except OSError:
             f = None
-        remaining = e.size
+        remaining = entry.size
         while remaining:
             n = min(chunk_bytes, remaining)
             if len(pending) >= 2:
                 pending.popleft().wait()
-            view = memoryview(bufs[k % 2].numpy())[:n]
+            view = bufs[k % 2].numpy().data[:n]
             got = 0
             if f is not None:
                 try:
-                    got = f.readinto(view) or 0
+                    got = f.readinto(view) or 0  # type: ignore[attr-defined]  # files open buffered
                 except OSError:
                     got = 0
             if got < n:
                 view[got:n] = bytes(n - got)
-            pending.append(dist.isend(bufs[k % 2][:n], dst, group=group))
+            pending.append(_work(dist.isend(bufs[k % 2][:n], dst, group=group)))
             remaining -= n
             sent += n
             k += 1
@@ -276,16 +276,16 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int) -> Received:
     try:
         for k in range(min(in_flight, len(chunks))):
             b = free.get()
-            works[k] = (b, dist.irecv(bufs[b][: chunks[k][1]], src, group=group))
+            works[k] = (b, _work(dist.irecv(bufs[b][: chunks[k][1]], src, group=group)))
         for k, (i, n) in enumerate(chunks):
             b, w = works.pop(k)
             w.wait()
-            hashers[i].update(memoryview(bufs[b].numpy())[:n])
+            hashers[i].update(bufs[b].numpy().data[:n])
             res.nbytes += n
             writes.put((i, b, n, k + 1 == len(chunks) or chunks[k + 1][0] != i))
             if k + in_flight < len(chunks):
                 b2 = free.get()
-                works[k + in_flight] = (b2, dist.irecv(bufs[b2][: chunks[k + in_flight][1]], src, group=group))
+                works[k + in_flight] = (b2, _work(dist.irecv(bufs[b2][: chunks[k + in_flight][1]], src, group=group)))
     finally:
         writes.put(None)
         th.join()
@@ -349,3 +349,11 @@ def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
     if send_error:
         raise send_error[0]
     return out
+
+
+def _work(w: dist.Work | None) -> dist.Work:
+    """The request of an isend/irecv; torch types it Optional (None only for a rank outside
+    the group, which a transfer never is)."""
+    if w is None:
+        raise RuntimeError("tierckpt transfer: point-to-point request on a rank outside its group")
+    return w
