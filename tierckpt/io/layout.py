@@ -12,14 +12,14 @@ Persistent root::
     <persistent_root>/tierckpt-lineage.json      the lineage id of its steps (tierckpt.history.lineage)
 
 Each step directory holds DCP's files (``.metadata``, ``__<r>_<i>.distcp``) plus
-``tierckpt.io.manifest.json`` and, once committed, ``tierckpt.committed``.
+``tierckpt.manifest.json`` and, once committed, ``tierckpt.committed``.
 """
 
 from __future__ import annotations
 
 import re
 
-MANIFEST = "tierckpt.io.manifest.json"
+MANIFEST = "tierckpt.manifest.json"
 MARKER = "tierckpt.committed"
 INPROGRESS = "tierckpt.inprogress"  # persistent steps tierckpt started (retention may clean them)
 LEDGER = "tierckpt-ledger.jsonl"

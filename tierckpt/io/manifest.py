@@ -1,7 +1,7 @@
 """Manifests, commit markers and checksum verification.
 
 Commit protocol of one step directory (DESIGN.md "Commit protocol"):
-data files written and fsynced → ``tierckpt.io.manifest.json`` (relative path, size and
+data files written and fsynced → ``tierckpt.manifest.json`` (relative path, size and
 xxh3-64 of every file) written atomically → ``tierckpt.committed`` written by atomic rename
 → directory fsynced. A step directory without a valid marker does not exist for restore or
 retention. The marker records the xxh3-64 of the manifest bytes, so a manifest swapped or
