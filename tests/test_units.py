@@ -459,3 +459,15 @@ def test_preemption_signal_names_are_checked():
         signal_numbers(["SIGKILL"])
     with pytest.raises(ConfigError, match="preemption_signals"):
         signal_numbers(["SIGNOPE"])
+
+
+def test_on_disk_names_are_stable():
+    """The names of the commit files, the ledger and the lineage file are the on-disk format:
+    existing checkpoints and tools depend on them (a refactor once renamed the manifest)."""
+    from tierckpt.io import layout
+
+    assert (layout.MANIFEST, layout.MARKER, layout.INPROGRESS, layout.LEDGER, layout.LINEAGE) == (
+        "tierckpt.manifest.json", "tierckpt.committed", "tierckpt.inprogress", "tierckpt-ledger.jsonl",
+        "tierckpt-lineage.json")
+    assert (layout.local_step(7), layout.replica_step(2, 7), layout.persistent_step(7)) == (
+        "local/step-7", "replicas/node-2/step-7", "step-7")
