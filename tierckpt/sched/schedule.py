@@ -333,7 +333,6 @@ class Scheduler:
         opts = ScheduleOptions() if options is None else options
         if not isinstance(opts, ScheduleOptions):
             raise ConfigError("options", f"must be a ScheduleOptions, got {opts!r}")
-        self.options = opts
         self.estimator = MTBFEstimator(gpus=gpus, gpu_mtbf_s=opts.gpu_mtbf_s, weight=opts.mtbf_weight)
         self.restart_prior_s = opts.restart_prior_s
         self.delta_prior_s = {**DEFAULT_DELTA_PRIOR_S, **expand_per_tier(opts.delta_prior_s, self.tiers)}
