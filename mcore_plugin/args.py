@@ -19,7 +19,8 @@ Mapping onto Megatron-LM's checkpoint paths (both stay Megatron's; the plugin se
 :func:`validate_plugin_args` runs after Megatron's own ``validate_args`` (installed by
 ``mcore_plugin.install``) and fails at start with :class:`tierckpt.errors.ConfigError` whose
 ``option`` is the offending flag. :func:`tier_config_from_args` turns the validated flags into a
-:class:`tierckpt.config.TierConfig`.
+:class:`tierckpt.TierConfig`; the validation itself builds it that way, so the engine's bounds fail
+there too, named by flag.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ import os
 import weakref
 from dataclasses import dataclass, field
 
-from tierckpt.config import TIERS, TierConfig
-from tierckpt.errors import ConfigError
+from tierckpt import TIERS, ConfigError, ScheduleOptions, TierConfig
 
 PREFIX = "--ckpt-plugin-"
 GROUP_TITLE = "tierckpt checkpoint plugin"
@@ -189,8 +189,9 @@ class PluginSettings:
         local_root, local_root_is_node_private: the local-tier template.
         replication_jump, replication_factor: J (nodes) and F.
         keep_latest_k: ``{tier: k}`` (0 keeps all).
-        schedule_options: :class:`tierckpt.sched.schedule.Scheduler` options (``gpu_mtbf_s`` seconds,
-            ``restart_prior_s`` seconds, ``min_steps``, ``max_steps``).
+        schedule_options: :class:`~tierckpt.ScheduleOptions` keywords (``gpu_mtbf_s`` seconds,
+            ``restart_prior_s`` seconds, ``min_steps``, ``max_steps``);
+            :func:`tier_config_from_args` builds the options from them.
         notes: human-readable lines about values taken over from Megatron's flags.
         local_wait_timeout_s: seconds a local save waits for the previous one (None = the
             engine's default, 0 = no limit).
@@ -253,9 +254,10 @@ def _agree(args, plugin_dest: str, megatron_dest: str, what: str):
 def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
     """Check the plugin flags and their combination with Megatron's own; adjust ``args``.
 
-    Runs after Megatron's ``validate_args`` (so ``use_dist_ckpt`` etc. are derived). With the
-    plugin off, any other ``--ckpt-plugin-*`` flag is an error (it would be silently ignored).
-    With it on, the following are required or refused (each error names the flag):
+    Runs after Megatron's ``validate_args`` (so ``use_dist_ckpt`` etc. are derived), before any
+    process group exists. With the plugin off, any other ``--ckpt-plugin-*`` flag is an error
+    (it would be silently ignored). With it on, the following are required or refused (each
+    error names the flag):
 
     - ``--save`` (the persistent tier's root and the ledger's home) is required;
     - ``--ckpt-format`` must be ``torch_dist`` (the format the strategy wrappers serve);
@@ -270,7 +272,9 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
     - Megatron's ``--replication-jump`` (counted in ranks) that is not a whole number of nodes;
     - ``--async-save`` together with a local tier: Megatron-LM's local path then expects an
       async request from the local manager, which the plugin does not hand out (its local
-      tier already writes in the background after the staging copy).
+      tier already writes in the background after the staging copy);
+    - every bound of the engine's config (template fields, keep values, wait timeout, scheduler
+      options): :func:`tier_config_from_args` builds it here, as it does at start-up.
 
     Side effects on ``args`` (so Megatron's own loop calls the plugin at the right iterations):
     ``save_interval`` and ``non_persistent_save_interval`` get the tier intervals,
@@ -291,7 +295,44 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         _set_settings(args, None)
         return None
 
+    _check_megatron_flags(args)
     notes: list[str] = []
+    tiers, intervals, adaptive = _tier_intervals(args)
+    schedule = _schedule_options(args, adaptive)
+    J, F = _replication(args, notes)
+    local_root, node_private = _local_tier(args, tiers, intervals, J, F, notes)
+    # nvrx's replication is not used with the plugin: our local tier replicates by node.
+    if hasattr(args, "replication"):
+        args.replication = False
+
+    keep = {}
+    if args.ckpt_plugin_local_keep is not None:
+        keep["local"] = int(args.ckpt_plugin_local_keep)
+    if args.ckpt_plugin_persistent_keep is not None:
+        keep["persistent"] = int(args.ckpt_plugin_persistent_keep)
+
+    args.save_interval = intervals["persistent"]
+    if not getattr(args, "load", None):
+        args.load = args.save
+        notes.append("--load defaults to --save (restarts resume from the tiers)")
+
+    settings = PluginSettings(
+        tiers=tiers, intervals=intervals, adaptive=adaptive, local_root=local_root,
+        local_root_is_node_private=node_private, replication_jump=int(J or 1),
+        replication_factor=int(F or 2) if "local" in tiers else 1, keep_latest_k=keep,
+        job_id=args.ckpt_plugin_job_id,
+        simulated_ranks_per_node=int(args.ckpt_plugin_simulated_ranks_per_node or 0),
+        schedule_options=schedule, notes=notes,
+        local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout,
+        warn_only=tuple(getattr(args, "ckpt_plugin_warn_only", None) or ("local",)),
+    )
+    tier_config_from_args(args, settings)  # the engine's own bounds, with the flag names users typed
+    _set_settings(args, settings)
+    return settings
+
+
+def _check_megatron_flags(args: argparse.Namespace) -> None:
+    """Megatron flags the plugin needs or cannot serve (see :func:`validate_plugin_args`)."""
     if not getattr(args, "save", None):
         raise ConfigError("--save", "the plugin needs --save: it is the persistent tier's directory and holds "
                                     "the ledger (a shared filesystem path or fsspec URL)")
@@ -319,7 +360,11 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
                                           "--async-save, or drop the local tier (--ckpt-plugin-local-interval, "
                                           "--ckpt-plugin-local-root, --non-persistent-ckpt-type local)")
 
-    # Intervals. Megatron's --non-persistent-save-interval only counts with type local.
+
+def _tier_intervals(args: argparse.Namespace) -> tuple[tuple[str, ...], dict[str, int], tuple[str, ...]]:
+    """(tiers, ``{tier: steps}``, adaptive tiers) from the plugin's and Megatron's interval flags."""
+    # Megatron's --non-persistent-save-interval only counts with type local.
+    np_type = getattr(args, "non_persistent_ckpt_type", None)
     np_interval = getattr(args, "non_persistent_save_interval", None) if np_type == "local" else None
     if np_type is None and getattr(args, "non_persistent_save_interval", None) and \
             getattr(args, "ckpt_plugin_local_interval", None) is None:
@@ -350,7 +395,12 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
     if local_iv is not None:
         intervals["local"] = int(local_iv)
         tiers = ("local", "persistent")
+    return tiers, intervals, adaptive
 
+
+def _schedule_options(args: argparse.Namespace, adaptive: tuple[str, ...]) -> dict:
+    """:class:`~tierckpt.ScheduleOptions` keywords from the adaptive-scheduler flags (which
+    need an adaptive tier)."""
     lo, hi = args.ckpt_plugin_min_interval, args.ckpt_plugin_max_interval
     if lo is not None and hi is not None and lo > hi:
         raise ConfigError("--ckpt-plugin-min-interval",
@@ -371,9 +421,12 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         schedule["gpu_mtbf_s"] = float(args.ckpt_plugin_gpu_mtbf_hours) * 3600.0
     if args.ckpt_plugin_restart_prior is not None:
         schedule["restart_prior_s"] = float(args.ckpt_plugin_restart_prior)
+    return schedule
 
-    # Local tier: root, replication, keep.
-    local_root, node_private = args.ckpt_plugin_local_root, bool(args.ckpt_plugin_local_root_is_node_private)
+
+def _replication(args: argparse.Namespace, notes: list[str]) -> tuple[int | None, int | None]:
+    """(J in nodes, F) from the plugin flags, else from Megatron's ``--replication`` flags
+    (None: not given)."""
     J, F = args.ckpt_plugin_replication_jump, args.ckpt_plugin_replication_factor
     if getattr(args, "replication", False):
         if F is not None and F != args.replication_factor:
@@ -390,6 +443,14 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
                                   "give --ckpt-plugin-replication-jump J (nodes) instead")
             J = rj // rpn
             notes.append(f"--replication-jump {rj} ranks = {J} node(s) ({rpn} ranks per node)")
+    return J, F
+
+
+def _local_tier(args: argparse.Namespace, tiers: tuple[str, ...], intervals: dict[str, int],
+                J: int | None, F: int | None, notes: list[str]) -> tuple[str | None, bool]:
+    """(local root template, node-private) of the local tier; points Megatron's local path at
+    it. Without a local tier, its flags are refused."""
+    local_root, node_private = args.ckpt_plugin_local_root, bool(args.ckpt_plugin_local_root_is_node_private)
     if "local" not in tiers:
         for flag, v in (("--ckpt-plugin-local-root", local_root),
                         ("--ckpt-plugin-local-keep", args.ckpt_plugin_local_keep),
@@ -398,62 +459,31 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
             if v is not None:
                 raise ConfigError(flag, "needs the local tier: add --ckpt-plugin-local-interval N "
                                         "(or --non-persistent-ckpt-type local --non-persistent-save-interval N)")
-    else:
-        if getattr(args, "dist_ckpt_optim_fully_reshardable", False):
-            raise ConfigError("--dist-ckpt-optim-fully-reshardable",
-                              "not with the plugin's local tier: Megatron's local path refuses that format, and the "
-                              "plugin already writes the persistent tier fully_reshardable; drop the flag")
-        if local_root is None:
-            mdir = getattr(args, "non_persistent_local_ckpt_dir", None)
-            if not mdir:
-                raise ConfigError("--ckpt-plugin-local-root",
-                                  "the local tier needs a node-local directory: --ckpt-plugin-local-root TEMPLATE "
-                                  "(fields {job} {node} {hostname}) or --non-persistent-local-ckpt-dir DIR")
-            local_root = mdir
-            if "{" not in mdir:
-                node_private = True
-            notes.append(f"local root from --non-persistent-local-ckpt-dir: {mdir}")
-        args.non_persistent_ckpt_type = "local"
-        args.non_persistent_save_interval = intervals["local"]
-        if not getattr(args, "non_persistent_local_ckpt_dir", None):
-            # Megatron's local path prints this directory; point it at the template.
-            args.non_persistent_local_ckpt_dir = local_root
-    # nvrx's replication is not used with the plugin: our local tier replicates by node.
-    if hasattr(args, "replication"):
-        args.replication = False
-
-    keep = {}
-    if args.ckpt_plugin_local_keep is not None:
-        keep["local"] = int(args.ckpt_plugin_local_keep)
-    if args.ckpt_plugin_persistent_keep is not None:
-        keep["persistent"] = int(args.ckpt_plugin_persistent_keep)
-
-    args.save_interval = intervals["persistent"]
-    if not getattr(args, "load", None):
-        args.load = args.save
-        notes.append("--load defaults to --save (restarts resume from the tiers)")
-
-    settings = PluginSettings(
-        tiers=tiers, intervals=intervals, adaptive=adaptive, local_root=local_root,
-        local_root_is_node_private=node_private, replication_jump=int(J or 1),
-        replication_factor=int(F or 2) if "local" in tiers else 1, keep_latest_k=keep,
-        job_id=args.ckpt_plugin_job_id,
-        simulated_ranks_per_node=int(args.ckpt_plugin_simulated_ranks_per_node or 0),
-        schedule_options=schedule, notes=notes,
-        local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout,
-        warn_only=tuple(getattr(args, "ckpt_plugin_warn_only", None) or ("local",)),
-    )
-    # The engine's own checks (template fields, keep values, adaptive ⊆ intervals) with the
-    # flag names users typed.
-    try:
-        tier_config_from_settings(settings, persistent_root=args.save).validate()
-    except ConfigError as e:
-        flag = _FIELD_TO_FLAG.get(e.option, _FIELD_TO_FLAG.get(e.option.split(".")[0], e.option))
-        raise ConfigError(flag, str(e).split(": ", 1)[-1]) from None
-    _set_settings(args, settings)
-    return settings
+        return local_root, node_private
+    if getattr(args, "dist_ckpt_optim_fully_reshardable", False):
+        raise ConfigError("--dist-ckpt-optim-fully-reshardable",
+                          "not with the plugin's local tier: Megatron's local path refuses that format, and the "
+                          "plugin already writes the persistent tier fully_reshardable; drop the flag")
+    if local_root is None:
+        mdir = getattr(args, "non_persistent_local_ckpt_dir", None)
+        if not mdir:
+            raise ConfigError("--ckpt-plugin-local-root",
+                              "the local tier needs a node-local directory: --ckpt-plugin-local-root TEMPLATE "
+                              "(fields {job} {node} {hostname}) or --non-persistent-local-ckpt-dir DIR")
+        local_root = mdir
+        if "{" not in mdir:
+            node_private = True
+        notes.append(f"local root from --non-persistent-local-ckpt-dir: {mdir}")
+    args.non_persistent_ckpt_type = "local"
+    args.non_persistent_save_interval = intervals["local"]
+    if not getattr(args, "non_persistent_local_ckpt_dir", None):
+        # Megatron's local path prints this directory; point it at the template.
+        args.non_persistent_local_ckpt_dir = local_root
+    return local_root, node_private
 
 
+# TierConfig / ScheduleOptions field -> the flag that sets it. A mapping entry
+# ("keep_latest_k.local") is looked up first, then its field ("keep_latest_k").
 _FIELD_TO_FLAG = {
     "local_root": "--ckpt-plugin-local-root",
     "persistent_root": "--save",
@@ -461,46 +491,66 @@ _FIELD_TO_FLAG = {
     "replication_factor": "--ckpt-plugin-replication-factor",
     "keep_latest_k.local": "--ckpt-plugin-local-keep",
     "keep_latest_k.persistent": "--ckpt-plugin-persistent-keep",
+    "intervals.persistent": "--save-interval",
     "intervals": "--ckpt-plugin-local-interval",
     "adaptive": "--ckpt-plugin-adaptive",
+    "job_id": "--ckpt-plugin-job-id",
     "simulated_ranks_per_node": "--ckpt-plugin-simulated-ranks-per-node",
     "local_wait_timeout_s": "--ckpt-plugin-local-wait-timeout",
     "warn_only": "--ckpt-plugin-warn-only",
+    "min_steps": "--ckpt-plugin-min-interval",
+    "max_steps": "--ckpt-plugin-max-interval",
+    "gpu_mtbf_s": "--ckpt-plugin-gpu-mtbf-hours",
+    "restart_prior_s": "--ckpt-plugin-restart-prior",
 }
 
 
-def tier_config_from_settings(settings: PluginSettings, *, persistent_root: str) -> TierConfig:
-    """A :class:`TierConfig` (not yet validated) for ``settings``; ``persistent_root`` is ``--save``."""
-    extra = {} if settings.local_wait_timeout_s is None else {"local_wait_timeout_s": settings.local_wait_timeout_s}
-    return TierConfig(
-        **extra,
-        local_root=settings.local_root,
-        persistent_root=persistent_root,
-        tiers=settings.tiers,
-        replication_jump=settings.replication_jump,
-        replication_factor=settings.replication_factor,
-        keep_latest_k=dict(settings.keep_latest_k),  # validate() fills the defaults
-        job_id=settings.job_id,
-        local_root_is_node_private=settings.local_root_is_node_private,
-        simulated_ranks_per_node=settings.simulated_ranks_per_node,
-        intervals=dict(settings.intervals),
-        adaptive=settings.adaptive,
-        schedule_options=dict(settings.schedule_options),
-        warn_only=settings.warn_only,
-    )
+def _flag_error(e: ConfigError) -> ConfigError:
+    """``e`` (naming a TierConfig/ScheduleOptions field) renamed to the flag that sets it."""
+    field_name = e.option
+    flag = _FIELD_TO_FLAG.get(field_name, _FIELD_TO_FLAG.get(field_name.split(".")[0], field_name))
+    return ConfigError(flag, str(e).removeprefix(f"{field_name}: "))
 
 
-def tier_config_from_args(args: argparse.Namespace) -> TierConfig:
-    """The validated :class:`TierConfig` of a run whose ``args`` went through
-    :func:`validate_plugin_args`.
+def tier_config_from_args(args: argparse.Namespace, settings: PluginSettings | None = None) -> TierConfig:
+    """The engine's :class:`~tierckpt.TierConfig` for ``args``: the one function that builds it.
+
+    :func:`validate_plugin_args` calls it with the settings it has just decided (so a bad value
+    fails before any process group exists); ``mcore_plugin.install`` calls it at start-up with
+    the settings :func:`validate_plugin_args` stored for ``args``.
+
+    Args:
+        args: Megatron's parsed arguments (``--save`` is the persistent root).
+        settings: the decided flags; None = :func:`settings_of` ``args``.
 
     Raises:
+        ConfigError: ``option`` is the flag that sets the bad value (``--ckpt-plugin-local-root``,
+            ``--ckpt-plugin-local-wait-timeout``, ...), with the allowed values.
         RuntimeError: the plugin is off or the args were not validated.
     """
-    settings = settings_of(args)
+    settings = settings_of(args) if settings is None else settings
     if settings is None:
         raise RuntimeError("tier_config_from_args: the plugin is off or validate_plugin_args has not run")
-    return tier_config_from_settings(settings, persistent_root=args.save).validate()
+    extra = {} if settings.local_wait_timeout_s is None else {"local_wait_timeout_s": settings.local_wait_timeout_s}
+    try:
+        return TierConfig(
+            **extra,
+            local_root=settings.local_root,
+            persistent_root=args.save,
+            tiers=settings.tiers,
+            replication_jump=settings.replication_jump,
+            replication_factor=settings.replication_factor,
+            keep_latest_k=settings.keep_latest_k,  # tiers left out keep the engine's defaults
+            job_id=settings.job_id,
+            local_root_is_node_private=settings.local_root_is_node_private,
+            simulated_ranks_per_node=settings.simulated_ranks_per_node,
+            intervals=settings.intervals,
+            adaptive=settings.adaptive,
+            schedule=ScheduleOptions(**settings.schedule_options),
+            warn_only=settings.warn_only,
+        )
+    except ConfigError as e:
+        raise _flag_error(e) from None
 
 
 def read_args_file(path: str) -> list[str]:
@@ -541,16 +591,3 @@ def expand_args_files(argv: list[str]) -> list[str]:
         else:
             out.append(a)
     return out
-
-
-def parse_plugin_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """Parse ``argv`` with a parser holding the plugin group (plus ``parser``'s own arguments).
-
-    Used by tests and by tools that check an argument file without Megatron-LM: unknown flags
-    (Megatron's) are returned in ``namespace._unknown`` instead of failing.
-    """
-    p = parser or argparse.ArgumentParser(prog="mcore_plugin", allow_abbrev=False)
-    add_plugin_args(p)
-    ns, unknown = p.parse_known_args(argv)
-    ns._unknown = unknown
-    return ns

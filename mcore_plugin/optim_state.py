@@ -167,15 +167,6 @@ def _state_of(opt, model_param) -> dict:
     return opt.optimizer.state[main]
 
 
-def param_steps(opt) -> list[float | None]:
-    """This rank's step of every :func:`local_params` entry (None before the first step)."""
-    out = []
-    for p in local_params(opt):
-        s = _state_of(opt, p).get("step")
-        out.append(None if s is None else float(s))
-    return out
-
-
 def step_sharded_tensors(opt, model_sharded_state_dict, is_loading: bool) -> dict:
     """{index in :func:`local_params`: ShardedTensor of that parameter's step} (see module
     docstring for keys, shapes and the single main replica)."""

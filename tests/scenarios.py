@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from tierckpt.config import TierConfig
+from tierckpt.config import ScheduleOptions, TierConfig
 from tierckpt.engine import TieredCheckpointer
 
 VOCAB, DIM, HID, SEQ, BATCH = 37, 12, 20, 8, 4  # 37 and 20 do not divide 2, 3 or 4 ranks evenly
@@ -278,8 +278,7 @@ def phase_bad_input(rank, world, base):
         os.makedirs(os.path.dirname(blocker), exist_ok=True)
         open(blocker, "w").close()  # a file where node 1's directory should be: unwritable even as root
     dist.barrier()
-    cfg = make_config(base)
-    cfg.local_root = os.path.join(base, "roots", "node-{node}", "nvme")
+    cfg = make_config(base).replace(local_root=os.path.join(base, "roots", "node-{node}", "nvme"))
     msgs["root"] = expect("local_root", lambda: TieredCheckpointer(cfg, node_id=rank))
     eng = TieredCheckpointer(make_config(base), node_id=rank)
     model, opt = build(seed=0)
@@ -359,7 +358,7 @@ def phase_adaptive(rank, world, base, clean_end, steps):
     import time as _time
 
     cfg = make_config(base, intervals={"local": 3, "persistent": 6}, adaptive=("local", "persistent"),
-                      schedule_options={"gpu_mtbf_s": 120.0, "mtbf_weight": 1.0, "restart_prior_s": 1.0})
+                      schedule=ScheduleOptions(gpu_mtbf_s=120.0, mtbf_weight=1.0, restart_prior_s=1.0))
     eng = TieredCheckpointer(cfg, node_id=rank)
     model, opt = build(seed=0)
     agreed, saved = [], []
@@ -432,8 +431,7 @@ def phase_unshared_persistent(rank, world, base):
     """A 'persistent' root that is really per node (a different directory on each rank)."""
     from tierckpt.errors import ConfigError
 
-    cfg = make_config(base)
-    cfg.persistent_root = os.path.join(base, f"pfs-private-{rank}")
+    cfg = make_config(base).replace(persistent_root=os.path.join(base, f"pfs-private-{rank}"))
     try:
         TieredCheckpointer(cfg, node_id=rank)
     except ConfigError as e:
@@ -730,8 +728,7 @@ def phase_lineage(rank, world, base, pfs, save_steps):
                          if s is not None and read_committed(store, f"{parent}/step-{s}")]
                 for parent in ("local", f"replicas/node-{1 - rank}")}
 
-    cfg = make_config(base)
-    cfg.persistent_root = os.path.join(base, pfs)
+    cfg = make_config(base).replace(persistent_root=os.path.join(base, pfs))
     eng = TieredCheckpointer(cfg, node_id=rank)
     dist.barrier()  # every node leader's start-up purge is done
     after_start = on_disk()

@@ -141,11 +141,11 @@ def test_local_wait_timeout_must_be_seconds(tmp_path):
     for bad in (-1, "5", True, float("inf"), float("nan")):
         with pytest.raises(ConfigError, match="local_wait_timeout_s.*0 = wait without limit"):
             TierConfig(local_root=str(tmp_path / "{node}"), persistent_root=str(tmp_path),
-                       local_wait_timeout_s=bad).validate()
+                       local_wait_timeout_s=bad)
     with pytest.raises(ConfigError, match="staging_buffers.*>= 2 with a local tier"):
-        TierConfig(local_root=str(tmp_path / "{node}"), persistent_root=str(tmp_path), staging_buffers=1).validate()
+        TierConfig(local_root=str(tmp_path / "{node}"), persistent_root=str(tmp_path), staging_buffers=1)
     TierConfig(local_root=str(tmp_path / "{node}"), persistent_root=str(tmp_path), staging_buffers=1,
-               local_wait_timeout_s=0).validate()  # no limit: one buffer is enough
+               local_wait_timeout_s=0)  # no limit: one buffer is enough
 
 
 def test_read_item_reads_one_verified_local_copy_without_a_restore(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 
 from tierckpt import cli
 from tierckpt.sched import mtbf, schedule, simulate
+from tierckpt.config import ScheduleOptions
 from tierckpt.errors import ConfigError
 from tierckpt.io.layout import LEDGER
 from tierckpt.history.ledger import Ledger
@@ -252,11 +253,17 @@ def test_evidence_scales_exposure_by_world_size():
 
 
 # -- Scheduler ---------------------------------------------------------------------------------
+def _scheduler(*args, **kw) -> Scheduler:
+    """A Scheduler from its own arguments and ScheduleOptions fields given together."""
+    own = {k: kw.pop(k) for k in ("tiers", "gpus", "fixed_steps") if k in kw}
+    return Scheduler(*args, **own, options=ScheduleOptions(**kw))
+
+
 def _sched(**kw) -> Scheduler:
     kw.setdefault("gpus", 1)
     kw.setdefault("gpu_mtbf_s", 10 * H)
     kw.setdefault("restart_prior_s", 0.0)
-    s = Scheduler(**kw)
+    s = _scheduler(**kw)
     s.observe_step(1.0)
     return s
 
@@ -358,7 +365,6 @@ def test_seconds_to_steps():
     s3 = Scheduler(gpus=1)
     d3 = s3.interval("local")
     assert d3.tau_steps is None and d3.reason == "no step time yet"
-    assert s3.due(0) == [] and s3.due(10 ** 6) == []
 
 
 def test_persistent_tier_uses_m_over_p():
@@ -402,37 +408,15 @@ def test_delta_and_background_seeded_from_ledger_until_measured():
     assert s.delta_s("local") == (1.0, "observed") and s.background_s("local") == 10.0
 
 
-def test_due_and_mark_saved():
+def test_fixed_steps_tier():
     s = _sched(fixed_steps={"persistent": 10})
-    s.observe_checkpoint("local", 1.0)
-    n = s.interval("local").tau_steps
-    assert s.due(0) == []  # the first call sets the baseline
-    assert s.due(9) == []
-    assert s.due(10) == ["persistent"]
-    s.mark_saved("persistent", 10)
-    assert s.due(19) == [] and s.due(20) == ["persistent"]
-    assert s.due(n) == ["local", "persistent"]
-    s.mark_saved("local", n)
-    s.mark_saved("persistent", n)
-    assert s.last_saved_step("local") == n
-    assert s.due(n + 1) == []
-    assert s.interval("persistent").reason == "fixed_steps"
-    s.reset(1000)
-    assert s.due(1005) == [] and s.due(1010) == ["persistent"]
-
-
-def test_due_by_wall_time():
-    s = _sched()
-    s.observe_checkpoint("local", 1.0)
-    tau = s.interval("local").tau_s
-    s.reset(0, now=1000.0)
-    assert s.due(1, now=1000.0 + tau / 2) == []
-    assert "local" in s.due(1, now=1000.0 + tau + 1)  # steps slower than their average
+    d = s.interval("persistent")
+    assert (d.reason, d.tau_steps) == ("fixed_steps", 10)
 
 
 def test_decisions_are_deterministic():
     def build():
-        s = Scheduler(gpus=8, min_s=1.0)
+        s = _scheduler(gpus=8, min_s=1.0)
         for x in (1.0, 1.2, 0.9):
             s.observe_step(x)
         s.observe_checkpoint("local", 0.3, 4.0)
@@ -442,7 +426,6 @@ def test_decisions_are_deterministic():
 
     a, b = build(), build()
     assert a.decisions() == b.decisions()
-    assert a.due(0) == b.due(0) and a.due(10 ** 5) == b.due(10 ** 5)
 
 
 @pytest.mark.parametrize("kwargs,option", [
@@ -467,7 +450,7 @@ def test_decisions_are_deterministic():
 ])
 def test_scheduler_rejects_bad_config(kwargs, option):
     with pytest.raises(ConfigError) as e:
-        Scheduler(**kwargs)
+        _scheduler(**kwargs)
     assert e.value.option == option
 
 
@@ -625,7 +608,7 @@ def test_cli_simulate_bad_input_exits_2(capsys, argv, needle):
 
 # -- δ includes the slowdown of steps that overlapped background work ---------------------------
 def test_background_slowdown_is_charged_to_delta():
-    s = Scheduler(("local", "persistent"), gpus=1, gpu_mtbf_s=3600.0)
+    s = _scheduler(("local", "persistent"), gpus=1, gpu_mtbf_s=3600.0)
     for _ in range(5):
         s.observe_step(1.0)
     s.observe_step(1.5, busy=["local"])            # +0.5 s charged to local
@@ -637,13 +620,13 @@ def test_background_slowdown_is_charged_to_delta():
     assert s.interval("local").delta_blocking == pytest.approx(0.1)
     assert s.take_interference("persistent") == pytest.approx(0.2)
     assert s.take_interference("persistent") == 0.0  # taken once
-    off = Scheduler(("local",), gpus=1, interference=False)
+    off = _scheduler(("local",), gpus=1, interference=False)
     off.observe_step(1.0)
     off.observe_step(3.0, busy=["local"])
     off.observe_checkpoint("local", 0.1, 2.0)
     assert off.delta_s("local")[0] == pytest.approx(0.1)
     with pytest.raises(ConfigError) as e:
-        Scheduler(("local",), interference="yes")
+        _scheduler(("local",), interference="yes")
     assert e.value.option == "interference"
 
 
@@ -662,7 +645,7 @@ def test_ledger_delta_includes_interference_and_R_counts_from_process_start():
     recs[2].pop("process_start")
     s.update_from_ledger(recs, current_run_id="b", now=210.0)
     assert s.restart_s == pytest.approx(3.0)
-    off = Scheduler(("local",), gpus=1, interference=False)
+    off = _scheduler(("local",), gpus=1, interference=False)
     off.update_from_ledger(recs, current_run_id="b", now=210.0)
     assert off.delta_s("local")[0] == pytest.approx(0.1)
 
@@ -674,7 +657,7 @@ def test_restarted_scheduler_takes_step_time_from_the_ledger():
          "tau_steps": 5},
         {"kind": "schedule", "time": 160.0, "run_id": "a", "job": "j", "tier": "local", "step_s": 1.5},
     ]
-    s = Scheduler(("local",), gpus=1, gpu_mtbf_s=600.0)
+    s = _scheduler(("local",), gpus=1, gpu_mtbf_s=600.0)
     assert s.interval("local").tau_steps is None  # nothing known yet
     s.update_from_ledger(recs, current_run_id="b", now=200.0)
     d = s.interval("local")

@@ -61,7 +61,8 @@ def test_impossible_replication_rejected_before_process_groups(tmp_path, monkeyp
 
 
 def test_scheduler_options_reach_the_engine_config(tmp_path):
-    from titan_plugin.manager import tier_config
+    from tierckpt import ScheduleOptions
+    from titan_plugin.config import build_tier_config as tier_config
     path = _toml(tmp_path, LLAMA + "[checkpoint]\nenable = true\ninterval = 40\nlocal_interval = 4\n"
                  "adaptive = [\"local\", \"persistent\"]\ngpu_mtbf_hours = 2.5\nrestart_prior_s = 20.0\n"
                  "min_interval_steps = 2\nmax_interval_steps = 300\nlocal_wait_timeout_s = 30\n")
@@ -69,10 +70,38 @@ def test_scheduler_options_reach_the_engine_config(tmp_path):
     assert cfg.tiers == ("local", "persistent") and cfg.intervals == {"local": 4, "persistent": 40}
     assert cfg.adaptive == ("local", "persistent") and cfg.persistent_root == "/shared/ckpt"
     assert cfg.local_wait_timeout_s == 30.0
-    assert cfg.schedule_options == {"min_steps": 2, "max_steps": 300, "gpu_mtbf_s": 9000.0, "restart_prior_s": 20.0}
+    assert cfg.schedule == ScheduleOptions(min_steps=2, max_steps=300, gpu_mtbf_s=9000.0, restart_prior_s=20.0)
     # 0 = the scheduler's own defaults
     plain = tier_config(load_config(_toml(tmp_path, LLAMA + "[checkpoint]\nenable = true\n")).checkpoint, "/p")
-    assert plain.schedule_options == {"min_steps": 1}
+    assert plain.schedule == ScheduleOptions(min_steps=1)
+
+
+@pytest.mark.parametrize("text,key,fragment", [
+    ("local_wait_timeout_s = 1e9\n", "checkpoint.local_wait_timeout_s", "[0, 604800]"),
+    ("local_root = \"/nvme/ckpt\"\n", "checkpoint.local_root", "{node}"),
+    ("adaptive = [\"local\"]\ngpu_mtbf_hours = inf\n", "checkpoint.gpu_mtbf_hours", "positive number"),
+])
+def test_early_check_and_runtime_builder_give_the_same_error(tmp_path, monkeypatch, text, key, fragment):
+    """The TOML check before any process group and the manager's builder at start-up are one
+    function: the same bad [checkpoint] fails with the same checkpoint.* key and message."""
+    from titan_plugin import toml
+    from titan_plugin.config import build_tier_config
+
+    path = _toml(tmp_path, LLAMA + "[checkpoint]\nenable = true\n" + text)
+    with pytest.raises(ConfigError) as early:
+        load_config(path)
+    assert early.value.option == key and fragment in str(early.value), str(early.value)
+    monkeypatch.setattr(toml, "check_tiers_early", lambda ckpt: None)
+    ckpt = load_config(path).checkpoint
+    with pytest.raises(ConfigError) as runtime:
+        build_tier_config(ckpt, ckpt.persistent_folder or ckpt.folder)
+    assert (runtime.value.option, str(runtime.value)) == (early.value.option, str(early.value))
+
+
+def test_unknown_key_names_the_checkpoint_key(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(_toml(tmp_path, LLAMA + "[checkpoint]\nenable = true\nlocal_intervall = 5\n"))
+    assert e.value.option == "checkpoint.local_intervall" and "local_interval" in str(e.value)
 
 
 def test_job_table_is_validated(tmp_path):

@@ -24,16 +24,16 @@ def cfg(**kw) -> TierConfig:
 
 
 def test_config_valid_defaults():
-    c = cfg().validate()
+    c = cfg()
     assert c.tiers == TIERS
     assert c.keep_latest_k == {"local": 2, "persistent": 3}
-    c = cfg(tiers=["persistent"], local_root=None, keep_latest_k={"local": 0}).validate()
+    c = cfg(tiers=["persistent"], local_root=None, keep_latest_k={"local": 0})
     assert c.tiers == ("persistent",) and c.keep_latest_k == {"local": 0, "persistent": 3}
 
 
 def test_config_unknown_tier_names_option_and_allowed():
     with pytest.raises(ConfigError) as ei:
-        cfg(tiers=("local", "nvme")).validate()
+        cfg(tiers=("local", "nvme"))
     msg = str(ei.value)
     assert ei.value.option == "tiers"
     assert msg.startswith("tiers:") and "'nvme'" in msg
@@ -42,63 +42,113 @@ def test_config_unknown_tier_names_option_and_allowed():
 
 def test_config_empty_tiers():
     with pytest.raises(ConfigError, match="^tiers:.*local, persistent"):
-        cfg(tiers=()).validate()
+        cfg(tiers=())
 
 
 def test_config_negative_keep_latest_k():
     with pytest.raises(ConfigError) as ei:
-        cfg(keep_latest_k={"local": -1}).validate()
+        cfg(keep_latest_k={"local": -1})
     assert ei.value.option == "keep_latest_k.local"
     assert "keep_latest_k.local" in str(ei.value) and ">= 0" in str(ei.value)
 
 
 def test_config_keep_latest_k_unknown_tier():
     with pytest.raises(ConfigError, match="^keep_latest_k:.*'ram'.*local, persistent"):
-        cfg(keep_latest_k={"ram": 1}).validate()
+        cfg(keep_latest_k={"ram": 1})
 
 
 @pytest.mark.parametrize("bad", [0, -2, True, 1.5])
 def test_config_replication_factor(bad):
     with pytest.raises(ConfigError) as ei:
-        cfg(replication_factor=bad).validate()
+        cfg(replication_factor=bad)
     assert ei.value.option == "replication_factor"
     assert "replication_factor" in str(ei.value) and ">= 1" in str(ei.value)
 
 
 def test_config_local_root_without_node():
     with pytest.raises(ConfigError) as ei:
-        cfg(local_root="/nvme/{job}/ckpt").validate()
+        cfg(local_root="/nvme/{job}/ckpt")
     assert ei.value.option == "local_root" and "{node}" in str(ei.value)
     # allowed when each node's path is on its own disk, or with {hostname}
-    cfg(local_root="/nvme/{job}/ckpt", local_root_is_node_private=True).validate()
-    cfg(local_root="/nvme/{hostname}").validate()
+    cfg(local_root="/nvme/{job}/ckpt", local_root_is_node_private=True)
+    cfg(local_root="/nvme/{hostname}")
 
 
 def test_config_local_root_unknown_field():
     with pytest.raises(ConfigError) as ei:
-        cfg(local_root="/nvme/{rank}/node-{node}").validate()
+        cfg(local_root="/nvme/{rank}/node-{node}")
     msg = str(ei.value)
     assert ei.value.option == "local_root" and "rank" in msg and "{job}" in msg and "{node}" in msg
 
 
 def test_config_local_root_malformed_and_missing():
     with pytest.raises(ConfigError, match="^local_root:.*malformed"):
-        cfg(local_root="/nvme/{node").validate()
+        cfg(local_root="/nvme/{node")
     with pytest.raises(ConfigError, match="^local_root:"):
-        cfg(local_root=None).validate()
+        cfg(local_root=None)
 
 
 def test_config_missing_persistent_root():
     with pytest.raises(ConfigError) as ei:
-        cfg(persistent_root=None).validate()
+        cfg(persistent_root=None)
     assert ei.value.option == "persistent_root"
     with pytest.raises(ConfigError, match="^persistent_root:"):
-        cfg(persistent_root="").validate()
+        cfg(persistent_root="")
 
 
 def test_config_local_root_for():
-    c = cfg(job_id="4242").validate()
+    c = cfg(job_id="4242")
     assert c.local_root_for(3) == "/nvme/4242/node-3"
+
+
+def test_config_is_frozen_and_replace_revalidates():
+    import copy
+    import dataclasses
+    import pickle
+
+    c = cfg(intervals={"local": 5, "persistent": 10})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.replication_factor = 3
+    for mapping in (c.keep_latest_k, c.intervals):
+        with pytest.raises(TypeError):
+            mapping["local"] = 1
+        with pytest.raises(TypeError):
+            mapping.update(local=1)
+    assert c.keep_latest_k == {"local": 2, "persistent": 3} and c.intervals == {"local": 5, "persistent": 10}
+    assert isinstance(c.tiers, tuple) and isinstance(c.warn_only, tuple)
+    assert pickle.loads(pickle.dumps(c)) == c and copy.deepcopy(c) == c and hash(c) == hash(copy.copy(c))
+    assert json.loads(json.dumps(c.keep_latest_k)) == {"local": 2, "persistent": 3}
+    assert c.replace(job_id="j2").job_id == "j2"
+    with pytest.raises(ConfigError) as ei:
+        c.replace(replication_factor=0)
+    assert ei.value.option == "replication_factor"
+    with pytest.raises(ConfigError) as ei:
+        cfg(replication_factr=2)
+    assert ei.value.option == "replication_factr" and "replication_factor" in str(ei.value)
+
+
+def test_schedule_options_typo_and_bounds_fail_at_construction():
+    from tierckpt import ScheduleOptions
+
+    with pytest.raises(ConfigError) as ei:
+        ScheduleOptions(gpu_mtbf=3600.0)
+    msg = str(ei.value)
+    assert ei.value.option == "schedule.gpu_mtbf"
+    assert all(n in msg for n in ("gpu_mtbf_s", "mtbf_weight", "min_steps", "max_steps", "min_s", "max_s",
+                                  "restart_prior_s", "persistent_share"))
+    with pytest.raises(ConfigError) as ei:
+        ScheduleOptions(min_steps={"local": 0})
+    assert ei.value.option == "min_steps.local" and ">= 1" in str(ei.value)
+    with pytest.raises(ConfigError) as ei:
+        ScheduleOptions(min_s=10, max_s={"persistent": 5})
+    assert ei.value.option == "min_s" and "min_s <= max_s" in str(ei.value)
+    with pytest.raises(ConfigError, match="^schedule:.*ScheduleOptions"):
+        cfg(schedule={"gpu_mtbf_s": 3600.0})
+    opts = ScheduleOptions(min_s={"local": 3, "persistent": None}, max_steps=9, gpu_mtbf_s=3600)
+    assert opts.min_s == {"local": 3.0} and opts.gpu_mtbf_s == 3600.0
+    with pytest.raises(TypeError):
+        opts.min_s["persistent"] = 1.0
+    assert cfg(schedule=opts).schedule is opts
 
 
 # -- layout ------------------------------------------------------------------------------------

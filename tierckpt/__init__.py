@@ -24,6 +24,7 @@ _EXPORTS = {
     "TieredCheckpointer": "tierckpt.engine",
     "describe_failure": "tierckpt.engine",
     "TierConfig": "tierckpt.config",
+    "ScheduleOptions": "tierckpt.config",
     "TIERS": "tierckpt.config",
     "SaveHandle": "tierckpt.handle",
     "CheckpointRecord": "tierckpt.records",

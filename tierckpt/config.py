@@ -1,18 +1,26 @@
 """User-facing configuration of the tiered checkpoint engine.
 
-Every field is validated in :meth:`TierConfig.validate`, which raises :class:`ConfigError`
-naming the field and the values it accepts. Topology-dependent checks (``replication_factor``
-against the node count) run when the topology is known, in :mod:`tierckpt.dist.topology`.
+:class:`TierConfig` and its :class:`ScheduleOptions` are frozen dataclasses, validated and
+normalised in ``__post_init__``: building one raises :class:`ConfigError` naming the field and
+the values it accepts, so every rank rejects a bad config the same way before the engine runs
+any collective. ``dataclasses.replace`` (:meth:`TierConfig.replace`) validates the copy again.
+Mapping fields are :class:`FrozenDict`, so a config cannot be changed through them either.
+Topology-dependent checks (``replication_factor`` against the node count) run when the
+topology is known, in :mod:`tierckpt.dist.topology`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tierckpt.errors import ConfigError
+from tierckpt.preemption import signal_numbers
+from tierckpt.sched.mtbf import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT, prior_params
 
 TIERS = ("local", "persistent")
 """Tiers a save can target. Replication is part of the local tier (F>1), not a tier of its own."""
@@ -20,6 +28,15 @@ TIERS = ("local", "persistent")
 MAX_WAIT_S = 7 * 86400.0  # local_wait_timeout_s bound (threading.TIMEOUT_MAX is far above)
 DEFAULT_KEEP_LATEST_K = {"local": 2, "persistent": 3}
 TEMPLATE_FIELDS = ("job", "node", "hostname")
+
+DEFAULT_RESTART_PRIOR_S = 300.0
+"""R assumed until a restart is observed, seconds (relaunch + restore)."""
+DEFAULT_PERSISTENT_SHARE = 0.1
+"""Prior share p of failures that only the persistent tier can serve."""
+DEFAULT_PERSISTENT_SHARE_WEIGHT = 10.0
+"""Strength of that prior, in pseudo-restores (Beta(1, 9) with the defaults)."""
+DEFAULT_EMA_ALPHA = 0.3
+"""Weight of the newest sample in the moving averages of δ, C and the step time."""
 
 
 def validate_tiers(tiers, option: str = "tiers") -> tuple[str, ...]:
@@ -39,9 +56,174 @@ def validate_tiers(tiers, option: str = "tiers") -> tuple[str, ...]:
     return out
 
 
-@dataclass
-class TierConfig:
-    """Configuration of a :class:`tierckpt.engine.TieredCheckpointer`.
+class FrozenDict(dict):
+    """A ``dict`` that refuses changes: the mapping fields of the frozen configs.
+
+    Still a dict (JSON-serialisable, equal to a plain dict with the same items), picklable,
+    and hashable when its values are.
+
+    Raises:
+        TypeError: on any mutation (``d[k] = v``, ``update``, ``pop``, ...).
+    """
+
+    def _refuse(self, *args, **kw):
+        raise TypeError("a frozen config's mapping is read-only; build a new config "
+                        "(dataclasses.replace / TierConfig.replace)")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self.items()))
+
+    def __reduce__(self):
+        # pickle and copy would otherwise refill the new object through the refused __setitem__
+        return type(self), (dict(self),)
+
+
+class _KnownFields:
+    """An unknown keyword is a :class:`ConfigError` naming it and the allowed names, not a
+    ``TypeError``: a typo in a config read from a file fails like any other bad value."""
+
+    _prefix = ""
+    _what = "field"
+
+    def __new__(cls, *args, **kw):
+        allowed = [f.name for f in dataclasses.fields(cls) if f.init]
+        for name in kw:
+            if name not in allowed:
+                raise ConfigError(f"{cls._prefix}{name}", f"unknown {cls._what}; allowed: {', '.join(allowed)}")
+        return super().__new__(cls)
+
+
+def _number(value, option: str, *, integer: bool) -> int | float:
+    """``value`` as steps (an integer >= 1) or seconds (a finite number >= 0, as float)."""
+    if integer:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(option, f"must be an integer number of steps >= 1, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(option, f"must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def per_tier(value, option: str, *, integer: bool):
+    """Check a per-tier value: None (unset), one value for every tier, or ``{tier: value}``.
+
+    Values are steps (``integer``: integers >= 1) or seconds (numbers >= 0, returned as float).
+
+    Returns:
+        None, the single value, or a :class:`FrozenDict` ``{tier: value}`` without the tiers
+        mapped to None.
+
+    Raises:
+        ConfigError: naming ``option`` (``option.tier`` for a value of the mapping form), for a
+            tier not in :data:`TIERS` or a value out of range.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        return _number(value, option, integer=integer)
+    out = {}
+    for tier, v in value.items():
+        if tier not in TIERS:
+            raise ConfigError(option, f"unknown tier {tier!r}; allowed: {', '.join(TIERS)}")
+        if v is not None:
+            out[tier] = _number(v, f"{option}.{tier}", integer=integer)
+    return FrozenDict(out)
+
+
+def expand_per_tier(value, tiers: tuple[str, ...]) -> dict:
+    """A :func:`per_tier` result as ``{tier: value}``; a single value applies to every tier of ``tiers``."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    return {t: value for t in tiers}
+
+
+def _fraction(value, option: str) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value > 1 or value <= 0:
+        raise ConfigError(option, f"must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleOptions(_KnownFields):
+    """Options of the adaptive interval scheduler (:class:`tierckpt.sched.schedule.Scheduler`).
+
+    Per-tier options (``delta_prior_s``, ``min_s``, ``max_s``, ``min_steps``, ``max_steps``)
+    take one value for every scheduled tier or a ``{tier: value}`` mapping over :data:`TIERS`
+    (a tier left out, or mapped to None, has no bound / keeps the default); see
+    :func:`per_tier` for the normalised form.
+
+    Attributes:
+        gpu_mtbf_s: prior MTBF of one GPU (one rank on CPU), seconds, > 0; the job's prior is
+            this over the GPU count (default: Llama 3's, :data:`tierckpt.sched.mtbf.DEFAULT_GPU_MTBF_S`).
+        mtbf_weight: strength of that prior, pseudo-failures, > 0.
+        restart_prior_s: restart time R assumed until one is observed, seconds, >= 0.
+        delta_prior_s: blocking time δ per tier until one is measured, seconds, >= 0 (None:
+            :data:`tierckpt.sched.schedule.DEFAULT_DELTA_PRIOR_S`).
+        persistent_share: prior mean of the share p of failures only the persistent tier can
+            serve, in (0, 1].
+        persistent_share_weight: strength of that prior, pseudo-restores, > 0.
+        ema_alpha: weight of the newest sample in the moving averages, in (0, 1].
+        min_s, max_s: bounds on the interval, seconds >= 0 (``min_s`` <= ``max_s`` per tier).
+        min_steps, max_steps: bounds on the interval, steps >= 1 (``min_steps`` <= ``max_steps``).
+        interference: count the slowdown of steps overlapping a tier's background work in its
+            δ; False = blocking time only.
+
+    Raises:
+        ConfigError: naming the option (``min_s.local`` for a value of the mapping form) and its
+            allowed values; an unknown option name as ``schedule.<name>``, with the allowed names.
+    """
+
+    _prefix = "schedule."
+    _what = "scheduler option"
+
+    gpu_mtbf_s: float = DEFAULT_GPU_MTBF_S
+    mtbf_weight: float = DEFAULT_WEIGHT
+    restart_prior_s: float = DEFAULT_RESTART_PRIOR_S
+    delta_prior_s: float | Mapping[str, float] | None = None
+    persistent_share: float = DEFAULT_PERSISTENT_SHARE
+    persistent_share_weight: float = DEFAULT_PERSISTENT_SHARE_WEIGHT
+    ema_alpha: float = DEFAULT_EMA_ALPHA
+    min_s: float | Mapping[str, float] | None = None
+    max_s: float | Mapping[str, float] | None = None
+    min_steps: int | Mapping[str, int] | None = None
+    max_steps: int | Mapping[str, int] | None = None
+    interference: bool = True
+
+    def __post_init__(self) -> None:
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        prior_params(self.gpu_mtbf_s, 1, self.mtbf_weight)  # raises naming gpu_mtbf_s or mtbf_weight
+        put("gpu_mtbf_s", float(self.gpu_mtbf_s))
+        put("mtbf_weight", float(self.mtbf_weight))
+        put("restart_prior_s", _number(self.restart_prior_s, "restart_prior_s", integer=False))
+        put("delta_prior_s", per_tier(self.delta_prior_s, "delta_prior_s", integer=False))
+        put("persistent_share", _fraction(self.persistent_share, "persistent_share"))
+        w = self.persistent_share_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            raise ConfigError("persistent_share_weight", f"must be a positive number of pseudo-restores, got {w!r}")
+        put("persistent_share_weight", float(w))
+        put("ema_alpha", _fraction(self.ema_alpha, "ema_alpha"))
+        for lo_name, hi_name, integer in (("min_s", "max_s", False), ("min_steps", "max_steps", True)):
+            put(lo_name, per_tier(getattr(self, lo_name), lo_name, integer=integer))
+            put(hi_name, per_tier(getattr(self, hi_name), hi_name, integer=integer))
+            lo, hi = expand_per_tier(getattr(self, lo_name), TIERS), expand_per_tier(getattr(self, hi_name), TIERS)
+            for t in TIERS:
+                if t in lo and t in hi and lo[t] > hi[t]:
+                    raise ConfigError(lo_name, f"{lo_name} ({lo[t]}) of tier {t!r} exceeds {hi_name} ({hi[t]}); "
+                                      f"allowed: {lo_name} <= {hi_name}")
+        if not isinstance(self.interference, bool):
+            raise ConfigError("interference", f"must be true or false, got {self.interference!r}")
+
+
+@dataclass(frozen=True)
+class TierConfig(_KnownFields):
+    """Configuration of a :class:`tierckpt.engine.TieredCheckpointer` (frozen; validated when built).
 
     Attributes:
         local_root: template of each node's local-tier directory, e.g.
@@ -55,7 +237,7 @@ class TierConfig:
             {b·J·F + (n mod J) + k·J}, as in nvidia-resiliency-ext's CliqueReplicationStrategy.
         replication_factor: F; copies of each node's local checkpoint, own included (1 = none).
         keep_latest_k: committed steps kept per tier (0 = keep all). Defaults: local 2,
-            persistent 3.
+            persistent 3; a mapping giving some tiers keeps the defaults of the others.
         job_id: substituted for ``{job}``; default SLURM_JOB_ID (stable across requeues), else
             ``"job"``. torchrun's TORCHELASTIC_RUN_ID is not used: ``--standalone`` makes it
             random per launch, which would hide the previous launch's local checkpoints.
@@ -75,9 +257,7 @@ class TierConfig:
             caller decides when to save.
         adaptive: tiers whose interval comes from Young/Daly with measured δ and the MTBF
             estimate (:mod:`tierckpt.sched.schedule`); each must be in ``intervals``.
-        schedule_options: extra :class:`tierckpt.sched.schedule.Scheduler` arguments (``gpu_mtbf_s``,
-            ``mtbf_weight``, ``min_steps``, ``max_steps``, ``min_s``, ``max_s``,
-            ``restart_prior_s``, ``persistent_share``).
+        schedule: the adaptive scheduler's :class:`ScheduleOptions`.
         warn_only: tiers whose failed background save is only logged and recorded. A failed
             save of any other tier raises :class:`~tierckpt.errors.TierFailedError` at that
             tier's next ``save()`` and at a clean ``close()``. Default ``("local",)``: a
@@ -90,14 +270,23 @@ class TierConfig:
         preemption_grace_s: seconds the final save of a preemption notice may take before the
             trainer exits anyway: the local tier (+ replicas) is waited for first, the persistent
             tier with what is left (Slurm's KillWait and torchrun's shutdown default to 30 s).
+
+    Sequences are normalised to tuples and mappings to :class:`FrozenDict`.
+
+    Raises:
+        ConfigError: naming the first invalid field (``keep_latest_k.local``,
+            ``intervals.persistent``, ... for a mapping entry) and its allowed values; an
+            unknown field name, with the allowed names.
     """
+
+    _what = "TierConfig field"
 
     local_root: str | None = None
     persistent_root: str | None = None
     tiers: tuple[str, ...] = TIERS
     replication_jump: int = 1
     replication_factor: int = 2
-    keep_latest_k: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_KEEP_LATEST_K))
+    keep_latest_k: Mapping[str, int] = field(default_factory=lambda: FrozenDict(DEFAULT_KEEP_LATEST_K))
     job_id: str | None = None
     transfer_chunk_bytes: int = 64 << 20
     staging_buffers: int = 2
@@ -105,20 +294,25 @@ class TierConfig:
     local_wait_timeout_s: float = 300.0  # MAX_WAIT_S at most
     local_root_is_node_private: bool = False
     simulated_ranks_per_node: int = 0
-    intervals: dict[str, int] | None = None
+    intervals: Mapping[str, int] | None = None
     adaptive: tuple[str, ...] = ()
-    schedule_options: dict = field(default_factory=dict)
+    schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
     warn_only: tuple[str, ...] = ("local",)
     preemption_signals: tuple[str, ...] = ()
     preemption_grace_s: float = 25.0
 
-    def validate(self) -> "TierConfig":
-        """Check every field; return ``self`` with normalised values.
+    def __post_init__(self) -> None:
+        self._check_tiers_and_roots()
+        self._check_retention_and_transfer()
+        self._check_cadence()
+        self._check_preemption()
+        self._check_resources()
 
-        Raises:
-            ConfigError: naming the first invalid field and its allowed values.
-        """
-        self.tiers = validate_tiers(self.tiers)
+    def _put(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+
+    def _check_tiers_and_roots(self) -> None:
+        self._put("tiers", validate_tiers(self.tiers))
         if not self.tiers:
             raise ConfigError("tiers", f"at least one tier is required; allowed: {', '.join(TIERS)}")
         if "local" in self.tiers:
@@ -133,6 +327,8 @@ class TierConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(name, f"must be an integer >= 1, got {v!r}")
+
+    def _check_retention_and_transfer(self) -> None:
         keep = dict(DEFAULT_KEEP_LATEST_K)
         for tier, k in dict(self.keep_latest_k).items():
             if tier not in TIERS:
@@ -144,35 +340,41 @@ class TierConfig:
                     f"keep_latest_k.{tier}", f"must be an integer >= 0 (0 keeps all), got {k!r}"
                 )
             keep[tier] = k
-        self.keep_latest_k = keep
+        self._put("keep_latest_k", FrozenDict(keep))
         if not isinstance(self.transfer_chunk_bytes, int) or self.transfer_chunk_bytes < 4096 \
                 or self.transfer_chunk_bytes % 4096:
             raise ConfigError(
                 "transfer_chunk_bytes",
                 f"must be a positive multiple of 4096 bytes (O_DIRECT alignment), got {self.transfer_chunk_bytes!r}",
             )
+
+    def _check_cadence(self) -> None:
         if self.intervals is not None:
-            if not isinstance(self.intervals, dict):
+            if not isinstance(self.intervals, Mapping):
                 raise ConfigError("intervals", f"must be a mapping tier -> steps, got {self.intervals!r}")
             for tier, n in self.intervals.items():
                 if tier not in self.tiers:
                     raise ConfigError("intervals", f"tier {tier!r} is not configured; configured: {', '.join(self.tiers)}")
                 if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                     raise ConfigError(f"intervals.{tier}", f"must be an integer number of steps >= 1, got {n!r}")
-        self.adaptive = validate_tiers(self.adaptive, "adaptive")
-        self.warn_only = validate_tiers(self.warn_only, "warn_only")
-        from tierckpt.preemption import signal_numbers
+            self._put("intervals", FrozenDict(self.intervals))
+        self._put("adaptive", validate_tiers(self.adaptive, "adaptive"))
+        self._put("warn_only", validate_tiers(self.warn_only, "warn_only"))
+        for tier in self.adaptive:
+            if not self.intervals or tier not in self.intervals:
+                raise ConfigError("adaptive", f"tier {tier!r} needs an initial interval in intervals.{tier}")
+        if not isinstance(self.schedule, ScheduleOptions):
+            raise ConfigError("schedule", f"must be a ScheduleOptions (tierckpt.ScheduleOptions(min_steps=..., ...)), "
+                                          f"got {self.schedule!r}")
 
-        self.preemption_signals = tuple(self.preemption_signals)
+    def _check_preemption(self) -> None:
+        self._put("preemption_signals", tuple(self.preemption_signals))
         signal_numbers(self.preemption_signals)
         g = self.preemption_grace_s
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < float("inf"):
             raise ConfigError("preemption_grace_s", f"must be seconds > 0, got {g!r}")
-        for tier in self.adaptive:
-            if not self.intervals or tier not in self.intervals:
-                raise ConfigError("adaptive", f"tier {tier!r} needs an initial interval in intervals.{tier}")
-        if not isinstance(self.schedule_options, dict):
-            raise ConfigError("schedule_options", f"must be a mapping, got {self.schedule_options!r}")
+
+    def _check_resources(self) -> None:
         if isinstance(self.simulated_ranks_per_node, bool) or not isinstance(self.simulated_ranks_per_node, int) \
                 or self.simulated_ranks_per_node < 0:
             raise ConfigError("simulated_ranks_per_node",
@@ -191,7 +393,6 @@ class TierConfig:
             raise ConfigError("staging_buffers", "must be >= 2 with a local tier and local_wait_timeout_s > 0: "
                               "a stuck local save keeps its buffer, the other tiers need another "
                               f"(got {self.staging_buffers}; or set local_wait_timeout_s = 0)")
-        return self
 
     def resolved_job_id(self) -> str:
         """The ``{job}`` value: ``job_id``, else SLURM_JOB_ID, else ``"job"``."""
@@ -207,7 +408,11 @@ class TierConfig:
         )
 
     def replace(self, **kw) -> "TierConfig":
-        """A copy with fields replaced (not validated until :meth:`validate`)."""
+        """A copy with fields replaced, validated like a new config.
+
+        Raises:
+            ConfigError: as the constructor.
+        """
         return dataclasses.replace(self, **kw)
 
 

@@ -57,7 +57,7 @@ class TieredCheckpointer:
     """Multi-tier checkpointing for one job (create on every rank, collectively).
 
     Args:
-        config: tiers, roots, J/F, retention (validated here).
+        config: tiers, roots, J/F, retention (validated when it was built).
         node_id: explicit node id of this rank (simulation/tests); otherwise from the
             environment (see :mod:`tierckpt.dist.topology`).
         persistent_io: how persistent steps are written/read (default: plain DCP).
@@ -73,7 +73,7 @@ class TieredCheckpointer:
 
     def __init__(self, config: TierConfig, *, node_id: int | None = None,
                  persistent_io: PersistentIO | None = None):
-        self.cfg = config.validate()
+        self.cfg = config
         factor = self.cfg.replication_factor if "local" in self.cfg.tiers else 1
         self.topo, self.groups = discover(
             self.cfg.replication_jump, factor, node_id=node_id,
@@ -174,7 +174,7 @@ class TieredCheckpointer:
         self._pending_tau: dict[str, dict | None] = {}
         if self.cfg.intervals:
             self.cadence = Cadence(self.cfg.intervals, self.cfg.adaptive, rank=topo.rank,
-                                   world_size=topo.world_size, scheduler_kw=self.cfg.schedule_options)
+                                   world_size=topo.world_size, options=self.cfg.schedule)
             self._share_schedule(self.groups.local_world, "start", refresh_ledger=True)
         log.info("tierckpt: rank %d node %d/%d (%s), peers %s, local root %s, persistent %s",
                  topo.rank, topo.node, topo.nodes, topo.source, topo.peers(),

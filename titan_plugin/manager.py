@@ -48,13 +48,13 @@ from torchtitan.components.checkpoint import MODEL, CheckpointManager
 from tierckpt.io import layout, manifest
 from tierckpt.sched.cadence import decision_metrics
 from tierckpt.dist.collectives import PeerFailure, all_gather, run_agreed
-from tierckpt.config import TierConfig
 from tierckpt.engine import TieredCheckpointer
 from tierckpt.errors import ConfigError, VerificationError
 from tierckpt.io.dcp_io import crc32_off, digests_under, hashing_writer
 from tierckpt.tiers.persistent import PersistentIO
 from tierckpt.preemption import Preempted
 from tierckpt.io.storage import Store
+from titan_plugin.config import build_tier_config, checkpoint_error
 
 log = logging.getLogger(__name__)
 
@@ -90,40 +90,6 @@ def _same_dir(a: str, b: str) -> bool:
     if "://" in a or "://" in b:
         return a.rstrip("/") == b.rstrip("/")
     return os.path.realpath(a) == os.path.realpath(b)
-
-
-def tier_config(config: "TieredCheckpointManager.Config", persistent_folder: str) -> TierConfig:
-    """The engine's :class:`~tierckpt.config.TierConfig` for a validated ``[checkpoint]`` section.
-
-    Args:
-        config: the manager's Config (torchtitan's keys plus the plugin's).
-        persistent_folder: the persistent tier's directory or fsspec URL.
-    Returns:
-        TierConfig with the local tier only when ``local_interval > 0``; ``interval`` is the
-        persistent tier's; adaptive tiers get Scheduler options (``gpu_mtbf_s``, seconds;
-        ``restart_prior_s``, seconds; ``min_steps``/``max_steps``).
-    """
-    tiers = ("local", "persistent") if config.local_interval > 0 else ("persistent",)
-    sched = {"min_steps": config.min_interval_steps}
-    if config.max_interval_steps:
-        sched["max_steps"] = config.max_interval_steps
-    if config.gpu_mtbf_hours:
-        sched["gpu_mtbf_s"] = config.gpu_mtbf_hours * 3600.0
-    if config.restart_prior_s:
-        sched["restart_prior_s"] = float(config.restart_prior_s)
-    tcfg = TierConfig(
-        local_root=config.local_root, persistent_root=persistent_folder, tiers=tiers,
-        replication_jump=config.replication_jump, replication_factor=config.replication_factor,
-        keep_latest_k={"local": config.local_keep_latest_k, "persistent": config.keep_latest_k},
-        job_id=config.job_id or None, simulated_ranks_per_node=config.simulated_ranks_per_node,
-        intervals={"local": config.local_interval, "persistent": config.interval} if config.local_interval
-        else {"persistent": config.interval},
-        adaptive=tuple(t for t in config.adaptive if t in tiers), schedule_options=sched,
-        local_wait_timeout_s=float(config.local_wait_timeout_s),
-        warn_only=tuple(t for t in config.warn_only_tiers if t in tiers),
-        preemption_signals=tuple(config.preemption_signals), preemption_grace_s=float(config.preemption_grace_s),
-    )
-    return tcfg
 
 
 class TieredCheckpointManager(CheckpointManager):
@@ -265,11 +231,11 @@ class TieredCheckpointManager(CheckpointManager):
                 config.last_save_in_hf or config.export_dtype != "float32"):
             raise ConfigError("checkpoint.persistent_folder",
                               _EXPORT_CLASH.format(dtype=config.export_dtype, folder=self.folder))
-        tcfg = tier_config(config, self.persistent_folder)
+        tcfg = build_tier_config(config, self.persistent_folder)
         try:
             self.engine = TieredCheckpointer(tcfg, persistent_io=TitanPersistentIO())
-        except ConfigError as e:
-            raise ConfigError(f"checkpoint.{e.option}", str(e).split(": ", 1)[-1]) from None
+        except ConfigError as e:  # topology and writable roots, checked collectively
+            raise checkpoint_error(e) from None
         self.last_restore = None
         self._t_step_end: float | None = None
         self._last_handle = None

@@ -36,7 +36,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import tomli
 
-from tierckpt.errors import ConfigError
+from tierckpt import ConfigError
 
 JOB_KEYS = {"module": "torchtitan module (e.g. llama3) or package with a config_registry",
             "config": "function of that config_registry returning a Trainer.Config"}
@@ -303,16 +303,17 @@ def _merge(a: dict, b: dict) -> dict:
 
 
 def check_tiers_early(ckpt) -> None:
-    """Validate the tier settings that do not need a process group, plus J/F against the node
-    count when the launcher tells it (WORLD_SIZE with LOCAL_WORLD_SIZE or
-    ``simulated_ranks_per_node``). A ``create_seed_checkpoint`` run must be one rank
-    (WORLD_SIZE unset or 1) with checkpointing enabled; J/F do not apply to it.
+    """Validate the tier settings before any process group exists: the engine's whole config
+    through :func:`titan_plugin.config.build_tier_config` (the function the manager builds it
+    with at start-up), plus J/F against the node count when the launcher tells it (WORLD_SIZE
+    with LOCAL_WORLD_SIZE or ``simulated_ranks_per_node``). A ``create_seed_checkpoint`` run
+    must be one rank (WORLD_SIZE unset or 1) with checkpointing enabled; J/F do not apply to it.
 
     Raises:
         ConfigError: naming the ``checkpoint.*`` key and the allowed values.
     """
-    from tierckpt.config import TierConfig
     from tierckpt.dist.topology import check_replication
+    from titan_plugin.config import build_tier_config, checkpoint_error
 
     seed = ckpt.create_seed_checkpoint
     if seed:  # as torchtitan.train.main: one process writes the unsharded model and exits
@@ -324,16 +325,11 @@ def check_tiers_early(ckpt) -> None:
                               f"runs on a single rank (the model unsharded); got WORLD_SIZE={world}; allowed: 1")
     if not ckpt.enable:
         return
-    tiers = ("local", "persistent") if ckpt.local_interval > 0 else ("persistent",)
-    try:
-        TierConfig(local_root=ckpt.local_root, persistent_root=ckpt.persistent_folder or ckpt.folder,
-                   tiers=tiers, replication_jump=ckpt.replication_jump,
-                   replication_factor=ckpt.replication_factor,
-                   keep_latest_k={"local": ckpt.local_keep_latest_k, "persistent": ckpt.keep_latest_k},
-                   simulated_ranks_per_node=ckpt.simulated_ranks_per_node).validate()
-        world = int(os.environ.get("WORLD_SIZE", "0"))
-        rpn = ckpt.simulated_ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-        if world and rpn and "local" in tiers and not seed:  # a seed run writes no local tier
-            check_replication(max(1, world // rpn), ckpt.replication_jump, ckpt.replication_factor)
-    except ConfigError as e:
-        raise ConfigError(f"checkpoint.{e.option}", str(e).split(": ", 1)[-1]) from None
+    tcfg = build_tier_config(ckpt, ckpt.persistent_folder or ckpt.folder)
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    rpn = ckpt.simulated_ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if world and rpn and "local" in tcfg.tiers and not seed:  # a seed run writes no local tier
+        try:
+            check_replication(max(1, world // rpn), tcfg.replication_jump, tcfg.replication_factor)
+        except ConfigError as e:
+            raise checkpoint_error(e) from None

@@ -25,6 +25,7 @@ from mcore_plugin.args import (
     tier_config_from_args,
     validate_plugin_args,
 )
+from tierckpt import ScheduleOptions
 from tierckpt.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,8 +117,8 @@ def test_persistent_only_and_adaptive():
     assert s.tiers == ("persistent",) and args.non_persistent_ckpt_type is None
     cfg = tier_config_from_args(args)
     assert cfg.adaptive == ("persistent",)
-    assert cfg.schedule_options == {"min_steps": 50, "max_steps": 5000, "gpu_mtbf_s": 20000 * 3600.0,
-                                    "restart_prior_s": 45.0}
+    assert cfg.schedule == ScheduleOptions(min_steps=50, max_steps=5000, gpu_mtbf_s=20000 * 3600.0,
+                                           restart_prior_s=45.0)
 
 
 def test_plugin_off_leaves_args_alone_and_refuses_stray_flags():
@@ -187,6 +188,35 @@ def test_bad_values_are_parser_errors_naming_the_flag(argv, flag, capsys):
     assert flag in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra, flag, words", [
+    (["--ckpt-plugin-local-wait-timeout", "1e9"], "--ckpt-plugin-local-wait-timeout", "[0, 604800]"),
+    (["--ckpt-plugin-adaptive", "local", "--ckpt-plugin-gpu-mtbf-hours", "inf"], "--ckpt-plugin-gpu-mtbf-hours",
+     "positive number"),
+    (["--ckpt-plugin-local-root", "/nvme/{rank}/x"], "--ckpt-plugin-local-root", "unknown field"),
+])
+def test_early_check_and_runtime_builder_give_the_same_error(monkeypatch, extra, flag, words):
+    """validate_plugin_args (before any process group) and the start-up build are one function:
+    the same bad flags fail with the same flag and message in both."""
+    from mcore_plugin import args as args_mod
+
+    argv = GOOD + extra
+    early = error_of(argv)
+    assert early.option == flag and words in str(early), str(early)
+    args = parse(argv)
+    with monkeypatch.context() as m:  # the flag checks alone pass; keep the settings they decide
+        m.setattr(args_mod, "tier_config_from_args", lambda a, s=None: None)
+        validate_plugin_args(args)
+    with pytest.raises(ConfigError) as runtime:
+        tier_config_from_args(args)
+    assert (runtime.value.option, str(runtime.value)) == (early.option, str(early))
+
+
+def test_unknown_plugin_flag_is_a_parser_error_naming_it(capsys):
+    with pytest.raises(SystemExit) as e:
+        megatron_like_parser().parse_args(GOOD + ["--ckpt-plugin-local-intervall", "5"])
+    assert e.value.code == 2 and "--ckpt-plugin-local-intervall" in capsys.readouterr().err
+
+
 def test_megatron_replication_jump_in_ranks_becomes_nodes(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     base = GOOD + ["--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", "10", "--replication"]
@@ -226,7 +256,7 @@ def test_config_file_parses_and_validates():
     assert cfg.persistent_root == args.save == args.load
     assert (cfg.replication_jump, cfg.replication_factor) == (1, 2)
     assert cfg.intervals == {"local": 50, "persistent": 1000}
-    assert cfg.schedule_options["min_steps"] == 20 and cfg.schedule_options["max_steps"] == 2000
+    assert cfg.schedule.min_steps == 20 and cfg.schedule.max_steps == 2000
     assert s.keep_latest_k == {"local": 2, "persistent": 3}
     # a realistic GPU run: 16 nodes x 8 GPUs with TP 2 x PP 2 -> DP 32, bf16, NCCL
     def value(flag):

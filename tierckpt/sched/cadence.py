@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 
+from tierckpt.config import ScheduleOptions
 from tierckpt.sched.schedule import Decision, Scheduler
 
 log = logging.getLogger(__name__)
@@ -32,15 +33,12 @@ class Cadence:
             used until the first adaptive decision.
         adaptive: tiers whose interval the scheduler chooses.
         rank, world_size: this rank and the job size (ranks stand for GPUs in the MTBF prior).
-        scheduler_kw: extra :class:`Scheduler` arguments (gpu_mtbf_s, mtbf_weight, min_steps,
-            max_steps, …).
-
-    Raises:
-        ConfigError: invalid scheduler options (naming the option).
+        options: the scheduler's options (validated when the config was built, on every
+            rank; None = the defaults).
     """
 
     def __init__(self, intervals: dict[str, int], adaptive: tuple[str, ...], *, rank: int,
-                 world_size: int, scheduler_kw: dict | None = None):
+                 world_size: int, options: ScheduleOptions | None = None):
         self.tiers = tuple(intervals)
         self.tau = {t: int(n) for t, n in intervals.items()}
         self.adaptive = tuple(t for t in adaptive if t in intervals)
@@ -50,7 +48,7 @@ class Cadence:
         self._last_logged: dict[str, tuple] = {}
         if rank == 0:
             fixed = {t: n for t, n in self.tau.items() if t not in self.adaptive}
-            self.scheduler = Scheduler(self.tiers, gpus=world_size, fixed_steps=fixed, **(scheduler_kw or {}))
+            self.scheduler = Scheduler(self.tiers, gpus=world_size, options=options, fixed_steps=fixed)
 
     # -- rank 0 --------------------------------------------------------------------------------
     def observe_step(self, seconds: float, busy=()) -> None:
@@ -122,19 +120,11 @@ class Cadence:
         for t in tiers:
             if t in self.tau:
                 self.last[t] = int(step)
-        if self.scheduler is not None:
-            with self._lock:
-                for t in tiers:
-                    if t in self.tau:
-                        self.scheduler.mark_saved(t, step)
 
     def reset(self, step: int) -> None:
         """Count every interval from ``step`` (after a restore)."""
         for t in self.tiers:
             self.last[t] = int(step)
-        if self.scheduler is not None:
-            with self._lock:
-                self.scheduler.reset(step)
 
 
 def decision_metrics(records: list[dict]) -> dict[str, float]:

@@ -48,8 +48,9 @@ The scheduler
 - ``fixed_steps={"local": 10}`` makes a tier save every 10 steps (the classic behaviour).
 
 Every decision is a pure function of the observations, so equal inputs give equal decisions;
-still, only global rank 0 decides (it alone reads the ledger) and the engine broadcasts its
-:meth:`Scheduler.due` result so that all ranks enter the collective save together.
+still, only global rank 0 decides (it alone reads the ledger) and the engine shares its
+intervals at points every rank reaches together (:mod:`tierckpt.sched.cadence`). The options
+(:class:`tierckpt.config.ScheduleOptions`) are validated where the config is built, on every rank.
 """
 
 from __future__ import annotations
@@ -58,20 +59,12 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from tierckpt.config import TIERS, validate_tiers
+from tierckpt.config import TIERS, ScheduleOptions, expand_per_tier, per_tier, validate_tiers
 from tierckpt.errors import ConfigError
-from tierckpt.sched.mtbf import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT, MTBFEstimator
+from tierckpt.sched.mtbf import MTBFEstimator
 
 DEFAULT_DELTA_PRIOR_S = {"local": 5.0, "persistent": 60.0}
 """Blocking time assumed for a tier before its first checkpoint is measured, seconds."""
-DEFAULT_RESTART_PRIOR_S = 300.0
-"""R assumed until a restart is observed, seconds (relaunch + restore)."""
-DEFAULT_PERSISTENT_SHARE = 0.1
-"""Prior share p of failures that only the persistent tier can serve."""
-DEFAULT_PERSISTENT_SHARE_WEIGHT = 10.0
-"""Strength of that prior, in pseudo-restores (Beta(1, 9) with the defaults)."""
-DEFAULT_EMA_ALPHA = 0.3
-"""Weight of the newest sample in the moving averages of δ, C and the step time."""
 
 DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 """Units :func:`parse_duration` accepts (seconds, minutes, hours, days)."""
@@ -310,35 +303,6 @@ class Decision:
         return asdict(self)
 
 
-def _per_tier(value, option: str, tiers: tuple[str, ...], *, integer: bool) -> dict[str, float | int]:
-    """Normalise a scalar or ``{tier: value}`` bound to ``{tier: value}`` (absent = no bound)."""
-    if value is None:
-        return {}
-    items = value.items() if isinstance(value, dict) else [(t, value) for t in tiers]
-    out = {}
-    for tier, v in items:
-        if tier not in TIERS:
-            raise ConfigError(option, f"unknown tier {tier!r}; allowed: {', '.join(TIERS)}")
-        if v is None:
-            continue
-        if integer:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{option}.{tier}" if isinstance(value, dict) else option,
-                                  f"must be an integer number of steps >= 1, got {v!r}")
-        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ConfigError(f"{option}.{tier}" if isinstance(value, dict) else option,
-                              f"must be a number of seconds >= 0, got {v!r}")
-        out[tier] = v
-    return out
-
-
-def _fraction(value, option: str, *, allow_zero: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value > 1 or value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(option, f"must be a number in {'[0, 1]' if allow_zero else '(0, 1]'}, got {value!r}")
-    return float(value)
-
-
 def _is_persistent_source(v) -> bool:
     if isinstance(v, dict):
         v = v.get("source", v.get("tier"))
@@ -351,63 +315,39 @@ class Scheduler:
     Args:
         tiers: tiers to schedule, subset of :data:`tierckpt.config.TIERS`.
         gpus: GPUs (ranks on CPU) of the job, for the MTBF prior.
-        gpu_mtbf_s: prior per-GPU MTBF, seconds (default from Llama 3).
-        mtbf_weight: prior weight, pseudo-failures.
-        restart_prior_s: R until a restart is observed, seconds.
-        delta_prior_s: δ per tier until measured, seconds (float for all tiers, or a dict).
-        persistent_share: prior mean of p, in (0, 1].
-        persistent_share_weight: prior strength of p, pseudo-restores (> 0).
-        ema_alpha: weight of the newest sample in the EMAs, in (0, 1].
-        min_s, max_s: bounds on τ in seconds (float for all tiers, or ``{tier: float}``).
-        min_steps, max_steps: bounds on τ in steps (int, or ``{tier: int}``).
+        options: the user's :class:`~tierckpt.config.ScheduleOptions` (MTBF and restart priors,
+            δ priors, the prior of p, EMA weight, bounds in seconds and steps, interference);
+            None = the defaults.
         fixed_steps: ``{tier: steps}`` tiers that save on a fixed step interval instead.
-        interference: count the slowdown of steps overlapping a tier's background work in its
-            δ (see the module docstring); False = blocking time only.
 
     Raises:
-        ConfigError: naming the option and its allowed values.
+        ConfigError: naming the argument (``tiers``, ``gpus``, ``options``, ``fixed_steps``)
+            and its allowed values.
     """
 
-    def __init__(self, tiers=TIERS, *, gpus: int = 1, gpu_mtbf_s: float = DEFAULT_GPU_MTBF_S,
-                 mtbf_weight: float = DEFAULT_WEIGHT, restart_prior_s: float = DEFAULT_RESTART_PRIOR_S,
-                 delta_prior_s: float | dict | None = None,
-                 persistent_share: float = DEFAULT_PERSISTENT_SHARE,
-                 persistent_share_weight: float = DEFAULT_PERSISTENT_SHARE_WEIGHT,
-                 ema_alpha: float = DEFAULT_EMA_ALPHA,
-                 min_s=None, max_s=None, min_steps=None, max_steps=None,
-                 fixed_steps: dict | None = None, interference: bool = True):
+    def __init__(self, tiers=TIERS, *, gpus: int = 1, options: ScheduleOptions | None = None,
+                 fixed_steps: dict | None = None):
         self.tiers = validate_tiers(tiers)
         if not self.tiers:
             raise ConfigError("tiers", f"at least one tier is required; allowed: {', '.join(TIERS)}")
-        self.estimator = MTBFEstimator(gpus=gpus, gpu_mtbf_s=gpu_mtbf_s, weight=mtbf_weight)
-        self.restart_prior_s = _check(restart_prior_s, "restart_prior_s")
-        priors = dict(DEFAULT_DELTA_PRIOR_S)
-        priors.update(_per_tier(delta_prior_s, "delta_prior_s", self.tiers, integer=False))
-        self.delta_prior_s = priors
-        p0 = _fraction(persistent_share, "persistent_share")
-        w = persistent_share_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-            raise ConfigError("persistent_share_weight", f"must be a positive number of pseudo-restores, got {w!r}")
+        opts = ScheduleOptions() if options is None else options
+        if not isinstance(opts, ScheduleOptions):
+            raise ConfigError("options", f"must be a ScheduleOptions, got {opts!r}")
+        self.estimator = MTBFEstimator(gpus=gpus, gpu_mtbf_s=opts.gpu_mtbf_s, weight=opts.mtbf_weight)
+        self.restart_prior_s = opts.restart_prior_s
+        self.delta_prior_s = {**DEFAULT_DELTA_PRIOR_S, **expand_per_tier(opts.delta_prior_s, self.tiers)}
+        p0, w = opts.persistent_share, opts.persistent_share_weight
         self.share_a0, self.share_b0 = p0 * w, (1.0 - p0) * w
-        self.ema_alpha = _fraction(ema_alpha, "ema_alpha")
-        self.min_s = _per_tier(min_s, "min_s", self.tiers, integer=False)
-        self.max_s = _per_tier(max_s, "max_s", self.tiers, integer=False)
-        self.min_steps = _per_tier(min_steps, "min_steps", self.tiers, integer=True)
-        self.max_steps = _per_tier(max_steps, "max_steps", self.tiers, integer=True)
-        for lo, hi, lo_name, hi_name in ((self.min_s, self.max_s, "min_s", "max_s"),
-                                         (self.min_steps, self.max_steps, "min_steps", "max_steps")):
-            for t in set(lo) & set(hi):
-                if lo[t] > hi[t]:
-                    raise ConfigError(lo_name, f"{lo_name} ({lo[t]}) of tier {t!r} exceeds {hi_name} ({hi[t]}); "
-                                      f"allowed: {lo_name} <= {hi_name}")
-        self.fixed_steps = _per_tier(fixed_steps, "fixed_steps", self.tiers, integer=True)
+        self.ema_alpha = opts.ema_alpha
+        self.min_s = expand_per_tier(opts.min_s, self.tiers)
+        self.max_s = expand_per_tier(opts.max_s, self.tiers)
+        self.min_steps = expand_per_tier(opts.min_steps, self.tiers)
+        self.max_steps = expand_per_tier(opts.max_steps, self.tiers)
+        self.fixed_steps = expand_per_tier(per_tier(fixed_steps, "fixed_steps", integer=True), self.tiers)
         for t in self.fixed_steps:
             if t not in self.tiers:
                 raise ConfigError("fixed_steps", f"tier {t!r} is not scheduled; scheduled: {', '.join(self.tiers)}")
-
-        if not isinstance(interference, bool):
-            raise ConfigError("interference", f"must be true or false, got {interference!r}")
-        self.interference = interference
+        self.interference = opts.interference
         self._delta = {t: Ema(self.ema_alpha) for t in self.tiers}
         self._blocking = {t: Ema(self.ema_alpha) for t in self.tiers}
         self._interference_acc = {t: 0.0 for t in self.tiers}
@@ -423,8 +363,6 @@ class Scheduler:
         self._share_k = 0
         self._share_n = 0
         self._share_source = "prior"
-        self._last_step: dict[str, int] = {}
-        self._last_time: dict[str, float] = {}
 
     # -- observations ---------------------------------------------------------------------------
     def _tier(self, tier: str) -> str:
@@ -666,51 +604,6 @@ class Scheduler:
     def decisions(self) -> dict[str, Decision]:
         """:meth:`interval` of every scheduled tier."""
         return {t: self.interval(t) for t in self.tiers}
-
-    def reset(self, step: int, now: float | None = None) -> None:
-        """Count every tier's interval from ``step`` (after a restore, or at the first step)."""
-        for t in self.tiers:
-            self._last_step[t] = int(step)
-            if now is not None:
-                self._last_time[t] = float(now)
-
-    def mark_saved(self, tier: str, step: int, now: float | None = None) -> None:
-        """``tier`` saved at ``step`` (UNIX time ``now`` if given)."""
-        self._tier(tier)
-        self._last_step[tier] = int(step)
-        if now is not None:
-            self._last_time[tier] = float(now)
-
-    def last_saved_step(self, tier: str) -> int | None:
-        """Step of the tier's last save (or of :meth:`reset`); None before either."""
-        self._tier(tier)
-        return self._last_step.get(tier)
-
-    def due(self, step: int, now: float | None = None) -> list[str]:
-        """Tiers due at ``step``, in :attr:`tiers` order.
-
-        A tier is due when ``step − last_saved_step ≥ tau_steps``. A tier never saved (and not
-        :meth:`reset`) counts from the first step this is called with. With ``now`` (UNIX s),
-        an adaptive tier is also due once ``tau_s`` seconds passed since its last save marked
-        with a time, which catches steps slower than the average; clocks differ between ranks,
-        so call it on rank 0 only and broadcast the result (the engine does this anyway).
-        Does not mark anything saved: call :meth:`mark_saved` after the save.
-        """
-        out = []
-        for t in self.tiers:
-            if t not in self._last_step:
-                self._last_step[t] = int(step)
-                if now is not None:
-                    self._last_time[t] = float(now)
-                continue
-            d = self.interval(t)
-            if d.tau_steps is not None and step - self._last_step[t] >= d.tau_steps:
-                out.append(t)
-            elif (now is not None and t not in self.fixed_steps and d.tau_s is not None
-                  and t in self._last_time and step > self._last_step[t]
-                  and now - self._last_time[t] >= d.tau_s):
-                out.append(t)
-        return out
 
 
 # --------------------------------------------------------------------------------------------

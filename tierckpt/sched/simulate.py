@@ -35,6 +35,7 @@ import random
 import statistics
 from dataclasses import asdict, dataclass
 
+from tierckpt.config import ScheduleOptions
 from tierckpt.errors import ConfigError
 from tierckpt.sched.schedule import (
     Scheduler,
@@ -173,8 +174,8 @@ class AdaptivePolicy(FixedPolicy):
 
     def __init__(self, params: SimParams):
         self.params = params
-        self.sched = Scheduler(tiers=("local",), gpus=1, gpu_mtbf_s=params.prior_mtbf_s,
-                               mtbf_weight=params.prior_weight)
+        self.sched = Scheduler(tiers=("local",), gpus=1, options=ScheduleOptions(
+            gpu_mtbf_s=params.prior_mtbf_s, mtbf_weight=params.prior_weight))
         self.sched.observe_step(params.step_s)
 
     def interval_steps(self) -> int:

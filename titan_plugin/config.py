@@ -1,0 +1,84 @@
+"""The engine's :class:`~tierckpt.TierConfig` from torchtitan's ``[checkpoint]`` section.
+
+:func:`build_tier_config` is the one place that turns a
+``TieredCheckpointManager.Config`` into a ``TierConfig``: the TOML front-end's early check
+(:func:`titan_plugin.toml.check_tiers_early`, before any process group exists) and the
+manager at start-up both call it, so a bad value fails the same way in both. Errors name the
+``checkpoint.*`` key the user wrote, through one table from ``TierConfig`` /
+``ScheduleOptions`` field names to those keys (:func:`checkpoint_error`).
+
+This module imports neither torch nor torchtitan.
+"""
+
+from __future__ import annotations
+
+from tierckpt import ConfigError, ScheduleOptions, TierConfig
+
+# TierConfig / ScheduleOptions field -> [checkpoint] key, where the names differ. A mapping
+# entry ("keep_latest_k.local") is looked up first, then its field ("keep_latest_k").
+_KEY_OF_FIELD = {
+    "persistent_root": "persistent_folder",
+    "tiers": "local_interval",
+    "keep_latest_k.local": "local_keep_latest_k",
+    "keep_latest_k.persistent": "keep_latest_k",
+    "intervals.local": "local_interval",
+    "intervals.persistent": "interval",
+    "intervals": "local_interval",
+    "warn_only": "warn_only_tiers",
+    "min_steps": "min_interval_steps",
+    "max_steps": "max_interval_steps",
+    "gpu_mtbf_s": "gpu_mtbf_hours",
+}
+
+
+def checkpoint_error(e: ConfigError) -> ConfigError:
+    """``e`` (naming a ``TierConfig``/``ScheduleOptions`` field, or a topology option such as
+    ``replication_factor``) renamed to the ``checkpoint.*`` key that sets it, same message."""
+    field = e.option
+    key = _KEY_OF_FIELD.get(field, _KEY_OF_FIELD.get(field.split(".")[0], field))
+    return ConfigError(f"checkpoint.{key}", str(e).removeprefix(f"{field}: "))
+
+
+def build_tier_config(ckpt, persistent_folder: str) -> TierConfig:
+    """The engine's config for a ``[checkpoint]`` section.
+
+    Args:
+        ckpt: a ``TieredCheckpointManager.Config`` (torchtitan's keys plus the plugin's).
+        persistent_folder: the persistent tier's directory or fsspec URL (``persistent_folder``,
+            else torchtitan's checkpoint folder).
+
+    Returns:
+        A validated :class:`~tierckpt.TierConfig`: the local tier only when
+        ``local_interval > 0``; ``interval`` is the persistent tier's; adaptive and warn-only
+        tiers restricted to those tiers; scheduler options ``min_steps`` /
+        ``max_steps`` (steps, ``max_interval_steps = 0``: none), ``gpu_mtbf_s`` (seconds, from
+        ``gpu_mtbf_hours``; 0 = the scheduler's default) and ``restart_prior_s`` (seconds; 0 =
+        the default).
+
+    Raises:
+        ConfigError: named ``checkpoint.<key>`` (e.g. ``checkpoint.local_wait_timeout_s``), with
+            the allowed values.
+    """
+    tiers = ("local", "persistent") if ckpt.local_interval > 0 else ("persistent",)
+    sched = {"min_steps": ckpt.min_interval_steps}
+    if ckpt.max_interval_steps:
+        sched["max_steps"] = ckpt.max_interval_steps
+    if ckpt.gpu_mtbf_hours:
+        sched["gpu_mtbf_s"] = ckpt.gpu_mtbf_hours * 3600.0
+    if ckpt.restart_prior_s:
+        sched["restart_prior_s"] = float(ckpt.restart_prior_s)
+    try:
+        return TierConfig(
+            local_root=ckpt.local_root, persistent_root=persistent_folder, tiers=tiers,
+            replication_jump=ckpt.replication_jump, replication_factor=ckpt.replication_factor,
+            keep_latest_k={"local": ckpt.local_keep_latest_k, "persistent": ckpt.keep_latest_k},
+            job_id=ckpt.job_id or None, simulated_ranks_per_node=ckpt.simulated_ranks_per_node,
+            intervals={"local": ckpt.local_interval, "persistent": ckpt.interval} if ckpt.local_interval
+            else {"persistent": ckpt.interval},
+            adaptive=tuple(t for t in ckpt.adaptive if t in tiers), schedule=ScheduleOptions(**sched),
+            local_wait_timeout_s=float(ckpt.local_wait_timeout_s),
+            warn_only=tuple(t for t in ckpt.warn_only_tiers if t in tiers),
+            preemption_signals=tuple(ckpt.preemption_signals), preemption_grace_s=float(ckpt.preemption_grace_s),
+        )
+    except ConfigError as e:
+        raise checkpoint_error(e) from None
