@@ -175,7 +175,7 @@ def evidence_from_ledger(records: Iterable[dict | LedgerRecord], current_run_id:
                          job: str | None = None) -> Evidence:
     """Exposure and failure count of a job from its ledger records.
 
-    Records are grouped into runs by ``run_id`` (see :mod:`tierckpt.history.ledger` for the kinds).
+    Records are grouped into runs by ``run_id`` (see :mod:`tierckpt.records` for the kinds).
 
     - **Exposure** (seconds): per run, ``run_end.exposure_s``; a run without ``run_end``
       (crashed, or in progress) counts from its ``run_start`` time (its first record's time if
