@@ -16,6 +16,7 @@ from tierckpt import cli
 from tierckpt.io import manifest
 from tierckpt.io.layout import LEDGER, MANIFEST, local_step, persistent_step, replica_step
 from tierckpt.history.ledger import Ledger
+from tierckpt.records import CheckpointRecord, RestoreRecord, RunEndRecord, RunStartRecord
 from tierckpt.io.storage import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -226,18 +227,18 @@ def ledger_root(tmp_path: Path) -> Store:
     """A ledger with a failed run (no run_end), a clean run with a restore, and a torn tail."""
     store = Store(str(tmp_path / "persist"))
     a = Ledger(store, enabled=True, run_id="run-aaaaaaaaaaaaaaaa", job="j1")
-    a.append("run_start", world_size=8, nodes=2, ranks_per_node=4, restart_count=0, host="h0")
-    a.append("checkpoint", tier="local", step=10, blocking_s=0.5, background_s=2.0, bytes=3 << 30, ok=True)
-    a.append("checkpoint", tier="persistent", step=10, blocking_s=0.0, background_s=0.0, bytes=0,
-             ok=False, error="disk full")
+    a.append(RunStartRecord(world_size=8, nodes=2, ranks_per_node=4, restart_count=0, host="h0"))
+    a.append(CheckpointRecord(tier="local", step=10, blocking_s=0.5, background_s=2.0, bytes=3 << 30, ok=True))
+    a.append(CheckpointRecord(tier="persistent", step=10, blocking_s=0.0, background_s=0.0, bytes=0,
+                              ok=False, error="disk full"))
     # run a dies here: no run_end
     b = Ledger(store, enabled=True, run_id="run-bbbbbbbbbbbbbbbb", job="j1")
-    b.append("run_start", world_size=8, nodes=2, ranks_per_node=4, restart_count=1, host="h0")
-    b.append("restore", step=10, sources={"0": {"source": "own-local", "holder": 0},
-                                          "1": {"source": "peer-replica", "holder": 0}},
-             bytes=6 << 30, seconds=4.2, attempts=1, persistent_bytes=0)
-    b.append("checkpoint", tier="local", step=20, blocking_s=1.5, background_s=3.0, bytes=2 << 30, ok=True)
-    b.append("run_end", clean=True, exposure_s=123.0, reason="finished")
+    b.append(RunStartRecord(world_size=8, nodes=2, ranks_per_node=4, restart_count=1, host="h0"))
+    b.append(RestoreRecord(step=10, sources={"0": {"source": "own-local", "holder": 0},
+                                             "1": {"source": "peer-replica", "holder": 0}},
+                           bytes=6 << 30, seconds=4.2, attempts=1, persistent_bytes=0))
+    b.append(CheckpointRecord(tier="local", step=20, blocking_s=1.5, background_s=3.0, bytes=2 << 30, ok=True))
+    b.append(RunEndRecord(clean=True, exposure_s=123.0, reason="finished"))
     with open(store.path(LEDGER), "ab") as f:
         f.write(b'{"kind": "checkpoint", "time": 1.0, "run_id": "run-cc')  # writer died mid-line
     return store
@@ -268,7 +269,7 @@ def test_ledger_json_counts_failure(ledger_root, capsys):
 def test_ledger_append_after_torn_line_stays_parseable(ledger_root, capsys):
     before = Ledger.read(ledger_root)
     c = Ledger(ledger_root, enabled=True, run_id="run-c", job="j1")
-    rec = c.append("run_start", world_size=8, nodes=2, ranks_per_node=4, restart_count=2, host="h1")
+    rec = c.append(RunStartRecord(world_size=8, nodes=2, ranks_per_node=4, restart_count=2, host="h1"))
     after = Ledger.read(ledger_root)
     assert len(after) == len(before) + 1
     assert after[-1] == json.loads(json.dumps(rec))

@@ -15,6 +15,7 @@ from tierckpt.config import ScheduleOptions
 from tierckpt.errors import ConfigError
 from tierckpt.io.layout import LEDGER
 from tierckpt.history.ledger import Ledger
+from tierckpt.records import CheckpointRecord, RunStartRecord
 from tierckpt.sched.mtbf import MTBFEstimator, evidence_from_ledger
 from tierckpt.sched.schedule import (
     Scheduler,
@@ -232,12 +233,12 @@ def test_evidence_partial_and_torn_runs():
 def test_evidence_from_real_ledger_file_with_torn_tail(tmp_path: Path):
     store = Store(str(tmp_path / "persist"))
     a = Ledger(store, enabled=True, run_id="a", job="j")
-    a.append("run_start", world_size=2, restart_count=0)
-    a.append("checkpoint", tier="local", step=10, blocking_s=0.5, background_s=2.0, bytes=1, ok=True)
+    a.append(RunStartRecord(world_size=2, restart_count=0))
+    a.append(CheckpointRecord(tier="local", step=10, blocking_s=0.5, background_s=2.0, bytes=1, ok=True))
     with open(store.path(LEDGER), "ab") as f:
         f.write(b'{"kind": "checkpoint", "time": 1.0, "run_id": "a')  # died mid-append
     b = Ledger(store, enabled=True, run_id="b", job="j")
-    b.append("run_start", world_size=2, restart_count=1)
+    b.append(RunStartRecord(world_size=2, restart_count=1))
     records = Ledger.read(store)
     ev = evidence_from_ledger(records, current_run_id="b", gpus=2)
     assert (ev.runs, ev.failures, ev.unclean_runs) == (2, 1, 1)

@@ -13,6 +13,7 @@ from tierckpt.io import layout, manifest
 from tierckpt.config import TIERS, TierConfig
 from tierckpt.errors import ConfigError, VerificationError
 from tierckpt.history.ledger import Ledger, summarize
+from tierckpt.records import CheckpointRecord, RestoreRecord, RunEndRecord, RunStartRecord
 from tierckpt.io.storage import Store
 
 
@@ -323,16 +324,16 @@ def test_store_manifest_round_trip(url_store):
 # -- ledger ------------------------------------------------------------------------------------
 def write_runs(store: Store) -> None:
     a = Ledger(store, enabled=True, run_id="a", job="j")
-    a.append("run_start", world_size=2, nodes=1, ranks_per_node=2, restart_count=0, host="h")
-    a.append("checkpoint", tier="local", step=1, blocking_s=0.2, background_s=1.0, bytes=100, ok=True)
+    a.append(RunStartRecord(world_size=2, nodes=1, ranks_per_node=2, restart_count=0, host="h"))
+    a.append(CheckpointRecord(tier="local", step=1, blocking_s=0.2, background_s=1.0, bytes=100, ok=True))
     b = Ledger(store, enabled=True, run_id="b", job="j")
-    b.append("run_start", world_size=2, nodes=1, ranks_per_node=2, restart_count=1, host="h")
-    b.append("restore", step=1, sources={"0": {"tier": "local", "holder": 0}}, bytes=100,
-             seconds=0.5, attempts=1, persistent_bytes=0)
-    b.append("checkpoint", tier="local", step=2, blocking_s=0.4, background_s=3.0, bytes=200, ok=True)
-    b.append("checkpoint", tier="persistent", step=2, blocking_s=0.1, background_s=9.0, bytes=0,
-             ok=False, error="boom")
-    b.append("run_end", clean=True, exposure_s=60.0, reason="done")
+    b.append(RunStartRecord(world_size=2, nodes=1, ranks_per_node=2, restart_count=1, host="h"))
+    b.append(RestoreRecord(step=1, sources={"0": {"tier": "local", "holder": 0}}, bytes=100,
+                           seconds=0.5, attempts=1, persistent_bytes=0))
+    b.append(CheckpointRecord(tier="local", step=2, blocking_s=0.4, background_s=3.0, bytes=200, ok=True))
+    b.append(CheckpointRecord(tier="persistent", step=2, blocking_s=0.1, background_s=9.0, bytes=0,
+                              ok=False, error="boom"))
+    b.append(RunEndRecord(clean=True, exposure_s=60.0, reason="done"))
 
 
 @pytest.mark.parametrize("kind", ["file", "memory"])
@@ -361,7 +362,7 @@ def test_ledger_append_read_summarize(tmp_path, kind):
             raw = f.read()
         store.write_atomic(layout.LEDGER, raw + b'{"kind": "run_end", "cle')
         assert len(Ledger.read(store)) == 7
-        Ledger(store, enabled=True, run_id="c", job="j").append("run_start", restart_count=2)
+        Ledger(store, enabled=True, run_id="c", job="j").append(RunStartRecord(restart_count=2))
         recs = Ledger.read(store)
         assert len(recs) == 8 and recs[-1]["run_id"] == "c"
         assert [r["run_id"] for r in summarize(recs)["failures"]] == ["a", "c"]
@@ -372,7 +373,7 @@ def test_ledger_append_read_summarize(tmp_path, kind):
 
 def test_ledger_disabled_writes_nothing(tmp_path):
     store = Store(str(tmp_path))
-    rec = Ledger(store, enabled=False, run_id="r", job="j").append("run_start", restart_count=0)
+    rec = Ledger(store, enabled=False, run_id="r", job="j").append(RunStartRecord(restart_count=0))
     assert rec["kind"] == "run_start" and rec["run_id"] == "r"
     assert not store.exists(layout.LEDGER) and Ledger.read(store) == []
 
@@ -385,7 +386,7 @@ def test_ledger_serialises_non_json_values(tmp_path):
             return 7
 
     Ledger(store, enabled=True, run_id="r", job="j").append(
-        "checkpoint", tier="local", step=Scalar(), ranks={3, 1}, where=Path("/x"))
+        CheckpointRecord(tier="local", step=Scalar(), ok=True, extra={"ranks": {3, 1}, "where": Path("/x")}))
     (rec,) = Ledger.read(store)
     assert rec["step"] == 7 and sorted(rec["ranks"]) == [1, 3] and rec["where"] == "/x"
 
@@ -393,16 +394,16 @@ def test_ledger_serialises_non_json_values(tmp_path):
 def test_ledger_records_reads_the_file_once_then_mirrors_own_appends(tmp_path, monkeypatch):
     store = Store(str(tmp_path))
     old = Ledger(store, enabled=True, run_id="r0", job="j")
-    old.append("run_start")
-    old.append("run_end", clean=False)
+    old.append(RunStartRecord())
+    old.append(RunEndRecord(clean=False))
     led = Ledger(store, enabled=True, run_id="r1", job="j")
-    led.append("run_start", restart_count=1)  # written before the first records(): not twice
+    led.append(RunStartRecord(restart_count=1))  # written before the first records(): not twice
     reads = []
     real = Ledger.read
     monkeypatch.setattr(Ledger, "read", staticmethod(lambda s: reads.append(1) or real(s)))
     first = led.records()
-    led.append("checkpoint", tier="local", step=5, ok=True, blocking_s=0.1)
-    led.append("restore", step=5, sources={"0": {"source": "own-local"}})
+    led.append(CheckpointRecord(tier="local", step=5, ok=True, blocking_s=0.1))
+    led.append(RestoreRecord(step=5, sources={"0": {"source": "own-local"}}))
     second = led.records()
     assert len(reads) == 1, "the ledger file was read again"
     assert [r["kind"] for r in first] == ["run_start", "run_end", "run_start"]

@@ -28,6 +28,7 @@ _EXPORTS = {
     "TIERS": "tierckpt.config",
     "SaveHandle": "tierckpt.handle",
     "CheckpointRecord": "tierckpt.records",
+    "RestoreRecord": "tierckpt.records",
     "RestoreResult": "tierckpt.restore",
     "PersistentIO": "tierckpt.tiers.persistent",
     "Preempted": "tierckpt.preemption",

@@ -16,11 +16,9 @@ persistent tier carry on. ``restore()`` runs in the foreground after all backgro
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 import uuid
@@ -37,6 +35,7 @@ from tierckpt.dist.topology import discover
 from tierckpt.errors import ConfigError, TierFailedError
 from tierckpt.handle import SaveHandle
 from tierckpt.history import lineage
+from tierckpt.history.journal import RunJournal
 from tierckpt.history.ledger import Ledger
 from tierckpt.io.staging import StagingPool, StagingSlot, resolve_stateful
 from tierckpt.io.storage import Store
@@ -130,14 +129,8 @@ class TieredCheckpointer:
                     log.warning("tierckpt: could not purge node-local steps of other lineages under %s: %s",
                                 self.local.store.url, e)
         self.ledger = Ledger(pstore, enabled=topo.rank == 0, run_id=run_id, job=self.cfg.resolved_job_id())
-        self._t_start = time.time()
-        self.ledger.append(
-            "run_start", world_size=topo.world_size, nodes=topo.nodes, ranks_per_node=topo.ranks_per_node,
-            restart_count=_restart_count(), host=socket.gethostname(), tiers=list(self.cfg.tiers),
-            process_start=_process_start_time(),
-            replication_jump=topo.jump, replication_factor=topo.factor,
-            lineage=self.lineage,
-        )
+        self.journal = RunJournal(self.ledger)
+        self.journal.run_start(topo, self.cfg.tiers, self.lineage)
         self.pool = StagingPool(self.cfg.staging_buffers)
         self._workers = {t: DaemonWorker(f"tierckpt-{t}") for t in self.cfg.tiers}
         self._pending: dict[str, Future | None] = {t: None for t in self.cfg.tiers}
@@ -226,7 +219,7 @@ class TieredCheckpointer:
             if got is not None:
                 prop, decisions = got
                 for t, d in self.cadence.changed(decisions).items():
-                    recs.append(self.ledger.append("schedule", trigger=trigger, at_step=step, **d.as_record()))
+                    recs.append(self.journal.schedule(d, trigger, step))
                     log.info("tierckpt schedule (%s): %s every %s steps (tau %.1fs, delta %.3fs, M %.0fs, "
                              "R %.1fs, p %.2f; %s)", trigger, t, d.tau_steps, d.tau_s or float("nan"),
                              d.delta, d.M, d.R, d.p, d.reason)
@@ -355,8 +348,7 @@ class TieredCheckpointer:
                 log.error("tierckpt: preemption: the %s tier did not commit step %d within "
                           "preemption_grace_s = %gs", t, step, self.cfg.preemption_grace_s)
         self._preempt_seen = True
-        self.ledger.append("preemption", step=step, signal=signal_name, committed=committed,
-                           seconds=time.monotonic() - t0, earlier_failures=earlier)
+        self.journal.preemption(step, signal_name, committed, time.monotonic() - t0, earlier)
         log.warning("tierckpt: %s: step %d saved for the requeue (%s) in %.1fs", signal_name, step,
                     ", ".join(f"{t} {'committed' if ok else 'NOT committed'}" for t, ok in committed.items()),
                     time.monotonic() - t0)
@@ -424,7 +416,7 @@ class TieredCheckpointer:
                                blocking_s=waited, wait_s=waited)
         with self._lock:
             self.history.append(rec.as_ledger())
-        self.ledger.append("checkpoint", **rec.as_ledger())
+        self.ledger.append(rec)
         return False, waited, rec
 
     def _guard(self, job, tier, staged, step, *args) -> CheckpointRecord:
@@ -482,17 +474,9 @@ class TieredCheckpointer:
         if tier in self._job_window:
             self._job_window[tier] = (self._job_window[tier][0], time.monotonic())
         parts = all_gather((ok, error, nbytes, background_s, delta), group)
-        rec = CheckpointRecord(
-            tier=tier, step=step, ok=all(p[0] for p in parts),
-            error=next((p[1] for p in parts if p[1]), None),
-            blocking_s=max(p[4] for p in parts), wait_s=t_wait,
-            bytes=sum(p[2] for p in parts), background_s=max(p[3] for p in parts), **(extra or {}),
-            interference_s=self.cadence.take_interference(tier) if self.cadence is not None else None,
-        )
-        if tier == "persistent":
-            rec = self._ledger_checkpoint_strict(rec, group)
-        else:
-            self.ledger.append("checkpoint", **rec.as_ledger())
+        rec = self.journal.checkpoint(
+            tier, step, parts, wait_s=t_wait, group=group, extra=extra,
+            interference_s=self.cadence.take_interference(tier) if self.cadence is not None else None)
         with self._lock:
             self.history.append(rec.as_ledger())
             if tier == "local" and rec.ok and (self.local_anchor is None or step > self.local_anchor):
@@ -507,21 +491,6 @@ class TieredCheckpointer:
             # M grows with failure-free exposure: re-read the ledger's evidence each time
             self._pending_tau[tier] = self._share_schedule(group, "checkpoint", refresh_ledger=True, step=step)
         return rec
-
-    def _ledger_checkpoint_strict(self, rec: CheckpointRecord, group) -> CheckpointRecord:
-        """Append a persistent ``checkpoint`` record; a ledger that cannot be written fails
-        the persistent save on every rank (collective over ``group``): the ledger is how
-        restarts learn MTBF and how a user audits what is durable."""
-        err = None
-        try:
-            self.ledger.append("checkpoint", strict=True, **rec.as_ledger())
-        except OSError as e:
-            err = f"ledger {self.ledger.store.url_of('tierckpt-ledger.jsonl')}: {type(e).__name__}: {e}"
-        err = next((e for e in all_gather(err, group) if e), None)
-        if err is None:
-            return rec
-        log.error("tierckpt: persistent step %d: the ledger could not be written: %s", rec.step, err)
-        return dataclasses.replace(rec, ok=False, error=(rec.error + "; " if rec.error else "") + err)
 
     def _local_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> CheckpointRecord:
         t0 = time.perf_counter()
@@ -622,7 +591,7 @@ class TieredCheckpointer:
         self.wait(bounded=False)
         res = self.restorer.restore(state_dict, step)
         if res is not None:
-            self._ledger_restore(res)
+            self.journal.restore(res)
             if rollback:
                 self._arm_rollback(res.step)
             with self._lock:  # every node's copy of res.step sits on some node's local disk
@@ -676,21 +645,8 @@ class TieredCheckpointer:
                     hook(rb)
             except Exception as e:  # runs on a tier's background thread: warn, never raise
                 log.warning("tierckpt: rollback to step %d: could not supersede newer steps: %s", rb.to_step, e)
-            self.ledger.append("rollback", from_step=rb.from_step, to_step=rb.to_step,
-                               trigger={"tier": tier, "step": step}, superseded=rb.planned(mine))
+            self.journal.rollback(rb, tier, step, mine)
             self._rollback = None
-
-    def _ledger_restore(self, res: RestoreResult) -> None:
-        """Append the restore record (global rank 0 writes)."""
-        self.ledger.append(
-            "restore", step=res.step, seconds=res.seconds, attempts=res.attempts,
-            persistent_bytes=res.persistent_bytes_read,
-            bytes=sum(o.bytes for o in res.sources.values()),
-            sources={str(n): {"source": o.source.kind, "holder": o.source.holder, "bytes": o.bytes,
-                              "seconds": o.seconds} for n, o in res.sources.items()},
-            failures=[{"node": f.node, "source": f.source.kind, "holder": f.source.holder,
-                       "step": f.step, "error": f.error} for f in res.failures],
-        )
 
     def committed_steps(self) -> dict[str, list[int]]:
         """This rank's view: {"local": own node's steps, "persistent": steps} (not collective)."""
@@ -739,15 +695,11 @@ class TieredCheckpointer:
         if not_durable:
             log.error("tierckpt: this run saved checkpoints but committed no persistent step: its "
                       "progress lives only on node-local disks")
-        extra = {"stuck_tiers": stuck} if stuck else {}
-        if failed:
-            extra["failures"] = [{"tier": r.tier, "step": r.step, "error": r.error} for r in failed]
         ledger_error = None
         try:
-            self.ledger.append("run_end", strict="persistent" in self.cfg.tiers,
-                               clean=bool(clean) and not failed and not not_durable,
-                               exposure_s=time.time() - self._t_start, reason=reason,
-                               durable_step=durable, **extra)
+            self.journal.run_end(clean=bool(clean) and not failed and not not_durable, reason=reason,
+                                 durable_step=durable, stuck_tiers=stuck, failures=failed,
+                                 strict="persistent" in self.cfg.tiers)
         except OSError as e:
             ledger_error = e
             log.error("tierckpt: could not write the ledger's run_end: %s", e)
@@ -819,29 +771,3 @@ def _probe_writable(root: str) -> None:
     with open(probe, "wb") as f:
         f.write(b"x")
     os.remove(probe)
-
-
-def _process_start_time() -> float | None:
-    """UNIX time this process was created (Linux /proc; None elsewhere). Lets the scheduler's
-    R include interpreter start, imports and model construction, not just the restore."""
-    try:
-        with open("/proc/self/stat") as f:
-            # field 22 (starttime, clock ticks since boot) comes after the parenthesised comm
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
-def _restart_count() -> int | None:
-    # The launchers' own count first: it also counts in-allocation retries, which a fresh
-    # torchrun (TORCHELASTIC_RESTART_COUNT=0) and Slurm (requeues only) do not see.
-    for k in ("TIERCKPT_RESTART_COUNT", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
-        if k in os.environ:
-            try:
-                return int(os.environ[k])
-            except ValueError:
-                pass
-    return None

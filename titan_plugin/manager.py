@@ -48,6 +48,7 @@ from torchtitan.components.checkpoint import MODEL, CheckpointManager
 from tierckpt.io import layout, manifest
 from tierckpt.sched.cadence import decision_metrics
 from tierckpt.dist.collectives import PeerFailure, all_gather, run_agreed
+from tierckpt import RestoreRecord
 from tierckpt.engine import TieredCheckpointer
 from tierckpt.errors import ConfigError, VerificationError
 from tierckpt.io.dcp_io import crc32_off, digests_under, hashing_writer
@@ -464,12 +465,12 @@ class TieredCheckpointManager(CheckpointManager):
         for r, b in enumerate(per_rank):
             n = eng.topo.node_of_rank[r]
             per_node[n] = per_node.get(n, 0) + b
-        eng.ledger.append(
-            "restore", step=SEED_STEP, model_only=True, seconds=secs, attempts=1, persistent_bytes=sum(per_rank),
+        eng.ledger.append(RestoreRecord(
+            step=SEED_STEP, model_only=True, seconds=secs, attempts=1, persistent_bytes=sum(per_rank),
             bytes=sum(per_rank), checksummed=doc is not None,
             sources={str(n): {"source": "seed", "holder": None, "bytes": b, "seconds": secs}
                      for n, b in sorted(per_node.items())},
-            failures=[])
+            failures=[]))
         log.info("tierckpt: loaded the seed checkpoint %s (model only; optimizer, dataloader and step fresh) "
                  "in %.2fs", url, secs)
         return True

@@ -33,6 +33,7 @@ from tierckpt.history.ledger import Ledger, summarize
 from tierckpt.io import manifest
 from tierckpt.io.layout import LEDGER, LINEAGE, MARKER, parse_node, parse_step
 from tierckpt.io.storage import Store
+from tierckpt.records import RestoreRecord
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,7 +407,8 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     store = open_root(args.root)
     if not store.exists(LEDGER):
         raise CliError(f"no ledger at {store.url_of(LEDGER)} (pass the persistent root)")
-    summary = summarize(Ledger.read(store))
+    records = Ledger.read_records(store)
+    summary = summarize(records)
     if args.json:
         _print_json(summary)
         return EXIT_OK
@@ -450,16 +452,17 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     rest.add_column("sources", overflow="fold")
     for col in ("bytes", "seconds", "attempts", "persistent bytes"):
         rest.add_column(col, justify="right")
-    for r in summary["restores"]:
-        rest.add_row(
-            _fmt_time(r.get("time")),
-            str(r.get("step", "-")),
-            _fmt_sources(r.get("sources")),
-            human_bytes(r.get("bytes")),
-            _fmt_seconds(r.get("seconds")),
-            str(r.get("attempts", "-")),
-            human_bytes(r.get("persistent_bytes")),
-        )
+    for r in records:
+        if isinstance(r, RestoreRecord):
+            rest.add_row(
+                _fmt_time(r.time),
+                "-" if r.step is None else str(r.step),
+                _fmt_sources(r.sources),
+                human_bytes(r.bytes),
+                _fmt_seconds(r.seconds),
+                "-" if r.attempts is None else str(r.attempts),
+                human_bytes(r.persistent_bytes),
+            )
     con.print(rest)
     con.print(f"runs: {len(summary['runs'])}, failures (no clean end): {len(summary['failures'])}")
     return EXIT_OK

@@ -1,23 +1,9 @@
 """Append-only JSONL ledger of runs, checkpoints and restores, kept in the persistent tier.
 
-One JSON object per line. Every record has ``kind``, ``time`` (UNIX seconds), ``run_id``
-and ``job``. Kinds and their fields:
-
-- ``run_start``: world_size, nodes, ranks_per_node, restart_count (the first set of
-  TIERCKPT_RESTART_COUNT — launch/ —, SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT), host,
-  process_start (UNIX time rank 0's process was created; None where unknown), lineage (the
-  persistent root's lineage id, :mod:`tierckpt.history.lineage`).
-- ``run_end``: clean (bool), exposure_s (seconds since run_start), reason; stuck_tiers when
-  close() gave up on a local save still running after ``local_wait_timeout_s``.
-- ``checkpoint``: tier, step, blocking_s (max over ranks), background_s (max over ranks),
-  bytes (sum over ranks), ok (bool), error, interference_s (rank 0's step slowdown while the
-  background work ran, seconds; present with intervals configured). A local save skipped
-  because the previous one outlived ``local_wait_timeout_s``: ok false, skipped true,
-  stuck_nodes (nodes whose save was still writing or deleting), wait_s.
-- ``restore``: step, sources (per node: tier and holder), bytes, seconds, attempts,
-  persistent_bytes.
-- ``schedule``: an interval decision of the adaptive scheduler (:mod:`tierckpt.sched.cadence`):
-  trigger, at_step and the fields of :class:`tierckpt.sched.schedule.Decision`.
+One JSON object per line: ``kind``, ``time`` (UNIX seconds), ``run_id``, ``job``, then the
+fields of the record; the kinds, their fields and the schema rules are those of
+:mod:`tierckpt.records` (one dataclass per kind). :meth:`Ledger.append` is the one writer,
+:meth:`Ledger.read_records` the one typed reader.
 
 A run with ``run_start`` and no ``run_end`` (or ``clean: false``) ended in a failure. Only
 global rank 0 writes. A torn last line (the writer died mid-append) is skipped on read and
@@ -32,9 +18,11 @@ import os
 import threading
 import time
 from collections import defaultdict
+from typing import Iterable
 
 from tierckpt.io.layout import LEDGER
 from tierckpt.io.storage import Store
+from tierckpt.records import CheckpointRecord, LedgerRecord, RestoreRecord, RunEndRecord, RunStartRecord, parse_records
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +48,26 @@ class Ledger:
         self._base: list[dict] | None = None
         self._appended: list[dict] = []
 
-    def append(self, kind: str, *, strict: bool = False, **fields) -> dict:
-        """Append one record (only when enabled). Returns the record.
+    def append(self, record: LedgerRecord, *, strict: bool = False) -> dict:
+        """Append one record (only when enabled), stamped with this writer's time, run and job
+        (the record's own envelope is ignored).
 
         Args:
+            record: any :class:`~tierckpt.records.LedgerRecord`; its line is
+                :meth:`~tierckpt.records.LedgerRecord.as_ledger` after the envelope.
             strict: raise I/O errors (the persistent tier's records and ``run_end``: the
                 ledger is the record of what is durable). Otherwise they are logged.
+        Returns:
+            the line as a dict (``kind``, ``time``, ``run_id``, ``job``, fields), also when
+            not enabled.
         Raises:
+            TypeError: ``record`` is not a ledger record.
             OSError: ``strict`` and the append failed.
         """
-        rec = {"kind": kind, "time": time.time(), "run_id": self.run_id, "job": self.job, **fields}
+        if not isinstance(record, LedgerRecord):
+            raise TypeError(f"Ledger.append takes a tierckpt.records.LedgerRecord, got {type(record).__name__}")
+        rec = {"kind": record.kind, "time": time.time(), "run_id": self.run_id, "job": self.job,
+               **record.as_ledger()}
         if not self.enabled:
             return rec
         line = json.dumps(rec, default=_jsonable) + "\n"
@@ -114,8 +112,20 @@ class Ledger:
             return self._base + self._appended
 
     @staticmethod
+    def read_records(store: Store) -> list[LedgerRecord]:
+        """Every record of the ledger, typed, oldest first (:func:`tierckpt.records.parse_records`
+        of :meth:`read`: unknown kinds kept as :class:`~tierckpt.records.GenericRecord`).
+        Raises what :meth:`read` raises."""
+        return parse_records(Ledger.read(store))
+
+    @staticmethod
     def read(store: Store) -> list[dict]:
-        """All parseable records, oldest first. Unparseable lines (a torn tail) are skipped."""
+        """All parseable lines as dicts, oldest first. Unparseable lines (a torn tail) and
+        objects without ``kind`` are skipped.
+
+        Raises:
+            OSError: the ledger exists but cannot be read.
+        """
         if not store.exists(LEDGER):
             return []
         out = []
@@ -140,62 +150,61 @@ def _jsonable(o):
     return str(o)
 
 
-def summarize(records: list[dict]) -> dict:
+def summarize(records: Iterable[dict | LedgerRecord]) -> dict:
     """Summarise a ledger.
 
+    Args:
+        records: lines as :meth:`Ledger.read` returns them, or typed records, oldest first.
     Returns:
-        dict with ``runs`` (list of per-run dicts: run_id, start, end, clean, exposure_s,
-        checkpoints, restores), ``failures`` (runs that started and did not end cleanly,
-        excluding a run still in progress only if it is the last one and ``in_progress`` is
-        reported separately), ``checkpoints`` (per tier: count, ok, failed, mean blocking_s,
-        mean background_s, bytes of the last), ``restores`` (list of restore records).
+        JSON-ready dict with ``runs`` (per run: run_id, start, end (UNIX s), clean,
+        exposure_s, checkpoints, restores, restart_count, last_time), ``failures`` (runs that
+        started and did not end cleanly, the one in progress included), ``checkpoints`` (per
+        tier: count, ok, failed, mean_blocking_s, mean_background_s (seconds, None without a
+        committed step), last_bytes, last_step of the newest committed step), ``restores``
+        (the ``restore`` lines, :meth:`~tierckpt.records.LedgerRecord.as_line`).
     """
     runs: dict[str, dict] = {}
-    order: list[str] = []
-    tiers: dict[str, dict] = defaultdict(lambda: {"count": 0, "ok": 0, "failed": 0, "blocking_s": [], "background_s": [], "last_bytes": 0, "last_step": None})
+    tiers: dict[str, dict] = defaultdict(lambda: {"count": 0, "ok": 0, "failed": 0, "blocking_s": [],
+                                                  "background_s": [], "last_bytes": 0, "last_step": None})
     restores = []
-    for r in records:
-        rid = r.get("run_id", "?")
-        if rid not in runs:
-            runs[rid] = {"run_id": rid, "start": None, "end": None, "clean": None, "exposure_s": None,
-                         "checkpoints": 0, "restores": 0, "restart_count": None, "last_time": None}
-            order.append(rid)
-        run = runs[rid]
-        run["last_time"] = r.get("time")
-        k = r["kind"]
-        if k == "run_start":
-            run["start"] = r.get("time")
-            run["restart_count"] = r.get("restart_count")
-        elif k == "run_end":
-            run["end"] = r.get("time")
-            run["clean"] = bool(r.get("clean"))
-            run["exposure_s"] = r.get("exposure_s")
-        elif k == "checkpoint":
+    for r in parse_records(records):
+        rid = "?" if r.run_id is None else r.run_id
+        run = runs.setdefault(rid, {"run_id": rid, "start": None, "end": None, "clean": None, "exposure_s": None,
+                                    "checkpoints": 0, "restores": 0, "restart_count": None, "last_time": None})
+        run["last_time"] = r.time
+        if isinstance(r, RunStartRecord):
+            run["start"], run["restart_count"] = r.time, r.restart_count
+        elif isinstance(r, RunEndRecord):
+            run["end"], run["clean"], run["exposure_s"] = r.time, r.clean, r.exposure_s
+        elif isinstance(r, CheckpointRecord):
             run["checkpoints"] += 1
-            t = tiers[r.get("tier", "?")]
-            t["count"] += 1
-            if r.get("ok", True):
-                t["ok"] += 1
-                t["blocking_s"].append(float(r.get("blocking_s", 0.0)))
-                t["background_s"].append(float(r.get("background_s", 0.0)))
-                t["last_bytes"] = int(r.get("bytes", 0))
-                t["last_step"] = r.get("step")
-            else:
-                t["failed"] += 1
-        elif k == "restore":
+            _count_checkpoint(tiers[r.tier], r)
+        elif isinstance(r, RestoreRecord):
             run["restores"] += 1
-            restores.append(r)
-    run_list = [runs[i] for i in order]
+            restores.append(r.as_line())
+    run_list = list(runs.values())
     for run in run_list:
         if run["exposure_s"] is None and run["start"] is not None and run["last_time"] is not None:
             run["exposure_s"] = run["last_time"] - run["start"]
     failures = [r for r in run_list if r["start"] is not None and r["clean"] is not True]
-    tier_summary = {}
-    for name, t in tiers.items():
-        tier_summary[name] = {
-            "count": t["count"], "ok": t["ok"], "failed": t["failed"],
-            "mean_blocking_s": sum(t["blocking_s"]) / len(t["blocking_s"]) if t["blocking_s"] else None,
-            "mean_background_s": sum(t["background_s"]) / len(t["background_s"]) if t["background_s"] else None,
-            "last_bytes": t["last_bytes"], "last_step": t["last_step"],
-        }
-    return {"runs": run_list, "failures": failures, "checkpoints": tier_summary, "restores": restores}
+    return {"runs": run_list, "failures": failures, "checkpoints": {name: _tier_summary(t) for name, t in tiers.items()},
+            "restores": restores}
+
+
+def _count_checkpoint(t: dict, r: CheckpointRecord) -> None:
+    t["count"] += 1
+    if r.ok:
+        t["ok"] += 1
+        t["blocking_s"].append(r.blocking_s)
+        t["background_s"].append(r.background_s)
+        t["last_bytes"], t["last_step"] = r.bytes, r.step
+    else:
+        t["failed"] += 1
+
+
+def _tier_summary(t: dict) -> dict:
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else None
+
+    return {"count": t["count"], "ok": t["ok"], "failed": t["failed"], "mean_blocking_s": mean(t["blocking_s"]),
+            "mean_background_s": mean(t["background_s"]), "last_bytes": t["last_bytes"], "last_step": t["last_step"]}

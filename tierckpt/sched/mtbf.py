@@ -52,8 +52,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 from tierckpt.errors import ConfigError
+from tierckpt.records import LedgerRecord, RunEndRecord, RunStartRecord, parse_records
 
 LLAMA3_GPUS = 16384
 """GPUs of the Llama 3 405B pre-training run (Dubey et al. 2024, §3.3.4)."""
@@ -124,32 +126,28 @@ class Evidence:
     runs: int = 0
 
 
-def _runs(records: list[dict]) -> tuple[list[str], dict[str, dict]]:
+def _runs(records: list[LedgerRecord]) -> tuple[list[str], dict[str, dict]]:
+    """Group records by run: ``{run_id: {start, first, last (UNIX s), end (the run's last
+    RunEndRecord), restart_count, world_size, job}}`` and the run ids in order of appearance."""
     order: list[str] = []
     runs: dict[str, dict] = {}
     for r in records:
-        if not isinstance(r, dict):
-            continue
-        rid = str(r.get("run_id", "?"))
+        rid = "?" if r.run_id is None else r.run_id
         run = runs.get(rid)
         if run is None:
             run = runs[rid] = {"start": None, "first": None, "last": None, "end": None,
-                               "restart_count": None, "world_size": None, "job": r.get("job")}
+                               "restart_count": None, "world_size": None, "job": r.job}
             order.append(rid)
-        t = r.get("time")
-        if isinstance(t, (int, float)) and math.isfinite(t):
+        t = r.time
+        if t is not None:
             run["first"] = t if run["first"] is None else min(run["first"], t)
             run["last"] = t if run["last"] is None else max(run["last"], t)
-        kind = r.get("kind")
-        if kind == "run_start":
-            run["start"] = t if isinstance(t, (int, float)) else run["start"]
-            rc = r.get("restart_count")
-            run["restart_count"] = rc if isinstance(rc, int) and not isinstance(rc, bool) and rc >= 0 else None
-            ws = r.get("world_size")
-            run["world_size"] = ws if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0 else None
-            if r.get("job") is not None:
-                run["job"] = r.get("job")
-        elif kind == "run_end":
+        if isinstance(r, RunStartRecord):
+            run["start"] = t if t is not None else run["start"]
+            run["restart_count"], run["world_size"] = r.restart_count, r.world_size
+            if r.job is not None:
+                run["job"] = r.job
+        elif isinstance(r, RunEndRecord):
             run["end"] = r  # the last run_end of a run wins
     return order, runs
 
@@ -161,10 +159,8 @@ def run_exposure(run: dict, now: float | None = None, current: bool = False) -> 
     run) minus ``run_start`` time (the first record's time if ``run_start`` was lost).
     """
     end = run["end"]
-    if end is not None:
-        e = end.get("exposure_s")
-        if isinstance(e, (int, float)) and math.isfinite(e) and e >= 0:
-            return float(e)
+    if end is not None and end.exposure_s is not None:
+        return end.exposure_s
     start = run["start"] if run["start"] is not None else run["first"]
     last = run["last"]
     if current and now is not None:
@@ -174,12 +170,12 @@ def run_exposure(run: dict, now: float | None = None, current: bool = False) -> 
     return max(0.0, float(last) - float(start))
 
 
-def evidence_from_ledger(records: list[dict], current_run_id: str | None = None,
+def evidence_from_ledger(records: Iterable[dict | LedgerRecord], current_run_id: str | None = None,
                          gpus: int | None = None, now: float | None = None,
                          job: str | None = None) -> Evidence:
     """Exposure and failure count of a job from its ledger records.
 
-    Records are grouped into runs by ``run_id`` (see :mod:`tierckpt.history.ledger` for the kinds).
+    Records are grouped into runs by ``run_id`` (see :mod:`tierckpt.records` for the kinds).
 
     - **Exposure** (seconds): per run, ``run_end.exposure_s``; a run without ``run_end``
       (crashed, or in progress) counts from its ``run_start`` time (its first record's time if
@@ -202,7 +198,8 @@ def evidence_from_ledger(records: list[dict], current_run_id: str | None = None,
       fills one gap instead of counting twice.
 
     Args:
-        records: as returned by :meth:`tierckpt.history.ledger.Ledger.read`, oldest first.
+        records: ledger lines as :meth:`tierckpt.history.ledger.Ledger.read` returns them, or
+            typed records (:func:`tierckpt.records.parse_records`), oldest first.
         current_run_id: the run in progress: its exposure counts, its missing ``run_end``
             does not make it a failure.
         gpus: current job size for the exposure scaling; None = no scaling.
@@ -214,9 +211,10 @@ def evidence_from_ledger(records: list[dict], current_run_id: str | None = None,
     """
     if gpus is not None:
         _gpus(gpus)
+    recs = parse_records(records)
     if job is not None:
-        records = [r for r in records if isinstance(r, dict) and r.get("job") == job]
-    order, runs = _runs(records)
+        recs = [r for r in recs if r.job == job]
+    order, runs = _runs(recs)
     exposure = 0.0
     unclean = 0
     seen_counts: dict[object, list] = {}  # job -> [restart counts seen, runs without run_start]
@@ -228,8 +226,7 @@ def evidence_from_ledger(records: list[dict], current_run_id: str | None = None,
             t *= run["world_size"] / gpus
         exposure += t
         if not current:
-            end = run["end"]
-            if end is None or end.get("clean") is not True:
+            if run["end"] is None or not run["end"].clean:
                 unclean += 1
         counts = seen_counts.setdefault(run["job"], [set(), 0])
         if run["start"] is not None:
@@ -327,7 +324,7 @@ class MTBFEstimator:
                             exposure_s=float(exposure_s), failures=failures,
                             rate_sd=math.sqrt(a) / b)
 
-    def from_ledger(self, records: list[dict], current_run_id: str | None = None,
+    def from_ledger(self, records: Iterable[dict | LedgerRecord], current_run_id: str | None = None,
                     now: float | None = None, job: str | None = None) -> MTBFEstimate:
         """Posterior from ledger records (:func:`evidence_from_ledger`; exposure scaled to
         ``gpus`` unless the estimator was built by :meth:`from_job_mtbf`)."""

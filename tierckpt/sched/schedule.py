@@ -58,9 +58,19 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from typing import Iterable
 
 from tierckpt.config import TIERS, ScheduleOptions, expand_per_tier, per_tier, validate_tiers
 from tierckpt.errors import ConfigError
+from tierckpt.records import (
+    CheckpointRecord,
+    LedgerRecord,
+    RestoreRecord,
+    RunEndRecord,
+    RunStartRecord,
+    ScheduleRecord,
+    parse_records,
+)
 from tierckpt.sched.mtbf import MTBFEstimator
 
 DEFAULT_DELTA_PRIOR_S = {"local": 5.0, "persistent": 60.0}
@@ -303,10 +313,43 @@ class Decision:
         return asdict(self)
 
 
-def _is_persistent_source(v) -> bool:
-    if isinstance(v, dict):
-        v = v.get("source", v.get("tier"))
-    return v == "persistent"
+def _restarts_and_fallbacks(records: list[LedgerRecord]) -> tuple[list[float], int, int]:
+    """R samples and p evidence of a ledger (rules in :meth:`Scheduler.update_from_ledger`).
+
+    Returns:
+        (restart times in seconds, one per ``restore``; k, restores that read the persistent
+        tier among n, the first restore of each run that follows a run without a clean end).
+    """
+    starts: dict[str, float] = {}
+    clean_end: dict[str, bool] = {}  # run -> has a clean run_end (so far)
+    after_failure: dict[str, bool] = {}  # run -> the run before it did not end cleanly
+    restarts: list[float] = []
+    counted: set[str] = set()
+    k = n = 0
+    prev: str | None = None
+    for r in records:
+        rid = "?" if r.run_id is None else r.run_id
+        if rid not in clean_end:
+            after_failure[rid] = prev is not None and not clean_end[prev]
+            clean_end[rid] = False
+            prev = rid
+        t = r.time
+        if isinstance(r, RunStartRecord) and t is not None:
+            ps = r.process_start
+            starts[rid] = ps if ps is not None and 0 < ps <= t else t
+        elif isinstance(r, RunEndRecord):
+            clean_end[rid] = r.clean
+        elif isinstance(r, RestoreRecord):
+            if rid in starts and t is not None and t >= starts[rid]:
+                restarts.append(t - starts[rid])
+            elif r.seconds is not None:
+                restarts.append(r.seconds)
+            if rid not in counted and after_failure[rid]:
+                counted.add(rid)
+                n += 1
+                if "persistent" in r.source_kinds():
+                    k += 1
+    return restarts, k, n
 
 
 class Scheduler:
@@ -427,7 +470,7 @@ class Scheduler:
         self._mtbf_source = "evidence"
         return self._mtbf
 
-    def update_from_ledger(self, records: list[dict], current_run_id: str | None = None,
+    def update_from_ledger(self, records: Iterable[dict | LedgerRecord], current_run_id: str | None = None,
                            gpus: int | None = None, now: float | None = None) -> None:
         """Re-derive M, R, p (and δ, C of tiers not yet measured in this process) from a ledger.
 
@@ -449,76 +492,41 @@ class Scheduler:
         Replaces M and p set by earlier updates, and R when the ledger has restores (the ledger
         is the authority; the current run's restore is in it), so do not also
         :meth:`observe_restart` the same restore.
+
+        Args:
+            records: ledger lines (:meth:`tierckpt.history.ledger.Ledger.read`) or typed
+                records, oldest first; read by :func:`tierckpt.records.parse_records`.
+        Raises:
+            ConfigError: ``gpus`` < 1.
         """
         if gpus is not None and gpus != self.estimator.gpus:
             self.estimator = MTBFEstimator(gpus=gpus, gpu_mtbf_s=self.estimator.gpu_mtbf_s,
                                            weight=self.estimator.weight)
-        est = self.estimator.from_ledger(records, current_run_id, now=now)
+        recs = parse_records(records)
+        est = self.estimator.from_ledger(recs, current_run_id, now=now)
         self._mtbf = est.mtbf_s
         self._mtbf_source = "ledger" if est.failures or est.exposure_s else "prior"
-
-        starts: dict[str, float] = {}
-        clean_end: dict[str, bool] = {}  # run -> has a clean run_end (so far)
-        after_failure: dict[str, bool] = {}  # run -> the run before it did not end cleanly
-        restarts: list[float] = []
-        k = n = 0
-        counted_runs: set[str] = set()
-        delta: dict[str, Ema] = {t: Ema(self.ema_alpha) for t in self.tiers}
-        bg: dict[str, Ema] = {t: Ema(self.ema_alpha) for t in self.tiers}
-        prev: str | None = None
-        last_step_s: float | None = None
-        for r in records:
-            if not isinstance(r, dict):
-                continue
-            rid = str(r.get("run_id", "?"))
-            if rid not in clean_end:
-                after_failure[rid] = prev is not None and not clean_end[prev]
-                clean_end[rid] = False
-                prev = rid
-            kind = r.get("kind")
-            t = r.get("time")
-            if kind == "run_start" and isinstance(t, (int, float)):
-                ps = r.get("process_start")
-                ok = isinstance(ps, (int, float)) and not isinstance(ps, bool) and 0 < ps <= t
-                starts[rid] = float(ps) if ok else float(t)
-            elif kind == "run_end":
-                clean_end[rid] = r.get("clean") is True
-            elif kind == "checkpoint" and r.get("ok", True) and r.get("tier") in delta:
-                b = r.get("blocking_s")
-                i = r.get("interference_s") if self.interference else None
-                i = float(i) if isinstance(i, (int, float)) and math.isfinite(i) and i >= 0 else 0.0
-                if isinstance(b, (int, float)) and math.isfinite(b) and b >= 0:
-                    delta[r["tier"]].add(float(b) + i)
-                c = r.get("background_s")
-                if isinstance(c, (int, float)) and math.isfinite(c) and c >= 0:
-                    bg[r["tier"]].add(float(c))
-            elif kind == "schedule":
-                st = r.get("step_s")
-                if isinstance(st, (int, float)) and not isinstance(st, bool) and math.isfinite(st) and st > 0:
-                    last_step_s = float(st)
-            elif kind == "restore":
-                sample = None
-                if rid in starts and isinstance(t, (int, float)) and t >= starts[rid]:
-                    sample = float(t) - starts[rid]
-                elif isinstance(r.get("seconds"), (int, float)) and r["seconds"] >= 0:
-                    sample = float(r["seconds"])
-                if sample is not None:
-                    restarts.append(sample)
-                if rid not in counted_runs and after_failure[rid]:
-                    counted_runs.add(rid)
-                    n += 1
-                    srcs = r.get("sources")
-                    vals = srcs.values() if isinstance(srcs, dict) else (srcs if isinstance(srcs, list) else [])
-                    if any(_is_persistent_source(v) for v in vals):
-                        k += 1
+        restarts, self._share_k, self._share_n = _restarts_and_fallbacks(recs)
         if restarts:
             self._restarts = restarts
             self._restart_source = "ledger"
-        self._share_k, self._share_n = k, n
-        self._share_source = "ledger" if n else "prior"
-        self._ledger_delta = {t: e.value for t, e in delta.items() if e.value is not None}
-        self._ledger_bg = {t: e.value for t, e in bg.items() if e.value is not None}
-        self._ledger_step = last_step_s
+        self._share_source = "ledger" if self._share_n else "prior"
+        self._ledger_delta, self._ledger_bg = self._costs_from_ledger(recs)
+        self._ledger_step = next((r.step_s for r in reversed(recs)
+                                  if isinstance(r, ScheduleRecord) and r.step_s is not None), None)
+
+    def _costs_from_ledger(self, records: list[LedgerRecord]) -> tuple[dict[str, float], dict[str, float]]:
+        """EMAs of δ (blocking + charged slowdown, when ``interference``) and of C per scheduled
+        tier over its committed ``checkpoint`` records, seconds; tiers without one left out."""
+        delta: dict[str, Ema] = {t: Ema(self.ema_alpha) for t in self.tiers}
+        bg: dict[str, Ema] = {t: Ema(self.ema_alpha) for t in self.tiers}
+        for r in records:
+            if isinstance(r, CheckpointRecord) and r.ok and r.tier in delta:
+                slowdown = r.interference_s if self.interference and r.interference_s is not None else 0.0
+                delta[r.tier].add(r.blocking_s + slowdown)
+                bg[r.tier].add(r.background_s)
+        return ({t: e.value for t, e in delta.items() if e.value is not None},
+                {t: e.value for t, e in bg.items() if e.value is not None})
 
     # -- state ------------------------------------------------------------------------------------
     @property
