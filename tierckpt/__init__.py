@@ -36,6 +36,7 @@ _EXPORTS = {
     "VerificationError": "tierckpt.errors",
     "NoCheckpointError": "tierckpt.errors",
     "TierFailedError": "tierckpt.errors",
+    "accelerator_present": "tierckpt.dist.accel",
 }
 
 __all__ = sorted(_EXPORTS)
