@@ -37,6 +37,7 @@ _EXPORTS = {
     "NoCheckpointError": "tierckpt.errors",
     "TierFailedError": "tierckpt.errors",
     "accelerator_present": "tierckpt.dist.accel",
+    "decision_metrics": "tierckpt.sched.cadence",
 }
 
 __all__ = sorted(_EXPORTS)
