@@ -448,7 +448,7 @@ def run_demo(out: str, params: DemoParams | None = None, console=None) -> dict:
 
 
 def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
-    from titan_plugin.assets import ensure_assets
+    from tierckpt_dev.titan.assets import ensure_assets
 
     t0 = time.time()
     assets = ensure_assets()  # built once and cached (the ranks would otherwise build it)
@@ -572,7 +572,7 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
             "wall": round(time.time() - t_begin, 1),
         },
         "config": {
-            "model": "torchtitan llama3 debugmodel (titan_plugin.config_registry.titan_demo)",
+            "model": "torchtitan llama3 debugmodel (tierckpt_dev.titan.config_registry.titan_demo)",
             "toml": os.path.relpath(p.toml, REPO) if p.toml.startswith(REPO) else p.toml,
             "nodes": p.nodes, "ranks_per_node": 1, "steps": p.steps,
             "local_interval": p.local_interval, "persistent_interval": p.persistent_interval,

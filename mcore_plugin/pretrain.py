@@ -13,15 +13,17 @@ What it does, in order:
 1. puts the script's directory first on ``sys.path`` and sets ``sys.argv`` to
    ``[script, *args]``, exactly as ``python pretrain_gpt.py ...`` would (so the checkout's
    ``megatron`` package, ``gpt_builders`` and ``model_provider`` are the ones imported);
-2. without an accelerator, applies the CPU shims (:func:`mcore_plugin.cpu.apply` and
-   :func:`mcore_plugin.cpu_lm.apply` for Megatron-LM's training loop); never with one;
+2. without an accelerator, applies the CPU shims of the repository's development package
+   (:func:`tierckpt_dev.mcore.cpu.apply` and :func:`tierckpt_dev.mcore.cpu_lm.apply` for
+   Megatron-LM's training loop; not in the wheel); with one, it imports nothing of them;
 3. installs the version-aware hooks (:func:`mcore_plugin.install.install`): the
    ``--ckpt-plugin-*`` flags join Megatron's parser, their validation runs after Megatron's,
    and with ``--ckpt-plugin-enable`` the checkpoint paths are served by the tiers;
 4. runs the script with :func:`runpy.run_path` as ``__main__``.
 
 Exit status: the script's; 2 for a bad command line or an invalid plugin flag (the message
-names the flag), before any process group is created where possible.
+names the flag), before any process group is created where possible, and without an
+accelerator when ``tierckpt_dev`` cannot be imported.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import runpy
 import sys
 from typing import NoReturn
 
-from tierckpt.errors import ConfigError
+from tierckpt import ConfigError, accelerator_present
 
 USAGE = "usage: python -m mcore_plugin.pretrain <Megatron-LM script.py> [megatron args | @ARGS_FILE] [--ckpt-plugin-* ...]"
 
@@ -73,19 +75,35 @@ def prepare(argv: list[str]) -> str:
     return script
 
 
+def apply_cpu_shims() -> list[str]:
+    """Without an accelerator, apply the megatron-core and Megatron-LM CPU shims
+    (:mod:`tierckpt_dev.mcore`, from a repository checkout); with one, import nothing.
+
+    Returns:
+        names of the shims applied in this process ([] with an accelerator).
+    Raises:
+        SystemExit(2): no accelerator and ``tierckpt_dev`` cannot be imported (the message says
+            how to make it importable).
+    """
+    if accelerator_present():
+        return []
+    try:
+        from tierckpt_dev.mcore import cpu, cpu_lm
+    except ModuleNotFoundError as e:
+        if not e.name or e.name.split(".")[0] != "tierckpt_dev":
+            raise  # tierckpt_dev is there; one of its own imports is missing
+        _die("no accelerator: Megatron runs on the CPU only with the shims of the development package "
+             "tierckpt_dev (tierckpt_dev.mcore), which the tierckpt wheel does not ship; run from a "
+             "repository checkout with its root on PYTHONPATH (launch/tierckpt_slurm.sh sets it)")
+    return cpu.apply() + cpu_lm.apply()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m mcore_plugin.pretrain`` (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     script = prepare(argv)
 
-    from mcore_plugin import cpu
-
-    if not cpu.accelerator_present():
-        from mcore_plugin import cpu_lm
-
-        cpu.apply()
-        cpu_lm.apply()
-
+    apply_cpu_shims()
     from mcore_plugin import install
 
     try:

@@ -13,4 +13,9 @@ quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps
 check() { (cd / && "$OLDPWD/$VENV/bin/python" -c "import torch, xxhash, rich, tomli, fsspec, tierckpt, titan_plugin; assert torch.__version__.startswith('2.13.0'), torch.__version__"); }
 # an editable install made before a package existed does not map it: reinstall then
 check 2>/dev/null || { quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall -e . && check; }
+# tierckpt_dev (CPU shims, demo assets; not in the wheel) from this checkout, for every process of
+# the venv: Megatron-LM test runs and Slurm jobs start from other directories
+site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+printf '%s\n' "$PWD" > "$site/tierckpt_dev.pth"
+(cd / && "$OLDPWD/$VENV/bin/python" -c "import tierckpt_dev")
 touch "$VENV/.installed-stamp"

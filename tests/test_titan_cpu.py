@@ -25,7 +25,7 @@ def _env(**extra) -> dict:
 
 
 def test_assets_deterministic_and_cached(tmp_path):
-    from titan_plugin.assets import VOCAB_SIZE, ensure_assets
+    from tierckpt_dev.titan.assets import VOCAB_SIZE, ensure_assets
 
     a = ensure_assets(tmp_path / "a")
     b = ensure_assets(tmp_path / "b")
@@ -54,7 +54,7 @@ def test_assets_deterministic_and_cached(tmp_path):
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and max(ids) < VOCAB_SIZE
     assert tok.decode(ids[1:-1]) == "Return the sum of the values."
 
-    from titan_plugin.assets import load_corpus_dataset
+    from tierckpt_dev.titan.assets import load_corpus_dataset
 
     ds = load_corpus_dataset(str(a.corpus))
     assert len(ds) == a.num_documents and isinstance(ds[0]["text"], str)
@@ -66,7 +66,7 @@ def test_cpu_compat_noop_with_accelerator_and_idempotent():
         """
         import torch, torch.distributed as dist
         import torchtitan.tools.utils as tu
-        from titan_plugin import cpu
+        from tierckpt_dev.titan import cpu
 
         real = torch.cuda.is_available
         torch.cuda.is_available = lambda: True          # pretend a GPU is present
@@ -110,7 +110,7 @@ def test_cpu_compat_noop_with_accelerator_and_idempotent():
 
 
 def test_patches_documented():
-    from titan_plugin import cpu
+    from tierckpt_dev.titan import cpu
 
     names = cpu.patch_names()
     assert len(names) == len(set(names)) >= 4
@@ -122,14 +122,14 @@ def test_patches_documented():
 def test_two_rank_training(tmp_path):
     """Real torchtitan run: llama3 debugmodel, FSDP2 over 2 gloo ranks, our corpus/tokenizer
     (built concurrently by both ranks into a fresh directory), 3 steps."""
-    from titan_plugin.cpu import accelerator_present
+    from tierckpt import accelerator_present
 
     if accelerator_present():
         pytest.skip("checks the CPU patches, which are never applied on an accelerator machine")
     dump = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "torchtitan.train", "--module", "titan_plugin", "--config", "titan_demo",
+        "-m", "torchtitan.train", "--module", "tierckpt_dev.titan", "--config", "titan_demo",
         "--training.steps", "3", "--dump_folder", str(dump),
     ]
     r = subprocess.run(cmd, cwd=REPO, env=_env(TIERCKPT_ASSETS_DIR=str(tmp_path / "assets")),

@@ -73,7 +73,7 @@ def helper(argv: list[str]) -> int:
     import torch
     from torchtitan.tools.logging import init_logger
 
-    from titan_plugin.cpu import apply_cpu_compat
+    from tierckpt_dev.titan.cpu import apply_cpu_compat
     from titan_plugin.toml import load_config
 
     init_logger()
@@ -123,7 +123,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def test_persistent_resume_2_to_1_ranks_resharded(tmp_path):
-    from titan_plugin.cpu import accelerator_present
+    from tierckpt import accelerator_present
 
     if accelerator_present():
         pytest.skip("runs the CPU demo config (gloo, simulated nodes); the CPU patches are never applied on an accelerator machine")

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+from pytest import approx
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,6 +59,20 @@ def test_last_step_is_durable_and_a_model_only_export_is_never_a_resume_point(tm
     assert {v["source"] for v in restores[0]["sources"].values()} == {"own-local"}
 
 
+def _tb_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} of every TensorBoard event file under ``folder``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for d, _, files in os.walk(folder):
+        if any(f.startswith("events.out.tfevents") for f in files):
+            acc = EventAccumulator(d, size_guidance={"scalars": 0})
+            acc.Reload()
+            for tag in acc.Tags()["scalars"]:
+                out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
 def test_fp32_model_only_export_is_the_committed_full_last_step(tmp_path):
     tmp = str(tmp_path)
     ckpt = os.path.join(tmp, "run", "checkpoint")
@@ -65,13 +80,25 @@ def test_fp32_model_only_export_is_the_committed_full_last_step(tmp_path):
     assert os.path.exists(os.path.join(ckpt, "step-4", "tierckpt.committed"))
     # the requeue lands on fresh nodes: only the persistent tier is left
     shutil.rmtree(os.path.join(tmp, "nvme"))
-    _train(tmp, 6)
+    _train(tmp, 6, "--metrics.enable_tensorboard", "true")
     recs = [json.loads(x) for x in open(os.path.join(ckpt, "tierckpt-ledger.jsonl"))]
     restores = [r for r in recs if r["kind"] == "restore"]
     assert len(restores) == 1 and restores[0]["step"] == 4, restores
     assert {v["source"] for v in restores[0]["sources"].values()} == {"persistent"}
     ends = [r for r in recs if r["kind"] == "run_end"]
     assert [e["durable_step"] for e in ends] == [4, 6] and all(e["clean"] for e in ends), ends
+
+    # torchtitan's metric logger got the restore, the last save's δ and both tiers' records
+    tb = _tb_scalars(os.path.join(tmp, "run", "tb"))
+    assert tb["tierckpt/restore/step"] == [(4, 4.0)] and tb["tierckpt/restore/sources/persistent"] == [(4, 2.0)]
+    # (TensorBoard keeps float32: byte counts to 7 digits)
+    assert restores[0]["persistent_bytes"] > 0
+    assert tb["tierckpt/restore/persistent_bytes"] == [(4, approx(restores[0]["persistent_bytes"], rel=1e-6))]
+    assert [s for s, _ in tb["tierckpt/save/blocking_s"]] == [6]
+    saves = {r["tier"]: r for r in recs if r["kind"] == "checkpoint" and r["step"] == 6}
+    for tier in ("local", "persistent"):
+        assert tb[f"tierckpt/{tier}/saved_step"] == [(6, 6.0)] and tb[f"tierckpt/{tier}/failed"] == [(6, 0.0)]
+        assert tb[f"tierckpt/{tier}/bytes"] == [(6, approx(saves[tier]["bytes"], rel=1e-6))]
 
 
 def _make_seed(tmp):

@@ -38,6 +38,8 @@ _EXPORTS = {
     "VerificationError": "tierckpt.errors",
     "NoCheckpointError": "tierckpt.errors",
     "TierFailedError": "tierckpt.errors",
+    "accelerator_present": "tierckpt.dist.accel",
+    "decision_metrics": "tierckpt.sched.cadence",
 }
 
 __all__ = sorted(_EXPORTS)

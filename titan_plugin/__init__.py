@@ -2,12 +2,15 @@
 
 Submodules:
 
-- ``titan_plugin.cpu``: CPU compatibility patches for torchtitan 0.3.0, applied only when no
-  accelerator is present (``apply_cpu_compat``).
-- ``titan_plugin.assets``: demo corpus (CPython stdlib docstrings) and a byte-level BPE tokenizer
-  trained on it, built once and cached (``ensure_assets``).
-- ``titan_plugin.config_registry``: config functions for ``--module titan_plugin --config <fn>``
-  (e.g. ``titan_demo``).
+- ``titan_plugin.manager``: ``TieredCheckpointManager``, torchtitan's ``CheckpointManager`` with
+  tierckpt's tiers (``[checkpoint]`` keys in its ``Config``).
+- ``titan_plugin.toml``, ``titan_plugin.train``: ``python -m titan_plugin.train --toml FILE``.
+- ``titan_plugin.metrics``: exact per-step losses (JSON lines) and tierckpt's save, restore
+  and interval metrics for torchtitan's metric logger.
+
+The CPU patches, the demo corpus and tokenizer and the demo's config function are not part of
+this package: they are in the repository's development package :mod:`tierckpt_dev.titan`,
+which :mod:`titan_plugin.train` imports only on a machine without an accelerator.
 
 This package's ``__init__`` stays light: it imports neither torch nor torchtitan.
 """

@@ -45,17 +45,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import MODEL, CheckpointManager
 
+from tierckpt import (ConfigError, PersistentIO, Preempted, RestoreRecord, TieredCheckpointer,
+                      VerificationError)
 from tierckpt.io import layout, manifest
-from tierckpt.sched.cadence import decision_metrics
-from tierckpt.dist.collectives import PeerFailure, all_gather, run_agreed
-from tierckpt import RestoreRecord
-from tierckpt.engine import TieredCheckpointer
-from tierckpt.errors import ConfigError, VerificationError
 from tierckpt.io.dcp_io import crc32_off, digests_under, hashing_writer
-from tierckpt.tiers.persistent import PersistentIO
-from tierckpt.preemption import Preempted
 from tierckpt.io.storage import Store
 from titan_plugin.config import build_tier_config, checkpoint_error
+from titan_plugin.metrics import TierMetrics, restore_metrics
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +210,8 @@ class TieredCheckpointManager(CheckpointManager):
                          lr_schedulers=lr_schedulers, states=states, sd_adapter=sd_adapter,
                          base_folder=base_folder)
         self.engine: TieredCheckpointer | None = None
+        self.tier_metrics = TierMetrics(self._metric_logger)
+        self._metrics_step = 0  # the step of the last save() call: where close() logs what is left
         self.seed_run = bool(config.create_seed_checkpoint)
         if not self.enable:
             return
@@ -270,24 +268,22 @@ class TieredCheckpointManager(CheckpointManager):
                                                       handle=self._last_handle)
             return saved
         finally:
-            self._log_schedule(curr_step)
+            self._log_metrics(curr_step)
             self._t_step_end = time.perf_counter()
 
-    def _log_schedule(self, step: int) -> None:
-        """Send new interval decisions to torchtitan's metric logger as
-        ``tierckpt/<tier>/{tau_steps,tau_s,delta_s,mtbf_s,restart_s,p}`` (the logger is a no-op
-        off the metrics rank)."""
-        recs = self.engine.drain_schedule_log()
-        if not recs:
-            return
+    def _metric_logger(self):
+        """torchtitan's metric logger (a no-op one off the metrics rank), None before the
+        trainer has built it."""
         trainer = self.states.get("train_state")
-        logger = getattr(getattr(trainer, "metrics_processor", None), "logger", None)
-        if logger is None:
-            return
-        try:
-            logger.log(decision_metrics(recs), step)
-        except Exception as e:  # metrics must never stop training
-            log.warning("tierckpt: could not log schedule metrics: %s", e)
+        return getattr(getattr(trainer, "metrics_processor", None), "logger", None)
+
+    def _log_metrics(self, step: int) -> None:
+        """Send new interval decisions and the tier records finished since the last step to
+        the metric logger at ``step`` (:class:`titan_plugin.metrics.TierMetrics`; never waits
+        for a background tier)."""
+        self._metrics_step = step
+        self.tier_metrics.schedule(self.engine.drain_schedule_log(), step)
+        self.tier_metrics.poll(step)
 
     def _save_due(self, curr_step: int, last_step: bool) -> bool:
         tiers = self._due_tiers(curr_step, last_step)
@@ -296,6 +292,7 @@ class TieredCheckpointManager(CheckpointManager):
             # raises TierFailedError when a due tier's previous save failed (not warn-only)
             handle = self._last_handle = self.engine.save(curr_step, self._flattened_model_states_sd(), tiers=tiers)
             log.info("tierckpt: step %d staged for %s in %.3fs", curr_step, "+".join(tiers), handle.blocking_s)
+            self.tier_metrics.saved(handle, curr_step)
             saved = True
         if last_step and self.last_save_model_only:
             self.engine.wait()  # a failure raises at close(), after the export's collectives
@@ -408,6 +405,7 @@ class TieredCheckpointManager(CheckpointManager):
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(states)
         self.last_restore = res
+        self.tier_metrics.restored(res)
         log.info("tierckpt: resumed from step %d (%s) in %.2fs", res.step,
                  ", ".join(f"node {n}: {o.source.kind}" for n, o in res.sources.items()),
                  time.perf_counter() - t0)
@@ -432,7 +430,7 @@ class TieredCheckpointManager(CheckpointManager):
         found = None
         if eng.topo.rank == 0:  # one view of the shared folder for every rank
             found = _find_seed(store, rel)
-        kind, doc = all_gather(found, group)[0] or (None, None)
+        kind, doc = _all_gather(found, group)[0] or (None, None)
         if kind is None:
             return False
         url = store.url_of(rel)
@@ -446,11 +444,10 @@ class TieredCheckpointManager(CheckpointManager):
             if problems:
                 raise VerificationError("; ".join(problems[:3]))
 
-        try:
-            run_agreed(verify, group, f"verify seed {url}")
-        except PeerFailure as e:
-            raise VerificationError(f"seed checkpoint {url} is corrupt ({e}); re-create it with "
-                                    "checkpoint.create_seed_checkpoint, or remove it to start from a fresh init") from e
+        problem = _agreed_failure(verify, group, f"verify seed {url}")
+        if problem:
+            raise VerificationError(f"seed checkpoint {url} is corrupt ({problem}); re-create it with "
+                                    "checkpoint.create_seed_checkpoint, or remove it to start from a fresh init")
         states = self.states[MODEL].state_dict()
         if doc is not None:
             read = eng.persistent.io.load(states, url, group)
@@ -460,7 +457,7 @@ class TieredCheckpointManager(CheckpointManager):
             read = 0
         self.states[MODEL].load_state_dict(states)
         secs = time.perf_counter() - t0
-        per_rank = all_gather(read, group)
+        per_rank = _all_gather(read, group)
         per_node: dict[int, int] = {}
         for r, b in enumerate(per_rank):
             n = eng.topo.node_of_rank[r]
@@ -473,6 +470,8 @@ class TieredCheckpointManager(CheckpointManager):
             failures=[]))
         log.info("tierckpt: loaded the seed checkpoint %s (model only; optimizer, dataloader and step fresh) "
                  "in %.2fs", url, secs)
+        self.tier_metrics.emit(restore_metrics(SEED_STEP, secs, {n: "seed" for n in per_node}, nbytes=sum(per_rank),
+                                               persistent_bytes=sum(per_rank)), SEED_STEP)
         return True
 
     def _close(self) -> None:
@@ -486,9 +485,32 @@ class TieredCheckpointManager(CheckpointManager):
                 self.engine.close(clean=clean, reason=str(exc) if isinstance(exc, Preempted) else repr(exc) if exc else "",
                                   raise_failures=not isinstance(exc, Preempted))
             finally:
+                self.tier_metrics.poll(self._metrics_step)  # what finished while close() waited
                 super()._close()
             return
         super()._close()
+
+
+def _all_gather(obj, group) -> list:
+    """``all_gather_object`` of ``obj`` over ``group``: one entry per group rank."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _agreed_failure(fn, group, what: str) -> str | None:
+    """Run ``fn()`` on every rank of ``group`` (collective); returns, on every rank alike, None
+    when it succeeded everywhere, else ``"<what> failed — group rank <i>: <error>"`` for up to
+    four failed ranks (a rank that completed must not go on while a peer gave up)."""
+    try:
+        fn()
+        err = None
+    except Exception as e:  # exchanged with the peers, then reported on every rank
+        err = f"{type(e).__name__}: {e}"
+    failed = [(i, m) for i, m in enumerate(_all_gather(err, group)) if m is not None]
+    if not failed:
+        return None
+    return f"{what} failed — " + "; ".join(f"group rank {i}: {m}" for i, m in failed[:4])
 
 
 def _find_seed(store: Store, rel: str) -> tuple[str, dict | None] | None:

@@ -13,20 +13,43 @@ rank (rank 0 without pipeline parallelism)::
 opened in append mode and flushed per line, so a restarted job keeps appending to the same
 file: steps re-run after a resume appear twice; the last line for a step wins
 (:func:`read_losses`). ``jsonl_file = ""`` turns the file off.
+
+:class:`TierMetrics` sends tierckpt's own numbers to torchtitan's metric logger (TensorBoard,
+W&B; a no-op off the metrics rank), all under ``tierckpt/``, seconds and bytes as plain numbers:
+
+- every save, at its step: ``tierckpt/save/blocking_s`` (δ, this rank's blocking time);
+- every tier's outcome, at the first step that finds its background job finished (training
+  never waits for it): ``tierckpt/<tier>/{saved_step, blocking_s, wait_s, background_s, bytes,
+  failed, skipped}`` of its :class:`~tierckpt.CheckpointRecord` (a tier skipped at a step is
+  logged at that step);
+- every restore, at the restored step: ``tierckpt/restore/{step, seconds, attempts, bytes,
+  persistent_bytes, failures}`` and ``tierckpt/restore/sources/<kind>`` (nodes served by
+  ``own-local``, ``peer-replica``, ``persistent`` or ``seed``) of the
+  :class:`~tierckpt.RestoreResult`;
+- interval decisions of adaptive tiers: ``tierckpt/<tier>/{tau_steps, tau_s, delta_s, mtbf_s,
+  restart_s, p}`` (:func:`tierckpt.decision_metrics`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 
-__all__ = ["JsonlMetricsProcessor", "read_losses", "read_records"]
+from tierckpt import CheckpointRecord, RestoreResult, SaveHandle, decision_metrics
+
+__all__ = ["JsonlMetricsProcessor", "TierMetrics", "read_losses", "read_records", "record_metrics",
+           "restore_metrics"]
+
+log = logging.getLogger(__name__)
 
 
 class JsonlMetricsProcessor(MetricsProcessor):
@@ -109,3 +132,95 @@ def read_losses(path: str | os.PathLike) -> dict[int, float]:
     """step -> exact loss; for a step logged more than once (re-run after a resume) the last
     record wins."""
     return {r["step"]: float.fromhex(r["loss_hex"]) for r in read_records(path)}
+
+
+def record_metrics(rec: CheckpointRecord) -> dict[str, float]:
+    """Scalars of one tier's save of one step: ``tierckpt/<tier>/saved_step`` (step),
+    ``blocking_s``, ``wait_s``, ``background_s`` (seconds; slowest rank's δ and background
+    time, this rank's wait), ``bytes`` (all ranks), ``failed`` and ``skipped`` (0 or 1)."""
+    t = f"tierckpt/{rec.tier}"
+    return {f"{t}/saved_step": float(rec.step), f"{t}/blocking_s": float(rec.blocking_s),
+            f"{t}/wait_s": float(rec.wait_s), f"{t}/background_s": float(rec.background_s),
+            f"{t}/bytes": float(rec.bytes), f"{t}/failed": float(rec.failed), f"{t}/skipped": float(rec.skipped)}
+
+
+def restore_metrics(step: int, seconds: float, sources: dict[int, str], *, nbytes: int, persistent_bytes: int,
+                    attempts: int = 1, failures: int = 0) -> dict[str, float]:
+    """Scalars of one restore: ``tierckpt/restore/step``, ``seconds`` (wall time), ``attempts``,
+    ``bytes`` and ``persistent_bytes`` (read by all ranks), ``failures`` (sources that failed
+    and were skipped) and ``tierckpt/restore/sources/<kind>``: how many nodes ``kind``
+    (own-local | peer-replica | persistent | seed) served; ``sources`` is {node: kind}."""
+    out = {"tierckpt/restore/step": float(step), "tierckpt/restore/seconds": float(seconds),
+           "tierckpt/restore/attempts": float(attempts), "tierckpt/restore/bytes": float(nbytes),
+           "tierckpt/restore/persistent_bytes": float(persistent_bytes), "tierckpt/restore/failures": float(failures)}
+    for kind in sources.values():
+        key = f"tierckpt/restore/sources/{kind}"
+        out[key] = out.get(key, 0.0) + 1.0
+    return out
+
+
+def result_metrics(res: RestoreResult) -> dict[str, float]:
+    """:func:`restore_metrics` of the engine's :class:`~tierckpt.RestoreResult`."""
+    return restore_metrics(res.step, res.seconds, {n: o.source.kind for n, o in res.sources.items()},
+                           nbytes=sum(o.bytes for o in res.sources.values()),
+                           persistent_bytes=res.persistent_bytes_read, attempts=res.attempts,
+                           failures=len(res.failures))
+
+
+class TierMetrics:
+    """tierckpt's save, restore and interval numbers for torchtitan's metric logger (names in
+    the module docstring), read from the engine's :class:`~tierckpt.SaveHandle`,
+    :class:`~tierckpt.CheckpointRecord` and :class:`~tierckpt.RestoreResult`.
+
+    Never blocks on a background tier: :meth:`saved` keeps the handle's futures and each
+    :meth:`poll` (once per step) logs the records of those that finished. A logger error is
+    logged as a warning once and never reaches training.
+
+    Args:
+        get_logger: returns the logger (``log(metrics: dict[str, float], step: int)``) or None
+            while there is none; called at each log, as the trainer builds it late.
+    """
+
+    def __init__(self, get_logger: Callable[[], Any]):
+        self._get_logger = get_logger
+        self._pending: list[Future] = []  # tier futures not logged yet, oldest first
+        self._warned = False
+
+    def emit(self, metrics: dict[str, float], step: int) -> None:
+        """Send ``metrics`` at ``step`` (nothing when empty or without a logger)."""
+        if not metrics:
+            return
+        try:
+            logger = self._get_logger()
+            if logger is not None:
+                logger.log(metrics, step)
+        except Exception as e:  # metrics must never stop training
+            if not self._warned:
+                log.warning("tierckpt: could not log metrics: %s", e)
+                self._warned = True
+
+    def saved(self, handle: SaveHandle, step: int) -> None:
+        """A ``save()`` returned at ``step``: log δ and the tiers it skipped now, queue the rest."""
+        self.emit({"tierckpt/save/blocking_s": float(handle.blocking_s)}, step)
+        for rec in handle.skipped.values():
+            self.emit(record_metrics(rec), step)
+        self._pending.extend(handle.futures.values())
+
+    def poll(self, step: int) -> None:
+        """Log, at ``step``, the records of queued tiers whose background job has finished."""
+        done = [f for f in self._pending if f.done()]
+        if not done:
+            return
+        self._pending = [f for f in self._pending if not f.done()]
+        for f in done:  # one call per record: two records of one tier must not share a dict
+            if not f.cancelled() and f.exception() is None:  # (a tier's future resolves to a record)
+                self.emit(record_metrics(f.result()), step)
+
+    def restored(self, res: RestoreResult) -> None:
+        """Log a restore at its restored step."""
+        self.emit(result_metrics(res), res.step)
+
+    def schedule(self, records: list[dict], step: int) -> None:
+        """Log new interval decisions (ledger ``schedule`` records) at ``step``."""
+        if records:
+            self.emit(decision_metrics(records), step)

@@ -7,7 +7,7 @@ fields and the plugin's tier fields together (the checkpoint config is always a
 
     [job]
     module = "llama3"              # torchtitan model/experiment name, or a package with
-    config = "llama3_debugmodel"   # a config_registry module (e.g. "titan_plugin")
+    config = "llama3_debugmodel"   # a config_registry module (e.g. "tierckpt_dev.titan")
 
     [training]
     steps = 30

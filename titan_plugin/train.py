@@ -1,9 +1,11 @@
 """Entry point: ``python -m titan_plugin.train --toml FILE [--section.key value …]``.
 
 Parses and validates the whole configuration (:mod:`titan_plugin.toml`) before any process
-group exists, applies the CPU compatibility patches when no accelerator is present, then runs
-torchtitan's trainer exactly as ``torchtitan.train.main`` does. Exit status 2 on a
-configuration error (the message names the key and the allowed values); exit status 1 when
+group exists, applies the CPU compatibility patches when no accelerator is present (they live
+in the repository's development package :mod:`tierckpt_dev.titan.cpu`, which the wheel does
+not ship), then runs torchtitan's trainer exactly as ``torchtitan.train.main`` does. Exit
+status 2 on a configuration error (the message names the key and the allowed values) or when
+a machine without an accelerator lacks ``tierckpt_dev``; exit status 1 when
 a checkpoint tier's save failed (the message names the tier, the step and the cause); exit
 status 75 after the final save of a preemption notice (``checkpoint.preemption_signals``).
 """
@@ -13,8 +15,38 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tierckpt.errors import ConfigError, TierFailedError
-from tierckpt.preemption import PREEMPTED_EXIT, Preempted
+from tierckpt import PREEMPTED_EXIT, ConfigError, Preempted, TierFailedError, accelerator_present
+
+DEV_PACKAGE = "tierckpt_dev"
+
+
+class CpuShimsMissing(RuntimeError):
+    """No accelerator and no :mod:`tierckpt_dev` to make torchtitan run on the CPU."""
+
+
+def apply_cpu_shims() -> list[str]:
+    """Without an accelerator, apply torchtitan's CPU patches (:mod:`tierckpt_dev.titan.cpu`,
+    from a repository checkout); with one, nothing is imported and nothing changes.
+
+    Returns:
+        names of the patches applied by this call ([] with an accelerator or when applied before).
+    Raises:
+        CpuShimsMissing: no accelerator and ``tierckpt_dev`` cannot be imported (the message
+            says how to make it importable).
+    """
+    if accelerator_present():
+        return []
+    try:
+        from tierckpt_dev.titan.cpu import apply_cpu_compat
+    except ModuleNotFoundError as e:
+        if not e.name or e.name.split(".")[0] != DEV_PACKAGE:
+            raise  # tierckpt_dev is there; one of its own imports is missing
+        raise CpuShimsMissing(
+            f"no accelerator: torchtitan runs on the CPU only with the patches of the development package "
+            f"{DEV_PACKAGE} (tierckpt_dev.titan.cpu), which the tierckpt wheel does not ship; run from a "
+            "repository checkout with its root on PYTHONPATH (launch/*.py and launch/tierckpt_slurm.sh "
+            "set it)") from e
+    return apply_cpu_compat()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:  # saved on a preemption notice: ask to be requeued
         print(f"titan_plugin.train: {e}", file=sys.stderr)
         return PREEMPTED_EXIT
+    except CpuShimsMissing as e:
+        print(f"titan_plugin.train: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -49,14 +84,13 @@ def run(config) -> None:
 
     Raises:
         ConfigError: a seed run on more than one rank or with checkpointing disabled.
+        CpuShimsMissing: no accelerator and no ``tierckpt_dev`` (:func:`apply_cpu_shims`).
     """
     import torch
     from torchtitan.tools.logging import init_logger, logger
 
-    from titan_plugin.cpu import apply_cpu_compat
-
     init_logger()
-    apply_cpu_compat()
+    apply_cpu_shims()
     trainer = None
     try:
         trainer = config.build()

@@ -15,7 +15,7 @@ VOCAB, HIDDEN, HEADS, LAYERS, FFN, SEQ, MBS = 64, 16, 4, 2, 40, 16, 2
 def setup(tp: int = 1, seed: int = 1234):
     """Apply the CPU shims and the Adam-step fix, then (re)initialise Megatron's parallel
     state with tensor parallel size ``tp`` (DP = world / tp)."""
-    import mcore_plugin.cpu as cpu
+    import tierckpt_dev.mcore.cpu as cpu
     from mcore_plugin import optim_state
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -1,4 +1,4 @@
-"""mcore_plugin.cpu: named, idempotent shims; nothing at all with an accelerator; the spawned
+"""tierckpt_dev.mcore.cpu: named, idempotent shims; nothing at all with an accelerator; the spawned
 persistent async worker entry point. Each check runs in a fresh interpreter (the shims are
 process-wide)."""
 
@@ -28,7 +28,7 @@ def _run(code: str, **env) -> str:
 
 def test_apply_idempotent_named_and_effective():
     out = _run("""
-        import torch, mcore_plugin.cpu as c
+        import torch, tierckpt_dev.mcore.cpu as c
         first = c.apply(); second = c.apply()
         assert first == second == c.applied(), (first, second)
         t = torch.zeros(2, device="cuda")                  # cuda_device_to_cpu
@@ -58,12 +58,12 @@ def test_apply_idempotent_named_and_effective():
 
 def test_skip_env_and_accelerator_noop():
     out = _run("""
-        import mcore_plugin.cpu as c
+        import tierckpt_dev.mcore.cpu as c
         print(",".join(c.apply()))
     """, TIERCKPT_MCORE_CPU_SKIP="tensor_type_names,async_worker")
     assert out.split(",") == [n for n in NAMES if n not in ("tensor_type_names", "async_worker")]
     out = _run("""
-        import torch, mcore_plugin.cpu as c
+        import torch, tierckpt_dev.mcore.cpu as c
         orig = (torch.cuda.synchronize, torch.Tensor.type)
         c.accelerator_present = lambda: True
         assert c.apply() == [] and c.applied() == []

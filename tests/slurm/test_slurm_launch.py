@@ -234,7 +234,7 @@ def _titan_job(cluster, tmp_path, extra_env: dict[str, str], steps: int = STEPS,
             "--checkpoint.job_id", name]
     out = shared / "job.out"
     shared.mkdir(parents=True)
-    from titan_plugin.assets import ensure_assets
+    from tierckpt_dev.titan.assets import ensure_assets
 
     ensure_assets()  # built once here, not by both ranks
     jobid = submit(cluster, TITAN, out, env, args)

@@ -22,9 +22,9 @@ import threading
 
 import torch
 
-from tierckpt.dist.accel import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
+from tierckpt import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
 
-log = logging.getLogger("mcore_plugin.cpu")
+log = logging.getLogger("tierckpt_dev.mcore.cpu")
 
 SKIP_ENV = "TIERCKPT_MCORE_CPU_SKIP"
 
@@ -52,7 +52,7 @@ def apply() -> list[str]:
                 continue
             fn()
             _applied.append(name)
-            log.info("mcore_plugin.cpu: applied %s", name)
+            log.info("tierckpt_dev.mcore.cpu: applied %s", name)
         return list(_applied)
 
 

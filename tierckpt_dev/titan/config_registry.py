@@ -1,17 +1,17 @@
-"""Config functions for torchtitan's ``--module titan_plugin --config <fn>``.
+"""Config functions for torchtitan's ``--module tierckpt_dev.titan --config <fn>``.
 
 torchtitan 0.3.0's ``ConfigManager`` resolves a third-party ``--module pkg`` by importing
 ``pkg.config_registry`` and calling the function named by ``--config``; CLI flags
 (``--training.steps 5``, ``--checkpoint.enable`` …) are then applied on top by tyro.
 
-``titan_demo``: the llama3 debug model on the demo corpus (``titan_plugin.assets``), sized for a
+``titan_demo``: the llama3 debug model on the demo corpus (``tierckpt_dev.titan.assets``), sized for a
 2-core CPU machine: seq 256 × local batch 2, 30 steps, fp32 params, no compile, no activation
 checkpointing, no validator, fixed seed, deterministic algorithms, loss logged every step.
 Checkpointing is tierckpt's ``TieredCheckpointManager.Config`` (off by default; enable it from
 the CLI with ``--checkpoint.enable`` or use configs/titan_demo.toml).
 
 Run: ``python -m torch.distributed.run --nproc-per-node 2 -m torchtitan.train
---module titan_plugin --config titan_demo``.
+--module tierckpt_dev.titan --config titan_demo``.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from torchtitan.models.common.config_utils import decoder_vocab_size as _decoder
 from torchtitan.models.llama3 import model_registry as _model_registry
 from torchtitan.trainer import Trainer
 
-from titan_plugin.assets import DATASET_NAME
-from titan_plugin.assets import ensure_assets as _ensure_assets
-from titan_plugin.assets import register_dataset as _register_dataset
-from titan_plugin.cpu import apply_cpu_compat as _apply_cpu_compat
+from tierckpt_dev.titan.assets import DATASET_NAME
+from tierckpt_dev.titan.assets import ensure_assets as _ensure_assets
+from tierckpt_dev.titan.assets import register_dataset as _register_dataset
+from tierckpt_dev.titan.cpu import apply_cpu_compat as _apply_cpu_compat
 from titan_plugin.manager import TieredCheckpointManager
 from titan_plugin.metrics import JsonlMetricsProcessor
 

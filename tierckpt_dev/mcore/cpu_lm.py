@@ -1,5 +1,5 @@
 """CPU shims for Megatron-LM's training loop (``megatron/training``), on top of
-:mod:`mcore_plugin.cpu` (which covers megatron-core's models, optimizer and checkpointing).
+:mod:`tierckpt_dev.mcore.cpu` (which covers megatron-core's models, optimizer and checkpointing).
 
 Applied by ``python -m mcore_plugin.pretrain`` only when there is no accelerator; never on a
 GPU machine. Each shim is named, logged once, and says what breaks without it. They are kept
@@ -8,7 +8,7 @@ code, e.g. tierckpt's staging, asks ``torch.cuda.is_available()`` to choose pinn
 instead the ``torch`` name inside the listed Megatron-LM modules is a view of torch whose
 ``cuda`` answers as one CPU "device".
 
-``TIERCKPT_MCORE_CPU_SKIP=name,...`` (shared with :mod:`mcore_plugin.cpu`) leaves shims out.
+``TIERCKPT_MCORE_CPU_SKIP=name,...`` (shared with :mod:`tierckpt_dev.mcore.cpu`) leaves shims out.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import types
 
 import torch
 
-from mcore_plugin.cpu import _NullStream  # one CUDA-stream stand-in for both shim sets
+from tierckpt_dev.mcore.cpu import _NullStream  # one CUDA-stream stand-in for both shim sets
 
-log = logging.getLogger("mcore_plugin.cpu_lm")
+log = logging.getLogger("tierckpt_dev.mcore.cpu_lm")
 
 _lock = threading.Lock()
 _applied: list[str] = []
@@ -135,7 +135,7 @@ def _training_modules_cuda_view() -> None:
     the training loop reads ``torch.cuda.max_memory_allocated()`` & co. for its reports. All
     raise or skip set-up on a CPU wheel. Tensors that these modules place with
     ``device="cuda"`` / ``torch.cuda.current_device()`` go to the CPU through
-    :mod:`mcore_plugin.cpu`'s device shim.
+    :mod:`tierckpt_dev.mcore.cpu`'s device shim.
     """
     global _TORCH_VIEW
     _TORCH_VIEW = _TORCH_VIEW or _TorchView()
@@ -182,7 +182,7 @@ def apply() -> list[str]:
     Returns:
         names applied in this process so far ([] with an accelerator).
     """
-    from mcore_plugin import cpu
+    from tierckpt_dev.mcore import cpu
 
     if cpu.accelerator_present():
         return []
@@ -193,5 +193,5 @@ def apply() -> list[str]:
                 continue
             fn()
             _applied.append(name)
-            log.info("mcore_plugin.cpu_lm: applied %s", name)
+            log.info("tierckpt_dev.mcore.cpu_lm: applied %s", name)
         return list(_applied)

@@ -28,7 +28,7 @@ The dataset is registered with torchtitan's text dataloader as :data:`DATASET_NA
 (``register_dataset``); it is loaded from ``corpus.jsonl`` into an in-memory
 ``datasets.Dataset`` (no network, no Hugging Face cache directory).
 
-CLI: ``python -m titan_plugin.assets --out DIR [--rebuild]``.
+CLI: ``python -m tierckpt_dev.titan.assets --out DIR [--rebuild]``.
 """
 
 from __future__ import annotations
@@ -374,7 +374,7 @@ def register_dataset(path: str | os.PathLike | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_plugin.assets", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tierckpt_dev.titan.assets", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help=f"assets directory (default ${ASSETS_ENV} or outputs/assets)")
     ap.add_argument("--rebuild", action="store_true", help="rebuild even if a valid build exists")
     args = ap.parse_args(argv)

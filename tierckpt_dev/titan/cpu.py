@@ -8,9 +8,9 @@ gloo). Rules:
 - Applied only when no accelerator is present (``torch.cuda.is_available()`` and
   ``torch.accelerator.is_available()`` both false). On a GPU machine it does nothing at all.
 - Each patch is applied at most once per process and logged once on the
-  ``titan_plugin.cpu`` logger; a second call is a no-op.
+  ``tierckpt_dev.titan.cpu`` logger; a second call is a no-op.
 - Must run in every rank process before the trainer is built. It is called from our
-  entry point and from the config-registry functions (``titan_plugin.config_registry``),
+  entry point and from the config-registry functions (``tierckpt_dev.titan.config_registry``),
   which torchtitan's ``ConfigManager`` calls in each rank before ``Trainer(...)``.
 - ``TIERCKPT_CPU_COMPAT_SKIP=name,name`` leaves the named patches out (to check that each one
   is really needed: every patch's docstring says what breaks without it).
@@ -28,9 +28,9 @@ from collections.abc import Callable
 
 import torch
 
-from tierckpt.dist.accel import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
+from tierckpt import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
 
-log = logging.getLogger("titan_plugin.cpu")
+log = logging.getLogger("tierckpt_dev.titan.cpu")
 
 SKIP_ENV = "TIERCKPT_CPU_COMPAT_SKIP"
 
@@ -61,7 +61,7 @@ def _make_cpu_device_module() -> types.ModuleType:
     """A stand-in for ``torch.cuda`` with the calls torchtitan makes on its device module."""
     import platform
 
-    mod = types.ModuleType("titan_plugin.cpu.device_module")
+    mod = types.ModuleType("tierckpt_dev.titan.cpu.device_module")
     mod.__doc__ = "CPU stand-in for torchtitan's device module (torch.cuda on GPU machines)."
     name = f"CPU ({platform.processor() or platform.machine()})"
 
