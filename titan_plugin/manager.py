@@ -51,8 +51,7 @@ from tierckpt.dist.collectives import PeerFailure, all_gather, run_agreed
 from tierckpt.config import TierConfig
 from tierckpt.engine import TieredCheckpointer
 from tierckpt.errors import ConfigError, VerificationError
-from tierckpt.io.dcp_io import crc32_off, digests_under, hashing_writer
-from tierckpt.tiers.persistent import PersistentIO
+from tierckpt.tiers.persistent import write_dcp
 from tierckpt.preemption import Preempted
 from tierckpt.io.storage import Store
 
@@ -60,24 +59,6 @@ log = logging.getLogger(__name__)
 
 SEED_STEP = 0  # torchtitan's seed checkpoint is step 0 of the checkpoint folder
 SEED_MANIFEST = "tierckpt.seed.json"  # checksums of a seed; not a commit marker (never a resume point)
-
-
-class TitanPersistentIO(PersistentIO):
-    """Persistent-tier writes as torchtitan makes them (``dcp.save(state_dict,
-    checkpoint_id=…)`` in ``CheckpointManager.dcp_save``), over tierckpt's gloo group so the
-    background write never shares the trainer's process group; loads use tierckpt's verified
-    DCP load (same format)."""
-
-    def save(self, state_dict: dict, url: str, process_group) -> dict:
-        """Collective DCP save to ``url`` over ``process_group``; returns the checksums
-        hashed while writing (local paths), as :meth:`PersistentIO.save`."""
-        if "://" in url:
-            dcp.save(state_dict, checkpoint_id=url, process_group=process_group)
-            return {}
-        writer = hashing_writer(url)
-        with crc32_off():
-            dcp.save(state_dict, storage_writer=writer, process_group=process_group)
-        return digests_under(writer, url)
 
 
 _EXPORT_CLASH = ("the last step's model-only export (last_save_in_hf or export_dtype {dtype}) would take "
@@ -267,7 +248,7 @@ class TieredCheckpointManager(CheckpointManager):
                               _EXPORT_CLASH.format(dtype=config.export_dtype, folder=self.folder))
         tcfg = tier_config(config, self.persistent_folder)
         try:
-            self.engine = TieredCheckpointer(tcfg, persistent_io=TitanPersistentIO())
+            self.engine = TieredCheckpointer(tcfg)
         except ConfigError as e:
             raise ConfigError(f"checkpoint.{e.option}", str(e).split(": ", 1)[-1]) from None
         self.last_restore = None
@@ -375,7 +356,7 @@ class TieredCheckpointManager(CheckpointManager):
                 store.remove(f"{rel}/{p}")
         states = self.states[MODEL].state_dict()
         group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        digests = TitanPersistentIO().save(states, store.url_of(rel), group)
+        digests = write_dcp(states, store.url_of(rel), group)
         entries = []
         for p in manifest.data_files(store, rel):  # a file DCP wrote without hashing it is re-read
             e = manifest.hash_file(store, f"{rel}/{p}") if p not in digests else None
@@ -486,7 +467,7 @@ class TieredCheckpointManager(CheckpointManager):
                                     "checkpoint.create_seed_checkpoint, or remove it to start from a fresh init") from e
         states = self.states[MODEL].state_dict()
         if doc is not None:
-            read = eng.persistent.io.load(states, url, group)
+            read = eng.persistent.load(states, url, group)
         else:
             log.warning("tierckpt: seed %s has no tierckpt checksums (written by torchtitan); loading it unverified", url)
             dcp.load(states, checkpoint_id=url, process_group=group)
