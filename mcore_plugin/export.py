@@ -250,6 +250,33 @@ def export(src: str, dst: str, *, overwrite: bool = False,
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     rep = ExportReport(src=src, dst=dst)
     prog = progress or (lambda *a: None)
+    _check_source(src, dst, overwrite)
+    common = _common(src)
+    ocommon = _find_optimizer_common(common)
+    fmt = ocommon["param_state_sharding_type"]
+    if fmt != "dp_reshardable":
+        raise ExportError(f"{src}: the optimizer is stored as {fmt!r}, not 'dp_reshardable'")
+    md = FileSystemReader(src).read_metadata()
+    if any(k.startswith("chained_") for k in md.state_dict_metadata):
+        raise ExportError("several chained optimizers (keys 'chained_<i>.…') are not supported")
+    items, sd = _read_all(src, md, prog)
+    buckets, group_objs = _buckets_of(items, sd)
+    layouts = _find_layouts(md, common, buckets, group_objs, rep)
+    pyt = _unchanged(items, sd, rep)
+    pyt.update(_to_model_space(md, layouts, buckets, rep, prog))
+    rep.tensors = sum(1 for x in pyt.values() if isinstance(x, torch.Tensor))
+    for name, val in group_objs.get(0, {}).items():
+        if name not in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+            ocommon[name] = val
+    ocommon["param_state_sharding_type"] = "fully_reshardable"
+    _write(dst, pyt, common, prog)
+    rep.bytes_written = sum(f.stat().st_size for f in Path(dst).iterdir() if f.is_file())
+    return rep
+
+
+def _check_source(src: str, dst: str, overwrite: bool) -> None:
+    """``src`` is a torch_dist checkpoint (a committed, intact one if tierckpt wrote it) and
+    ``dst`` may be written. Raises ExportError otherwise."""
     cfg = os.path.join(src, "metadata.json")
     if not os.path.exists(cfg):
         raise ExportError(f"{src}: not a Megatron distributed checkpoint (no metadata.json)")
@@ -261,16 +288,11 @@ def export(src: str, dst: str, *, overwrite: bool = False,
     if os.path.realpath(dst) == os.path.realpath(src):
         raise ExportError("SRC and DST are the same directory")
     _check_tierckpt_commit(src)
-    common = _common(src)
-    ocommon = _find_optimizer_common(common)
-    fmt = ocommon["param_state_sharding_type"]
-    if fmt != "dp_reshardable":
-        raise ExportError(f"{src}: the optimizer is stored as {fmt!r}, not 'dp_reshardable'")
-    md = FileSystemReader(src).read_metadata()
-    if any(k.startswith("chained_") for k in md.state_dict_metadata):
-        raise ExportError("several chained optimizers (keys 'chained_<i>.…') are not supported")
 
-    # read everything: tensors as full tensors, objects as loaded Python values
+
+def _read_all(src: str, md, prog) -> tuple[list, dict]:
+    """Every item of ``src``: tensors as full tensors, objects as loaded Python values.
+    Returns ``(metadata items, {key: value})``."""
     items = list(md.state_dict_metadata.items())
     sd = {}
     for k, v in items:
@@ -279,7 +301,16 @@ def export(src: str, dst: str, *, overwrite: bool = False,
     prog("read", 0, len(items))
     dcp.load(sd, storage_reader=FileSystemReader(src), no_dist=True)
     prog("read", len(items), len(items))
+    return items, sd
 
+
+def _buckets_of(items: list, sd: dict) -> tuple[dict, dict]:
+    """``(buckets, group objects)``: ``buckets[dp_group_idx][gbuf_idx][bucket_idx][state key]``
+    (flat tensors) and ``{dp_group_idx: {name: value}}`` of the per-group objects.
+
+    Raises:
+        ExportError: no buckets, several grad buffers per rank, or gaps in the group indices.
+    """
     buckets: dict[int, dict[int, dict[int, dict[str, torch.Tensor]]]] = {}
     group_objs: dict[int, dict[str, object]] = {}
     for k, v in items:
@@ -300,8 +331,18 @@ def export(src: str, dst: str, *, overwrite: bool = False,
     groups = sorted(buckets)
     if groups != list(range(len(groups))):
         raise ExportError(f"unexpected model-parallel group indices {groups}")
+    return buckets, group_objs
 
-    layouts, errors = None, []
+
+def _find_layouts(md, common: dict, buckets: dict, group_objs: dict, rep: ExportReport) -> dict:
+    """``{dp_group_idx: [(param, bucket, start, end)]}`` of the first TP×PP that reproduces
+    every group's bucket sizes (records TP/PP in ``rep``).
+
+    Raises:
+        ExportError: no candidate reproduces them, or a group's sizes are unreadable.
+    """
+    groups = sorted(buckets)
+    errors = []
     for tp, pp in _parallel_candidates(common, len(groups)):
         try:
             per_rank = _model_params(md, tp, pp)
@@ -324,12 +365,19 @@ def export(src: str, dst: str, *, overwrite: bool = False,
                 break
             got[g] = lay
         if got:
-            layouts, rep.tp, rep.pp = got, tp, pp
-            break
-    if layouts is None:
-        raise ExportError("cannot rebuild the optimizer bucket layout: " + "; ".join(errors))
+            rep.tp, rep.pp = tp, pp
+            return got
+    raise ExportError("cannot rebuild the optimizer bucket layout: " + "; ".join(errors))
 
-    # convert buckets → model space
+
+def _to_model_space(md, layouts: dict, buckets: dict, rep: ExportReport, prog) -> dict[str, torch.Tensor]:
+    """The optimizer state of the buckets as ``optimizer.state.<key>.<model key>`` tensors,
+    each shaped like its parameter (counts parameters in ``rep``).
+
+    Raises:
+        ExportError: an element of some parameter's state is not covered by any bucket.
+    """
+    groups = sorted(layouts)
     state_keys = sorted({sk for g in groups for b in buckets[g][0].values() for sk in b})
     out: dict[str, torch.Tensor] = {}
     filled: dict[str, torch.Tensor] = {}
@@ -355,14 +403,18 @@ def export(src: str, dst: str, *, overwrite: bool = False,
     holes = [n for n, f in filled.items() if not bool(f.all())]
     if holes:
         raise ExportError(f"optimizer state not covered by any bucket for {holes[:3]}")
+    return out
 
-    # the rest, unchanged; objects re-serialised as torch_dist stores them
+
+def _unchanged(items: list, sd: dict, rep: ExportReport) -> dict:
+    """Everything but the buckets and the common state, unchanged; objects re-serialised as
+    torch_dist stores them (counts them in ``rep``)."""
     pyt: dict[str, object] = {}
     for k, v in items:
         if _BUCKET_RE.match(k) or _GROUP_OBJ_RE.match(k):
             continue
         if k.startswith("common_state/"):
-            continue  # common.pt is written below
+            continue  # common.pt is written by _write
         if isinstance(v, TensorStorageMetadata):
             pyt[k] = sd[k]
         else:
@@ -371,15 +423,12 @@ def export(src: str, dst: str, *, overwrite: bool = False,
             buf.seek(0)
             pyt[k] = buf
             rep.objects += 1
-    pyt.update(out)
-    rep.tensors = sum(1 for x in pyt.values() if isinstance(x, torch.Tensor))
+    return pyt
 
-    g0 = group_objs.get(0, {})
-    for name, val in g0.items():
-        if name not in ("per_bucket_numel", "per_bucket_numel_unpadded"):
-            ocommon[name] = val
-    ocommon["param_state_sharding_type"] = "fully_reshardable"
 
+def _write(dst: str, pyt: dict, common: dict, prog) -> None:
+    """The torch_dist checkpoint ``dst`` (DCP files, ``common.pt``, ``metadata.json``), written
+    next to it first and renamed into place."""
     prog("write", 0, 1)
     tmp = dst + ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -397,9 +446,7 @@ def export(src: str, dst: str, *, overwrite: bool = False,
     if os.path.exists(dst):
         shutil.rmtree(dst)
     os.replace(tmp, dst)
-    rep.bytes_written = sum(f.stat().st_size for f in Path(dst).iterdir() if f.is_file())
     prog("write", 1, 1)
-    return rep
 
 
 # --------------------------------------------------------------------------- CLI

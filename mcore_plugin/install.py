@@ -140,7 +140,7 @@ class Runtime:
 
     Attributes:
         spec: the installed :class:`HookSpec`.
-        tiers: the job's :class:`mcore_plugin.strategies.MegatronTiers` (created collectively in
+        tiers: the job's :class:`mcore_plugin.tiers.MegatronTiers` (created collectively in
             ``setup_model_and_optimizer``), or None.
         local_manager: the :class:`mcore_plugin.local_manager.TieredLocalCheckpointManager`.
         save_inputs, load_inputs: the last ``generate_state_dict`` call of a save / a load
@@ -275,6 +275,20 @@ def _check_points(spec: HookSpec) -> None:
 
 
 def _install_training_hooks(rt: Runtime) -> None:
+    """Replace every hook point of ``rt.spec`` (module docstring), one function per point."""
+    ck = importlib.import_module("megatron.training.checkpointing")
+    tr = importlib.import_module("megatron.training.training")
+    _hook_parser(rt)
+    _hook_generate_state_dict(rt, ck)
+    _hook_strategies(rt, ck)
+    _hook_local_path(rt)
+    _hook_setup(rt, tr)
+    _hook_checkpoint_and_decide_exit(rt, tr)
+    _hook_pretrain(rt, tr)
+
+
+def _hook_parser(rt: Runtime) -> None:
+    """The plugin's flags in Megatron's parser; their validation after Megatron's own."""
     from mcore_plugin.args import add_plugin_args
 
     arguments = importlib.import_module("megatron.training.arguments")
@@ -303,7 +317,7 @@ def _install_training_hooks(rt: Runtime) -> None:
         settings = validate_plugin_args(args)
         if settings is not None and "local" in settings.tiers:
             # Keep Megatron's own nvrx set-up in pretrain() off; setup_model_and_optimizer
-            # below puts the plugin's manager in place and turns the type back on.
+            # puts the plugin's manager in place and turns the type back on.
             args.non_persistent_ckpt_type = None
             rt.local_tier_masked = True
         return out
@@ -315,11 +329,9 @@ def _install_training_hooks(rt: Runtime) -> None:
         if getattr(mod, "validate_args") is orig_validate:
             _replace(mod, "validate_args", validate_args)
 
-    ck = importlib.import_module("megatron.training.checkpointing")
-    tr = importlib.import_module("megatron.training.training")
-    tasd = importlib.import_module("megatron.core.dist_checkpointing.tensor_aware_state_dict")
 
-    # generate_state_dict: record the inputs of the current save / load.
+def _hook_generate_state_dict(rt: Runtime, ck) -> None:
+    """Record the inputs of the current save / load (``rt.regenerate`` replays them)."""
     orig_gen = ck.generate_state_dict
 
     def generate_state_dict(*a, **kw):
@@ -335,7 +347,9 @@ def _install_training_hooks(rt: Runtime) -> None:
     _replace(ck, "generate_state_dict", generate_state_dict)
     rt.regenerate = _regenerator(rt, orig_gen)
 
-    # Strategies (the version-specific names).
+
+def _hook_strategies(rt: Runtime, ck) -> None:
+    """The torch_dist save/load strategies (the version-specific names) wrapped by the plugin's."""
     orig_save = getattr(ck, rt.spec.save_strategy)
     orig_load = getattr(ck, rt.spec.load_strategy)
 
@@ -365,7 +379,10 @@ def _install_training_hooks(rt: Runtime) -> None:
     _replace(ck, rt.spec.save_strategy, save_strategy)
     _replace(ck, rt.spec.load_strategy, load_strategy)
 
-    # Local-checkpoint path.
+
+def _hook_local_path(rt: Runtime) -> None:
+    """Megatron-LM's local-checkpoint path converts with the plugin's holder while it is on."""
+    tasd = importlib.import_module("megatron.core.dist_checkpointing.tensor_aware_state_dict")
     orig_tasd = tasd.MCoreTensorAwareStateDict
 
     class _Dispatch:
@@ -382,6 +399,9 @@ def _install_training_hooks(rt: Runtime) -> None:
 
     _replace(tasd, "MCoreTensorAwareStateDict", _Dispatch)
 
+
+def _hook_setup(rt: Runtime, tr) -> None:
+    """The tiers are created (collectively) where Megatron-LM sets up model and optimizer."""
     orig_setup = tr.setup_model_and_optimizer
 
     def setup_model_and_optimizer(*a, **kw):
@@ -392,6 +412,10 @@ def _install_training_hooks(rt: Runtime) -> None:
 
     _replace(tr, "setup_model_and_optimizer", setup_model_and_optimizer)
 
+
+def _hook_checkpoint_and_decide_exit(rt: Runtime, tr) -> None:
+    """Each iteration: which tier is due (Megatron's two save paths pointed at it), a durable
+    planned exit, step times for the scheduler, metrics to Megatron's writers."""
     orig_decide = tr.checkpoint_and_decide_exit
 
     def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, *a, **kw):
@@ -401,14 +425,7 @@ def _install_training_hooks(rt: Runtime) -> None:
         now = time.monotonic()
         if rt.last_step_end is not None:
             rt.tiers.observe_step(now - rt.last_step_end)
-        due = list(rt.tiers.due(iteration))  # the same answer on every rank
-        train_iters = getattr(args, "train_iters", None)
-        if train_iters and iteration >= train_iters and "persistent" not in due:
-            # The job ends here: its last state goes to the persistent tier. Megatron's own
-            # end-of-training save only happens when its --save-interval does not divide the
-            # last iteration, which says nothing about adaptive intervals.
-            due = [t for t in ("local", "persistent") if t in due or t == "persistent"]
-        rt.due = due
+        due = _due_at(rt, args, iteration)
         saved = (args.save_interval, getattr(args, "non_persistent_save_interval", None))
         # Megatron's loop saves when `iteration % interval == 0`: point its two paths at this
         # iteration when a tier is due, away from it otherwise. Persistent due -> Megatron's
@@ -426,13 +443,29 @@ def _install_training_hooks(rt: Runtime) -> None:
             return exiting
         finally:
             _log_schedule(rt, iteration)
+            _log_tier_metrics(rt, iteration)
             rt.last_step_end = time.monotonic()
 
     _replace(tr, "checkpoint_and_decide_exit", checkpoint_and_decide_exit)
 
-    # pretrain: close the tiers after a normal end (background writes finish, the ledger
-    # records a clean run_end). After an exception nothing is closed: a peer may be gone, so
-    # waiting on replication could hang, and a run without run_end already counts as failed.
+
+def _due_at(rt: Runtime, args, iteration: int) -> list[str]:
+    """Tiers due at ``iteration`` (the same answer on every rank), recorded in ``rt.due``."""
+    due = list(rt.tiers.due(iteration))
+    train_iters = getattr(args, "train_iters", None)
+    if train_iters and iteration >= train_iters and "persistent" not in due:
+        # The job ends here: its last state goes to the persistent tier. Megatron's own
+        # end-of-training save only happens when its --save-interval does not divide the
+        # last iteration, which says nothing about adaptive intervals.
+        due = [t for t in ("local", "persistent") if t in due or t == "persistent"]
+    rt.due = due
+    return due
+
+
+def _hook_pretrain(rt: Runtime, tr) -> None:
+    """Close the tiers after a normal end (background writes finish, the ledger records a clean
+    run_end). After an exception nothing is closed: a peer may be gone, so waiting on
+    replication could hang, and a run without run_end already counts as failed."""
     orig_pretrain = tr.pretrain
 
     def pretrain(*a, **kw):
@@ -449,7 +482,6 @@ def _install_training_hooks(rt: Runtime) -> None:
     pkg = importlib.import_module("megatron.training")
     if getattr(pkg, "pretrain", None) is orig_pretrain:
         _replace(pkg, "pretrain", pretrain)
-
 
 
 def _regenerator(rt: Runtime, orig_gen) -> Callable[[str, bool], dict]:
@@ -566,27 +598,44 @@ def _save_persistent_now(tr, model, optimizer, opt_param_scheduler, iteration: i
                                 train_data_iterator=rest.get("train_data_iterator"))
 
 
+def _writers():
+    """Megatron-LM's (TensorBoard writer, W&B writer); each None where not configured (they
+    exist on the last rank only)."""
+    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+    return get_tensorboard_writer(), get_wandb_writer()
+
+
 def _log_schedule(rt: Runtime, iteration: int) -> None:
-    """New interval decisions to Megatron-LM's TensorBoard and W&B writers (they exist on the
-    last rank only; the engine hands every rank the decisions), as
-    ``tierckpt/<tier>/{tau_steps,tau_s,delta_s,mtbf_s,restart_s,p}`` at ``iteration``."""
-    from tierckpt.sched.cadence import decision_metrics
+    """New interval decisions to Megatron-LM's TensorBoard and W&B writers (the engine hands
+    every rank the decisions), as ``tierckpt/<tier>/{tau_steps,tau_s,delta_s,mtbf_s,restart_s,p}``
+    at ``iteration``."""
+    from tierckpt import decision_metrics
 
     recs = rt.tiers.engine.drain_schedule_log()
     if not recs:
         return
     try:
-        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+        from mcore_plugin import metrics
 
-        metrics = decision_metrics(recs)
-        tb, wb = get_tensorboard_writer(), get_wandb_writer()
-        if tb is not None:
-            for k, v in metrics.items():
-                tb.add_scalar(k, v, iteration)
-        if wb is not None:
-            wb.log(metrics, iteration)
+        metrics.write(decision_metrics(recs), {}, iteration, *_writers())
     except Exception as e:  # metrics must never stop training
         log.warning("tierckpt: could not write schedule metrics: %s", e)
+
+
+def _log_tier_metrics(rt: Runtime, iteration: int) -> None:
+    """Saves' and restores' metrics (:mod:`mcore_plugin.metrics`: δ, background seconds, bytes,
+    skipped/failed; restore seconds, sources, persistent bytes) to Megatron-LM's writers at
+    ``iteration``. Drained on every rank, never blocking on a running tier."""
+    from mcore_plugin import metrics
+
+    scalars, texts = rt.tiers.metrics.drain()
+    if not scalars and not texts:
+        return
+    try:
+        metrics.write(scalars, texts, iteration, *_writers())
+    except Exception as e:  # metrics must never stop training
+        log.warning("tierckpt: could not write save/restore metrics: %s", e)
 
 
 def explicit_step(args) -> tuple[int | None, bool]:
@@ -640,7 +689,7 @@ def _create_tiers(rt: Runtime, args, checkpointing_context) -> None:
     """Create the job's tiers (collective) and, with a local tier, put the plugin's manager
     where Megatron-LM's local-checkpoint path looks for it."""
     from mcore_plugin.args import tier_config_from_args
-    from mcore_plugin.strategies import MegatronTiers
+    from mcore_plugin.tiers import MegatronTiers
 
     from mcore_plugin import optim_state
 

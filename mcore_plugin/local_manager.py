@@ -16,7 +16,7 @@ normally nvidia-resiliency-ext's ``LocalCheckpointManager``, and converts state 
   part only (``args``, ``iteration``, …), then with the full template.
 
 :class:`TieredLocalCheckpointManager` implements that interface on
-:class:`mcore_plugin.strategies.MegatronTiers` and :class:`LocalStateDictHolder` replaces
+:class:`mcore_plugin.tiers.MegatronTiers` and :class:`LocalStateDictHolder` replaces
 ``MCoreTensorAwareStateDict`` (``mcore_plugin.install`` routes Megatron's name to it while the
 plugin is on). Differences from nvrx's manager, on purpose: data is keyed by node, not by
 global rank (a rank↔node remap after a restart still finds it); replicas follow J/F by node;
@@ -97,7 +97,7 @@ class TieredLocalCheckpointManager:
     """Megatron-LM's local checkpoint manager interface on the plugin's tiers.
 
     Args:
-        tiers: the job's :class:`mcore_plugin.strategies.MegatronTiers` (local tier on).
+        tiers: the job's :class:`mcore_plugin.tiers.MegatronTiers` (local tier on).
         regenerate: ``state_dict_fn(fmt, is_loading)`` rebuilding Megatron's recorded state
             dict in another distributed-optimizer format (``mcore_plugin.install`` records
             ``generate_state_dict``); needed when a restore is served by the persistent tier,
@@ -159,14 +159,14 @@ class TieredLocalCheckpointManager:
             tierckpt.errors.NoCheckpointError: the explicit step is not committed for every
                 node in any tier (names ``--ckpt-step`` and the committed steps).
         """
-        from tierckpt.restore import plan_restore
+        from tierckpt import plan_restore
 
         eng = self.tiers.engine
         eng.wait()
         inv = eng.restorer.inventory()
         plan = plan_restore(inv, eng.topo.nodes, set(), self.step)
         if self.step is not None and plan is None:
-            from tierckpt.errors import NoCheckpointError
+            from tierckpt import NoCheckpointError
 
             raise NoCheckpointError(f"--ckpt-step {self.step}: no tier holds that step for every node; committed "
                                     f"steps (any tier, any node): {sorted(inv.all_steps())}")
@@ -214,7 +214,7 @@ class TieredLocalCheckpointManager:
         # the common-only pass must not arm the rollback: the full load that follows does
         out = self.tiers.restore(fn, step=step, rollback=self.rollback and template is not None)
         if out is None:
-            from tierckpt.errors import NoCheckpointError
+            from tierckpt import NoCheckpointError
 
             raise NoCheckpointError(f"find_latest found step {self.latest_iteration} but nothing is committed now")
         res = self.tiers.last_restore

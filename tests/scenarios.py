@@ -14,6 +14,7 @@ from torch.distributed.fsdp import fully_shard
 
 from tierckpt.config import ScheduleOptions, TierConfig
 from tierckpt.engine import TieredCheckpointer
+from tierckpt import PersistentIO
 
 VOCAB, DIM, HID, SEQ, BATCH = 37, 12, 20, 8, 4  # 37 and 20 do not divide 2, 3 or 4 ranks evenly
 
@@ -611,24 +612,19 @@ def phase_hung_local_exit(rank, world, base, limit):
 
 
 # --------------------------------------------------------------------------------- resume contract
-class _FailingPersistentIO:
+class _FailingPersistentIO(PersistentIO):
     """PersistentIO whose saves of ``fail_steps`` hit ENOSPC on every rank (a full shared
     file system), the rest write normally."""
 
     def __init__(self, fail_steps):
-        from tierckpt.tiers.persistent import PersistentIO
+        self.fail_steps = set(fail_steps)
 
-        self.io, self.fail_steps, self.step = PersistentIO(), set(fail_steps), None
-
-    def save(self, state_dict, url, process_group):
+    def to_dcp(self, state_dict, url, process_group):
         import errno
 
         if int(url.rstrip("/").rsplit("step-", 1)[1]) in self.fail_steps:
             raise OSError(errno.ENOSPC, "No space left on device", url)
-        return self.io.save(state_dict, url, process_group)
-
-    def load(self, state_dict, url, process_group):
-        return self.io.load(state_dict, url, process_group)
+        return super().to_dcp(state_dict, url, process_group)
 
 
 def _run_end(base: str, sub: str) -> dict:

@@ -2,7 +2,7 @@
 
 The public surface is what this module exports (:data:`__all__`); adapters and users import from
 here. Everything else is internal and may change between releases, except the documented
-extension points: :class:`PersistentIO` (how the persistent tier writes a step), the
+extension points: :class:`PersistentIO` (a framework's hooks into the persistent tier), the
 ``tierckpt.cli`` entry-point group (extra ``tierckpt`` subcommands) and the storage layout
 (:mod:`tierckpt.io.layout`, :mod:`tierckpt.io.manifest`) that tools may read.
 
@@ -26,10 +26,14 @@ _EXPORTS = {
     "TierConfig": "tierckpt.config",
     "ScheduleOptions": "tierckpt.config",
     "TIERS": "tierckpt.config",
+    "validate_tiers": "tierckpt.config",
     "SaveHandle": "tierckpt.handle",
     "CheckpointRecord": "tierckpt.records",
     "RestoreRecord": "tierckpt.records",
     "RestoreResult": "tierckpt.restore",
+    "plan_restore": "tierckpt.restore",
+    "read_item": "tierckpt.io.peek",
+    "decision_metrics": "tierckpt.sched.cadence",
     "PersistentIO": "tierckpt.tiers.persistent",
     "Preempted": "tierckpt.preemption",
     "PREEMPTED_EXIT": "tierckpt.preemption",
@@ -39,7 +43,7 @@ _EXPORTS = {
     "NoCheckpointError": "tierckpt.errors",
     "TierFailedError": "tierckpt.errors",
     "accelerator_present": "tierckpt.dist.accel",
-    "decision_metrics": "tierckpt.sched.cadence",
+    "write_dcp": "tierckpt.tiers.persistent",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -304,7 +304,7 @@ class Restorer:
 
             run_agreed(verify, v_group, f"verify {store.url_of(rel)}")
             if src.kind == PERSISTENT:
-                read = self._persistent().io.load(state_dict, store.url_of(rel), group)
+                read = self._persistent().load(state_dict, store.url_of(rel), group)
                 out.persistent_bytes = read
             else:
                 read = load_dir(state_dict, store.path(rel), group)

@@ -45,10 +45,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import MODEL, CheckpointManager
 
-from tierckpt import (ConfigError, PersistentIO, Preempted, RestoreRecord, TieredCheckpointer,
+from tierckpt import (ConfigError, Preempted, RestoreRecord, TieredCheckpointer, write_dcp,
                       VerificationError)
 from tierckpt.io import layout, manifest
-from tierckpt.io.dcp_io import crc32_off, digests_under, hashing_writer
 from tierckpt.io.storage import Store
 from titan_plugin.config import build_tier_config, checkpoint_error
 from titan_plugin.metrics import TierMetrics, restore_metrics
@@ -57,24 +56,6 @@ log = logging.getLogger(__name__)
 
 SEED_STEP = 0  # torchtitan's seed checkpoint is step 0 of the checkpoint folder
 SEED_MANIFEST = "tierckpt.seed.json"  # checksums of a seed; not a commit marker (never a resume point)
-
-
-class TitanPersistentIO(PersistentIO):
-    """Persistent-tier writes as torchtitan makes them (``dcp.save(state_dict,
-    checkpoint_id=…)`` in ``CheckpointManager.dcp_save``), over tierckpt's gloo group so the
-    background write never shares the trainer's process group; loads use tierckpt's verified
-    DCP load (same format)."""
-
-    def save(self, state_dict: dict, url: str, process_group) -> dict:
-        """Collective DCP save to ``url`` over ``process_group``; returns the checksums
-        hashed while writing (local paths), as :meth:`PersistentIO.save`."""
-        if "://" in url:
-            dcp.save(state_dict, checkpoint_id=url, process_group=process_group)
-            return {}
-        writer = hashing_writer(url)
-        with crc32_off():
-            dcp.save(state_dict, storage_writer=writer, process_group=process_group)
-        return digests_under(writer, url)
 
 
 _EXPORT_CLASH = ("the last step's model-only export (last_save_in_hf or export_dtype {dtype}) would take "
@@ -232,7 +213,7 @@ class TieredCheckpointManager(CheckpointManager):
                               _EXPORT_CLASH.format(dtype=config.export_dtype, folder=self.folder))
         tcfg = build_tier_config(config, self.persistent_folder)
         try:
-            self.engine = TieredCheckpointer(tcfg, persistent_io=TitanPersistentIO())
+            self.engine = TieredCheckpointer(tcfg)
         except ConfigError as e:  # topology and writable roots, checked collectively
             raise checkpoint_error(e) from None
         self.last_restore = None
@@ -339,7 +320,7 @@ class TieredCheckpointManager(CheckpointManager):
                 store.remove(f"{rel}/{p}")
         states = self.states[MODEL].state_dict()
         group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        digests = TitanPersistentIO().save(states, store.url_of(rel), group)
+        digests = write_dcp(states, store.url_of(rel), group)
         entries = []
         for p in manifest.data_files(store, rel):  # a file DCP wrote without hashing it is re-read
             e = manifest.hash_file(store, f"{rel}/{p}") if p not in digests else None
@@ -450,7 +431,7 @@ class TieredCheckpointManager(CheckpointManager):
                                     "checkpoint.create_seed_checkpoint, or remove it to start from a fresh init")
         states = self.states[MODEL].state_dict()
         if doc is not None:
-            read = eng.persistent.io.load(states, url, group)
+            read = eng.persistent.load(states, url, group)
         else:
             log.warning("tierckpt: seed %s has no tierckpt checksums (written by torchtitan); loading it unverified", url)
             dcp.load(states, checkpoint_id=url, process_group=group)

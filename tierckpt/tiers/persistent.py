@@ -1,8 +1,12 @@
 """Persistent tier: a global DCP checkpoint on shared storage (path or fsspec URL).
 
-The write itself is delegated to a :class:`PersistentIO`, so adapters can route it through
-the framework's own DCP path (torchtitan's ``dcp_save``, Megatron's ``torch_dist``); the tier
-adds what DCP lacks: per-file xxh3-64 manifest, commit marker, retention and verified load.
+The tier owns the whole write and load of a step: the DCP storage writer (xxh3-64 hashed while
+writing on paths, fsspec with fsync on URLs), torch.save's CRC32 off, the collective
+``dcp.save``, the framework's side files, the per-file manifest and commit marker
+(:func:`tierckpt.tiers.commit.save_step`), retention, and the verified, byte-counted load. A
+:class:`PersistentIO` supplies only what a framework must decide (torchtitan needs nothing
+beyond the defaults; Megatron-Core converts its ShardedTensors to DCP chunks, plans with its
+own planner and adds ``common.pt``/``metadata.json``).
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ import logging
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from tierckpt.io import layout, manifest
 from tierckpt.io.dcp_io import (
@@ -27,32 +33,70 @@ from tierckpt.tiers.commit import save_step
 
 log = logging.getLogger(__name__)
 
+Digests = dict[str, tuple[int, str]]
+"""{path relative to the step directory: (size in bytes, xxh3-64 hex)}."""
+
 
 class PersistentIO:
-    """Default DCP save/load of one persistent step. Subclass to route through a framework.
+    """Framework hooks of the persistent tier; the defaults write and read the state dict as
+    plain DCP (what torchtitan's ``dcp.save``/``dcp.load`` produce and read).
 
-    ``save(state_dict, url, process_group)``: collective DCP save to ``url`` (a directory path
-    or fsspec URL). ``load(state_dict, url, process_group) -> int``: collective, in-place DCP
-    load with :class:`VerifyingLoadPlanner`; returns bytes this rank read.
+    Every hook runs on every rank of ``process_group`` (all ranks of the job for a save, the
+    ranks of one node for a load), in the tier's background thread for saves. ``url`` is the
+    step directory (a path, or an fsspec URL for object stores). Hooks raise to fail the step:
+    the tier then leaves it uncommitted on every rank.
     """
 
-    def save(self, state_dict: dict, url: str, process_group) -> dict[str, tuple[int, str]]:
-        """Collective DCP save of ``state_dict`` to the directory or URL ``url``.
+    def to_dcp(self, state_dict: dict, url: str, process_group) -> tuple[dict, SavePlanner | None]:
+        """What DCP writes for the staged ``state_dict``: ``(state dict, SavePlanner or None
+        for DCP's default)``. Default: the staged dict itself."""
+        return state_dict, None
 
-        Returns:
-            {path relative to ``url``: (size, xxh3-64)} of the files this rank hashed while
-            writing (local paths); {} when nothing was hashed (files are re-read instead).
-        """
-        writer = hashing_writer(url) if "://" not in url else FsspecWriter(url, sync_files=True)
-        with crc32_off():
-            dcp.save(state_dict, storage_writer=writer, process_group=process_group)
-        return digests_under(writer, url) if "://" not in url else {}
+    def side_files(self, state_dict: dict, process_group) -> dict[str, bytes]:
+        """Files besides DCP's that this rank contributes to the step: ``{name relative to the
+        step directory: content}``; the tier writes them (before DCP's files) and checksums
+        them with the rest. Default: none."""
+        return {}
 
-    def load(self, state_dict: dict, url: str, process_group) -> int:
-        """Collective in-place DCP load from ``url``; returns bytes this rank read."""
-        reader = CountingFileSystemReader(url) if "://" not in url else CountingFsspecReader(url)
-        dcp.load(state_dict, storage_reader=reader, planner=VerifyingLoadPlanner(), process_group=process_group)
-        return reader.bytes_read
+    def load_template(self, state_dict: dict, url: str, process_group) -> tuple[dict, VerifyingLoadPlanner]:
+        """What DCP loads in place for ``state_dict``: ``(state dict, planner)``. The planner
+        must be a :class:`~tierckpt.io.planner.VerifyingLoadPlanner` (or subclass), so nothing
+        is read unless the step covers every local chunk with the same dtype. Default:
+        ``state_dict`` itself, loaded in place."""
+        return state_dict, VerifyingLoadPlanner()
+
+    def after_load(self, state_dict: dict, loaded: dict, url: str, process_group) -> int:
+        """Called once DCP filled ``loaded`` (the dict :meth:`load_template` returned): hand
+        the values to the framework, read any side file. Returns the bytes this rank read
+        besides DCP's reads. Default: 0 (the load was in place)."""
+        return 0
+
+
+def write_dcp(state_dict: dict, url: str, process_group, planner: SavePlanner | None = None) -> Digests:
+    """Collective DCP save of ``state_dict`` to the step directory or URL ``url``, fsynced, with
+    torch.save's zip CRC32 off (:func:`tierckpt.io.dcp_io.crc32_off`).
+
+    Returns:
+        checksums of the files this rank hashed while writing (paths only; :data:`Digests`);
+        {} on URLs, whose files the commit routine re-reads instead.
+    Raises:
+        CheckpointException: DCP failed on some rank (every rank raises).
+    """
+    local = "://" not in url
+    writer = hashing_writer(url) if local else FsspecWriter(url, sync_files=True)
+    with crc32_off():
+        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
+    return digests_under(writer, url) if local else {}
+
+
+def _write_side_files(store: Store, rel: str, files: dict[str, bytes]) -> Digests:
+    """Write each ``{name: content}`` under step ``rel`` of ``store`` (atomically, fsynced on
+    paths) and return their checksums (:data:`Digests`), computed from ``content``."""
+    out = {}
+    for name, data in files.items():
+        store.write_atomic(f"{rel}/{name}", data)
+        out[name] = (len(data), xxhash.xxh3_64(data).hexdigest())
+    return out
 
 
 class PersistentTier:
@@ -60,7 +104,7 @@ class PersistentTier:
 
     Args:
         store: the persistent root.
-        io: how a step's DCP files are written and read.
+        io: the framework's hooks (default: plain DCP).
         lineage: the job's lineage id, recorded in each step's manifest (informational: a
             persistent step is restorable whatever it records, e.g. after a copy to a new root).
     """
@@ -80,10 +124,36 @@ class PersistentTier:
         """
         rel = layout.persistent_step(step)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        return save_step(self.store, rel, lambda: self.io.save(staged, self.store.url_of(rel), group), group,
+        return save_step(self.store, rel, lambda: self._write(staged, rel, group), group,
                          index=rank, count=world, leader=rank == 0, label=f"persistent step {step}",
                          mark_in_progress=True, tier="persistent", step=step, world_size=world,
                          lineage=self.lineage)
+
+    def _write(self, staged: dict, rel: str, group) -> Digests:
+        url = self.store.url_of(rel)
+        digests = _write_side_files(self.store, rel, self.io.side_files(staged, group))
+        state_dict, planner = self.io.to_dcp(staged, url, group)
+        digests.update(write_dcp(state_dict, url, group, planner))
+        return digests
+
+    def load(self, state_dict: dict, url: str, group) -> int:
+        """Collective (over ``group``) verified DCP load of the step at ``url`` into
+        ``state_dict`` through the hooks (:meth:`PersistentIO.load_template`,
+        :meth:`PersistentIO.after_load`).
+
+        Returns:
+            bytes this rank read (DCP's byte ranges plus the hooks' side files).
+        Raises:
+            TypeError: the hook's planner is not a VerifyingLoadPlanner.
+            CheckpointException: DCP failed on some rank (e.g. a chunk not covered).
+        """
+        target, planner = self.io.load_template(state_dict, url, group)
+        if not isinstance(planner, VerifyingLoadPlanner):
+            raise TypeError(f"{type(self.io).__name__}.load_template must return a VerifyingLoadPlanner, "
+                            f"not {type(planner).__name__}")
+        reader = CountingFileSystemReader(url) if "://" not in url else CountingFsspecReader(url)
+        dcp.load(target, storage_reader=reader, planner=planner, process_group=group)
+        return reader.bytes_read + self.io.after_load(state_dict, target, url, group)
 
     def committed_steps(self) -> list[int]:
         """Committed steps, ascending."""
