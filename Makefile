@@ -4,12 +4,17 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test test-slurm demo bench bench-schedule clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
+.PHONY: venv lint test test-slurm demo bench bench-schedule clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
 
 venv: $(STAMP)
 
-$(STAMP): requirements-cpu.txt pyproject.toml scripts/setup_venv.sh $(wildcard */__init__.py)
+$(STAMP): requirements-cpu.txt requirements-dev.txt pyproject.toml scripts/setup_venv.sh $(wildcard */__init__.py)
 	PY=$(PY) scripts/setup_venv.sh
+
+# ruff on every Python file of the repo; mypy on the engine package (tierckpt/)
+lint: venv
+	$(VPY) -m ruff check tierckpt titan_plugin mcore_plugin tierckpt_dev tests bench launch scripts
+	$(VPY) -m mypy
 
 test: venv
 	$(VPY) -m pytest tests -q

@@ -8,7 +8,7 @@ PY=${PY:-python3.11}
 VENV=.venv
 quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements-cpu.txt
+quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements-cpu.txt -r requirements-dev.txt
 quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 check() { (cd / && "$OLDPWD/$VENV/bin/python" -c "import torch, xxhash, rich, tomli, fsspec, tierckpt, titan_plugin; assert torch.__version__.startswith('2.13.0'), torch.__version__"); }
 # an editable install made before a package existed does not map it: reinstall then

@@ -127,7 +127,7 @@ def test_preemption_signal_saves_every_tier_and_the_requeue_resumes_there(tmp_pa
     assert 3 <= step < 12 and pre[0]["committed"] == {"local": True, "persistent": True}, pre
     ends = [r for r in _ledger(ckpt) if r["kind"] == "run_end"]
     assert ends[-1]["clean"] is True and ends[-1]["durable_step"] == step, ends
-    r = _train_cmd(_cmd(tmp, "run", 12), env)
+    _train_cmd(_cmd(tmp, "run", 12), env)
     restores = [x for x in _ledger(ckpt) if x["kind"] == "restore"]
     assert [x["step"] for x in restores] == [step], restores
     assert {v["source"] for v in restores[0]["sources"].values()} == {"own-local"}, restores

@@ -22,7 +22,7 @@ import importlib
 
 _EXPORTS = {
     "TieredCheckpointer": "tierckpt.engine",
-    "describe_failure": "tierckpt.engine",
+    "describe_failure": "tierckpt.tiers.jobs",
     "TierConfig": "tierckpt.config",
     "ScheduleOptions": "tierckpt.config",
     "TIERS": "tierckpt.config",

@@ -72,7 +72,7 @@ class FrozenDict(dict):
 
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # type: ignore[override]  # read-only, so hashable unlike dict
         return hash(frozenset(self.items()))
 
     def __reduce__(self):

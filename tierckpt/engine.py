@@ -1,53 +1,54 @@
-"""The tiered checkpoint engine: what adapters and users call.
+"""The tiered checkpoint engine: what adapters and users call. This module is the
+orchestration of named steps; each step lives in its wing (docs/architecture.md):
 
-``save()`` stages the state into reusable host buffers and returns (its duration is the
-blocking time δ); each due tier then runs in its own background worker thread:
-
-- local: DCP save over the node group → checksums → manifest → marker; then replication to
-  the clique peers; then stats to the ledger; then retention of the node's local root.
-- persistent: DCP save over all ranks (through :class:`PersistentIO`, which adapters route
-  through the framework's own DCP path) → manifest → marker; ledger; retention.
-
-The next save of a tier first waits for that tier's previous one (the local tier at most
-``local_wait_timeout_s``, then it skips that step on every rank). A local-tier failure
-(disk full, dead disk) is logged as a warning and recorded in the ledger; training and the
-persistent tier carry on. ``restore()`` runs in the foreground after all background work.
+- start (:mod:`tierckpt.startup`): topology and groups, the local root, the persistent root and
+  its lineage, the shared-storage probe, purge of other experiments' node-local steps;
+- ``save()``: wait for each tier's previous save (:mod:`tierckpt.tiers.jobs`, the local tier
+  bounded by ``local_wait_timeout_s`` and skipped on every rank when it hangs), raise earlier
+  failures by the ``warn_only`` policy, apply interval decisions (:mod:`tierckpt.sched.driver`),
+  stage the state (:mod:`tierckpt.io.staging`; the blocking time δ ends here), submit the tier
+  jobs and return a :class:`~tierckpt.handle.SaveHandle`;
+- in the background (:mod:`tierckpt.tiers.jobs`): local tier → replication → agreed record →
+  retention; persistent tier (through the adapter's :class:`PersistentIO` hooks) → agreed
+  record → retention; after each record the engine's bookkeeping (:meth:`_after_record`);
+- ``restore()``: drain the jobs, :class:`~tierckpt.restore.Restorer`, the ledger record, an
+  armed rollback (:mod:`tierckpt.history.rollback`), the restart's interval decision;
+- ``close()``: finish the jobs, the ``run_end`` record, raise what was not raised.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
 import time
 import uuid
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
+from tierckpt import startup
 from tierckpt.config import TierConfig, validate_tiers
-from tierckpt.dist.collectives import FAILURES, all_gather
+from tierckpt.dist.collectives import all_gather
 from tierckpt.dist.topology import discover
 from tierckpt.errors import ConfigError, TierFailedError
 from tierckpt.handle import SaveHandle
-from tierckpt.history import lineage
 from tierckpt.history.journal import RunJournal
 from tierckpt.history.ledger import Ledger
-from tierckpt.io.staging import StagingPool, StagingSlot, resolve_stateful
+from tierckpt.history.rollback import RollbackTracker
+from tierckpt.io.staging import StagingPool, resolve_stateful
 from tierckpt.io.storage import Store
 from tierckpt.preemption import Preempted, PreemptionWatch
 from tierckpt.records import CheckpointRecord
 from tierckpt.restore import PERSISTENT, Restorer, RestoreResult
 from tierckpt.sched.cadence import Cadence
+from tierckpt.sched.driver import ScheduleDriver
 from tierckpt.tiers import retention
-from tierckpt.tiers.local_tier import LocalTier
+from tierckpt.tiers.jobs import TierJobs, describe_failure
 from tierckpt.tiers.persistent import PersistentIO, PersistentTier
-from tierckpt.tiers.replication import replicate
-from tierckpt.tiers.workers import DaemonWorker
+
+__all__ = ["TieredCheckpointer", "describe_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -72,106 +73,68 @@ class TieredCheckpointer:
 
     def __init__(self, config: TierConfig, *, node_id: int | None = None,
                  persistent_io: PersistentIO | None = None):
-        self.cfg = config
-        factor = self.cfg.replication_factor if "local" in self.cfg.tiers else 1
+        self.cfg = cfg = config
+        factor = cfg.replication_factor if "local" in cfg.tiers else 1
         self.topo, self.groups = discover(
-            self.cfg.replication_jump, factor, node_id=node_id,
-            ranks_per_node=self.cfg.simulated_ranks_per_node, timeout_s=self.cfg.collective_timeout_s,
+            cfg.replication_jump, factor, node_id=node_id,
+            ranks_per_node=cfg.simulated_ranks_per_node, timeout_s=cfg.collective_timeout_s,
             # a rank still waiting for its own stuck local save joins the vote up to
             # local_wait_timeout_s after its peers: the vote must not time out first
-            control_timeout_s=max(self.cfg.collective_timeout_s, self.cfg.local_wait_timeout_s + 120.0),
+            control_timeout_s=max(cfg.collective_timeout_s, cfg.local_wait_timeout_s + 120.0),
         )
-        topo = self.topo
+        topo, world = self.topo, self.groups.local_world
         self.in_use = retention.InUse()
-        self.local: LocalTier | None = None
-        err = None
-        if "local" in self.cfg.tiers:
-            root = self.cfg.local_root_for(topo.node, topo.hostname)
-            if topo.is_node_leader:
-                try:  # torn steps of an earlier run (e.g. a full disk) must not keep the disk full
-                    retention.purge_local(Store(root), 0, self.in_use)
-                except OSError as e:
-                    log.warning("tierckpt: could not clean torn steps under %s: %s", root, e)
-            try:
-                _probe_writable(root)
-            except OSError as e:
-                err = ConfigError("local_root", f"{root!r} (node {topo.node}) is not writable: {e}")
-            self.local = LocalTier(Store(root), topo, self.groups.node)
-        pstore = Store(self.cfg.persistent_root)
-        lineage_id = None
-        if topo.rank == 0 and err is None:
-            try:
-                pstore.makedirs("")
-                lineage_id = lineage.ensure(pstore)  # (id, created, adopt)
-            except OSError as e:
-                err = ConfigError("persistent_root", f"{self.cfg.persistent_root!r} cannot be created: {e}")
-            except ConfigError as e:
-                err = e
-        errors = [e for e in all_gather(None if err is None else (err.option, str(err)), self.groups.local_world) if e]
-        if errors:
-            raise err if err is not None else ConfigError(errors[0][0], f"failed on another rank: {errors[0][1]}")
-        self.persistent = PersistentTier(pstore, persistent_io)
+        self.local, err = startup.open_local_tier(cfg, topo, self.groups.node, self.in_use)
+        pstore, lineage_info, perr = startup.open_persistent_root(cfg, topo.rank) if err is None else \
+            (Store(startup.persistent_root(cfg)), None, None)
+        startup.raise_if_any_failed(err or perr, world)
         run_id, (self.lineage, created, adopt) = all_gather(
-            (uuid.uuid4().hex[:12], lineage_id) if topo.rank == 0 else None, self.groups.local_world)[0]
-        self.persistent.lineage = self.lineage
-        _check_shared(pstore, run_id, topo.rank, self.groups.local_world)
+            (uuid.uuid4().hex[:12], lineage_info) if topo.rank == 0 else None, world)[0]
+        self.persistent = PersistentTier(pstore, persistent_io, lineage=self.lineage)
+        startup.check_shared(pstore, run_id, topo.rank, world)
         if self.local is not None:
-            self.local.lineage, self.local.adopt_unlabelled = self.lineage, adopt
-            # Another experiment's steps are never offered (restore filters them) and are purged
-            # so they do not fill the disk, but never in the start that created the lineage: a
-            # persistent root that is new (or, by mistake, empty: an unmounted file system)
-            # must not cost the real experiment its node-local steps.
-            if topo.is_node_leader and not created:
-                try:  # (local copies a rollback superseded go too: the persistent copy stays)
-                    retention.purge_local(self.local.store, 0, self.in_use, lineage_id=self.lineage,
-                                          adopt_unlabelled=adopt, drop_superseded=True)
-                except OSError as e:
-                    log.warning("tierckpt: could not purge node-local steps of other lineages under %s: %s",
-                                self.local.store.url, e)
-        self.ledger = Ledger(pstore, enabled=topo.rank == 0, run_id=run_id, job=self.cfg.resolved_job_id())
+            startup.purge_other_lineages(self.local, topo, self.in_use, self.lineage, adopt=adopt, created=created)
+        self.ledger = Ledger(pstore, enabled=topo.rank == 0, run_id=run_id, job=cfg.resolved_job_id())
         self.journal = RunJournal(self.ledger)
-        self.journal.run_start(topo, self.cfg.tiers, self.lineage)
-        self.pool = StagingPool(self.cfg.staging_buffers)
-        self._workers = {t: DaemonWorker(f"tierckpt-{t}") for t in self.cfg.tiers}
-        self._pending: dict[str, Future | None] = {t: None for t in self.cfg.tiers}
-        self._pending_step: dict[str, int] = {}
-        self._local_overdue: Future | None = None  # a local job that outlived a full wait
-        self._local_phase = "done"  # where this rank's local job is (named when it gets stuck)
-        # monotonic (submitted, finished or None) of each tier's latest background job
-        self._job_window: dict[str, tuple[float, float | None]] = {}
-        self._lock = threading.Lock()
-        self._rollback = None  # a PendingRollback until this run's first commit
-        self._rollback_lock = threading.Lock()
-        # called with the PendingRollback once it ran (background thread): adapters point a
-        # framework's own "latest" record (Megatron's tracker file) away from superseded steps
-        self.rollback_hooks: list = []
-        self.history: list[dict] = []
-        # failure policy (TierConfig.warn_only): failed records not yet raised to the trainer
-        self._raised: set[tuple[str, int]] = set()
-        self._saved_any = False
-        self.persistent_committed: list[int] = []  # persistent steps committed by this run
-        # a repeat within the grace period (+ a margin for the exit) is the same notice
-        self.preemption = PreemptionWatch(self.cfg.preemption_signals,
-                                          escalate_after_s=self.cfg.preemption_grace_s + 20.0)
-        self._preempt_seen = False
-        self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
-                                 self.cfg.transfer_chunk_bytes)
-        self._closed = False
-        # newest step every node committed to its local tier (all-gathered ok flags or a restore
-        # served by the local tier); retention keeps it on every node beyond keep_latest_k
-        self.local_anchor: int | None = None
-        self.cadence: Cadence | None = None
-        # every rank: each decision that changed (ledger ``schedule`` records), for the trainer's
-        # metric writers, which may live on another rank than the scheduler (Megatron: the last)
-        self.schedule_log: list[dict] = []
-        self._pending_tau: dict[str, dict | None] = {}
-        if self.cfg.intervals:
-            self.cadence = Cadence(self.cfg.intervals, self.cfg.adaptive, rank=topo.rank,
-                                   world_size=topo.world_size, options=self.cfg.schedule)
-            self._share_schedule(self.groups.local_world, "start", refresh_ledger=True)
+        self.journal.run_start(topo, cfg.tiers, self.lineage)
+        self._init_state()
         log.info("tierckpt: rank %d node %d/%d (%s), peers %s, local root %s, persistent %s",
                  topo.rank, topo.node, topo.nodes, topo.source, topo.peers(),
                  self.local.store.url if self.local else None, pstore.url)
+
+    def _init_state(self) -> None:
+        """What the run keeps between saves: staging buffers, tier workers, the rollback
+        tracker, the scheduler round trip, the preemption watch, the restorer."""
+        cfg, topo = self.cfg, self.topo
+        self._lock = threading.Lock()
+        self.history: list[dict] = []  # this rank's agreed records, in order (ledger lines)
+        # newest step every node committed to its local tier (all-gathered ok flags or a restore
+        # served by the local tier); retention keeps it on every node beyond keep_latest_k
+        self.local_anchor: int | None = None
+        self.persistent_committed: list[int] = []  # persistent steps committed by this run
+        self._raised: set[tuple[str, int]] = set()  # failed records already raised (warn_only policy)
+        self._saved_any = False
+        self._closed = False
+        self.pool = StagingPool(cfg.staging_buffers)
+        self.rollback = RollbackTracker(
+            self.journal, topo.node, self.local.store if (self.local and topo.is_node_leader) else None,
+            self.persistent.store if topo.rank == 0 else None)
+        self.rollback_hooks = self.rollback.hooks
+        self.cadence: Cadence | None = None
+        self.schedule: ScheduleDriver | None = None
+        if cfg.intervals:
+            self.cadence = Cadence(cfg.intervals, cfg.adaptive, rank=topo.rank, world_size=topo.world_size,
+                                   options=cfg.schedule)
+            self.schedule = ScheduleDriver(self.cadence, topo.rank, self.ledger, self.journal)
+            self.schedule.share(self.groups.local_world, "start", refresh_ledger=True)
+        self.jobs = TierJobs(cfg, topo, self.groups, self.local, self.persistent, self.in_use, self.journal,
+                             on_record=self._after_record, local_anchor=lambda: self.local_anchor,
+                             interference=self.cadence.take_interference if self.cadence else None)
+        # a repeat within the grace period (+ a margin for the exit) is the same notice
+        self.preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0)
+        self._preempt_seen = False
+        self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
+                                 cfg.transfer_chunk_bytes)
 
     # -- cadence -------------------------------------------------------------------------------
     def due(self, step: int) -> list[str]:
@@ -180,54 +143,21 @@ class TieredCheckpointer:
         Raises:
             RuntimeError: no ``intervals`` configured.
         """
-        if self.cadence is None:
+        if self.schedule is None:
             raise RuntimeError("TierConfig.intervals is not set: the caller decides when to save")
-        return self.cadence.due(step)
+        return self.schedule.due(step)
 
     def observe_step(self, seconds: float) -> None:
         """Report one training step's wall time (seconds, without checkpoint stalls) to the
         adaptive scheduler. Cheap; call every step, right after the step ends. Tiers whose
         background work overlapped the step are charged its slowdown (:mod:`tierckpt.sched.schedule`)."""
         if self.cadence is not None:
-            now = time.monotonic()
-            busy = [t for t, (t0, t1) in list(self._job_window.items())
-                    if t0 < now and (t1 is None or t1 > now - seconds)]
-            self.cadence.observe_step(seconds, busy)
+            self.cadence.observe_step(seconds, self.jobs.busy_during(seconds))
 
     def drain_schedule_log(self) -> list[dict]:
         """The interval decisions (ledger ``schedule`` records) made since the last call, on
         every rank, for the trainer's metric writers (:func:`tierckpt.sched.cadence.decision_metrics`)."""
-        with self._lock:
-            recs, self.schedule_log[:] = list(self.schedule_log), []
-        return recs
-
-    def _share_schedule(self, group, trigger: str, *, refresh_ledger: bool = False, step: int | None = None):
-        """Rank 0 proposes tau per adaptive tier; everyone receives it (collective on ``group``).
-        Returns the proposal; ``trigger`` labels the ledger ``schedule`` records."""
-        prop, recs = None, []
-        if self.topo.rank == 0:
-            if refresh_ledger:
-                try:
-                    self.cadence.update_from_ledger(self.ledger.records(), self.ledger.run_id)
-                except Exception as e:  # keep the previous estimate; never skip the all_gather below
-                    log.warning("tierckpt schedule: could not use the ledger: %s", e)
-            try:
-                got = self.cadence.proposal()
-            except Exception as e:  # keep the current intervals; never skip the all_gather below
-                log.warning("tierckpt schedule: no new decision: %s", e)
-                got = None
-            if got is not None:
-                prop, decisions = got
-                for t, d in self.cadence.changed(decisions).items():
-                    recs.append(self.journal.schedule(d, trigger, step))
-                    log.info("tierckpt schedule (%s): %s every %s steps (tau %.1fs, delta %.3fs, M %.0fs, "
-                             "R %.1fs, p %.2f; %s)", trigger, t, d.tau_steps, d.tau_s or float("nan"),
-                             d.delta, d.M, d.R, d.p, d.reason)
-        prop, recs = all_gather((prop, recs), group)[0]
-        if recs:
-            with self._lock:
-                self.schedule_log.extend(recs)
-        return prop
+        return self.schedule.drain() if self.schedule is not None else []
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, step: int, state_dict: dict, tiers: Iterable[str] | None = None, *,
@@ -254,56 +184,67 @@ class TieredCheckpointer:
                 ``TierConfig.warn_only`` (same on every rank: the outcome is agreed). Nothing
                 is staged then; committed steps are untouched.
         """
+        tiers = self._check_tiers(tiers)
+        if not tiers:
+            return SaveHandle(step, 0.0)
+        t0 = time.perf_counter()
+        tiers, skipped, t_skip = self._previous_saves(step, tiers, raise_failures)
+        # a skipped local tier's wait is the local tier's cost: keep it out of the other tiers' δ
+        t_wait = time.perf_counter() - t0 - t_skip
+        if skipped and self.schedule is not None:  # the next attempt is one interval later, not next step
+            self.schedule.saved(list(skipped), step)
+        if not tiers:
+            return SaveHandle(step, time.perf_counter() - t0, skipped=skipped)
+        slot, staged = self._stage(state_dict, len(tiers))
+        blocked = time.perf_counter() - t0
+        if self.schedule is not None:
+            self.schedule.saved(tiers, step)
+        self._saved_any = True
+        futures = self.jobs.submit(tiers, staged, step, blocked - t_skip, t_wait, slot)
+        return SaveHandle(step, blocked, futures, skipped=skipped)
+
+    def _check_tiers(self, tiers: Iterable[str] | None) -> tuple[str, ...]:
+        """The requested tiers, each configured (``ConfigError`` naming ``tiers`` otherwise)."""
         if self._closed:
             raise RuntimeError("TieredCheckpointer is closed")
         tiers = self.cfg.tiers if tiers is None else validate_tiers(tiers)
         for t in tiers:
             if t not in self.cfg.tiers:
                 raise ConfigError("tiers", f"tier {t!r} is not configured; configured: {', '.join(self.cfg.tiers)}")
-        if not tiers:
-            return SaveHandle(step, 0.0)
-        t0 = time.perf_counter()
-        skipped, t_skip, skip_recs = [], 0.0, {}
+        return tiers
+
+    def _previous_saves(self, step: int, tiers: tuple[str, ...], raise_failures: bool
+                        ) -> tuple[tuple[str, ...], dict[str, CheckpointRecord], float]:
+        """Wait for each tier's previous save (the local tier bounded, agreed: it may be skipped),
+        raise its failure by the ``warn_only`` policy, apply the interval decision made after it.
+        Returns (tiers that save now, {skipped tier: record}, seconds spent on skipped tiers)."""
+        go, skipped, t_skip = [], {}, 0.0
         for t in tiers:
             if t == "local":
-                ready, t_skip, skip_rec = self._local_ready(step)
+                ready, t_skip, skip_rec = self.jobs.local_ready(step)
                 if not ready:
-                    skipped.append(t)
-                    skip_recs[t] = skip_rec
+                    assert skip_rec is not None  # not ready always comes with its record
+                    skipped[t] = skip_rec
+                    with self._lock:
+                        self.history.append(skip_rec.as_ledger())
                     continue
-            rec = self._wait_tier(t)
+            rec = self.jobs.previous(t)
             if raise_failures:
                 self._raise_if_failed(rec)
-            if self.cadence is not None:  # every rank reaches this at the same step
-                self.cadence.apply(self._pending_tau.pop(t, None))
-        # a skipped local tier's wait is the local tier's cost: keep it out of the other tiers' δ
-        t_wait = time.perf_counter() - t0 - (t_skip if skipped else 0.0)
-        if skipped:
-            if self.cadence is not None:  # the next attempt is one interval later, not next step
-                self.cadence.mark_saved(skipped, step)
-            tiers = tuple(t for t in tiers if t not in skipped)
-            if not tiers:
-                return SaveHandle(step, time.perf_counter() - t0, skipped=skip_recs)
+            if self.schedule is not None:  # every rank reaches this at the same step
+                self.schedule.before_save(t)
+            go.append(t)
+        return tuple(go), skipped, (t_skip if skipped else 0.0)
+
+    def _stage(self, state_dict: dict, users: int):
+        """Copy the state into a free staging slot (the blocking copy); returns (slot, staged)."""
         slot = self.pool.acquire()
         try:
-            staged = slot.stage(resolve_stateful(state_dict), users=len(tiers))
+            return slot, slot.stage(resolve_stateful(state_dict), users=users)
         except BaseException:
             slot.refs = 1
             slot.release()
             raise
-        blocked = time.perf_counter() - t0
-        delta = blocked - (t_skip if skipped else 0.0)
-        if self.cadence is not None:
-            self.cadence.mark_saved(tiers, step)
-        self._saved_any = True
-        futures = {}
-        for t in tiers:
-            job = self._local_job if t == "local" else self._persistent_job
-            self._job_window[t] = (time.monotonic(), None)
-            futures[t] = self._pending[t] = self._workers[t].submit(
-                self._guard, job, t, staged, step, delta, t_wait, slot)
-            self._pending_step[t] = step
-        return SaveHandle(step, blocked, futures, skipped=skip_recs)
 
     # -- preemption ----------------------------------------------------------------------------
     def preemption_requested(self) -> str | None:
@@ -367,70 +308,8 @@ class TieredCheckpointer:
     def unraised_failures(self) -> list[CheckpointRecord]:
         """Failed, finished saves of tiers outside ``warn_only`` not yet raised (this rank's
         view of the latest job of each tier; not collective)."""
-        out = []
-        for t, fut in self._pending.items():
-            if fut is not None and fut.done():
-                rec = fut.result()
-                if rec is not None and rec.failed and t not in self.cfg.warn_only and (t, rec.step) not in self._raised:
-                    out.append(rec)
-        return out
-
-    def _local_ready(self, step: int) -> tuple[bool, float, CheckpointRecord | None]:
-        """Whether the local tier saves at ``step``, and the seconds spent deciding.
-
-        Ready when its previous save finished on every rank within ``local_wait_timeout_s``
-        (collective over the control group once a local save exists; the same answer on every
-        rank). A save that already outlived one full wait is only polled afterwards, so a disk
-        that stays hung costs one wait, not one per interval. Not ready: a warning naming the
-        nodes whose disk is stuck and a skipped ``checkpoint`` record in the ledger; a hung
-        node-local disk must not stall training."""
-        fut, limit = self._pending.get("local"), self.cfg.local_wait_timeout_s
-        if fut is None or not limit:
-            return True, 0.0, None  # _pending is set at the same step on every rank: no collective needed
-        t0 = time.perf_counter()
-        try:
-            fut.result(timeout=0.0 if fut is self._local_overdue else limit)
-            done = 1
-        except FuturesTimeout:
-            done = 0
-        flag = torch.tensor([done], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.groups.control)
-        if int(flag.item()) == 1:
-            self._local_overdue = None
-            return True, time.perf_counter() - t0, None
-        if not done:
-            self._local_overdue = fut
-        # where each rank's job is: the stuck disk is on the nodes still writing or deleting;
-        # their peers merely wait for them in a collective
-        phases = [None] * self.topo.world_size
-        dist.all_gather_object(phases, (self.topo.node, "done" if done else self._local_phase),
-                               group=self.groups.control)
-        stuck = sorted({n for n, ph in phases if ph in ("save", "retention")}) or \
-            sorted({n for n, ph in phases if ph != "done"})
-        waited = time.perf_counter() - t0
-        prev = self._pending_step.get("local")
-        error = (f"local save of step {prev} still running on node(s) {stuck} (local_wait_timeout_s = "
-                 f"{limit:g}s); local tier skipped")
-        log.warning("tierckpt: step %d: %s; training and the persistent tier continue", step, error)
-        rec = CheckpointRecord(tier="local", step=step, ok=False, skipped=True, error=error, stuck_nodes=stuck,
-                               blocking_s=waited, wait_s=waited)
-        with self._lock:
-            self.history.append(rec.as_ledger())
-        self.ledger.append(rec)
-        return False, waited, rec
-
-    def _guard(self, job, tier, staged, step, *args) -> CheckpointRecord:
-        """Run a tier job and return its record; nothing a background job hits may reach (and
-        kill) the trainer thread: failures become records, raised by the failure policy."""
-        try:
-            return job(staged, step, *args)
-        except BaseException as e:
-            log.error("tierckpt: %s tier job failed unexpectedly: %s", tier, e, exc_info=True)
-            return CheckpointRecord(tier=tier, step=step, ok=False, error=f"{type(e).__name__}: {e}")
-
-    def _wait_tier(self, tier: str) -> CheckpointRecord | None:
-        fut = self._pending.get(tier)
-        return fut.result() if fut is not None else None  # _guard never raises
+        return [r for r in self.jobs.finished() if r is not None and r.failed and r.tier not in self.cfg.warn_only
+                and (r.tier, r.step) not in self._raised]
 
     def wait(self, tiers: Iterable[str] | None = None, *, step: int | None = None,
              bounded: bool = True, raise_failures: bool = False) -> dict[str, bool]:
@@ -449,122 +328,37 @@ class TieredCheckpointer:
         Raises:
             TierFailedError: with ``raise_failures``, as described.
         """
-        out = {}
-        for t in (self.cfg.tiers if tiers is None else validate_tiers(tiers)):
-            fut = self._pending.get(t)
-            if fut is None or (step is not None and self._pending_step.get(t) != step):
-                continue
-            limit = self.cfg.local_wait_timeout_s if (t == "local" and bounded) else 0
-            try:
-                fut.result(timeout=(0.0 if fut is self._local_overdue else limit) if limit else None)
-                out[t] = True
-            except FuturesTimeout:
-                self._local_overdue = fut
-                out[t] = False
-                log.warning("tierckpt: the local save of step %s is still running after %gs "
-                            "(local_wait_timeout_s); not waiting for it", self._pending_step.get(t), limit)
+        out = self.jobs.wait(self.cfg.tiers if tiers is None else validate_tiers(tiers), step, bounded)
         if raise_failures:
             for rec in self.unraised_failures():
                 self._raise_if_failed(rec)
         return out
 
-    def _record(self, tier, step, ok, error, delta, t_wait, nbytes, background_s, extra=None):
-        """All-gather a job's stats over the tier's world group; rank 0 writes the ledger."""
-        group = self.groups.local_world if tier == "local" else self.groups.persistent_world
-        if tier in self._job_window:
-            self._job_window[tier] = (self._job_window[tier][0], time.monotonic())
-        parts = all_gather((ok, error, nbytes, background_s, delta), group)
-        rec = self.journal.checkpoint(
-            tier, step, parts, wait_s=t_wait, group=group, extra=extra,
-            interference_s=self.cadence.take_interference(tier) if self.cadence is not None else None)
+    def _after_record(self, tier: str, step: int, rec: CheckpointRecord, group) -> None:
+        """Bookkeeping of an agreed save record (the tier's thread; collective on ``group``
+        when a scheduler runs): history, local anchor, durable steps, the armed rollback, the
+        next interval decision."""
         with self._lock:
             self.history.append(rec.as_ledger())
             if tier == "local" and rec.ok and (self.local_anchor is None or step > self.local_anchor):
                 self.local_anchor = step
             if tier == "persistent" and rec.ok:
                 self.persistent_committed.append(step)
-        if rec.ok and self._rollback is not None:
-            self._finish_rollback(tier, step)
-        if self.cadence is not None:
-            if rec.ok:
-                self.cadence.observe_checkpoint(tier, rec.blocking_s, rec.background_s, rec.interference_s)
-            # M grows with failure-free exposure: re-read the ledger's evidence each time
-            self._pending_tau[tier] = self._share_schedule(group, "checkpoint", refresh_ledger=True, step=step)
-        return rec
+        if rec.ok and self.rollback.armed:
+            self.rollback.finish(tier, step, self._own_steps)
+        if self.schedule is not None:
+            self.schedule.after_record(tier, step, rec, group)
 
-    def _local_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> CheckpointRecord:
-        t0 = time.perf_counter()
-        key = f"local:local/step-{step}"
-        self.in_use.hold(key)
-        ok, error, nbytes = True, None, 0
-        self._local_phase = "save"
-        try:
-            try:
-                nbytes = self.local.save(staged, step)
-            except FAILURES as e:  # degrade: the persistent tier and training go on
-                ok, error = False, describe_failure(e, self.local.store)
-                log.warning("tierckpt: local tier save of step %d failed on node %d; training continues, "
-                            "the persistent tier still saves: %s", step, self.topo.node, error)
-        finally:
-            slot.release()
-        rep, rec = None, None
-        self._local_phase = "replicate"
-        try:
-            rep = replicate(self.local.store, self.topo, self.groups.local_world, self.groups.node,
-                            step, ok, self.cfg.transfer_chunk_bytes)
-        except FAILURES as e:
-            log.warning("tierckpt: replication of step %d failed on node %d: %s", step, self.topo.node, e)
-        self.in_use.drop(key)
-        bg = time.perf_counter() - t0
-        self._local_phase = "record"
-        try:
-            rec = self._record("local", step, ok, error, delta, t_wait,
-                               nbytes if self.topo.is_node_leader else 0, bg,
-                               extra={"replicas_failed": (rep.failed if rep else "replication error")} if (rep is None or rep.failed) else None)
-        except Exception as e:
-            log.warning("tierckpt: could not record local step %d: %s", step, e)
-            rec = CheckpointRecord(tier="local", step=step, ok=False, error=f"stats exchange failed: {e}",
-                                   blocking_s=delta, wait_s=t_wait, background_s=bg)
-        self._local_phase = "retention"
-        try:
-            if self.topo.is_node_leader:
-                anchor = self.local_anchor
-                retention.purge_local(self.local.store, self.cfg.keep_latest_k["local"], self.in_use,
-                                      protect=frozenset(() if anchor is None else (anchor,)),
-                                      lineage_id=self.lineage, drop_foreign=False,
-                                      adopt_unlabelled=self.local.adopt_unlabelled)
-        except Exception as e:
-            log.warning("tierckpt: local retention failed: %s", e)
-        self._local_phase = "done"
-        return rec
-
-    def _persistent_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> CheckpointRecord:
-        t0 = time.perf_counter()
-        key = f"persistent:step-{step}"
-        self.in_use.hold(key)
-        ok, error, nbytes = True, None, 0
-        try:
-            nbytes = self.persistent.save(staged, step, self.groups.persistent_world)
-        except FAILURES as e:
-            ok, error = False, describe_failure(e, self.persistent.store)
-            log.error("tierckpt: persistent save of step %d failed: %s", step, error)
-        finally:
-            slot.release()
-            self.in_use.drop(key)
-        try:
-            rec = self._record("persistent", step, ok, error, delta, t_wait,
-                               nbytes if self.topo.rank == 0 else 0, time.perf_counter() - t0)
-        except Exception as e:
-            # without agreed stats no rank may report this step as committed
-            log.error("tierckpt: could not record persistent step %d: %s", step, e)
-            rec = CheckpointRecord(tier="persistent", step=step, ok=False, error=f"stats exchange failed: {e}",
-                                   blocking_s=delta, wait_s=t_wait, background_s=time.perf_counter() - t0)
-        try:
-            if self.topo.rank == 0:
-                retention.purge_persistent(self.persistent.store, self.cfg.keep_latest_k["persistent"], self.in_use)
-        except Exception as e:
-            log.warning("tierckpt: persistent retention failed: %s", e)
-        return rec
+    def _own_steps(self) -> dict[str, set[int]]:
+        """This run's own steps per tier, committed or being written: a rollback never
+        supersedes them (a failed save's number is not excluded: an old-timeline copy under it
+        must still go, and copies this run committed are protected by their marker's time)."""
+        with self._lock:
+            mine = {t: {r["step"] for r in self.history if r.get("tier") == t and r.get("ok")}
+                    for t in ("local", "persistent")}
+        for t, s in list(self.jobs.pending_step.items()):
+            mine[t].add(s)
+        return mine
 
     # -- restore -------------------------------------------------------------------------------
     def restore(self, state_dict: dict, step: int | None = None, *,
@@ -590,63 +384,16 @@ class TieredCheckpointer:
             raise ValueError("restore(rollback=True) needs the step rolled back to")
         self.wait(bounded=False)
         res = self.restorer.restore(state_dict, step)
-        if res is not None:
-            self.journal.restore(res)
-            if rollback:
-                self._arm_rollback(res.step)
-            with self._lock:  # every node's copy of res.step sits on some node's local disk
-                self.local_anchor = res.step if all(
-                    o.source.kind != PERSISTENT for o in res.sources.values()) else None
-        if self.cadence is not None and res is not None:
-            self.cadence.reset(res.step)
-            self.cadence.apply(self._share_schedule(self.groups.local_world, "restart",
-                                                    refresh_ledger=True, step=res.step))
+        if res is None:
+            return None
+        self.journal.restore(res)
+        if rollback:
+            self.rollback.arm(res.step, self.restorer.last_inventory, time.time())
+        with self._lock:  # every node's copy of res.step sits on some node's local disk
+            self.local_anchor = res.step if all(o.source.kind != PERSISTENT for o in res.sources.values()) else None
+        if self.schedule is not None:
+            self.schedule.after_restore(res.step, self.groups.local_world)
         return res
-
-    def _arm_rollback(self, step: int) -> None:
-        """Remember the steps newer than ``step`` the restore saw; :meth:`_finish_rollback`
-        supersedes them at this run's first commit."""
-        from tierckpt.history.rollback import PendingRollback
-
-        rb = PendingRollback(step, self.restorer.last_inventory, time.time())
-        if rb.empty:
-            return
-        with self._rollback_lock:
-            self._rollback = rb
-        log.warning("tierckpt: rollback to step %d armed: the newer steps up to %d stay resume points "
-                    "until this run commits its first step, then they are superseded", step, rb.from_step)
-
-    def _finish_rollback(self, tier: str, step: int) -> None:
-        """Run the armed rollback once, at this run's first committed step (``tier``, ``step``).
-        Holding the lock to the end keeps the other tier's thread (its retention) waiting until
-        the abandoned steps no longer count as the newest."""
-        with self._rollback_lock:
-            rb = self._rollback
-            if rb is None:
-                return
-            # this run's own committed steps and those being written: never superseded (a failed
-            # save's number is not excluded: an old-timeline copy under it must still go, and
-            # copies this run committed are protected by their marker's time anyway)
-            with self._lock:
-                mine = {t: {r["step"] for r in self.history if r.get("tier") == t and r.get("ok")}
-                        for t in ("local", "persistent")}
-            for t, s in list(self._pending_step.items()):
-                mine[t].add(s)
-            try:
-                gone = rb.execute(node=self.topo.node,
-                                  local_store=self.local.store if (self.local and self.topo.is_node_leader) else None,
-                                  persistent_store=self.persistent.store if self.topo.rank == 0 else None,
-                                  exclude=mine)
-                if gone:
-                    log.warning("tierckpt: rolled back from step %d to %d at this run's first commit (%s step %d); "
-                                "superseded (marker renamed *.superseded): %s", rb.from_step, rb.to_step, tier, step,
-                                ", ".join(gone))
-                for hook in self.rollback_hooks:
-                    hook(rb)
-            except Exception as e:  # runs on a tier's background thread: warn, never raise
-                log.warning("tierckpt: rollback to step %d: could not supersede newer steps: %s", rb.to_step, e)
-            self.journal.rollback(rb, tier, step, mine)
-            self._rollback = None
 
     def committed_steps(self) -> dict[str, list[int]]:
         """This rank's view: {"local": own node's steps, "persistent": steps} (not collective)."""
@@ -678,17 +425,7 @@ class TieredCheckpointer:
         if self._closed:
             return
         self.preemption.close()
-        if self._preempt_seen:  # the grace period is over: whatever still runs is abandoned
-            finished = {t: f.done() for t, f in self._pending.items() if f is not None}
-        else:
-            finished = self.wait()  # the local tier at most local_wait_timeout_s
-        stuck = [t for t, ok in finished.items() if not ok]
-        if stuck:
-            log.error("tierckpt: close: abandoning the %s save of step(s) %s, still running (local_wait_timeout_s "
-                      "%gs, or a preemption's grace period); it stays uncommitted", "+".join(stuck),
-                      [self._pending_step.get(t) for t in stuck], self.cfg.local_wait_timeout_s)
-        for t, w in self._workers.items():
-            w.shutdown(wait=t not in stuck)
+        stuck = self._finish_jobs()
         failed = self.unraised_failures()
         durable = max(self.persistent_committed) if self.persistent_committed else None
         not_durable = self._saved_any and "persistent" in self.cfg.tiers and durable is None
@@ -711,63 +448,24 @@ class TieredCheckpointer:
         if clean and raise_failures and ledger_error is not None:
             raise ledger_error  # global rank 0 only: the ledger's one writer
 
+    def _finish_jobs(self) -> list[str]:
+        """Wait for the background jobs (the local tier at most ``local_wait_timeout_s``; none
+        after a preemption's grace period) and stop the workers; returns the tiers abandoned."""
+        if self._preempt_seen:  # the grace period is over: whatever still runs is abandoned
+            finished = {t: f.done() for t, f in self.jobs.pending.items() if f is not None}
+        else:
+            finished = self.wait()
+        stuck = [t for t, ok in finished.items() if not ok]
+        if stuck:
+            log.error("tierckpt: close: abandoning the %s save of step(s) %s, still running (local_wait_timeout_s "
+                      "%gs, or a preemption's grace period); it stays uncommitted", "+".join(stuck),
+                      [self.jobs.pending_step.get(t) for t in stuck], self.cfg.local_wait_timeout_s)
+        self.jobs.shutdown(stuck)
+        return stuck
+
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
         self.close(clean=exc_type is None, reason=repr(exc) if exc else "")
 
-
-def describe_failure(e: BaseException, store: Store) -> str:
-    """One line naming a failed save's cause: DCP's per-rank failures unpacked, and a full
-    file system named (torch's writers can turn ENOSPC into an unrelated-looking error)."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        # DCP keeps (exception, traceback frames) per rank: name the exception only
-        errs = {r: x[0] if isinstance(x, tuple) and x and isinstance(x[0], BaseException) else x
-                for r, x in failures.items()}
-        msg = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(errs.items()))
-    else:
-        msg = f"{type(e).__name__}: {e}"
-    if store.local:
-        try:
-            du = shutil.disk_usage(store.path(""))
-            if du.free < max(1 << 20, du.total // 100):
-                msg += f" [{store.url}: file system full: {du.free} of {du.total} bytes free]"
-        except OSError:
-            pass
-    return msg[:2000]
-
-
-def _check_shared(store: Store, run_id: str, rank: int, group) -> None:
-    """Rank 0 writes a probe into the persistent root; every rank must see it, or the
-    "shared" storage is node-local and every persistent save would fail later (collective).
-
-    Raises:
-        ConfigError: ``persistent_root`` is not visible from some rank.
-    """
-    probe = f".tierckpt-probe-{run_id}"
-    if rank == 0:
-        try:
-            store.write_atomic(probe, b"tierckpt shared-storage probe\n")
-        except OSError as e:
-            log.warning("tierckpt: could not write %s: %s", store.url_of(probe), e)
-    all_gather(None, group)  # the probe exists before anyone looks
-    try:
-        seen = store.exists(probe)
-    except OSError:
-        seen = False
-    blind = [r for r, ok in enumerate(all_gather(seen, group)) if not ok]
-    if rank == 0:
-        store.remove(probe)
-    if blind:
-        raise ConfigError("persistent_root", f"{store.url!r} is not shared storage: ranks {blind[:8]} cannot "
-                          "see a file rank 0 wrote there; use a shared filesystem or an fsspec URL")
-
-
-def _probe_writable(root: str) -> None:
-    os.makedirs(root, exist_ok=True)
-    probe = os.path.join(root, f".tierckpt-probe-{os.getpid()}")
-    with open(probe, "wb") as f:
-        f.write(b"x")
-    os.remove(probe)

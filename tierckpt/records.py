@@ -495,7 +495,8 @@ KINDS: dict[str, type[LedgerRecord]] = {c.KIND: c for c in (
 def record_from_ledger(line: dict) -> LedgerRecord:
     """The typed record of one ledger line (a :class:`GenericRecord` for an unknown kind or
     an unusable line). Never raises for a dict."""
-    cls = KINDS.get(line.get("kind"))
+    kind = line.get("kind")
+    cls = KINDS.get(kind) if isinstance(kind, str) else None
     if cls is not None:
         try:
             return cls.from_ledger(line)

@@ -297,7 +297,7 @@ def test_config_file_with_megatron_parser():
     out = subprocess.run([sys.executable, "-c", _REAL_PARSE, MLM, str(CONFIG)], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT"))
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT"))
     assert line == ("RESULT 32 2 2 ('local', 'persistent') [('local', 50), ('persistent', 1000)] "
                     "('local', 'persistent')"), line
 

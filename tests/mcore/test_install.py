@@ -114,7 +114,7 @@ def _run(code_or_args, env_extra=None, timeout=300):
 def test_hooks_replace_and_restore_every_point_of_the_checkouts_version():
     out = _run(["-c", _HOOKS, MLM])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    lines = {l.split()[0]: l for l in out.stdout.splitlines() if l.split() and l.split()[0].isupper()}
+    lines = {ln.split()[0]: ln for ln in out.stdout.splitlines() if ln.split() and ln.split()[0].isupper()}
     assert "MISSING [] RESTORED True" in lines["CHANGED"], lines["CHANGED"]
     assert lines["REFUSED"] == "REFUSED True True", lines["REFUSED"]
 
@@ -197,7 +197,7 @@ def test_launcher_refuses_invalid_flags_at_start(tmp_path, extra, flag):
     out = _run(["-m", "mcore_plugin.pretrain", str(Path(MLM) / "pretrain_gpt.py"), *args, *extra],
                env_extra={"WORLD_SIZE": "1", "RANK": "0"})
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
-    last = [l for l in out.stderr.splitlines() if l.startswith("mcore_plugin.pretrain: error:")]
+    last = [ln for ln in out.stderr.splitlines() if ln.startswith("mcore_plugin.pretrain: error:")]
     assert last and re.search(re.escape(flag) + r"\b", last[-1]), out.stderr[-2000:]
     assert "initializing torch distributed" not in out.stdout
 

@@ -8,7 +8,7 @@ import posixpath
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 from rich.table import Table
 from rich.text import Text
@@ -224,7 +224,7 @@ def find_steps(root: str, max_depth: int = DEFAULT_MAX_DEPTH) -> list[StepDir]:
                 store=store,
                 rel=rel,
                 tier=tier,
-                step=parse_step(parts[-1]),
+                step=parse_step(parts[-1]) or 0,  # _walk_steps yields step-<N> directories only
                 node=node,
                 source_node=source,
                 manifest=doc,
@@ -277,7 +277,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     restore ignores and the next start deletes) are marked."""
     lineage_id = resolve_lineage(getattr(args, "lineage", None))
     steps = find_steps(args.root, args.max_depth)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for s in steps:
         files, nbytes = s.files_and_bytes()
         rows.append(
@@ -298,7 +298,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _print_json(rows)
         return EXIT_OK
     table = Table(title=f"step directories under {args.root}")
-    for col, kw in (
+    columns: tuple[tuple[str, dict[str, Any]], ...] = (
         ("tier", {}),
         ("node", {}),
         ("step", {"justify": "right"}),
@@ -307,12 +307,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ("files", {"justify": "right"}),
         ("bytes", {"justify": "right"}),
         ("path", {"overflow": "fold"}),
-    ):
+    )
+    for col, kw in columns:
         table.add_column(col, **kw)
     for s, r in zip(steps, rows):
         table.add_row(
             s.tier, s.node_label(), str(s.step), _committed_label(s, lineage_id),
-            (s.lineage or "-")[:8], str(r["files"]), human_bytes(r["bytes"]), r["path"],
+            (s.lineage or "-")[:8], str(r["files"]), human_bytes(r["bytes"]), str(r["path"]),
         )
     con = _stdout()
     con.print(table)
@@ -358,6 +359,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 2
     results = []
     for s in steps:
+        status: Text | str
         status, problems = verify_one(s)
         results.append((s, status, problems))
     n_ok = sum(1 for _, st, _ in results if st == "OK")

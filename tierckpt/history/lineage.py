@@ -70,7 +70,7 @@ def ensure(store: Store) -> tuple[str, bool, bool]:
     doc = {"format": "tierckpt-lineage", "lineage": uuid.uuid4().hex, "created": time.time(),
            "persistent_root": store.url, "adopts_unlabelled": adopt}
     store.write_atomic(LINEAGE, json.dumps(doc).encode())
-    return read(store) or doc["lineage"], True, adopts_unlabelled(store)
+    return str(read(store) or doc["lineage"]), True, adopts_unlabelled(store)
 
 
 def adopts_unlabelled(store: Store) -> bool:

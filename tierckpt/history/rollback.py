@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from typing import Callable
 
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
@@ -100,3 +102,69 @@ def _committed_before(store: Store, rel: str, t: float) -> bool:
     except (FileNotFoundError, NotADirectoryError, ValueError):
         return False
     return isinstance(marker, dict) and float(marker.get("committed_at", 0.0)) < t
+
+
+class RollbackTracker:
+    """Arms a rollback at restore time and runs it at this run's first commit.
+
+    Args:
+        journal: the run's :class:`~tierckpt.history.journal.RunJournal` (``rollback`` record).
+        node: this rank's node id.
+        local_store: the node's local root on its node leader, else None.
+        persistent_store: the persistent root on global rank 0, else None.
+
+    Attributes:
+        hooks: called with the :class:`PendingRollback` once it ran (on a tier's thread):
+            adapters point a framework's own "latest" record (Megatron's tracker file) away from
+            superseded steps.
+    """
+
+    def __init__(self, journal, node: int, local_store: Store | None, persistent_store: Store | None):
+        self.journal, self.node = journal, node
+        self.local_store, self.persistent_store = local_store, persistent_store
+        self.hooks: list = []
+        self._pending: PendingRollback | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def armed(self) -> bool:
+        """A rollback waits for this run's first commit."""
+        return self._pending is not None
+
+    def arm(self, step: int, inv: Inventory, now: float) -> None:
+        """Remember the steps newer than ``step`` in ``inv`` (the restore's inventory)."""
+        rb = PendingRollback(step, inv, now)
+        if rb.empty:
+            return
+        with self._lock:
+            self._pending = rb
+        log.warning("tierckpt: rollback to step %d armed: the newer steps up to %d stay resume points "
+                    "until this run commits its first step, then they are superseded", step, rb.from_step)
+
+    def finish(self, tier: str, step: int, mine: Callable[[], dict[str, set[int]]]) -> None:
+        """Run the armed rollback once, at this run's first committed step (``tier``, ``step``).
+        ``mine()`` gives this run's own steps per tier (committed or being written), never
+        superseded. Holding the lock to the end keeps the other tier's thread (its retention)
+        waiting until the abandoned steps no longer count as the newest. Never raises (runs on
+        a tier's thread): failures are warnings."""
+        with self._lock:
+            rb = self._pending
+            if rb is None:
+                return
+            exclude = mine()
+            try:
+                gone = rb.execute(node=self.node, local_store=self.local_store,
+                                  persistent_store=self.persistent_store, exclude=exclude)
+                if gone:
+                    log.warning("tierckpt: rolled back from step %d to %d at this run's first commit (%s step %d); "
+                                "superseded (marker renamed *.superseded): %s", rb.from_step, rb.to_step, tier, step,
+                                ", ".join(gone))
+                for hook in self.hooks:
+                    hook(rb)
+            except Exception as e:
+                log.warning("tierckpt: rollback to step %d: could not supersede newer steps: %s", rb.to_step, e)
+            try:
+                self.journal.rollback(rb, tier, step, exclude)
+            except Exception as e:
+                log.warning("tierckpt: rollback to step %d: could not record it: %s", rb.to_step, e)
+            self._pending = None

@@ -15,6 +15,8 @@ the step time; afterwards τ = sqrt(2δ(M+R)) − δ (Daly 2006) in steps, clamp
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import logging
 import threading
 import time
@@ -37,7 +39,7 @@ class Cadence:
             rank; None = the defaults).
     """
 
-    def __init__(self, intervals: dict[str, int], adaptive: tuple[str, ...], *, rank: int,
+    def __init__(self, intervals: Mapping[str, int], adaptive: tuple[str, ...], *, rank: int,
                  world_size: int, options: ScheduleOptions | None = None):
         self.tiers = tuple(intervals)
         self.tau = {t: int(n) for t, n in intervals.items()}
@@ -134,7 +136,7 @@ def decision_metrics(records: list[dict]) -> dict[str, float]:
     ``…/mtbf_s``, ``…/restart_s`` (seconds) and ``…/p`` (fraction); for each tier the newest
     record wins. Records without a ``tier`` are skipped.
     """
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     for r in records:
         t = r.get("tier")
         if not t:

@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 from tierckpt.config import TIERS, ScheduleOptions, expand_per_tier, per_tier, validate_tiers
 from tierckpt.errors import ConfigError
@@ -554,8 +554,9 @@ class Scheduler:
     def delta_s(self, tier: str) -> tuple[float, str]:
         """(δ of ``tier`` in seconds, source: "observed" | "ledger" | "prior")."""
         self._tier(tier)
-        if self._delta[tier].value is not None:
-            return self._delta[tier].value, "observed"
+        observed = self._delta[tier].value
+        if observed is not None:
+            return observed, "observed"
         if tier in self._ledger_delta:
             return self._ledger_delta[tier], "ledger"
         return float(self.delta_prior_s.get(tier, DEFAULT_DELTA_PRIOR_S["local"])), "prior"
@@ -581,7 +582,7 @@ class Scheduler:
         C = self.background_s(tier)
         step = self.step_s
         sources = {"delta": d_src, "M": self._mtbf_source, "R": self._restart_source, "p": self._share_source}
-        common = dict(tier=tier, delta=delta, M=M, R=R, p=p, M_eff=M_eff, C=C, step_s=step, sources=sources,
+        common: dict[str, Any] = dict(tier=tier, delta=delta, M=M, R=R, p=p, M_eff=M_eff, C=C, step_s=step, sources=sources,
                       delta_blocking=self._blocking[tier].value)
         if tier in self.fixed_steps:
             n = int(self.fixed_steps[tier])

@@ -175,11 +175,13 @@ class AdaptivePolicy(FixedPolicy):
     def __init__(self, params: SimParams):
         self.params = params
         self.sched = Scheduler(tiers=("local",), gpus=1, options=ScheduleOptions(
-            gpu_mtbf_s=params.prior_mtbf_s, mtbf_weight=params.prior_weight))
+            gpu_mtbf_s=params.prior_mtbf_s or DEFAULT_PRIOR_FACTOR * params.mtbf_s, mtbf_weight=params.prior_weight))
         self.sched.observe_step(params.step_s)
 
     def interval_steps(self) -> int:
-        return self.sched.interval("local").tau_steps
+        steps = self.sched.interval("local").tau_steps
+        assert steps is not None  # the step time is observed in __init__
+        return steps
 
     def on_checkpoint(self, wall_s: float, failures: int) -> None:
         self.sched.observe_checkpoint("local", self.params.delta_s, None)

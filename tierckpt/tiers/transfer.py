@@ -186,6 +186,83 @@ def _map_file(store: Store, rel: str, size: int):
         return m, torch.frombuffer(m, dtype=torch.uint8)
 
 
+class _FileSink:
+    """Writes received chunks to one transfer's files on its own thread (disk writes overlap
+    the next receives); owns the file descriptors and the per-file write errors."""
+
+    def __init__(self, store: Store, dst_rel: str, entries: list[manifest.FileEntry], bufs: list):
+        self.store, self.dst_rel, self.entries, self.bufs = store, dst_rel, entries, bufs
+        self.fds: dict[int, tuple[int, bool]] = {}
+        self.failed: dict[int, str] = {}
+        self.free: queue.Queue = queue.Queue()
+        for b in range(len(bufs)):
+            self.free.put(b)
+        self.writes: queue.Queue = queue.Queue()
+        for i, e in enumerate(entries):  # empty files have no chunks
+            if e.size == 0:
+                self._open(i)
+                self._finish(i)
+        self.thread = threading.Thread(target=self._run, name="tierckpt-recv-write", daemon=True)
+        self.thread.start()
+
+    def _open(self, i: int) -> None:
+        path = self.store.path(f"{self.dst_rel}/{self.entries[i].path}")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            try:
+                self.fds[i] = (os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644), hasattr(os, "O_DIRECT"))
+            except OSError:  # tmpfs and some network filesystems refuse O_DIRECT
+                self.fds[i] = (os.open(path, flags, 0o644), False)
+        except OSError as ex:
+            self.failed[i] = f"{type(ex).__name__}: {ex}"
+
+    def _finish(self, i: int) -> None:
+        fd, direct = self.fds.pop(i, (None, False))
+        if fd is None:
+            return
+        try:
+            if direct:
+                os.ftruncate(fd, self.entries[i].size)
+            os.fsync(fd)
+        except OSError as ex:
+            self.failed.setdefault(i, f"{type(ex).__name__}: {ex}")
+        finally:
+            os.close(fd)
+
+    def _write(self, i: int, b: int, n: int) -> None:
+        if i not in self.fds and i not in self.failed:
+            self._open(i)
+        if i not in self.fds:
+            return
+        fd, direct = self.fds[i]
+        whole = self.bufs[b].numpy().data
+        view = whole[: -(-n // _ALIGN) * _ALIGN] if direct else whole[:n]
+        try:
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+        except OSError as ex:
+            self.failed[i] = f"{type(ex).__name__}: {ex}"
+            os.close(self.fds.pop(i)[0])
+
+    def _run(self) -> None:
+        while True:
+            item = self.writes.get()
+            if item is None:
+                return
+            i, b, n, last = item
+            self._write(i, b, n)
+            if last:
+                self._finish(i)
+            self.free.put(b)
+
+    def close(self) -> None:
+        """Let the writer finish what was queued and stop."""
+        self.writes.put(None)
+        self.thread.join()
+
+
 def recv_step(store: Store, t: Transfer, group, chunk_bytes: int) -> Received:
     """Receive one :class:`Transfer` into ``t.dst_rel`` of ``store``, verifying as it goes.
 
@@ -209,94 +286,41 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int) -> Received:
               for off in range(0, e.size, chunk_bytes)]
     bufs = _buffers("recv", chunk_bytes, count=4)
     hashers = [xxhash.xxh3_64() for _ in entries]
-    fds: dict[int, tuple[int, bool]] = {}
-    failed: dict[int, str] = {}
-
-    def open_file(i):
-        path = store.path(f"{t.dst_rel}/{entries[i].path}")
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-            try:
-                fds[i] = (os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644), hasattr(os, "O_DIRECT"))
-            except OSError:  # tmpfs and some network filesystems refuse O_DIRECT
-                fds[i] = (os.open(path, flags, 0o644), False)
-        except OSError as ex:
-            failed[i] = f"{type(ex).__name__}: {ex}"
-
-    def finish_file(i):
-        fd, direct = fds.pop(i, (None, False))
-        if fd is None:
-            return
-        try:
-            if direct:
-                os.ftruncate(fd, entries[i].size)
-            os.fsync(fd)
-        except OSError as ex:
-            failed.setdefault(i, f"{type(ex).__name__}: {ex}")
-        finally:
-            os.close(fd)
-
-    for i, e in enumerate(entries):  # empty files have no chunks
-        if e.size == 0:
-            open_file(i)
-            finish_file(i)
-    free: queue.Queue = queue.Queue()
-    for b in range(len(bufs)):
-        free.put(b)
-    writes: queue.Queue = queue.Queue()
-
-    def writer():  # owns fds/failed: disk writes overlap the next receives
-        while True:
-            item = writes.get()
-            if item is None:
-                return
-            i, b, n, last = item
-            if i not in fds and i not in failed:
-                open_file(i)
-            if i in fds:
-                fd, direct = fds[i]
-                whole = memoryview(bufs[b].numpy())
-                view = whole[: -(-n // _ALIGN) * _ALIGN] if direct else whole[:n]
-                try:
-                    done = 0
-                    while done < len(view):
-                        done += os.write(fd, view[done:])
-                except OSError as ex:
-                    failed[i] = f"{type(ex).__name__}: {ex}"
-                    os.close(fds.pop(i)[0])
-            if last:
-                finish_file(i)
-            free.put(b)
-
-    th = threading.Thread(target=writer, name="tierckpt-recv-write", daemon=True)
-    th.start()
-    in_flight = min(2, len(bufs) - 1)
-    works = {}
+    sink = _FileSink(store, t.dst_rel, entries, bufs)
     try:
-        for k in range(min(in_flight, len(chunks))):
-            b = free.get()
-            works[k] = (b, _work(dist.irecv(bufs[b][: chunks[k][1]], src, group=group)))
-        for k, (i, n) in enumerate(chunks):
-            b, w = works.pop(k)
-            w.wait()
-            hashers[i].update(bufs[b].numpy().data[:n])
-            res.nbytes += n
-            writes.put((i, b, n, k + 1 == len(chunks) or chunks[k + 1][0] != i))
-            if k + in_flight < len(chunks):
-                b2 = free.get()
-                works[k + in_flight] = (b2, _work(dist.irecv(bufs[b2][: chunks[k + in_flight][1]], src, group=group)))
+        res.nbytes = _receive_chunks(chunks, bufs, hashers, sink, src, group)
     finally:
-        writes.put(None)
-        th.join()
+        sink.close()
     for i, e in enumerate(entries):
-        if i in failed:
-            res.problems.append(f"{t.dst_rel}/{e.path}: write failed: {failed[i]}")
+        if i in sink.failed:
+            res.problems.append(f"{t.dst_rel}/{e.path}: write failed: {sink.failed[i]}")
         elif e.size and hashers[i].hexdigest() != e.xxh3_64:
             res.problems.append(f"{t.dst_rel}/{e.path}: checksum mismatch on receipt")
         else:
             res.entries.append(e)
     return res
+
+
+def _receive_chunks(chunks: list[tuple[int, int]], bufs: list, hashers: list, sink: _FileSink, src: int,
+                    group) -> int:
+    """Receive ``chunks`` ((file index, bytes) in stream order) with two receives in flight,
+    hash each, queue it for the sink; returns the bytes received."""
+    in_flight = min(2, len(bufs) - 1)
+    works = {}
+    nbytes = 0
+    for k in range(min(in_flight, len(chunks))):
+        b = sink.free.get()
+        works[k] = (b, _work(dist.irecv(bufs[b][: chunks[k][1]], src, group=group)))
+    for k, (i, n) in enumerate(chunks):
+        b, w = works.pop(k)
+        w.wait()
+        hashers[i].update(bufs[b].numpy().data[:n])
+        nbytes += n
+        sink.writes.put((i, b, n, k + 1 == len(chunks) or chunks[k + 1][0] != i))
+        if k + in_flight < len(chunks):
+            b2 = sink.free.get()
+            works[k + in_flight] = (b2, _work(dist.irecv(bufs[b2][: chunks[k + in_flight][1]], src, group=group)))
+    return nbytes
 
 
 _ALIGN = 4096

@@ -1,0 +1,129 @@
+"""The engine's start, step by step: open the node-local root, open the persistent root and its
+lineage, agree that both work on every rank, check the persistent root is shared, and purge the
+node-local steps of other experiments.
+
+Each check fails with a :class:`~tierckpt.errors.ConfigError` naming the option, on every rank
+(the outcome is all-gathered before anyone raises), so no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from tierckpt.config import TierConfig
+from tierckpt.dist.collectives import all_gather
+from tierckpt.dist.topology import Topology
+from tierckpt.errors import ConfigError
+from tierckpt.history import lineage
+from tierckpt.io.storage import Store
+from tierckpt.tiers import retention
+from tierckpt.tiers.local_tier import LocalTier
+
+log = logging.getLogger(__name__)
+
+
+def open_local_tier(cfg: TierConfig, topo: Topology, node_group, in_use: retention.InUse
+                    ) -> tuple[LocalTier | None, ConfigError | None]:
+    """The node's local tier (None when not configured) and this rank's problem with it.
+
+    The node leader first removes torn steps of an earlier run (e.g. a full disk must not stay
+    full); every rank then checks the root is writable (``local_root``)."""
+    if "local" not in cfg.tiers:
+        return None, None
+    root = cfg.local_root_for(topo.node, topo.hostname)
+    if topo.is_node_leader:
+        try:
+            retention.purge_local(Store(root), 0, in_use)
+        except OSError as e:
+            log.warning("tierckpt: could not clean torn steps under %s: %s", root, e)
+    err = None
+    try:
+        _probe_writable(root)
+    except OSError as e:
+        err = ConfigError("local_root", f"{root!r} (node {topo.node}) is not writable: {e}")
+    return LocalTier(Store(root), topo, node_group), err
+
+
+def open_persistent_root(cfg: TierConfig, rank: int) -> tuple[Store, tuple | None, ConfigError | None]:
+    """The persistent root, its lineage ``(id, created, adopts_unlabelled)`` as read or created
+    by global rank 0 (None on other ranks, :func:`tierckpt.history.lineage.ensure`), and this
+    rank's problem with it (``persistent_root``)."""
+    store = Store(persistent_root(cfg))
+    if rank != 0:
+        return store, None, None
+    try:
+        store.makedirs("")
+        return store, lineage.ensure(store), None
+    except OSError as e:
+        return store, None, ConfigError("persistent_root", f"{cfg.persistent_root!r} cannot be created: {e}")
+    except ConfigError as e:
+        return store, None, e
+
+
+def persistent_root(cfg: TierConfig) -> str:
+    """``cfg.persistent_root`` (TierConfig refuses a config without one)."""
+    if not cfg.persistent_root:
+        raise ConfigError("persistent_root", "is required")
+    return cfg.persistent_root
+
+
+def raise_if_any_failed(err: ConfigError | None, group) -> None:
+    """Raise on every rank when any rank had a start problem (collective over ``group``): the
+    rank's own error, or the first rank's, named "failed on another rank"."""
+    errors = [e for e in all_gather(None if err is None else (err.option, str(err)), group) if e]
+    if errors:
+        raise err if err is not None else ConfigError(errors[0][0], f"failed on another rank: {errors[0][1]}")
+
+
+def check_shared(store: Store, run_id: str, rank: int, group) -> None:
+    """Rank 0 writes a probe into the persistent root; every rank must see it, or the
+    "shared" storage is node-local and every persistent save would fail later (collective).
+
+    Raises:
+        ConfigError: ``persistent_root`` is not visible from some rank.
+    """
+    probe = f".tierckpt-probe-{run_id}"
+    if rank == 0:
+        try:
+            store.write_atomic(probe, b"tierckpt shared-storage probe\n")
+        except OSError as e:
+            log.warning("tierckpt: could not write %s: %s", store.url_of(probe), e)
+    all_gather(None, group)  # the probe exists before anyone looks
+    try:
+        seen = store.exists(probe)
+    except OSError:
+        seen = False
+    blind = [r for r, ok in enumerate(all_gather(seen, group)) if not ok]
+    if rank == 0:
+        store.remove(probe)
+    if blind:
+        raise ConfigError("persistent_root", f"{store.url!r} is not shared storage: ranks {blind[:8]} cannot "
+                          "see a file rank 0 wrote there; use a shared filesystem or an fsspec URL")
+
+
+def purge_other_lineages(local: LocalTier, topo: Topology, in_use: retention.InUse, lineage_id: str,
+                         *, adopt: bool, created: bool) -> None:
+    """Label the local tier with the job's lineage and delete (node leader) the committed local
+    steps and replicas of other lineages, and local copies a rollback superseded.
+
+    Another experiment's steps are never offered (restore filters them) and are purged so they
+    do not fill the disk, but never in the start that created the lineage: a persistent root
+    that is new (or, by mistake, empty: an unmounted file system) must not cost the real
+    experiment its node-local steps."""
+    local.lineage, local.adopt_unlabelled = lineage_id, adopt
+    if not topo.is_node_leader or created:
+        return
+    try:
+        retention.purge_local(local.store, 0, in_use, lineage_id=lineage_id, adopt_unlabelled=adopt,
+                              drop_superseded=True)
+    except OSError as e:
+        log.warning("tierckpt: could not purge node-local steps of other lineages under %s: %s", local.store.url, e)
+
+
+def _probe_writable(root: str) -> None:
+    os.makedirs(root, exist_ok=True)
+    probe = os.path.join(root, f".tierckpt-probe-{os.getpid()}")
+    with open(probe, "wb") as f:
+        f.write(b"x")
+    os.remove(probe)

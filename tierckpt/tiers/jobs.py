@@ -1,0 +1,301 @@
+"""The background half of a save: one worker thread per tier, the job each runs, and the vote
+that skips the local tier while its previous save hangs.
+
+A local job writes the node's step (:mod:`tierckpt.tiers.local_tier`), replicates it
+(:mod:`tierckpt.tiers.replication`), records the agreed outcome and applies retention. A
+persistent job writes the global step (:mod:`tierckpt.tiers.persistent`), records, applies
+retention. Nothing a job hits may reach the trainer's thread: every failure becomes a failed
+:class:`~tierckpt.records.CheckpointRecord`, which the engine's failure policy raises or not.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from tierckpt.config import TierConfig
+from tierckpt.dist.collectives import FAILURES, all_gather
+from tierckpt.dist.topology import Groups, Topology
+from tierckpt.history.journal import RunJournal
+from tierckpt.io.staging import StagingSlot
+from tierckpt.io.storage import Store
+from tierckpt.records import CheckpointRecord
+from tierckpt.tiers import retention
+from tierckpt.tiers.local_tier import LocalTier
+from tierckpt.tiers.persistent import PersistentTier
+from tierckpt.tiers.replication import replicate
+from tierckpt.tiers.workers import DaemonWorker
+
+log = logging.getLogger(__name__)
+
+OnRecord = Callable[[str, int, CheckpointRecord, object], None]
+"""``on_record(tier, step, record, group)``: called on the tier's thread with every agreed record
+(the engine's bookkeeping: history, local anchor, rollback, scheduler); may run collectives on
+``group``, the tier's world group."""
+
+
+class TierJobs:
+    """Background workers and jobs of the configured tiers (one instance per engine).
+
+    Args:
+        cfg, topo, groups: the engine's configuration, topology and process groups.
+        local, persistent: the tiers (``local`` None when not configured).
+        in_use: steps being written or read, which retention must not delete.
+        journal: the run's ledger writer.
+        on_record: see :data:`OnRecord`.
+        local_anchor: returns the newest step every node holds locally (kept by retention).
+        interference: ``interference(tier)``, seconds of training slowdown charged to the tier's
+            latest job (the adaptive scheduler's measurement), or None.
+
+    Attributes:
+        pending: ``{tier: Future of its latest job, or None}``.
+        pending_step: ``{tier: step of its latest job}``.
+    """
+
+    def __init__(self, cfg: TierConfig, topo: Topology, groups: Groups, local: LocalTier | None,
+                 persistent: PersistentTier, in_use: retention.InUse, journal: RunJournal, *,
+                 on_record: OnRecord, local_anchor: Callable[[], int | None],
+                 interference: Callable[[str], float | None] | None = None):
+        self.cfg, self.topo, self.groups = cfg, topo, groups
+        self._interference = interference
+        self.local, self.persistent, self.in_use, self.journal = local, persistent, in_use, journal
+        self._on_record, self._local_anchor = on_record, local_anchor
+        self.workers = {t: DaemonWorker(f"tierckpt-{t}") for t in cfg.tiers}
+        self.pending: dict[str, Future | None] = {t: None for t in cfg.tiers}
+        self.pending_step: dict[str, int] = {}
+        self._local_overdue: Future | None = None  # a local job that outlived a full wait
+        self._local_phase = "done"  # where this rank's local job is (named when it gets stuck)
+        # monotonic (submitted, finished or None) of each tier's latest job
+        self._window: dict[str, tuple[float, float | None]] = {}
+
+    # -- trainer thread ------------------------------------------------------------------------
+    def submit(self, tiers: Iterable[str], staged: dict, step: int, delta: float, t_wait: float,
+               slot: StagingSlot) -> dict[str, Future]:
+        """Start each tier's job on ``staged`` (held in ``slot`` until every job released it);
+        returns ``{tier: Future → CheckpointRecord}``. ``delta``/``t_wait``: blocking and wait
+        seconds of this save, recorded with it."""
+        futures = {}
+        for t in tiers:
+            job = self._local_job if t == "local" else self._persistent_job
+            self._window[t] = (time.monotonic(), None)
+            futures[t] = self.pending[t] = self.workers[t].submit(self._guard, job, t, staged, step, delta,
+                                                                  t_wait, slot)
+            self.pending_step[t] = step
+        return futures
+
+    def previous(self, tier: str) -> CheckpointRecord | None:
+        """Wait for ``tier``'s latest job; its record (None if it never ran)."""
+        fut = self.pending.get(tier)
+        return fut.result() if fut is not None else None  # _guard never raises
+
+    def local_ready(self, step: int) -> tuple[bool, float, CheckpointRecord | None]:
+        """Whether the local tier saves at ``step``, the seconds spent deciding, and the skipped
+        record when it does not.
+
+        Ready when its previous save finished on every rank within ``local_wait_timeout_s``
+        (collective over the control group once a local save exists; the same answer on every
+        rank). A save that already outlived one full wait is only polled afterwards, so a disk
+        that stays hung costs one wait, not one per interval. Not ready: a warning naming the
+        nodes whose disk is stuck and a skipped ``checkpoint`` record in the ledger; a hung
+        node-local disk must not stall training."""
+        fut, limit = self.pending.get("local"), self.cfg.local_wait_timeout_s
+        if fut is None or not limit:
+            return True, 0.0, None  # pending is set at the same step on every rank: no collective needed
+        t0 = time.perf_counter()
+        try:
+            fut.result(timeout=0.0 if fut is self._local_overdue else limit)
+            done = 1
+        except FuturesTimeout:
+            done = 0
+        flag = torch.tensor([done], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.groups.control)
+        if int(flag.item()) == 1:
+            self._local_overdue = None
+            return True, time.perf_counter() - t0, None
+        if not done:
+            self._local_overdue = fut
+        rec = self._skipped_record(step, done, t0)
+        return False, rec.wait_s or 0.0, rec
+
+    def _skipped_record(self, step: int, done: int, t0: float) -> CheckpointRecord:
+        """The agreed "local tier skipped" record (collective over the control group): the stuck
+        disk is on the nodes still writing or deleting; their peers merely wait for them."""
+        phases: list = [None] * self.topo.world_size
+        dist.all_gather_object(phases, (self.topo.node, "done" if done else self._local_phase),
+                               group=self.groups.control)
+        stuck = sorted({n for n, ph in phases if ph in ("save", "retention")}) or \
+            sorted({n for n, ph in phases if ph != "done"})
+        waited = time.perf_counter() - t0
+        error = (f"local save of step {self.pending_step.get('local')} still running on node(s) {stuck} "
+                 f"(local_wait_timeout_s = {self.cfg.local_wait_timeout_s:g}s); local tier skipped")
+        log.warning("tierckpt: step %d: %s; training and the persistent tier continue", step, error)
+        rec = CheckpointRecord(tier="local", step=step, ok=False, skipped=True, error=error, stuck_nodes=stuck,
+                               blocking_s=waited, wait_s=waited)
+        self.journal.ledger.append(rec)
+        return rec
+
+    def wait(self, tiers: Iterable[str], step: int | None, bounded: bool) -> dict[str, bool]:
+        """Wait for the latest job of each of ``tiers`` (only jobs started at ``step`` when
+        given); the local tier at most ``local_wait_timeout_s`` when ``bounded``. Returns
+        ``{tier: finished}`` for the tiers waited for."""
+        out = {}
+        for t in tiers:
+            fut = self.pending.get(t)
+            if fut is None or (step is not None and self.pending_step.get(t) != step):
+                continue
+            limit = self.cfg.local_wait_timeout_s if (t == "local" and bounded) else 0
+            try:
+                fut.result(timeout=(0.0 if fut is self._local_overdue else limit) if limit else None)
+                out[t] = True
+            except FuturesTimeout:
+                self._local_overdue = fut
+                out[t] = False
+                log.warning("tierckpt: the local save of step %s is still running after %gs "
+                            "(local_wait_timeout_s); not waiting for it", self.pending_step.get(t), limit)
+        return out
+
+    def finished(self) -> list[CheckpointRecord]:
+        """Records of the latest job of each tier that has finished (this rank's view)."""
+        return [f.result() for f in self.pending.values() if f is not None and f.done()]
+
+    def busy_during(self, seconds: float) -> list[str]:
+        """Tiers whose job overlapped the last ``seconds`` (for the scheduler's interference)."""
+        now = time.monotonic()
+        return [t for t, (t0, t1) in list(self._window.items()) if t0 < now and (t1 is None or t1 > now - seconds)]
+
+    def shutdown(self, abandoned: Iterable[str]) -> None:
+        """Stop the workers; ``abandoned`` tiers' threads are not joined (daemon threads)."""
+        abandoned = set(abandoned)
+        for t, w in self.workers.items():
+            w.shutdown(wait=t not in abandoned)
+
+    # -- tier threads --------------------------------------------------------------------------
+    def _guard(self, job, tier, staged, step, *args) -> CheckpointRecord:
+        """Run a tier job and return its record; nothing a background job hits may reach (and
+        kill) the trainer thread: failures become records, raised by the failure policy."""
+        try:
+            return job(staged, step, *args)
+        except BaseException as e:
+            log.error("tierckpt: %s tier job failed unexpectedly: %s", tier, e, exc_info=True)
+            return CheckpointRecord(tier=tier, step=step, ok=False, error=f"{type(e).__name__}: {e}")
+
+    def _record(self, tier, step, ok, error, delta, t_wait, nbytes, background_s, extra=None) -> CheckpointRecord:
+        """All-gather a job's stats over the tier's world group (the same record on every rank);
+        rank 0 writes the ledger; then the engine's bookkeeping."""
+        group = self.groups.local_world if tier == "local" else self.groups.persistent_world
+        if tier in self._window:
+            self._window[tier] = (self._window[tier][0], time.monotonic())
+        parts = all_gather((ok, error, nbytes, background_s, delta), group)
+        rec = self.journal.checkpoint(tier, step, parts, wait_s=t_wait, group=group, extra=extra,
+                                      interference_s=self._interference(tier) if self._interference else None)
+        self._on_record(tier, step, rec, group)
+        return rec
+
+    def _local_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> CheckpointRecord:
+        assert self.local is not None  # submitted only when the local tier is configured
+        t0 = time.perf_counter()
+        key = f"local:local/step-{step}"
+        self.in_use.hold(key)
+        ok, error, nbytes = True, None, 0
+        self._local_phase = "save"
+        try:
+            try:
+                nbytes = self.local.save(staged, step)
+            except FAILURES as e:  # degrade: the persistent tier and training go on
+                ok, error = False, describe_failure(e, self.local.store)
+                log.warning("tierckpt: local tier save of step %d failed on node %d; training continues, "
+                            "the persistent tier still saves: %s", step, self.topo.node, error)
+        finally:
+            slot.release()
+        self._local_phase = "replicate"
+        rep = None
+        try:
+            rep = replicate(self.local.store, self.topo, self.groups.local_world, self.groups.node,
+                            step, ok, self.cfg.transfer_chunk_bytes)
+        except FAILURES as e:
+            log.warning("tierckpt: replication of step %d failed on node %d: %s", step, self.topo.node, e)
+        self.in_use.drop(key)
+        bg = time.perf_counter() - t0
+        self._local_phase = "record"
+        extra = {"replicas_failed": rep.failed if rep else "replication error"} if (rep is None or rep.failed) else None
+        try:
+            rec = self._record("local", step, ok, error, delta, t_wait, nbytes if self.topo.is_node_leader else 0,
+                               bg, extra=extra)
+        except Exception as e:
+            log.warning("tierckpt: could not record local step %d: %s", step, e)
+            rec = CheckpointRecord(tier="local", step=step, ok=False, error=f"stats exchange failed: {e}",
+                                   blocking_s=delta, wait_s=t_wait, background_s=bg)
+        self._local_phase = "retention"
+        self._local_retention()
+        self._local_phase = "done"
+        return rec
+
+    def _local_retention(self) -> None:
+        """keep_latest_k on the node's root (node leader), never the local anchor."""
+        assert self.local is not None
+        try:
+            if self.topo.is_node_leader:
+                anchor = self._local_anchor()
+                retention.purge_local(self.local.store, self.cfg.keep_latest_k["local"], self.in_use,
+                                      protect=frozenset(() if anchor is None else (anchor,)),
+                                      lineage_id=self.local.lineage, drop_foreign=False,
+                                      adopt_unlabelled=self.local.adopt_unlabelled)
+        except Exception as e:
+            log.warning("tierckpt: local retention failed: %s", e)
+
+    def _persistent_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> CheckpointRecord:
+        t0 = time.perf_counter()
+        key = f"persistent:step-{step}"
+        self.in_use.hold(key)
+        ok, error, nbytes = True, None, 0
+        try:
+            nbytes = self.persistent.save(staged, step, self.groups.persistent_world)
+        except FAILURES as e:
+            ok, error = False, describe_failure(e, self.persistent.store)
+            log.error("tierckpt: persistent save of step %d failed: %s", step, error)
+        finally:
+            slot.release()
+            self.in_use.drop(key)
+        try:
+            rec = self._record("persistent", step, ok, error, delta, t_wait,
+                               nbytes if self.topo.rank == 0 else 0, time.perf_counter() - t0)
+        except Exception as e:
+            # without agreed stats no rank may report this step as committed
+            log.error("tierckpt: could not record persistent step %d: %s", step, e)
+            rec = CheckpointRecord(tier="persistent", step=step, ok=False, error=f"stats exchange failed: {e}",
+                                   blocking_s=delta, wait_s=t_wait, background_s=time.perf_counter() - t0)
+        try:
+            if self.topo.rank == 0:
+                retention.purge_persistent(self.persistent.store, self.cfg.keep_latest_k["persistent"], self.in_use)
+        except Exception as e:
+            log.warning("tierckpt: persistent retention failed: %s", e)
+        return rec
+
+
+def describe_failure(e: BaseException, store: Store) -> str:
+    """One line (at most 2000 characters) naming a failed save's cause: DCP's per-rank failures
+    unpacked, and a full file system named (torch's writers can turn ENOSPC into an
+    unrelated-looking error)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        # DCP keeps (exception, traceback frames) per rank: name the exception only
+        errs = {r: x[0] if isinstance(x, tuple) and x and isinstance(x[0], BaseException) else x
+                for r, x in failures.items()}
+        msg = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(errs.items()))
+    else:
+        msg = f"{type(e).__name__}: {e}"
+    if store.local:
+        try:
+            du = shutil.disk_usage(store.path(""))
+            if du.free < max(1 << 20, du.total // 100):
+                msg += f" [{store.url}: file system full: {du.free} of {du.total} bytes free]"
+        except OSError:
+            pass
+    return msg[:2000]
