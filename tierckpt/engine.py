@@ -98,9 +98,10 @@ class TieredCheckpointer:
         self.journal = RunJournal(self.ledger)
         self.journal.run_start(topo, cfg.tiers, self.lineage)
         self._init_state()
-        log.info("tierckpt: rank %d node %d/%d (%s), peers %s, local root %s, persistent %s",
-                 topo.rank, topo.node, topo.nodes, topo.source, topo.peers(),
-                 self.local.store.url if self.local else None, pstore.url)
+        if topo.is_node_leader:  # once per node
+            log.info("tierckpt: node %d/%d (%s), ranks %s, peers %s, local root %s, persistent %s",
+                     topo.node, topo.nodes, topo.source, topo.local_ranks, topo.peers(),
+                     self.local.store.url if self.local else None, pstore.url)
 
     def _init_state(self) -> None:
         """What the run keeps between saves: staging buffers, tier workers, the rollback

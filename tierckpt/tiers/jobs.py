@@ -210,8 +210,9 @@ class TierJobs:
                 nbytes = self.local.save(staged, step)
             except FAILURES as e:  # degrade: the persistent tier and training go on
                 ok, error = False, describe_failure(e, self.local.store)
-                log.warning("tierckpt: local tier save of step %d failed on node %d; training continues, "
-                            "the persistent tier still saves: %s", step, self.topo.node, error)
+                if self.topo.is_node_leader:  # the failure is agreed over the node: say it once per node
+                    log.warning("tierckpt: local tier save of step %d failed on node %d; training continues, "
+                                "the persistent tier still saves: %s", step, self.topo.node, error)
         finally:
             slot.release()
         self._local_phase = "replicate"
@@ -259,7 +260,8 @@ class TierJobs:
             nbytes = self.persistent.save(staged, step, self.groups.persistent_world)
         except FAILURES as e:
             ok, error = False, describe_failure(e, self.persistent.store)
-            log.error("tierckpt: persistent save of step %d failed: %s", step, error)
+            if self.topo.rank == 0:  # agreed over all ranks: say it once
+                log.error("tierckpt: persistent save of step %d failed: %s", step, error)
         finally:
             slot.release()
             self.in_use.drop(key)
