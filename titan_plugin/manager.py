@@ -339,7 +339,12 @@ class TieredCheckpointManager(CheckpointManager):
         """Nothing to wait for: ``save`` returns only once the staging copy is complete."""
 
     def _wait_for_saving(self) -> None:
-        self.engine.wait()
+        """torchtitan's abstract "await ``save_future`` and clear it". This manager's saves never
+        set it (they are the engine's, waited for through their handles); should a torchtitan
+        path set it, the engine's background work is what it waits for."""
+        if self.engine is not None:
+            self.engine.wait()
+        self.save_future = None
 
     # -- load ----------------------------------------------------------------------------------
     def _find_load_step(self, folder: str = "") -> int:

@@ -27,30 +27,6 @@ def resolve_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
 
 
-def staged_nbytes(state_dict: Any) -> int:
-    """Bytes of tensor data (local shards for DTensors) in a (nested) state dict."""
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-
-    def visit(v):
-        nonlocal total
-        if isinstance(v, DTensor):
-            t = v.to_local()
-            total += t.numel() * t.element_size()
-        elif isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size()
-        elif isinstance(v, dict):
-            for x in v.values():
-                visit(x)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                visit(x)
-
-    visit(state_dict)
-    return total
-
-
 class StagingSlot:
     """One reusable host copy of the state. Thread-safe reference counting."""
 
