@@ -43,6 +43,8 @@ _EXPORTS = {
     "NoCheckpointError": "tierckpt.errors",
     "TierFailedError": "tierckpt.errors",
     "accelerator_present": "tierckpt.dist.accel",
+    "check_replication": "tierckpt.dist.topology",
+    "signal_numbers": "tierckpt.preemption",
     "write_dcp": "tierckpt.tiers.persistent",
 }
 

@@ -172,7 +172,7 @@ class TieredCheckpointManager(CheckpointManager):
                 raise ConfigError("checkpoint.max_interval_steps",
                                   f"need 1 <= min_interval_steps <= max_interval_steps (0 = unbounded), got "
                                   f"{self.min_interval_steps}, {self.max_interval_steps}")
-            from tierckpt.preemption import signal_numbers
+            from tierckpt import signal_numbers
 
             signal_numbers(self.preemption_signals, "checkpoint.preemption_signals")
             g = self.preemption_grace_s
