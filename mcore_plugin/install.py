@@ -666,7 +666,7 @@ def retrack(engine, save_dir: str, to_step: int) -> None:
     from megatron.training.checkpointing import get_checkpoint_tracker_filename
 
     path = get_checkpoint_tracker_filename(save_dir)
-    steps = engine.persistent.committed_steps()
+    steps = engine.persistent_steps()
     if not steps:
         if os.path.exists(path):
             os.remove(path)
@@ -700,7 +700,7 @@ def _create_tiers(rt: Runtime, args, checkpointing_context) -> None:
     _dp_reshardable_load_without_grad()
     rt.tiers = MegatronTiers(cfg)
     engine = rt.tiers.engine
-    engine.rollback_hooks.append(lambda rb: retrack(engine, args.save, rb.to_step))
+    engine.add_rollback_hook(lambda rb: retrack(engine, args.save, rb.to_step))
     from mcore_plugin.args import settings_of
 
     for note in settings_of(args).notes:

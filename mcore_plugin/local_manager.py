@@ -163,7 +163,7 @@ class TieredLocalCheckpointManager:
 
         eng = self.tiers.engine
         eng.wait()
-        inv = eng.restorer.inventory()
+        inv = eng.inventory()
         plan = plan_restore(inv, eng.topo.nodes, set(), self.step)
         if self.step is not None and plan is None:
             from tierckpt import NoCheckpointError

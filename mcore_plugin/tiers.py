@@ -21,7 +21,6 @@ import logging
 import torch
 
 from tierckpt import ConfigError, SaveHandle, TierConfig, TieredCheckpointer, read_item, validate_tiers
-from tierckpt.io import layout
 
 from .convert import (
     COMMON_KEY,
@@ -102,7 +101,7 @@ class MegatronTiers:
     def due(self, step: int) -> list[str]:
         """Tiers due at ``step`` under ``TierConfig.intervals`` (fixed or adaptive, the same
         on every rank); all configured tiers when no intervals are configured."""
-        if self.engine.cadence is None:
+        if not self.engine.adaptive:
             return list(self.tiers)
         return self.engine.due(step)
 
@@ -113,7 +112,7 @@ class MegatronTiers:
     def checkpoint_dir(self, step: int) -> str:
         """Directory or URL of the persistent tier's ``step`` (``<persistent_root>/step-<N>``),
         a stock torch_dist checkpoint once committed."""
-        return self.engine.persistent.store.url_of(layout.persistent_step(step))
+        return self.engine.persistent_url(step)
 
     def save(self, step: int, state_dict: dict, *, tiers=None,
              persistent_state_dict: dict | None = None) -> SaveHandle:

@@ -522,3 +522,48 @@ def test_on_disk_names_are_stable():
         "tierckpt-lineage.json")
     assert (layout.local_step(7), layout.replica_step(2, 7), layout.persistent_step(7)) == (
         "local/step-7", "replicas/node-2/step-7", "step-7")
+
+
+def test_package_structure_rules():
+    """Issue 11's rules, checked on the source: tierckpt/ imports no adapter or framework (not
+    even lazily), no import cycle between its modules, and no function in the shipped packages
+    is longer than 80 lines."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    forbidden = ("titan_plugin", "mcore_plugin", "tierckpt_dev", "torchtitan", "megatron")
+    graph: dict[str, set[str]] = {}
+    for f in (root / "tierckpt").rglob("*.py"):
+        parts = list(f.relative_to(root).with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        deps = set()
+        for n in ast.walk(ast.parse(f.read_text())):
+            mods = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+                [n.module or ""] if isinstance(n, ast.ImportFrom) else []
+            for m in mods:
+                assert not m.startswith(forbidden), f"{f}: imports {m}"
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("tierckpt"):
+                deps |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+        graph[name] = deps
+    graph = {k: {d for d in v if d in graph and d != k and not k.startswith(d + ".")} for k, v in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(v, path):
+        state[v] = 1
+        for w in graph[v]:
+            assert state.get(w) != 1, f"import cycle: {' -> '.join(path + [v, w])}"
+            if w not in state:
+                visit(w, path + [v])
+        state[v] = 2
+
+    for v in graph:
+        if v not in state:
+            visit(v, [])
+    long = []
+    for pkg in ("tierckpt", "titan_plugin", "mcore_plugin"):
+        for f in (root / pkg).rglob("*.py"):
+            for n in ast.walk(ast.parse(f.read_text())):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80:
+                    long.append(f"{f.relative_to(root)}:{n.lineno} {n.name}")
+    assert not long, long

@@ -3,8 +3,10 @@
 The public surface is what this module exports (:data:`__all__`); adapters and users import from
 here. Everything else is internal and may change between releases, except the documented
 extension points: :class:`PersistentIO` (a framework's hooks into the persistent tier), the
-``tierckpt.cli`` entry-point group (extra ``tierckpt`` subcommands) and the storage layout
-(:mod:`tierckpt.io.layout`, :mod:`tierckpt.io.manifest`) that tools may read.
+``tierckpt.cli`` entry-point group (extra ``tierckpt`` subcommands), and :mod:`tierckpt.io`
+(:mod:`~tierckpt.io.storage`, :mod:`~tierckpt.io.layout`, :mod:`~tierckpt.io.manifest`,
+:mod:`~tierckpt.io.dcp_io`, :mod:`~tierckpt.io.planner`) for adapters and tools that read or
+write steps in tierckpt's format.
 
 Names resolve lazily (PEP 562), so ``import tierckpt`` and the ``tierckpt`` command do not import
 torch.distributed until an engine class is used.

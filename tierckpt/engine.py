@@ -34,6 +34,7 @@ from tierckpt.dist.collectives import all_gather
 from tierckpt.dist.topology import discover
 from tierckpt.errors import ConfigError, TierFailedError
 from tierckpt.handle import SaveHandle
+from tierckpt.io import layout
 from tierckpt.history.journal import RunJournal
 from tierckpt.history.ledger import Ledger
 from tierckpt.history.rollback import RollbackTracker
@@ -41,7 +42,7 @@ from tierckpt.io.staging import StagingPool, resolve_stateful
 from tierckpt.io.storage import Store
 from tierckpt.preemption import Preempted, PreemptionWatch
 from tierckpt.records import CheckpointRecord
-from tierckpt.restore import PERSISTENT, Restorer, RestoreResult
+from tierckpt.restore import PERSISTENT, Inventory, Restorer, RestoreResult
 from tierckpt.sched.cadence import Cadence
 from tierckpt.sched.driver import ScheduleDriver
 from tierckpt.tiers import retention
@@ -64,6 +65,18 @@ class TieredCheckpointer:
 
     ``lineage`` is the persistent root's lineage id (:mod:`tierckpt.history.lineage`), the same on every
     rank; node-local steps of any other lineage are deleted here and never restored.
+
+    Attributes adapters may read (framework hooks such as torchtitan's seed checkpoint); the rest
+    is internal:
+        cfg: the :class:`~tierckpt.config.TierConfig`.
+        topo: the :class:`~tierckpt.dist.topology.Topology` (rank, world_size, node, nodes,
+            node_of_rank, local ranks).
+        groups: the engine's gloo groups (``local_world``: every rank; ``node``: this node's).
+        local: the node's :class:`~tierckpt.tiers.local_tier.LocalTier` (``store``), or None.
+        persistent: the :class:`~tierckpt.tiers.persistent.PersistentTier` (``store``,
+            ``load(state_dict, url, group)``, ``committed_steps()``).
+        ledger: the run's :class:`~tierckpt.history.ledger.Ledger` (``append(record)`` of a
+            typed record from :mod:`tierckpt.records`; global rank 0 writes).
 
     Raises:
         ConfigError: invalid option, impossible J/F for the node count, local root that
@@ -120,7 +133,6 @@ class TieredCheckpointer:
         self.rollback = RollbackTracker(
             self.journal, topo.node, self.local.store if (self.local and topo.is_node_leader) else None,
             self.persistent.store if topo.rank == 0 else None)
-        self.rollback_hooks = self.rollback.hooks
         self.cadence: Cadence | None = None
         self.schedule: ScheduleDriver | None = None
         if cfg.intervals:
@@ -130,7 +142,7 @@ class TieredCheckpointer:
             self.schedule.share(self.groups.local_world, "start", refresh_ledger=True)
         self.jobs = TierJobs(cfg, topo, self.groups, self.local, self.persistent, self.in_use, self.journal,
                              on_record=self._after_record, local_anchor=lambda: self.local_anchor,
-                             interference=self.cadence.take_interference if self.cadence else None)
+                             interference=self.cadence.interference_of if self.cadence else None)
         # a repeat within the grace period (+ a margin for the exit) is the same notice
         self.preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0)
         self._preempt_seen = False
@@ -153,7 +165,7 @@ class TieredCheckpointer:
         adaptive scheduler. Cheap; call every step, right after the step ends. Tiers whose
         background work overlapped the step are charged its slowdown (:mod:`tierckpt.sched.schedule`)."""
         if self.cadence is not None:
-            self.cadence.observe_step(seconds, self.jobs.busy_during(seconds))
+            self.cadence.record_step(seconds, self.jobs.busy_during(seconds))
 
     def drain_schedule_log(self) -> list[dict]:
         """The interval decisions (ledger ``schedule`` records) made since the last call, on
@@ -291,9 +303,10 @@ class TieredCheckpointer:
                           "preemption_grace_s = %gs", t, step, self.cfg.preemption_grace_s)
         self._preempt_seen = True
         self.journal.preemption(step, signal_name, committed, time.monotonic() - t0, earlier)
-        log.warning("tierckpt: %s: step %d saved for the requeue (%s) in %.1fs", signal_name, step,
-                    ", ".join(f"{t} {'committed' if ok else 'NOT committed'}" for t, ok in committed.items()),
-                    time.monotonic() - t0)
+        if self.topo.rank == 0:  # agreed: once per job
+            log.warning("tierckpt: %s: step %d saved for the requeue (%s) in %.1fs", signal_name, step,
+                        ", ".join(f"{t} {'committed' if ok else 'NOT committed'}" for t, ok in committed.items()),
+                        time.monotonic() - t0)
         return Preempted(step, signal_name, committed)
 
     def _raise_if_failed(self, rec: CheckpointRecord | None) -> None:
@@ -396,6 +409,38 @@ class TieredCheckpointer:
             self.schedule.after_restore(res.step, self.groups.local_world)
         return res
 
+    # -- queries for adapters -------------------------------------------------------------------
+    @property
+    def adaptive(self) -> bool:
+        """Whether ``TierConfig.intervals`` is set, i.e. :meth:`due` decides when tiers save."""
+        return self.schedule is not None
+
+    def persistent_url(self, step: int | None = None) -> str:
+        """URL (or path) of the persistent root, or of its ``step-<step>`` directory."""
+        return self.persistent.store.url if step is None else self.persistent.store.url_of(
+            layout.persistent_step(step))
+
+    def persistent_steps(self) -> list[int]:
+        """Committed persistent steps, ascending (this rank reads the shared root; not collective)."""
+        return self.persistent.committed_steps()
+
+    def inventory(self) -> Inventory:
+        """What every node and the persistent tier hold committed (this job's lineage), as the
+        restore plans it (:func:`tierckpt.restore.plan_restore`). Collective: every rank calls
+        it (one all-gather of each node's listing)."""
+        return self.restorer.inventory()
+
+    def all_steps(self) -> list[int]:
+        """Every step some tier of some node holds committed, ascending (collective, as
+        :meth:`inventory`)."""
+        return sorted(self.inventory().all_steps())
+
+    def add_rollback_hook(self, fn) -> None:
+        """Call ``fn(rollback)`` (a :class:`~tierckpt.history.rollback.PendingRollback`) once an
+        armed rollback ran, on the tier thread of the first commit: adapters point a framework's
+        own "latest" record (Megatron's tracker file) away from superseded steps."""
+        self.rollback.hooks.append(fn)
+
     def committed_steps(self) -> dict[str, list[int]]:
         """This rank's view: {"local": own node's steps, "persistent": steps} (not collective)."""
         return {
@@ -431,8 +476,9 @@ class TieredCheckpointer:
         durable = max(self.persistent_committed) if self.persistent_committed else None
         not_durable = self._saved_any and "persistent" in self.cfg.tiers and durable is None
         if not_durable:
-            log.error("tierckpt: this run saved checkpoints but committed no persistent step: its "
-                      "progress lives only on node-local disks")
+            if self.topo.rank == 0:
+                log.error("tierckpt: this run saved checkpoints but committed no persistent step: its "
+                          "progress lives only on node-local disks")
         ledger_error = None
         try:
             self.journal.run_end(clean=bool(clean) and not failed and not not_durable, reason=reason,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 
 from tierckpt.records import CheckpointRecord
 
@@ -50,7 +51,10 @@ class SaveHandle:
         out = dict(self.skipped)
         for t, f in self.futures.items():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            out[t] = f.result(timeout=left)
+            try:
+                out[t] = f.result(timeout=left)
+            except FuturesTimeout:  # a distinct class before Python 3.11
+                raise TimeoutError(f"tierckpt: the {t} save of step {self.step} is still running after {timeout}s") from None
         return out
 
     def outcome(self) -> dict[str, bool | None]:

@@ -349,7 +349,7 @@ class TieredCheckpointManager(CheckpointManager):
     # -- load ----------------------------------------------------------------------------------
     def _find_load_step(self, folder: str = "") -> int:
         """Only committed persistent steps count (never torn or model-only folders)."""
-        steps = self.engine.persistent.committed_steps() if self.engine else []
+        steps = self.engine.persistent_steps() if self.engine else []
         return max(steps) if steps else -1
 
     @torch.no_grad()
@@ -369,7 +369,7 @@ class TieredCheckpointManager(CheckpointManager):
         """
         t0 = time.perf_counter()
         if step == SEED_STEP:  # torchtitan: step 0 is the seed, loaded model-only
-            newer = [] if self.load_only else sorted(self.engine.restorer.inventory().all_steps())
+            newer = [] if self.load_only else self.engine.all_steps()
             if newer:  # this run's saves would overwrite and interleave with them
                 raise ConfigError("checkpoint.load_step", f"0 is the seed checkpoint, but committed steps {newer} "
                                   "exist: a training run from the seed would write over them; name one of them, "
@@ -377,7 +377,7 @@ class TieredCheckpointManager(CheckpointManager):
             if self._load_seed(t0):
                 return True
             raise FileNotFoundError(f"checkpoint.load_step=0: no seed checkpoint (step-0) in "
-                                    f"{self.engine.persistent.store.url}")
+                                    f"{self.engine.persistent_url()}")
         states = self._states_to_load(model_only=False)
         explicit = step != -1
         res = self.engine.restore(states, step=step if explicit else None,

@@ -211,7 +211,8 @@ class TierMetrics:
         done = [f for f in self._pending if f.done()]
         if not done:
             return
-        self._pending = [f for f in self._pending if not f.done()]
+        # one pass: a future finishing between two done() checks must not be dropped
+        self._pending = [f for f in self._pending if f not in done]
         for f in done:  # one call per record: two records of one tier must not share a dict
             if not f.cancelled() and f.exception() is None:  # (a tier's future resolves to a record)
                 self.emit(record_metrics(f.result()), step)

@@ -6,7 +6,13 @@ Subcommands::
                                        every step directory under <root>, by tier and node
     tierckpt verify <root> [--json]    re-hash every committed step; exit 1 if one is corrupt
     tierckpt ledger <root> [--json]    runs, failures, checkpoints and restores of the ledger
+    tierckpt interval --delta S --mtbf D   the Young/Daly interval, waste and lost work
+    tierckpt simulate [...]            waste of fixed, adaptive and oracle intervals (simulated)
+
+From the ``tierckpt.cli`` entry-point group (installed with the package)::
+
     tierckpt export-mcore SRC DST      dp_reshardable → fully_reshardable Megatron checkpoint
+                                       (mcore_plugin/cli.py)
 
 ``<root>`` is a local path or an fsspec URL (``s3://bucket/run``, ``memory://x``). It may be one
 node's local root, a directory holding several node roots (``/nvme/job/node-0``,

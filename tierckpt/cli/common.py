@@ -10,7 +10,7 @@ from datetime import datetime
 
 from rich.console import Console
 
-from tierckpt.errors import ConfigError
+from tierckpt.errors import ConfigError, TierckptError
 from tierckpt.sched.schedule import parse_duration
 
 EXIT_OK = 0
@@ -23,7 +23,7 @@ DEFAULT_MAX_DEPTH = 10
 TIER_ORDER = {"local": 0, "replica": 1, "persistent": 2}
 
 
-class CliError(Exception):
+class CliError(TierckptError):
     """Bad input the user can fix (missing root, no ledger); reported on stderr, exit 2."""
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tierckpt.errors import TierckptError
+
 # DCP raises CheckpointException, a BaseException subclass: catch it wherever Exception is.
 FAILURES = (Exception, CheckpointException)
 
 
-class PeerFailure(RuntimeError):
+class PeerFailure(TierckptError, RuntimeError):
     """Another rank of the group failed a phase this rank completed (or this rank failed)."""
 
 

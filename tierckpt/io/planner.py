@@ -29,8 +29,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemTy
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.tensor import DTensor
 
+from tierckpt.errors import TierckptError
 
-class PlanCoverageError(RuntimeError):
+
+class PlanCoverageError(TierckptError, RuntimeError):
     """A save or load plan does not cover what it must (see the module docstring)."""
 
 

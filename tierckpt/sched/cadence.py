@@ -53,14 +53,14 @@ class Cadence:
             self.scheduler = Scheduler(self.tiers, gpus=world_size, options=options, fixed_steps=fixed)
 
     # -- rank 0 --------------------------------------------------------------------------------
-    def observe_step(self, seconds: float, busy=()) -> None:
+    def record_step(self, seconds: float, busy=()) -> None:
         """Training step wall time, seconds, without checkpoint stalls; ``busy``: tiers whose
         background work overlapped it (used on rank 0)."""
         if self.scheduler is not None and seconds > 0:
             with self._lock:
                 self.scheduler.observe_step(seconds, busy)
 
-    def take_interference(self, tier: str) -> float | None:
+    def interference_of(self, tier: str) -> float | None:
         """Rank 0: step slowdown charged to ``tier`` since its last save, seconds (then reset);
         None on other ranks."""
         if self.scheduler is None or tier not in self.scheduler.tiers:
@@ -68,15 +68,15 @@ class Cadence:
         with self._lock:
             return self.scheduler.take_interference(tier)
 
-    def observe_checkpoint(self, tier: str, blocking_s: float, background_s: float,
-                           interference_s: float | None = None) -> None:
+    def record_checkpoint(self, tier: str, blocking_s: float, background_s: float,
+                          interference_s: float | None = None) -> None:
         """Blocking, background and slowdown seconds of a finished save (rank 0)."""
         if self.scheduler is not None:
             with self._lock:
                 self.scheduler.observe_checkpoint(tier, blocking_s, background_s,
                                                   0.0 if interference_s is None else interference_s)
 
-    def update_from_ledger(self, records: list[dict], run_id: str) -> None:
+    def refresh_from_ledger(self, records: list[dict], run_id: str) -> None:
         """Refresh M, R, p from the ledger (rank 0)."""
         if self.scheduler is not None:
             with self._lock:

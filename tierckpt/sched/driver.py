@@ -60,7 +60,7 @@ class ScheduleDriver:
         caller's all_gather must run on every rank)."""
         if refresh_ledger:
             try:
-                self.cadence.update_from_ledger(self.ledger.records(), self.ledger.run_id)
+                self.cadence.refresh_from_ledger(self.ledger.records(), self.ledger.run_id)
             except Exception as e:  # keep the previous estimate
                 log.warning("tierckpt schedule: could not use the ledger: %s", e)
         try:
@@ -91,7 +91,7 @@ class ScheduleDriver:
         """Feed a save's agreed record to the scheduler and share the next proposal (collective
         on ``group``, the tier's world group; runs on the tier's thread)."""
         if rec.ok:
-            self.cadence.observe_checkpoint(tier, rec.blocking_s, rec.background_s, rec.interference_s)
+            self.cadence.record_checkpoint(tier, rec.blocking_s, rec.background_s, rec.interference_s)
         # M grows with failure-free exposure: re-read the ledger's evidence each time
         self._pending[tier] = self.share(group, "checkpoint", refresh_ledger=True, step=step)
 

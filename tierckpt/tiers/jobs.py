@@ -135,7 +135,8 @@ class TierJobs:
         waited = time.perf_counter() - t0
         error = (f"local save of step {self.pending_step.get('local')} still running on node(s) {stuck} "
                  f"(local_wait_timeout_s = {self.cfg.local_wait_timeout_s:g}s); local tier skipped")
-        log.warning("tierckpt: step %d: %s; training and the persistent tier continue", step, error)
+        if self.topo.rank == 0:  # agreed over every rank: say it once
+            log.warning("tierckpt: step %d: %s; training and the persistent tier continue", step, error)
         rec = CheckpointRecord(tier="local", step=step, ok=False, skipped=True, error=error, stuck_nodes=stuck,
                                blocking_s=waited, wait_s=waited)
         self.journal.ledger.append(rec)
