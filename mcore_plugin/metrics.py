@@ -8,14 +8,9 @@ rank holds the same values). Draining never blocks: a tier's record is written o
 future resolved, at the iteration of the drain that saw it (W&B refuses steps older than its
 current one; ``…/step`` names the step the record is about).
 
-Names (scalars unless noted):
-
-- ``tierckpt/save/blocking_s``: δ of a save, seconds the trainer was blocked (staging);
-- ``tierckpt/save/<tier>/{step, background_s, bytes, committed, skipped, failed}``: one tier's
-  outcome (seconds; bytes over all ranks; 1.0 / 0.0 flags);
-- ``tierckpt/restore/{step, seconds, persistent_bytes, attempts}`` and
-  ``tierckpt/restore/nodes/<source>`` (nodes served by own-local, peer-replica, persistent);
-  ``tierckpt/restore/sources`` (text: each node's source).
+Names: the scalars both adapters log (:mod:`tierckpt.metrics`: ``tierckpt/save/blocking_s``,
+``tierckpt/save/<tier>/...``, ``tierckpt/restore/...``), plus ``tierckpt/restore/sources`` (text:
+each node's source).
 """
 
 from __future__ import annotations
@@ -23,11 +18,9 @@ from __future__ import annotations
 import logging
 import threading
 
+from tierckpt import record_metrics, result_metrics
+
 log = logging.getLogger(__name__)
-
-SOURCE_KINDS = ("own-local", "peer-replica", "persistent")
-"""Restore source kinds (:mod:`tierckpt.restore`'s names)."""
-
 
 class TierMetrics:
     """Saves and restores whose metrics are not written yet (thread-safe)."""
@@ -68,7 +61,7 @@ class TierMetrics:
         for handle in new:
             scalars["tierckpt/save/blocking_s"] = float(handle.blocking_s)
         for res in restores:
-            s, t = restore_metrics(res)
+            s, t = restore_scalars(res)
             scalars.update(s)
             texts.update(t)
         return scalars, texts
@@ -79,24 +72,11 @@ def _resolved(handle, tiers: set[str]) -> list:
     return out + [handle.futures[t].result() for t in tiers if t in handle.futures and handle.futures[t].done()]
 
 
-def record_metrics(rec) -> dict[str, float]:
-    """Scalars of one tier's :class:`tierckpt.CheckpointRecord` (names in the module docstring)."""
-    p = f"tierckpt/save/{rec.tier}"
-    return {f"{p}/step": float(rec.step), f"{p}/background_s": float(rec.background_s),
-            f"{p}/bytes": float(rec.bytes), f"{p}/committed": float(rec.ok),
-            f"{p}/skipped": float(rec.skipped), f"{p}/failed": float(rec.failed)}
-
-
-def restore_metrics(res) -> tuple[dict[str, float], dict[str, str]]:
-    """``(scalars, texts)`` of one :class:`tierckpt.RestoreResult`."""
-    kinds = {n: o.source.kind for n, o in sorted(res.sources.items())}
-    scalars = {"tierckpt/restore/step": float(res.step), "tierckpt/restore/seconds": float(res.seconds),
-               "tierckpt/restore/persistent_bytes": float(res.persistent_bytes_read),
-               "tierckpt/restore/attempts": float(res.attempts)}
-    for kind in SOURCE_KINDS:
-        scalars[f"tierckpt/restore/nodes/{kind}"] = float(sum(k == kind for k in kinds.values()))
-    text = ", ".join(f"node {n}: {k}" for n, k in kinds.items())
-    return scalars, {"tierckpt/restore/sources": text}
+def restore_scalars(res) -> tuple[dict[str, float], dict[str, str]]:
+    """``(scalars, texts)`` of one :class:`tierckpt.RestoreResult`: the shared restore scalars
+    (:func:`tierckpt.result_metrics`) and, as text, each node's source."""
+    text = ", ".join(f"node {n}: {o.source.kind}" for n, o in sorted(res.sources.items()))
+    return result_metrics(res), {"tierckpt/restore/sources": text}
 
 
 def write(scalars: dict[str, float], texts: dict[str, str], iteration: int, tb=None, wb=None) -> None:

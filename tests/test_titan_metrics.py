@@ -48,17 +48,17 @@ def test_save_delta_now_tier_records_when_resolved():
     local.set_result(CheckpointRecord("local", 10, True, blocking_s=0.3, wait_s=0.01, bytes=4096,
                                       background_s=1.5))
     tm.poll(11)
-    assert fake.calls[1] == (11, {"tierckpt/local/saved_step": 10.0, "tierckpt/local/blocking_s": 0.3,
-                                  "tierckpt/local/wait_s": 0.01, "tierckpt/local/background_s": 1.5,
-                                  "tierckpt/local/bytes": 4096.0, "tierckpt/local/failed": 0.0,
-                                  "tierckpt/local/skipped": 0.0})
+    assert fake.calls[1] == (11, {"tierckpt/save/local/step": 10.0, "tierckpt/save/local/blocking_s": 0.3,
+                                  "tierckpt/save/local/wait_s": 0.01, "tierckpt/save/local/background_s": 1.5,
+                                  "tierckpt/save/local/bytes": 4096.0, "tierckpt/save/local/committed": 1.0,
+                                  "tierckpt/save/local/failed": 0.0, "tierckpt/save/local/skipped": 0.0})
     tm.poll(12)
     assert len(fake.calls) == 2  # each record once
 
     persistent.set_result(CheckpointRecord("persistent", 10, False, error="OSError: [Errno 28]"))
     tm.poll(13)
     step, m = fake.calls[2]
-    assert step == 13 and m["tierckpt/persistent/failed"] == 1.0 and m["tierckpt/persistent/skipped"] == 0.0
+    assert step == 13 and m["tierckpt/save/persistent/failed"] == 1.0 and m["tierckpt/save/persistent/skipped"] == 0.0
 
 
 def test_skipped_tier_logged_at_its_step_and_cancelled_future_ignored():
@@ -71,7 +71,7 @@ def test_skipped_tier_logged_at_its_step_and_cancelled_future_ignored():
     tm.poll(21)
     assert [s for s, _ in fake.calls] == [20, 20]
     m = fake.calls[1][1]
-    assert m["tierckpt/local/skipped"] == 1.0 and m["tierckpt/local/failed"] == 0.0
+    assert m["tierckpt/save/local/skipped"] == 1.0 and m["tierckpt/save/local/failed"] == 0.0
 
 
 def test_restore_metrics_sources_and_persistent_bytes():
@@ -87,8 +87,8 @@ def test_restore_metrics_sources_and_persistent_bytes():
     assert fake.calls == [(30, {
         "tierckpt/restore/step": 30.0, "tierckpt/restore/seconds": 4.5, "tierckpt/restore/attempts": 2.0,
         "tierckpt/restore/bytes": 1000.0, "tierckpt/restore/persistent_bytes": 700.0,
-        "tierckpt/restore/failures": 1.0, "tierckpt/restore/sources/own-local": 1.0,
-        "tierckpt/restore/sources/peer-replica": 1.0, "tierckpt/restore/sources/persistent": 1.0})]
+        "tierckpt/restore/failures": 1.0, "tierckpt/restore/nodes/own-local": 1.0,
+        "tierckpt/restore/nodes/peer-replica": 1.0, "tierckpt/restore/nodes/persistent": 1.0})]
 
 
 def test_schedule_decisions_and_a_broken_or_missing_logger_never_raise(caplog):

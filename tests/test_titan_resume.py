@@ -90,15 +90,15 @@ def test_fp32_model_only_export_is_the_committed_full_last_step(tmp_path):
 
     # torchtitan's metric logger got the restore, the last save's δ and both tiers' records
     tb = _tb_scalars(os.path.join(tmp, "run", "tb"))
-    assert tb["tierckpt/restore/step"] == [(4, 4.0)] and tb["tierckpt/restore/sources/persistent"] == [(4, 2.0)]
+    assert tb["tierckpt/restore/step"] == [(4, 4.0)] and tb["tierckpt/restore/nodes/persistent"] == [(4, 2.0)]
     # (TensorBoard keeps float32: byte counts to 7 digits)
     assert restores[0]["persistent_bytes"] > 0
     assert tb["tierckpt/restore/persistent_bytes"] == [(4, approx(restores[0]["persistent_bytes"], rel=1e-6))]
     assert [s for s, _ in tb["tierckpt/save/blocking_s"]] == [6]
     saves = {r["tier"]: r for r in recs if r["kind"] == "checkpoint" and r["step"] == 6}
     for tier in ("local", "persistent"):
-        assert tb[f"tierckpt/{tier}/saved_step"] == [(6, 6.0)] and tb[f"tierckpt/{tier}/failed"] == [(6, 0.0)]
-        assert tb[f"tierckpt/{tier}/bytes"] == [(6, approx(saves[tier]["bytes"], rel=1e-6))]
+        assert tb[f"tierckpt/save/{tier}/step"] == [(6, 6.0)] and tb[f"tierckpt/save/{tier}/failed"] == [(6, 0.0)]
+        assert tb[f"tierckpt/save/{tier}/bytes"] == [(6, approx(saves[tier]["bytes"], rel=1e-6))]
 
 
 def _make_seed(tmp):

@@ -45,12 +45,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import MODEL, CheckpointManager
 
-from tierckpt import (ConfigError, Preempted, RestoreRecord, TieredCheckpointer, write_dcp,
-                      VerificationError)
+from tierckpt import (ConfigError, PeerFailure, Preempted, RestoreRecord, TieredCheckpointer, VerificationError,
+                      all_gather, restore_metrics, run_agreed, write_dcp)
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 from titan_plugin.config import build_tier_config, checkpoint_error
-from titan_plugin.metrics import TierMetrics, restore_metrics
+from titan_plugin.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
 
@@ -416,7 +416,7 @@ class TieredCheckpointManager(CheckpointManager):
         found = None
         if eng.topo.rank == 0:  # one view of the shared folder for every rank
             found = _find_seed(store, rel)
-        kind, doc = _all_gather(found, group)[0] or (None, None)
+        kind, doc = all_gather(found, group)[0] or (None, None)
         if kind is None:
             return False
         url = store.url_of(rel)
@@ -430,10 +430,11 @@ class TieredCheckpointManager(CheckpointManager):
             if problems:
                 raise VerificationError("; ".join(problems[:3]))
 
-        problem = _agreed_failure(verify, group, f"verify seed {url}")
-        if problem:
-            raise VerificationError(f"seed checkpoint {url} is corrupt ({problem}); re-create it with "
-                                    "checkpoint.create_seed_checkpoint, or remove it to start from a fresh init")
+        try:
+            run_agreed(verify, group, f"verify seed {url}")
+        except PeerFailure as e:
+            raise VerificationError(f"seed checkpoint {url} is corrupt ({e}); re-create it with "
+                                    "checkpoint.create_seed_checkpoint, or remove it to start from a fresh init") from e
         states = self.states[MODEL].state_dict()
         if doc is not None:
             read = eng.persistent.load(states, url, group)
@@ -443,7 +444,7 @@ class TieredCheckpointManager(CheckpointManager):
             read = 0
         self.states[MODEL].load_state_dict(states)
         secs = time.perf_counter() - t0
-        per_rank = _all_gather(read, group)
+        per_rank = all_gather(read, group)
         per_node: dict[int, int] = {}
         for r, b in enumerate(per_rank):
             n = eng.topo.node_of_rank[r]
@@ -475,28 +476,6 @@ class TieredCheckpointManager(CheckpointManager):
                 super()._close()
             return
         super()._close()
-
-
-def _all_gather(obj, group) -> list:
-    """``all_gather_object`` of ``obj`` over ``group``: one entry per group rank."""
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _agreed_failure(fn, group, what: str) -> str | None:
-    """Run ``fn()`` on every rank of ``group`` (collective); returns, on every rank alike, None
-    when it succeeded everywhere, else ``"<what> failed — group rank <i>: <error>"`` for up to
-    four failed ranks (a rank that completed must not go on while a peer gave up)."""
-    try:
-        fn()
-        err = None
-    except Exception as e:  # exchanged with the peers, then reported on every rank
-        err = f"{type(e).__name__}: {e}"
-    failed = [(i, m) for i, m in enumerate(_all_gather(err, group)) if m is not None]
-    if not failed:
-        return None
-    return f"{what} failed — " + "; ".join(f"group rank {i}: {m}" for i, m in failed[:4])
 
 
 def _find_seed(store: Store, rel: str) -> tuple[str, dict | None] | None:

@@ -19,13 +19,11 @@ W&B; a no-op off the metrics rank), all under ``tierckpt/``, seconds and bytes a
 
 - every save, at its step: ``tierckpt/save/blocking_s`` (δ, this rank's blocking time);
 - every tier's outcome, at the first step that finds its background job finished (training
-  never waits for it): ``tierckpt/<tier>/{saved_step, blocking_s, wait_s, background_s, bytes,
-  failed, skipped}`` of its :class:`~tierckpt.CheckpointRecord` (a tier skipped at a step is
-  logged at that step);
-- every restore, at the restored step: ``tierckpt/restore/{step, seconds, attempts, bytes,
-  persistent_bytes, failures}`` and ``tierckpt/restore/sources/<kind>`` (nodes served by
-  ``own-local``, ``peer-replica``, ``persistent`` or ``seed``) of the
-  :class:`~tierckpt.RestoreResult`;
+  never waits for it): ``tierckpt/save/<tier>/...`` of its :class:`~tierckpt.CheckpointRecord`
+  (:func:`tierckpt.record_metrics`; a tier skipped at a step is logged at that step);
+- every restore, at the restored step: ``tierckpt/restore/...`` of the
+  :class:`~tierckpt.RestoreResult` (:func:`tierckpt.restore_metrics`; the seed load's nodes
+  count as ``seed``);
 - interval decisions of adaptive tiers: ``tierckpt/<tier>/{tau_steps, tau_s, delta_s, mtbf_s,
   restart_s, p}`` (:func:`tierckpt.decision_metrics`).
 """
@@ -44,10 +42,9 @@ from typing import Any
 import torch
 from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 
-from tierckpt import CheckpointRecord, RestoreResult, SaveHandle, decision_metrics
+from tierckpt import RestoreResult, SaveHandle, decision_metrics, record_metrics, result_metrics
 
-__all__ = ["JsonlMetricsProcessor", "TierMetrics", "read_losses", "read_records", "record_metrics",
-           "restore_metrics"]
+__all__ = ["JsonlMetricsProcessor", "TierMetrics", "read_losses", "read_records"]
 
 log = logging.getLogger(__name__)
 
@@ -132,39 +129,6 @@ def read_losses(path: str | os.PathLike) -> dict[int, float]:
     """step -> exact loss; for a step logged more than once (re-run after a resume) the last
     record wins."""
     return {r["step"]: float.fromhex(r["loss_hex"]) for r in read_records(path)}
-
-
-def record_metrics(rec: CheckpointRecord) -> dict[str, float]:
-    """Scalars of one tier's save of one step: ``tierckpt/<tier>/saved_step`` (step),
-    ``blocking_s``, ``wait_s``, ``background_s`` (seconds; slowest rank's δ and background
-    time, this rank's wait), ``bytes`` (all ranks), ``failed`` and ``skipped`` (0 or 1)."""
-    t = f"tierckpt/{rec.tier}"
-    return {f"{t}/saved_step": float(rec.step), f"{t}/blocking_s": float(rec.blocking_s),
-            f"{t}/wait_s": float(rec.wait_s), f"{t}/background_s": float(rec.background_s),
-            f"{t}/bytes": float(rec.bytes), f"{t}/failed": float(rec.failed), f"{t}/skipped": float(rec.skipped)}
-
-
-def restore_metrics(step: int, seconds: float, sources: dict[int, str], *, nbytes: int, persistent_bytes: int,
-                    attempts: int = 1, failures: int = 0) -> dict[str, float]:
-    """Scalars of one restore: ``tierckpt/restore/step``, ``seconds`` (wall time), ``attempts``,
-    ``bytes`` and ``persistent_bytes`` (read by all ranks), ``failures`` (sources that failed
-    and were skipped) and ``tierckpt/restore/sources/<kind>``: how many nodes ``kind``
-    (own-local | peer-replica | persistent | seed) served; ``sources`` is {node: kind}."""
-    out = {"tierckpt/restore/step": float(step), "tierckpt/restore/seconds": float(seconds),
-           "tierckpt/restore/attempts": float(attempts), "tierckpt/restore/bytes": float(nbytes),
-           "tierckpt/restore/persistent_bytes": float(persistent_bytes), "tierckpt/restore/failures": float(failures)}
-    for kind in sources.values():
-        key = f"tierckpt/restore/sources/{kind}"
-        out[key] = out.get(key, 0.0) + 1.0
-    return out
-
-
-def result_metrics(res: RestoreResult) -> dict[str, float]:
-    """:func:`restore_metrics` of the engine's :class:`~tierckpt.RestoreResult`."""
-    return restore_metrics(res.step, res.seconds, {n: o.source.kind for n, o in res.sources.items()},
-                           nbytes=sum(o.bytes for o in res.sources.values()),
-                           persistent_bytes=res.persistent_bytes_read, attempts=res.attempts,
-                           failures=len(res.failures))
 
 
 class TierMetrics:

@@ -75,11 +75,13 @@ def test_save_and_restore_metrics_go_to_megatron_writers(monkeypatch):
     assert tb.texts == [("tierckpt/restore/sources", got["tierckpt/restore/sources"], 10)]
 
     # iteration 11: the local tier committed; the persistent tier still runs
-    local.set_result(CheckpointRecord(tier="local", step=10, ok=True, bytes=1000, background_s=1.5))
+    local.set_result(CheckpointRecord(tier="local", step=10, ok=True, bytes=1000, background_s=1.5,
+                                      blocking_s=0.25, wait_s=0.01))
     install._log_tier_metrics(rt, 11)
     got = dict(wb.calls[-1][0])
     assert wb.calls[-1][1] == 11
-    assert got == {"tierckpt/save/local/step": 10.0, "tierckpt/save/local/background_s": 1.5,
+    assert got == {"tierckpt/save/local/step": 10.0, "tierckpt/save/local/blocking_s": 0.25,
+                   "tierckpt/save/local/wait_s": 0.01, "tierckpt/save/local/background_s": 1.5,
                    "tierckpt/save/local/bytes": 1000.0, "tierckpt/save/local/committed": 1.0,
                    "tierckpt/save/local/skipped": 0.0, "tierckpt/save/local/failed": 0.0}
 
