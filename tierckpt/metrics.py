@@ -17,9 +17,9 @@ Interval decisions have their own names (:func:`tierckpt.sched.cadence.decision_
 from __future__ import annotations
 
 from tierckpt.records import CheckpointRecord
-from tierckpt.restore import OWN, PERSISTENT, REPLICA, RestoreResult
+from tierckpt.restore import CLUSTER, OWN, PERSISTENT, REPLICA, RestoreResult
 
-SOURCE_KINDS = (OWN, REPLICA, PERSISTENT)
+SOURCE_KINDS = (OWN, REPLICA, CLUSTER, PERSISTENT)
 """Restore source kinds always reported (0.0 when unused), so each series is continuous."""
 
 

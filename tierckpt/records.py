@@ -359,20 +359,25 @@ class RestoreRecord(LedgerRecord):
         attempts: restore rounds (1 = no fallback needed).
         persistent_bytes: bytes read from the persistent tier by all ranks.
         bytes: bytes loaded over all nodes.
-        sources: ``{node (str): {"source": own-local | peer-replica | persistent | seed,
+        sources: ``{node (str): {"source": own-local | peer-replica | in-cluster | persistent | seed,
             "holder": node or None, "bytes", "seconds"}}`` (older lines: ``"tier"`` for
             ``"source"``, a bare source name, or a list; see :meth:`source_kinds`).
         failures: ``[{"node", "source", "holder", "step", "error"}]`` sources that failed.
         model_only: only the model was loaded (a seed checkpoint); written only when true.
         checksummed: whether the files were verified (seed restores); written only when known.
+        resharded: ``{"from": {"nodes", "world_size"}, "to": {...}}`` when the step was saved
+            by a job of another shape; written only then.
+        missing: chunks an in-cluster read found in no usable node-local copy, which is why it
+            fell back (``"rank r: <key>: chunk offsets=… sizes=…: k of n elements in-cluster"``);
+            written only when not empty.
     """
 
     KIND: ClassVar[str] = "restore"
     _READERS = {"step": _count, "seconds": _seconds, "attempts": _count, "persistent_bytes": _count,
                 "bytes": _count, "sources": _dict_or_list, "failures": _list, "model_only": _bool,
-                "checksummed": _bool}
+                "checksummed": _bool, "resharded": _dict_or_list, "missing": _list}
     _READ_DEFAULTS = {"step": None}
-    _OMIT_FALSY = ("model_only",)
+    _OMIT_FALSY = ("model_only", "resharded", "missing")
     _OMIT_NONE = ("checksummed",)
 
     step: int
@@ -384,6 +389,8 @@ class RestoreRecord(LedgerRecord):
     failures: list[dict] = field(default_factory=list)
     model_only: bool = False
     checksummed: bool | None = None
+    resharded: dict | list | None = None
+    missing: list[str] = field(default_factory=list)
 
     def source_kinds(self) -> list:
         """Each node's source kind, from the current and the older ``sources`` layouts

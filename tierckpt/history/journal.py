@@ -109,6 +109,7 @@ class RunJournal:
                               "seconds": o.seconds} for n, o in res.sources.items()},
             failures=[{"node": f.node, "source": f.source.kind, "holder": f.source.holder,
                        "step": f.step, "error": f.error} for f in res.failures],
+            resharded=res.resharded, missing=list(res.missing),
         ))
 
     def schedule(self, decision, trigger: str, at_step: int | None) -> dict:

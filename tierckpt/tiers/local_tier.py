@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -28,6 +29,41 @@ from tierckpt.io.storage import Store
 from tierckpt.tiers.commit import save_step
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One committed node-local copy of a saved node's state, as a local root holds it.
+
+    Attributes:
+        step: the step.
+        node: the node whose state it is, in the job that saved it (the manifest's ``node``).
+        rel: its directory relative to the local root (``local/step-N`` or
+            ``replicas/node-m/step-N``).
+        nodes, world_size: node count and world size of the job that saved it (None when the
+            manifest does not say).
+        replica_of: the node of its ``replicas/node-m`` directory; None when it sits in ``local/``.
+    """
+
+    step: int
+    node: int
+    rel: str
+    nodes: int | None
+    world_size: int | None
+    replica_of: int | None
+
+
+def _node_id(v) -> int:
+    """A manifest's node id; -1 when it has none (such a copy serves no node)."""
+    n = _int_or(v)
+    return -1 if n is None else n
+
+
+def _int_or(v, default: int | None = None) -> int | None:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
 
 
 class LocalTier:
@@ -75,17 +111,17 @@ class LocalTier:
                          lineage=self.lineage)
 
     # -- inventory -----------------------------------------------------------------------------
-    def scan(self) -> tuple[list[int], dict[int, list[int]], list[tuple[str, str | None]]]:
+    def survey(self) -> tuple[list[Copy], list[tuple[str, str | None]]]:
         """One pass over the local root's committed steps (each manifest read once).
 
         Returns:
-            ``(own steps ascending, {source node: replica steps ascending}, foreign)`` where
-            the first two hold only steps of this tier's lineage and ``foreign`` lists the
-            committed steps and replicas of another lineage (or of none) as
-            ``(path relative to the root, their lineage id or None)``.
+            ``(copies, foreign)``: ``copies`` are the committed steps of this tier's lineage,
+            own (``local/``) and replicas, each naming the node whose state it holds as its
+            manifest records it (a disk that came back under another node id holds another
+            node's state in ``local/``); ``foreign`` lists the committed steps and replicas of
+            another lineage (or of none) as ``(path relative to the root, lineage id or None)``.
         """
-        own: list[int] = []
-        reps: dict[int, list[int]] = {}
+        copies: list[Copy] = []
         foreign: list[tuple[str, str | None]] = []
         dirs = [(None, "local")] + [(n, layout.replica_dir(n)) for n in
                                     (layout.parse_node(x) for x in self.store.listdir("replicas")) if n is not None]
@@ -100,11 +136,23 @@ class LocalTier:
                     continue
                 if lineage.is_foreign(doc, self.lineage, self.adopt_unlabelled):
                     foreign.append((rel, lineage.of_manifest(doc)))
-                elif n is None:
-                    own.append(s)
-                else:
-                    reps.setdefault(n, []).append(s)
-        return sorted(own), {n: sorted(v) for n, v in sorted(reps.items())}, foreign
+                    continue
+                owner = doc.get("node", n if n is not None else (self.topo.node if self.topo else None))
+                copies.append(Copy(step=s, node=_node_id(owner), rel=rel, nodes=_int_or(doc.get("nodes")),
+                                   world_size=_int_or(doc.get("world_size")), replica_of=n))
+        return copies, foreign
+
+    def scan(self) -> tuple[list[int], dict[int, list[int]], list[tuple[str, str | None]]]:
+        """Committed steps by directory: ``(steps in local/ ascending, {replica directory's
+        node: steps ascending}, foreign)`` (see :meth:`survey`; here ``local/`` counts whatever
+        node's state it holds)."""
+        copies, foreign = self.survey()
+        own = sorted(c.step for c in copies if c.replica_of is None)
+        reps: dict[int, list[int]] = {}
+        for c in copies:
+            if c.replica_of is not None:
+                reps.setdefault(c.replica_of, []).append(c.step)
+        return own, {n: sorted(v) for n, v in sorted(reps.items())}, foreign
 
     def committed_steps(self) -> list[int]:
         """Steps of ``local/`` with a valid commit marker and this tier's lineage, ascending."""

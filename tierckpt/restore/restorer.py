@@ -1,16 +1,23 @@
 """Restore from the fastest valid source, with agreed fallback (docs/architecture.md, "Restore flow").
 
-1. Every node leader lists the committed steps of its local root (own steps and the replicas
-   it holds); global rank 0 lists the persistent tier. The lists are all-gathered.
-2. :func:`plan_restore` picks the newest step every node can be served from, and per node the
-   first usable source in the order own local > peer replica > persistent.
+1. Every node leader lists the committed copies of its local root (own steps and the replicas
+   it holds, each by the node its manifest names, with the saved job's shape); global rank 0
+   lists the persistent tier. The lists are all-gathered (:class:`~tierckpt.restore.plan.Inventory`).
+2. :func:`~tierckpt.restore.plan.plan_restore` picks the newest step every node can be served
+   from: for a step saved by a job of this shape, per node the first usable source in the order
+   own local > peer replica > persistent; for a step saved by a job of another shape (nodes
+   lost for good, nodes added, another rank count), an in-cluster resharded read, else the
+   persistent tier.
 3. A node served from a peer replica pulls the files into its own ``local/step-<N>`` first
    (checksummed on receipt, committed with the source manifest).
-4. Every other chosen source is checksum-verified (files split across the node's ranks)
-   before DCP reads a byte; the load uses :class:`~tierckpt.io.planner.VerifyingLoadPlanner`
-   over the node group.
-5. Outcomes are all-gathered. A failed (node, source, step) is marked bad and the plan is
-   recomputed — possibly an older step for everyone — until every node loaded the same step.
+4. Every other chosen per-node source is checksum-verified (files split across the node's
+   ranks) before DCP reads a byte; the load uses :class:`~tierckpt.io.planner.VerifyingLoadPlanner`
+   over the node group. An in-cluster read (:mod:`tierckpt.restore.cluster`) merges the
+   copies' metadata, checks that they cover every rank's new shards, and reads each needed
+   region from the rank's own disk or from a holder node, verified.
+5. Outcomes are all-gathered. A failed (node, source, step) — or a failed in-cluster copy — is
+   marked bad and the plan is recomputed (possibly an older step for everyone) until every
+   node loaded the same step.
 
 Every decision is logged (step, tier, source node, bytes, seconds) and, on global rank 0,
 appended to the ledger.
@@ -27,6 +34,8 @@ from tierckpt.dist.topology import Groups, Topology
 from tierckpt.errors import NoCheckpointError, VerificationError
 from tierckpt.history import lineage
 from tierckpt.io import layout, manifest
+from tierckpt.restore.cluster import ClusterLoad, cluster_load
+from tierckpt.restore.plan import ALL_NODES, CLUSTER, OWN, PERSISTENT, REPLICA, Inventory, Source, plan_restore
 from tierckpt.tiers.local_tier import LocalTier, load_dir, verify_split
 from tierckpt.tiers.persistent import PersistentTier
 from tierckpt.tiers.replication import commit_received
@@ -34,77 +43,6 @@ from tierckpt.tiers.retention import InUse
 from tierckpt.tiers.transfer import Transfer, run_transfers
 
 log = logging.getLogger(__name__)
-
-OWN, REPLICA, PERSISTENT = "own-local", "peer-replica", "persistent"
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where one node's state comes from: ``kind`` (own-local | peer-replica | persistent)
-    and ``holder`` (the node whose disk has it; None for persistent)."""
-
-    kind: str
-    holder: int | None
-
-
-@dataclass
-class Inventory:
-    """Committed steps visible to the job.
-
-    Attributes:
-        local: {node: steps in its own ``local/``}.
-        replicas: {source node: {holder node: steps}}.
-        persistent: steps of the persistent tier.
-    """
-
-    local: dict[int, set[int]] = field(default_factory=dict)
-    replicas: dict[int, dict[int, set[int]]] = field(default_factory=dict)
-    persistent: set[int] = field(default_factory=set)
-
-    def all_steps(self) -> set[int]:
-        """Every step committed anywhere (any tier, any node)."""
-        out = set(self.persistent)
-        for s in self.local.values():
-            out |= s
-        for by_holder in self.replicas.values():
-            for s in by_holder.values():
-                out |= s
-        return out
-
-
-def sources_for(inv: Inventory, node: int, step: int, bad: set) -> list[Source]:
-    """Usable sources of ``node``'s state at ``step`` in preference order."""
-    out = []
-    if step in inv.local.get(node, ()) and (node, OWN, node, step) not in bad:
-        out.append(Source(OWN, node))
-    for holder in sorted(inv.replicas.get(node, {})):
-        if step in inv.replicas[node][holder] and (node, REPLICA, holder, step) not in bad:
-            out.append(Source(REPLICA, holder))
-    if step in inv.persistent and (node, PERSISTENT, None, step) not in bad:
-        out.append(Source(PERSISTENT, None))
-    return out
-
-
-def plan_restore(inv: Inventory, nodes: int, bad: set, step: int | None = None
-                 ) -> tuple[int, dict[int, Source]] | None:
-    """Newest step (or exactly ``step``) that every node can be served from.
-
-    Args:
-        bad: {(node, kind, holder, step)} sources that already failed.
-    Returns:
-        (step, {node: Source}) or None when no step is servable.
-    """
-    candidates = [step] if step is not None else sorted(inv.all_steps(), reverse=True)
-    for s in candidates:
-        choice = {}
-        for n in range(nodes):
-            srcs = sources_for(inv, n, s, bad)
-            if not srcs:
-                break
-            choice[n] = srcs[0]
-        else:
-            return s, choice
-    return None
 
 
 @dataclass
@@ -132,6 +70,10 @@ class RestoreResult:
         failures: NodeOutcomes of sources that failed and were skipped.
         seconds: wall time of the whole restore (seconds).
         persistent_bytes_read: bytes read from the persistent tier by all ranks.
+        resharded: ``{"from": {"nodes", "world_size"}, "to": {...}}`` when the step was saved by
+            a job of another shape, else None.
+        missing: chunks an in-cluster attempt found in no usable copy (why it fell back), as
+            ``"rank r: <key>: chunk offsets=… sizes=…: k of n elements in-cluster"``.
     """
 
     step: int
@@ -140,6 +82,8 @@ class RestoreResult:
     failures: list[NodeOutcome]
     seconds: float
     persistent_bytes_read: int
+    resharded: dict | None = None
+    missing: list[str] = field(default_factory=list)
 
     def source_of(self, node: int) -> str:
         """Source kind node ``node`` was restored from (own-local | peer-replica | persistent)."""
@@ -167,7 +111,9 @@ class Restorer:
         mine = None
         if self.topo.is_node_leader and self.local is not None:
             try:
-                mine = (self.topo.node, *self.local.scan())
+                copies, other = self.local.survey()
+                mine = (self.topo.node, [(c.step, c.node, c.rel, c.nodes, c.world_size, c.replica_of) for c in copies],
+                        other)
             except OSError as e:  # a dead local disk: this node simply has nothing local
                 log.warning("tierckpt restore: cannot list node %d's local root: %s", self.topo.node, e)
         pers = None
@@ -182,11 +128,18 @@ class Restorer:
         for m, _ in gathered:
             if m is None:
                 continue
-            node, steps, reps, other = m
-            inv.local[node] = set(steps)
-            for src, st in reps.items():
-                inv.replicas.setdefault(int(src), {})[node] = set(st)
-            foreign += [(node, rel, lid) for rel, lid in other]
+            holder, copies, other = m
+            inv.local.setdefault(holder, set())
+            for step, node, rel, nodes, world, replica_of in copies:
+                if replica_of is None:
+                    inv.local[holder].add(step)
+                else:
+                    inv.replicas.setdefault(replica_of, {}).setdefault(holder, set()).add(step)
+                if node >= 0:
+                    inv.copies.setdefault(step, {}).setdefault(node, {}).setdefault(holder, rel)
+                if nodes is not None and world is not None:
+                    inv.shapes.setdefault(step, (nodes, world))
+            foreign += [(holder, rel, lid) for rel, lid in other]
         new = [f for f in foreign if f not in self._foreign_logged]
         if new and self.topo.rank == 0:
             log.warning("tierckpt restore: ignoring node-local steps of another lineage than this job's (%s): %s",
@@ -216,38 +169,83 @@ class Restorer:
         bad: set = set()
         loaded: dict[int, NodeOutcome] = {}
         failures: list[NodeOutcome] = []
-        max_attempts = 2 + 4 * (len(inv.all_steps()) * (topo.factor + 1))
+        missing: list[str] = []
+        copies = sum(len(by_h) for by_node in inv.copies.values() for by_h in by_node.values())
+        max_attempts = 2 + 4 * (len(inv.all_steps()) * (topo.factor + 1)) + copies
         for attempt in range(1, max_attempts + 1):
-            choice = plan_restore(inv, topo.nodes, bad, step)
+            choice = plan_restore(inv, topo.nodes, bad, step, world_size=topo.world_size)
             if choice is None:
                 raise NoCheckpointError(_no_checkpoint_message(step, inv, failures))
             s, sources = choice
-            todo = {n for n in range(topo.nodes) if n not in loaded or loaded[n].step != s}
+            cluster = all(src.kind == CLUSTER for src in sources.values())
+            todo = {n for n in range(topo.nodes) if cluster or n not in loaded or loaded[n].step != s}
             if topo.rank == 0:
                 log.info("tierckpt restore attempt %d: step %d, sources %s", attempt, s,
+                         "in-cluster (resharded read of the node-local copies)" if cluster else
                          {n: (sources[n].kind, sources[n].holder) for n in sorted(todo)})
-            outcome = self._attempt(state_dict, s, sources, todo)
-            for o in all_gather(outcome, self.groups.local_world):
-                if o is None or not self.topo.is_leader_rank(o[0]):
-                    continue
-                no = o[1]
-                if no.ok:
-                    loaded[no.node] = no
-                else:
-                    failures.append(no)
-                    bad.add((no.node, no.source.kind, no.source.holder, no.step))
-                    loaded.pop(no.node, None)
-                    if topo.rank == 0:  # every rank gathered it; say it once
-                        log.warning("tierckpt restore: node %d step %d from %s (node %s) failed: %s",
-                                    no.node, no.step, no.source.kind, no.source.holder, no.error)
+            if cluster:
+                outcome, cl = self._cluster_attempt(state_dict, s, inv, bad)
+                if not cl.ok:
+                    bad |= {(m, CLUSTER, h, s) for m, h in cl.bad} or {(ALL_NODES, CLUSTER, None, s)}
+                    missing = cl.missing or missing
+            else:
+                outcome = self._attempt(state_dict, s, sources, todo)
+            self._collect(outcome, loaded, failures, bad)
             if all(n in loaded and loaded[n].step == s for n in range(topo.nodes)):
                 pbytes = sum(all_gather(self._persistent_bytes, self.groups.local_world))
                 res = RestoreResult(step=s, sources=dict(sorted(loaded.items())), attempts=attempt,
                                     failures=failures, seconds=time.perf_counter() - t0,
-                                    persistent_bytes_read=pbytes)
+                                    persistent_bytes_read=pbytes, resharded=self._reshape(inv, s),
+                                    missing=missing)
                 _log_result(res, topo)
                 return res
         raise NoCheckpointError(f"restore did not converge after {max_attempts} attempts")
+
+    def _collect(self, outcome, loaded: dict[int, NodeOutcome], failures: list[NodeOutcome], bad: set) -> None:
+        """All-gather one attempt's node outcomes into ``loaded`` / ``failures`` / ``bad``."""
+        for o in all_gather(outcome, self.groups.local_world):
+            if o is None or not self.topo.is_leader_rank(o[0]):
+                continue
+            no = o[1]
+            if no.ok:
+                loaded[no.node] = no
+                continue
+            failures.append(no)
+            bad.add((no.node, no.source.kind, no.source.holder, no.step))
+            loaded.pop(no.node, None)
+            if self.topo.rank == 0 and (no.source.kind != CLUSTER or no.node == 0):  # say it once
+                log.warning("tierckpt restore: %s step %d from %s (node %s) failed: %s",
+                            "every node" if no.source.kind == CLUSTER else f"node {no.node}", no.step,
+                            no.source.kind, no.source.holder, no.error)
+
+    def _reshape(self, inv: Inventory, s: int) -> dict | None:
+        """The ``resharded`` field of a result: saved and current shape, when they differ."""
+        if not inv.resharded(s, self.topo.nodes, self.topo.world_size):
+            return None
+        nodes, world = inv.shapes[s]
+        return {"from": {"nodes": nodes, "world_size": world},
+                "to": {"nodes": self.topo.nodes, "world_size": self.topo.world_size}}
+
+    def _cluster_attempt(self, state_dict: dict, s: int, inv: Inventory, bad: set) -> tuple[tuple, ClusterLoad]:
+        """Every rank reads step ``s`` from the node-local copies (:mod:`tierckpt.restore.cluster`);
+        returns (this rank's (global rank, NodeOutcome), the attempt)."""
+        topo = self.topo
+        by_node = inv.copies.get(s, {})
+        usable = {m: sorted(h for h in by_h if (m, CLUSTER, h, s) not in bad) for m, by_h in sorted(by_node.items())}
+        keys = ["local:" + by_h[topo.node] for by_h in by_node.values() if topo.node in by_h]
+        for k in keys:  # retention must not delete a copy while it is read
+            self.in_use.hold(k)
+        try:
+            cl = cluster_load(state_dict, by_node, usable, topo, self.local.store if self.local else None,
+                              self.groups.local_world, self.groups.persistent_world,
+                              saved_nodes=inv.shapes.get(s, (None, None))[0])
+        finally:
+            for k in keys:
+                self.in_use.drop(k)
+        out = NodeOutcome(node=topo.node, step=s, source=Source(CLUSTER, None), ok=cl.ok, error=cl.error,
+                          seconds=cl.seconds)
+        out.bytes = sum(all_gather(cl.bytes, self.groups.node))
+        return (topo.rank, out), cl
 
     def _local(self) -> LocalTier:
         """The local tier; only called for sources that exist only when it is configured."""
@@ -275,12 +273,15 @@ class Restorer:
             out.error = pull_err or "pull failed"
             out.seconds = time.perf_counter() - t0
             return (topo.rank, out)
-        key_rel = layout.local_step(s) if src.kind != PERSISTENT else layout.persistent_step(s)
+        if src.kind == OWN:  # local/step-N, or a copy of itself a remapped disk holds as a replica
+            key_rel = self.last_inventory.holders(node, s).get(node, layout.local_step(s))
+        else:
+            key_rel = layout.local_step(s) if src.kind != PERSISTENT else layout.persistent_step(s)
         key = ("persistent:" if src.kind == PERSISTENT else "local:") + key_rel
         self.in_use.hold(key)
         try:
             if src.kind == OWN:
-                store, rel = self._local().store, layout.local_step(s)
+                store, rel = self._local().store, key_rel
             elif src.kind == REPLICA:
                 store, rel = self._local().store, layout.local_step(s)  # pulled into own local
             else:
@@ -336,7 +337,8 @@ class Restorer:
             for r in range(topo.ranks_per_node):
                 out.append(Transfer(
                     src_rank=topo.ranks_of(h)[r], dst_rank=topo.ranks_of(n)[r],
-                    src_rel=layout.replica_step(n, s), dst_rel=layout.local_step(s),
+                    src_rel=self.last_inventory.holders(n, s).get(h, layout.replica_step(n, s)),
+                    dst_rel=layout.local_step(s),
                     share=(r, topo.ranks_per_node), tag=f"pull node-{n} step-{s} from node-{h}",
                 ))
         return out

@@ -1,0 +1,135 @@
+"""What the cluster holds, and which source serves each node (pure logic, no I/O).
+
+Sources of one step, in preference order:
+
+- **own-local**: the node's own disk holds its saved state (``local/step-N``, or a replica of
+  itself a disk that came back under another node id holds);
+- **peer-replica**: a clique peer holds a byte copy; the node pulls it (same topology only);
+- **in-cluster**: the job's topology differs from the one that saved the step (nodes lost for
+  good, nodes added, another rank count): every rank reads the chunks its new shards need
+  from the node-local copies, wherever they are (:mod:`tierckpt.restore.cluster`);
+- **persistent**: the shared tier (any topology, DCP resharding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierckpt.io import layout
+
+OWN, REPLICA, CLUSTER, PERSISTENT = "own-local", "peer-replica", "in-cluster", "persistent"
+ALL_NODES = -1  # ``bad`` key node of a failed in-cluster attempt (it serves every node at once)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one node's state comes from: ``kind`` (own-local | peer-replica | in-cluster |
+    persistent) and ``holder`` (the node whose disk has it; None for in-cluster and persistent)."""
+
+    kind: str
+    holder: int | None
+
+
+@dataclass
+class Inventory:
+    """Committed steps visible to the job.
+
+    Attributes:
+        local: {node: steps in its own ``local/``} (by directory, whatever node's state they hold).
+        replicas: {replica directory's node: {holder node: steps}}.
+        persistent: steps of the persistent tier.
+        copies: {step: {saved node: {holder node: directory relative to the holder's local root}}}
+            — by the node each manifest records, which is what restore plans from. Derived from
+            ``local``/``replicas`` when not given.
+        shapes: {step: (nodes, world size) of the job that saved it}, from the manifests.
+    """
+
+    local: dict[int, set[int]] = field(default_factory=dict)
+    replicas: dict[int, dict[int, set[int]]] = field(default_factory=dict)
+    persistent: set[int] = field(default_factory=set)
+    copies: dict[int, dict[int, dict[int, str]]] = field(default_factory=dict)
+    shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.copies:
+            return
+        for n, steps in self.local.items():
+            for s in steps:
+                self.copies.setdefault(s, {}).setdefault(n, {})[n] = layout.local_step(s)
+        for m, by_holder in self.replicas.items():
+            for h, steps in by_holder.items():
+                for s in steps:
+                    self.copies.setdefault(s, {}).setdefault(m, {})[h] = layout.replica_step(m, s)
+
+    def all_steps(self) -> set[int]:
+        """Every step committed anywhere (any tier, any node)."""
+        return set(self.persistent) | {s for s, by_node in self.copies.items() if by_node}
+
+    def holders(self, node: int, step: int) -> dict[int, str]:
+        """{holder node: directory} of every node-local copy of saved node ``node``'s ``step``."""
+        return self.copies.get(step, {}).get(node, {})
+
+    def resharded(self, step: int, nodes: int, world_size: int | None) -> bool:
+        """Whether ``step`` was saved by a job of another shape than (``nodes``, ``world_size``)
+        (False when unknown: only the persistent tier holds it, or no world size given)."""
+        shape = self.shapes.get(step)
+        if shape is None or world_size is None:
+            return False
+        return shape != (nodes, world_size)
+
+
+def sources_for(inv: Inventory, node: int, step: int, bad: set) -> list[Source]:
+    """Usable per-node sources of ``node``'s state at ``step`` in preference order."""
+    out = []
+    holders = inv.holders(node, step)
+    if node in holders and (node, OWN, node, step) not in bad:
+        out.append(Source(OWN, node))
+    for h in sorted(holders):
+        if h != node and (node, REPLICA, h, step) not in bad:
+            out.append(Source(REPLICA, h))
+    if step in inv.persistent and (node, PERSISTENT, None, step) not in bad:
+        out.append(Source(PERSISTENT, None))
+    return out
+
+
+def cluster_viable(inv: Inventory, step: int, bad: set) -> bool:
+    """Whether an in-cluster read of ``step`` is worth trying: it has not failed as a whole and
+    some copy not marked bad is left (chunk coverage is checked by the attempt itself)."""
+    if (ALL_NODES, CLUSTER, None, step) in bad:
+        return False
+    return any((m, CLUSTER, h, step) not in bad for m, by_h in inv.copies.get(step, {}).items() for h in by_h)
+
+
+def plan_restore(inv: Inventory, nodes: int, bad: set, step: int | None = None,
+                 world_size: int | None = None) -> tuple[int, dict[int, Source]] | None:
+    """Newest step (or exactly ``step``) that every node can be served from.
+
+    A step saved by a job of the same shape is planned per node (own-local > peer-replica >
+    persistent). When the shape differs, or some node has no per-node source left (e.g. a
+    parallelism change at the same world size made every per-node source fail its coverage
+    check), every node reads it in-cluster; else (or once that failed) every node reads the
+    persistent tier.
+
+    Args:
+        inv: what the cluster holds.
+        nodes: nodes of this job.
+        bad: {(node, kind, holder, step)} sources that already failed; an in-cluster copy
+            that failed is ``(saved node, "in-cluster", holder, step)``, a failed in-cluster
+            attempt as a whole ``(ALL_NODES, "in-cluster", None, step)``.
+        step: plan exactly this step.
+        world_size: ranks of this job (None: shapes are not compared, per-node plans only).
+    Returns:
+        (step, {node: Source}) or None when no step is servable.
+    """
+    candidates = [step] if step is not None else sorted(inv.all_steps(), reverse=True)
+    for s in candidates:
+        if not inv.resharded(s, nodes, world_size):
+            per_node = {n: sources_for(inv, n, s, bad) for n in range(nodes)}
+            if all(per_node.values()):
+                return s, {n: srcs[0] for n, srcs in per_node.items()}
+        if world_size is not None and cluster_viable(inv, s, bad):
+            return s, {n: Source(CLUSTER, None) for n in range(nodes)}
+        if s in inv.persistent and all((n, PERSISTENT, None, s) not in bad for n in range(nodes)):
+            return s, {n: Source(PERSISTENT, None) for n in range(nodes)}
+    return None
+
