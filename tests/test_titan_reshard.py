@@ -1,17 +1,20 @@
-"""Resume from the persistent tier on a different rank count (2 → 1), resharded.
+"""Resume on a different rank count (2 → 1), resharded: in-cluster, then from the persistent tier.
 
 1. A 2-rank torchtitan job (llama3 debugmodel, FSDP2 over gloo, 2 simulated nodes,
-   configs/titan_demo.toml) trains K steps with the local tier and the persistent tier both
-   saving at step K (a full save: ``last_save_model_only = false``). After training, each rank
-   computes the loss of the fixed batch (the whole batch on every rank) under ``no_grad``.
+   ``replication_factor = 2``, configs/titan_demo.toml) trains K steps with the local tier and
+   the persistent tier both saving at step K (a full save: ``last_save_model_only = false``).
+   After training, each rank computes the loss of the fixed batch (the whole batch on every
+   rank) under ``no_grad``.
 2. A 1-rank process builds the trainer from the same config (``replication_factor = 1``: one
    node cannot hold a replica; ``exclude_from_loading = ["dataloader"]``: torchtitan's
    dataloader state is per data-parallel rank), calls ``trainer.checkpointer.load()`` and
-   computes the loss of the same fixed batch.
+   computes the loss of the same fixed batch. Node 0's disk holds its own half of every sharded
+   tensor and its replica of node 1's half: the restore reads both in-cluster, resharding 2 → 1,
+   without a persistent byte.
+3. Node 0's replica of node 1 is deleted and the 1-rank restore runs again: node 1's chunks are
+   in no in-cluster copy, so it loads the persistent tier and the ledger names the missing chunks.
 
-Node 0's local checkpoint of step K holds only node 0's half of every sharded tensor, so the
-restore must reject it (coverage check) and load the persistent tier, resharding 2 → 1. The
-ledger's restore record says so, and the two losses agree within float tolerance.
+Both restores give the same loss, bitwise, which agrees with the 2-rank loss within float tolerance.
 
 Run as a script, this file is the rank helper the test starts:
 ``python tests/test_titan_reshard.py --mode {train,restore} --result FILE [--section.key value …]``.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -122,7 +126,7 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def test_persistent_resume_2_to_1_ranks_resharded(tmp_path):
+def test_resume_2_to_1_ranks_resharded_in_cluster_then_persistent(tmp_path):
     from tierckpt import accelerator_present
 
     if accelerator_present():
@@ -140,11 +144,14 @@ def test_persistent_resume_2_to_1_ranks_resharded(tmp_path):
                      cmd=[*script, "--mode", "train", "--result", str(tmp_path / "train.json"), *common,
                           "--checkpoint.replication_factor", "2"])
         two.wait(300)
-        one = ld.Job("restore-1rank", world=1, log_dir=str(logs), restart_count=1,
-                     cmd=[*script, "--mode", "restore", "--result", str(tmp_path / "restore.json"), *common,
-                          "--checkpoint.replication_factor", "1",
-                          "--checkpoint.exclude_from_loading", "dataloader"])
-        one.wait(300)
+        restore = [*script, "--mode", "restore", *common, "--checkpoint.replication_factor", "1",
+                   "--checkpoint.exclude_from_loading", "dataloader"]
+        ld.Job("restore-1rank-in-cluster", world=1, log_dir=str(logs), restart_count=1,
+               cmd=[*restore, "--result", str(tmp_path / "restore.json")]).wait(300)
+        # node 1's shards now exist only in the persistent tier
+        shutil.rmtree(tmp_path / "nvme" / "reshard" / "node-0" / "replicas" / "node-1")
+        ld.Job("restore-1rank-persistent", world=1, log_dir=str(logs), restart_count=2,
+               cmd=[*restore, "--result", str(tmp_path / "restore-pfs.json")]).wait(300)
     except ld.DemoError as e:
         pytest.fail(str(e))
     finally:
@@ -152,28 +159,34 @@ def test_persistent_resume_2_to_1_ranks_resharded(tmp_path):
 
     r2 = [json.loads((tmp_path / f"train.json.rank{r}").read_text()) for r in range(2)]
     r1 = json.loads((tmp_path / "restore.json.rank0").read_text())
-    assert [r["world"] for r in r2] == [2, 2] and r1["world"] == 1
+    rp = json.loads((tmp_path / "restore-pfs.json.rank0").read_text())
+    assert [r["world"] for r in r2] == [2, 2] and r1["world"] == rp["world"] == 1
     # The 2-rank value: the same full batch on both ranks, the same model → the same loss.
     assert r2[0]["loss_hex"] == r2[1]["loss_hex"], r2
-    assert r2[0]["step"] == r1["step"] == K
+    assert r2[0]["step"] == r1["step"] == rp["step"] == K
 
     ledger = _read_jsonl(dump / "checkpoint" / "tierckpt-ledger.jsonl")
     saves = {(r["tier"], r["step"]): r for r in ledger if r["kind"] == "checkpoint"}
     assert saves[("local", K)]["ok"] and saves[("persistent", K)]["ok"], saves
     starts = [r for r in ledger if r["kind"] == "run_start"]
-    assert [s["world_size"] for s in starts] == [2, 1]
+    assert [s["world_size"] for s in starts] == [2, 1, 1]
     restores = [r for r in ledger if r["kind"] == "restore"]
-    assert len(restores) == 1, restores
-    rec = restores[0]
-    assert rec["step"] == K
-    assert rec["sources"]["0"]["source"] == "persistent", rec
-    assert rec["persistent_bytes"] > 0
-    # node 0's own local step K was tried and rejected (it covers only node 0's shards)
-    assert any(f["source"] == "own-local" and f["step"] == K for f in rec["failures"]), rec
-    assert r1["restored_from"] == {"0": "persistent"}
+    assert len(restores) == 2, restores
+    cluster, pfs = restores
+    # node 0's own copy and its replica of node 1 hold every chunk: no persistent byte is read
+    assert cluster["step"] == K and cluster["sources"]["0"]["source"] == "in-cluster", cluster
+    assert cluster["persistent_bytes"] == 0
+    assert cluster["resharded"] == {"from": {"nodes": 2, "world_size": 2}, "to": {"nodes": 1, "world_size": 1}}
+    assert r1["restored_from"] == {"0": "in-cluster"}
+    # without the replica, node 1's shards are missing in-cluster: persistent, and the ledger names them
+    assert pfs["sources"]["0"]["source"] == "persistent" and pfs["persistent_bytes"] > 0, pfs
+    assert pfs["missing"] and any(f["source"] == "in-cluster" and f["step"] == K for f in pfs["failures"]), pfs
+    assert rp["restored_from"] == {"0": "persistent"}
 
     l2, l1 = r2[0]["loss"], r1["loss"]
     assert math.isfinite(l1) and math.isfinite(l2)
     assert l1 == pytest.approx(l2, rel=1e-5, abs=1e-6), (l1, l2)
+    # both sources hold the same values: the same 1-rank computation gives the same bits
+    assert r1["loss_hex"] == rp["loss_hex"], (r1, rp)
     # and the restore is what made them equal: the freshly initialised model is far off
     assert abs(r1["loss_before_load"] - l2) > 0.1, r1

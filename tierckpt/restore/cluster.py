@@ -9,10 +9,10 @@ more nodes, or another rank count, reads it like this (every rank of the job tak
    and the metadata are all-gathered; :func:`merge_metadata` merges them into one DCP
    ``Metadata`` whose chunks each map to the saved nodes that hold them
    (a replicated value is held by every saved node).
-2. **Coverage.** Each rank intersects its new local chunks with the merged chunks
-   (:func:`missing_chunks`, DCP's resharding rule); if any rank's state is not fully covered,
-   the attempt fails before any data is read and names the missing chunks, and the restore
-   falls back to the persistent tier.
+2. **Coverage.** While DCP plans, each rank intersects its new local chunks with the merged
+   chunks (:class:`ClusterLoadPlanner`, :func:`missing_chunks`: DCP's resharding rule); if
+   any rank's state is not fully covered, the attempt fails before any data is read and names
+   the missing chunks, and the restore falls back to the persistent tier.
 3. **Resharded read.** ``dcp.load`` with :class:`ClusterReader` over the job's ``local_world``
    group. The coordinator sees every rank's read items (DCP's global load plan) and assigns
    each item to the rank's own disk when its node holds a copy of a saved node that has the
@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -124,16 +125,15 @@ def merge_metadata(parts: dict[int, Metadata]) -> tuple[Metadata, Origins]:
 
 
 def missing_chunks(state_dict: dict, metadata: Metadata) -> list[str]:
-    """What of this rank's ``state_dict`` the merged ``metadata`` does not cover.
+    """What of a (flattened, as DCP's planner holds it) ``state_dict`` the merged ``metadata``
+    does not cover.
 
-    Uses DCP's flattening and each value's local chunk list (global offsets), so a resharded
-    state is checked exactly as DCP will read it. Returns one message per item: a key no copy
-    holds, or a local chunk ``offsets``/``sizes`` of which only k of n elements are held.
+    Uses each value's local chunk list (global offsets), so a resharded state is checked
+    exactly as DCP will read it. Returns one message per item: a key no copy holds, or a
+    local chunk ``offsets``/``sizes`` of which only k of n elements are held.
     """
-    planner = VerifyingLoadPlanner()
-    planner.set_up_planner(state_dict, metadata, False)
     out = []
-    for fqn, obj in planner.state_dict.items():
+    for fqn, obj in state_dict.items():
         md = metadata.state_dict_metadata.get(fqn)
         if md is None:
             out.append(f"{fqn}: in no in-cluster copy")
@@ -149,6 +149,27 @@ def missing_chunks(state_dict: dict, metadata: Metadata) -> list[str]:
                 out.append(f"{fqn}: chunk offsets={tuple(chunk.offsets)} sizes={tuple(chunk.sizes)}: "
                            f"{have} of {need} elements in-cluster")
     return out
+
+
+class MissingChunks(Exception):
+    """Raised by :class:`ClusterLoadPlanner` before any read: ``missing`` lists what this rank's
+    state needs that no usable copy holds (:func:`missing_chunks`)."""
+
+    def __init__(self, missing: list[str]):
+        super().__init__(missing)
+        self.missing = missing
+
+
+class ClusterLoadPlanner(VerifyingLoadPlanner):
+    """:class:`~tierckpt.io.planner.VerifyingLoadPlanner` that first names every chunk the merged
+    in-cluster view lacks (:class:`MissingChunks`), so a fallback can say what was missing."""
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        missing = missing_chunks(self.state_dict, self.metadata)
+        if missing:
+            raise MissingChunks(missing)
+        return super().create_local_plan()
 
 
 def _overlap(a, b) -> int:
@@ -543,28 +564,27 @@ def cluster_load(state_dict: dict, copies_by_node: dict[int, dict[int, str]], us
     if bad:
         return ClusterLoad(ok=False, error="; ".join(f"copy of node {m} on node {h}: {why}" for (m, h), why in
                                                      sorted(bad.items())), bad=set(bad), seconds=time.perf_counter() - t0)
+    lost = sorted(set(range(saved_nodes or 0)) - set(parts))
     try:
         merged, origins = merge_metadata(parts)
-        local_missing = missing_chunks(state_dict, merged)
-    except FAILURES as e:  # inconsistent copies, or a state DCP cannot plan: fall back
-        local_missing = [f"{type(e).__name__}: {e}"]
-        merged, origins = None, {}
-    missing = [f"rank {r}: {msg}" for r, msgs in enumerate(all_gather(local_missing, load_group)) for msg in msgs]
-    lost = sorted(set(range(saved_nodes or 0)) - set(parts))
-    if missing or merged is None:
-        why = (f"no node-local copy of saved node(s) {lost} is left; " if lost else "") + \
-              f"{len(missing)} chunk(s) of the new shards are in no in-cluster copy"
-        return ClusterLoad(ok=False, error=why, missing=missing, saved_nodes=sorted(parts),
-                           seconds=time.perf_counter() - t0)
+    except ValueError as e:  # copies that disagree: not one checkpoint
+        return ClusterLoad(ok=False, error=f"the node-local copies do not form one checkpoint: {e}",
+                           saved_nodes=sorted(parts), seconds=time.perf_counter() - t0)
     holders = {m: hs for m, hs in usable.items() if m in parts and hs}
     reader = ClusterReader(merged, origins, holders, topo, copies, transfer_group)
-    error = None
+    error, missing = None, []
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=VerifyingLoadPlanner(), process_group=load_group)
+        dcp.load(state_dict, storage_reader=reader, planner=ClusterLoadPlanner(), process_group=load_group)
+    except CheckpointException as e:
+        missing = [f"rank {r}: {m}" for r, (exc, _) in sorted(e.failures.items()) if isinstance(exc, MissingChunks)
+                   for m in exc.missing]
+        error = (f"no node-local copy of saved node(s) {lost} is left; " if lost else "") + (
+            f"{len(missing)} chunk(s) of the new shards are in no in-cluster copy" if missing
+            else "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))[:2000])
     except FAILURES as e:
         error = f"{type(e).__name__}: {e}"
     bad_all = set().union(*all_gather(reader.bad, load_group))
-    return ClusterLoad(ok=error is None, error=error, bad=bad_all, saved_nodes=sorted(parts),
+    return ClusterLoad(ok=error is None, error=error, bad=bad_all, missing=missing, saved_nodes=sorted(parts),
                        bytes=reader.local_bytes + reader.recv_bytes, seconds=time.perf_counter() - t0)
 
 

@@ -188,6 +188,9 @@ class Restorer:
                 if not cl.ok:
                     bad |= {(m, CLUSTER, h, s) for m, h in cl.bad} or {(ALL_NODES, CLUSTER, None, s)}
                     missing = cl.missing or missing
+                    if cl.missing and topo.rank == 0:
+                        log.warning("tierckpt restore: chunks of step %d in no in-cluster copy: %s%s", s,
+                                    "; ".join(cl.missing[:5]), " …" if len(cl.missing) > 5 else "")
             else:
                 outcome = self._attempt(state_dict, s, sources, todo)
             self._collect(outcome, loaded, failures, bad)
@@ -213,10 +216,13 @@ class Restorer:
             failures.append(no)
             bad.add((no.node, no.source.kind, no.source.holder, no.step))
             loaded.pop(no.node, None)
-            if self.topo.rank == 0 and (no.source.kind != CLUSTER or no.node == 0):  # say it once
-                log.warning("tierckpt restore: %s step %d from %s (node %s) failed: %s",
-                            "every node" if no.source.kind == CLUSTER else f"node {no.node}", no.step,
-                            no.source.kind, no.source.holder, no.error)
+            if self.topo.rank != 0:  # every rank gathered it; say it once
+                continue
+            if no.source.kind != CLUSTER:
+                log.warning("tierckpt restore: node %d step %d from %s (node %s) failed: %s",
+                            no.node, no.step, no.source.kind, no.source.holder, no.error)
+            elif no.node == 0:
+                log.warning("tierckpt restore: in-cluster read of step %d failed: %s", no.step, no.error)
 
     def _reshape(self, inv: Inventory, s: int) -> dict | None:
         """The ``resharded`` field of a result: saved and current shape, when they differ."""
