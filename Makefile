@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv lint test test-slurm demo bench bench-schedule clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
+.PHONY: venv lint test test-slurm demo bench bench-reshard bench-schedule clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
 
 venv: $(STAMP)
 
@@ -24,6 +24,11 @@ demo: venv
 
 bench: venv
 	$(VPY) bench/bench_engine.py
+	$(VPY) bench/bench_reshard.py
+
+# in-cluster vs persistent resharded restore of the same step (4 → 3 nodes), ABBA
+bench-reshard: venv
+	$(VPY) bench/bench_reshard.py $(BENCH_ARGS)
 
 # issue 4's experiment: torchtitan demo under Poisson failures, fixed vs adaptive (~20 min)
 bench-schedule: venv
