@@ -107,3 +107,70 @@ def test_persistent_retention_leaves_foreign_folders(tmp_path):
         f.write(b"x")  # a persistent save of ours that died: deleted
     assert sorted(purge_persistent(store, 2, InUse())) == [1, 5]
     assert store.listdir("") == ["step-2", "step-3", "step-4"]
+
+
+def test_plan_reshards_in_cluster_then_persistent():
+    from tierckpt.restore.plan import ALL_NODES, CLUSTER
+
+    # step 5 saved by 4 nodes; this job has 3 (node 3 lost: its copy survives as node 2's replica)
+    copies = {5: {0: {0: "local/step-5"}, 1: {1: "local/step-5"}, 2: {2: "local/step-5"},
+                  3: {2: "replicas/node-3/step-5"}}}
+    inv = Inventory(persistent={5}, copies=copies, shapes={5: (4, 4)})
+    step, src = plan_restore(inv, 3, set(), world_size=3)
+    assert step == 5 and set(src.values()) == {Source(CLUSTER, None)}
+    # a bad copy of node 3 leaves none of it: still tried (coverage decides), then as a whole
+    assert plan_restore(inv, 3, {(3, CLUSTER, 2, 5)}, world_size=3)[1][0] == Source(CLUSTER, None)
+    assert plan_restore(inv, 3, {(ALL_NODES, CLUSTER, None, 5)}, world_size=3)[1][0] == Source("persistent", None)
+    # without a world size (peek), shapes are not compared: per-node plan
+    assert plan_restore(inv, 3, set())[1][0] == Source("own-local", 0)
+
+
+def test_plan_follows_the_manifest_node_of_a_remapped_disk():
+    # the two nodes' roots were swapped: node 0's local/ holds node 1's state and vice versa,
+    # and each holds its own state as the replica it kept for the other
+    copies = {3: {1: {0: "local/step-3", 1: "replicas/node-1/step-3"},
+                  0: {1: "local/step-3", 0: "replicas/node-0/step-3"}}}
+    inv = Inventory(persistent={3}, copies=copies, shapes={3: (2, 2)})
+    step, src = plan_restore(inv, 2, set(), world_size=2)
+    assert src == {0: Source("own-local", 0), 1: Source("own-local", 1)}
+    assert inv.holders(0, 3)[0] == "replicas/node-0/step-3"
+
+
+def test_merge_metadata_and_read_assignment():
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from tierckpt.restore.cluster import assign_reads, merge_metadata
+
+    def node_md(m, rows):  # node m saved rows [m*rows, (m+1)*rows) of "w" and the whole "b"
+        w = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2 * rows, 4]),
+                                  [ChunkStorageMetadata(torch.Size([m * rows, 0]), torch.Size([rows, 4]))])
+        b = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4]),
+                                  [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))])
+        return Metadata({"w": w, "b": b}, storage_data={
+            MetadataIndex("w", [m * rows, 0]): _StorageInfo(f"__{m}_0.distcp", 0, 100),
+            MetadataIndex("b", [0]): _StorageInfo(f"__{m}_0.distcp", 100, 16)})
+
+    md, origins = merge_metadata({0: node_md(0, 3), 1: node_md(1, 3)})
+    assert len(md.state_dict_metadata["w"].chunks) == 2 and len(md.state_dict_metadata["b"].chunks) == 1
+    assert [m for m, _ in origins[MetadataIndex("b", [0])]] == [0, 1]  # a replicated value: either node
+
+    def item(fqn, off, lengths):
+        return ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, off), [0] * len(off), MetadataIndex(fqn, off),
+                        [0] * len(off), lengths)
+
+    # 3 ranks on 3 nodes; node 2 holds nothing; every rank needs both halves of w and b
+    plans = [LoadPlan([item("w", [0, 0], [3, 4]), item("w", [3, 0], [3, 4]), item("b", [0], [4])])
+             for _ in range(3)]
+    io = assign_reads(plans, origins, {0: [0], 1: [1]}, [0, 1, 2], md)
+    assert io[0].local == {0: 0, 2: 0} and io[1].local == {1: 1, 2: 1}
+    assert not io[2].local and sum(len(x[2]) for x in io[2].recv) == 3
+    # node 2's reads are spread over both holders, and every receive has its matching send
+    assert {src for _, src, _ in io[2].recv} == {0, 1}
+    sends = {(xid, dst) for r in io for xid, dst, _ in r.send}
+    assert sends == {(xid, r) for r in range(3) for xid, _, _ in io[r].recv}
+    with pytest.raises(ValueError, match="no usable in-cluster copy"):
+        assign_reads(plans, origins, {0: [0]}, [0, 1, 2], md)
