@@ -5,9 +5,9 @@
    saving at step K (a full save: ``last_save_model_only = false``). After training, each rank
    computes the loss of the fixed batch (the whole batch on every rank) under ``no_grad``.
 2. A 1-rank process builds the trainer from the same config (``replication_factor = 1``: one
-   node cannot hold a replica; ``exclude_from_loading = ["dataloader"]``: torchtitan's
-   dataloader state is per data-parallel rank), calls ``trainer.checkpointer.load()`` and
-   computes the loss of the same fixed batch.
+   node cannot hold a replica), calls ``trainer.checkpointer.load()`` and computes the loss
+   of the same fixed batch. The dataloader state is loaded too: the demo corpus is
+   repositioned from 2 data-parallel ranks to 1 (titan_plugin/dataloader.py).
 
 Node 0's local checkpoint of step K holds only node 0's half of every sharded tensor, so the
 restore must reject it (coverage check) and load the persistent tier, resharding 2 → 1. The
@@ -62,6 +62,16 @@ def fixed_batch_loss(trainer) -> float:
     return float(loss)
 
 
+def _dataloader_outcome(trainer) -> dict:
+    """How the checkpointer positioned the dataloader, and where it now reads (epoch, row view)."""
+    positions = getattr(trainer.checkpointer, "positions", None)
+    ds = trainer.dataloader.dataset
+    view = getattr(ds, "_tierckpt_view", None)
+    return {"outcome": getattr(positions, "outcome", None), "epoch": ds._epoch, "sample_idx": ds._sample_idx,
+            "view": None if view is None else [list(r) for r in view[1]], "shard_len": len(ds._original_data),
+            "buffer": len(ds._inputs_buffer)}
+
+
 def helper(argv: list[str]) -> int:
     import argparse
 
@@ -92,7 +102,8 @@ def helper(argv: list[str]) -> int:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         out = {"mode": args.mode, "rank": rank, "world": int(os.environ.get("WORLD_SIZE", "1")),
                "step": trainer.step, "loss": loss, "loss_hex": loss.hex(), "loss_before_load": before,
-               "restored_from": None if res is None else {str(n): o.source.kind for n, o in res.sources.items()}}
+               "restored_from": None if res is None else {str(n): o.source.kind for n, o in res.sources.items()},
+               "dataloader": _dataloader_outcome(trainer)}
         with open(f"{args.result}.rank{rank}", "w") as f:
             json.dump(out, f)
     finally:
@@ -142,8 +153,7 @@ def test_persistent_resume_2_to_1_ranks_resharded(tmp_path):
         two.wait(300)
         one = ld.Job("restore-1rank", world=1, log_dir=str(logs), restart_count=1,
                      cmd=[*script, "--mode", "restore", "--result", str(tmp_path / "restore.json"), *common,
-                          "--checkpoint.replication_factor", "1",
-                          "--checkpoint.exclude_from_loading", "dataloader"])
+                          "--checkpoint.replication_factor", "1"])
         one.wait(300)
     except ld.DemoError as e:
         pytest.fail(str(e))
@@ -171,6 +181,12 @@ def test_persistent_resume_2_to_1_ranks_resharded(tmp_path):
     # node 0's own local step K was tried and rejected (it covers only node 0's shards)
     assert any(f["source"] == "own-local" and f["step"] == K for f in rec["failures"]), rec
     assert r1["restored_from"] == {"0": "persistent"}
+    # the data goes on where both ranks stopped: the rows neither had read, in order
+    d2, d1 = [r["dataloader"] for r in r2], r1["dataloader"]
+    assert d1["outcome"] == "resharded 2->1" and d1["epoch"] == 0 and d1["sample_idx"] == 0, d1
+    n = sum(d["shard_len"] for d in d2)
+    rest = [[0 + d2[0]["sample_idx"], d2[0]["shard_len"]], [d2[0]["shard_len"] + d2[1]["sample_idx"], n]]
+    assert d1["view"] == rest and d1["buffer"] == sum(d["buffer"] for d in d2), (d1, d2)
 
     l2, l1 = r2[0]["loss"], r1["loss"]
     assert math.isfinite(l1) and math.isfinite(l2)
