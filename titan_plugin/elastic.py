@@ -9,7 +9,9 @@ command line wins over the TOML and the registry function):
     python -m titan_plugin.elastic --nodes 2 --nproc-per-node 8 -- --toml FILE [--section.key value …]
 
 prints one JSON object ``{"args": [...], "warnings": [...]}`` on stdout (exit 0), or the error
-on stderr (exit 2: a configuration that cannot fit; the message names the option).
+on stderr (exit 2: a configuration that cannot fit; the message names the option). With
+``--shell`` the last stdout line is the arguments as shell words (``shlex.join``) and the
+warnings go to stderr (what ``launch/titan.sbatch`` reads).
 
 - ``parallelism.data_parallel_shard_degree``: -1 (the shipped configs) already means "every
   rank left over", nothing to do. An explicit value becomes
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from typing import Any
 
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m titan_plugin.elastic", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, required=True, help="nodes of the next attempt")
     ap.add_argument("--nproc-per-node", type=int, required=True, help="ranks per node")
+    ap.add_argument("--shell", action="store_true", help="print shell words (warnings on stderr), not JSON")
     split = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:split])
     train = argv[split + 1:]
@@ -130,7 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"titan_plugin.elastic: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"args": extra, "warnings": warnings}))
+    if args.shell:
+        for w in warnings:
+            print(f"titan_plugin.elastic: warning: {w}", file=sys.stderr)
+        print(shlex.join(extra))
+    else:
+        print(json.dumps({"args": extra, "warnings": warnings}))
     return 0
 
 
