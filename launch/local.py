@@ -388,7 +388,9 @@ class LocalLauncher:
 
         Returns:
             0, or the exit status of the failed attempt's first failing torchrun (2 when a
-            worker reported an invalid configuration).
+            worker reported an invalid configuration); after a node was lost for good with
+            fewer than ``min_nodes`` left, that status (1 when it was a signal); 2 when
+            ``reconfigure`` says the job cannot fit the nodes left.
 
         Raises:
             LaunchError: the timeout passed (every process stopped).

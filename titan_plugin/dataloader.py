@@ -10,12 +10,13 @@ saves and loads identically, ``dataloader.tierckpt_positions`` (pickled bytes):
     {"format": 1, "dp_degree": D, "num_samples": N or None,
      "ranks": [one entry per old DP rank r = 0..D-1]}
     entry = {"dp_rank": r, "blob": torchtitan's pickled per-rank state (bytes),
-             "position": None | {"dataset", "shard_len", "epoch", "sample_idx", "view",
-                                 "inputs", "labels", "positions"},
+             "position": None | {"dataset", "shard_len", "epoch", "sample_idx", "view"},
              "why": why the dataset cannot be repositioned ("" when it can)}
 
-Size: per DP rank, torchtitan's state plus the three token buffers (each shorter than one
-document plus ``seq_len`` tokens) and, after a reshard, the rank's index view as runs.
+Size: per DP rank, torchtitan's state (which holds the token buffers, each shorter than one
+document plus ``seq_len`` tokens) and, after a reshard, the rank's row view as runs. Every rank
+gathers all of it at every save (one all-gather over gloo, part of the blocking time): about
+``dp_degree`` × (3 buffers × ~5 bytes per token) per rank.
 
 **Same DP degree**: each rank loads its own ``blob`` exactly as torchtitan would (bitwise the
 same batches as an uninterrupted run), then re-applies a view left by an earlier reshard.
@@ -131,15 +132,21 @@ def rank_entry(dataloader) -> dict[str, Any]:
                              "position": None, "why": _why_not_repositionable(dataloader)}
     if entry["why"]:
         return entry
-    ds = dataloader.dataset
+    ds = dataloader.dataset  # with num_workers = 0 its fields are the state just taken
     view = getattr(ds, _VIEW_ATTR, None)
     entry["position"] = {
         "dataset": ds.dataset_name, "shard_len": len(ds._original_data), "epoch": int(ds._epoch),
         "sample_idx": int(ds._sample_idx),
-        "view": view[1] if view is not None and view[0] == ds._epoch else None,
-        "inputs": list(ds._inputs_buffer), "labels": list(ds._labels_buffer),
-        "positions": list(ds._positions_buffer)}
+        "view": view[1] if view is not None and view[0] == ds._epoch else None}
     return entry
+
+
+def buffers(entry: dict[str, Any]) -> dict[str, list[int]]:
+    """The token buffers of an entry (``inputs``, ``labels``, ``positions``), from the
+    ``dataset_state`` of torchtitan's per-rank state (``num_workers = 0``)."""
+    st = pickle.loads(entry["blob"])["dataset_state"]
+    return {"inputs": list(st["inputs_buffer"]), "labels": list(st["labels_buffer"]),
+            "positions": list(st.get("positions_buffer", []))}
 
 
 def merge_entries(entries: list[dict[str, Any]], dp_degree: int) -> dict[str, Any]:
@@ -210,7 +217,7 @@ def plan_reshard(state: dict[str, Any], new_degree: int) -> list[dict[str, Any]]
     out = []
     for j in range(new_degree):
         a, b = shard_bounds(len(remaining), new_degree, j)
-        inputs, labels, pos = _join_buffers(positions[j::new_degree])
+        inputs, labels, pos = _join_buffers([buffers(e) for e in state["ranks"][j::new_degree]])
         out.append({"epoch": epoch, "view": to_runs(remaining[a:b]), "inputs": inputs, "labels": labels,
                     "positions": pos})
     return out
@@ -233,6 +240,9 @@ def _full_dataset(ds, dataset_path: str | None, num_samples: int):
 
 def _apply_view(dataloader, epoch: int, sample_idx: int, buffers: dict, runs, full) -> None:
     """Set the dataset's position directly (no deferred StatefulDataLoader state)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    StatefulDataLoader.load_state_dict(dataloader, {})  # drops an iterator made before: the next starts here
     ds = dataloader.dataset
     ds.load_state_dict({"inputs_buffer": list(buffers["inputs"]), "labels_buffer": list(buffers["labels"]),
                         "positions_buffer": list(buffers["positions"]), "sample_idx": sample_idx, "epoch": epoch})
@@ -283,7 +293,7 @@ def load_positions(dataloader, state: dict[str, Any], dataset_path: str | None =
             dataloader.load_state_dict({f"dp_rank_{dataloader.dp_rank}": e["blob"], "world_size": new})
         else:  # a view left by an earlier reshard: torchtitan's deferred load would replace it
             full = _full_dataset(dataloader.dataset, dataset_path, state["num_samples"])
-            _apply_view(dataloader, p["epoch"], p["sample_idx"], p, p["view"], full)
+            _apply_view(dataloader, p["epoch"], p["sample_idx"], buffers(e), p["view"], full)
         return "same-degree"
     _check_reshardable(state, dataloader)
     ds = dataloader.dataset
