@@ -23,6 +23,17 @@ per node and attempt (``<log-dir>/<name>-attempt<k>-node<n>.log``). Exit status:
 attempt succeeded, else the failing node's torchrun status (2 for a configuration error).
 :class:`LocalLauncher` is the Python API (``launch/local_demo.py`` uses it to kill a node's
 training process mid-run).
+
+**Losing a node for good** (:meth:`LocalLauncher.lose_node`, ``--lose-node NODE@SECONDS``): its
+processes are SIGKILLed and its local root (``--local-root``, a template with ``{node}``) is
+deleted. With ``--min-nodes M`` (default ``$TIERCKPT_MIN_NODES``, else every node is needed) the
+next attempt runs on the remaining nodes as long as at least M are left, else the job ends
+with a message naming the minimum. The survivors keep their order and are renumbered 0..N'-1;
+a survivor whose id changes takes its disk along (its local-root directory is renamed to the
+new id, as the host's own disk would follow it). A shrunk attempt appends the overrides of
+``reconfigure(nodes, nproc_per_node)`` to the command; for ``-m titan_plugin.train`` the CLI
+uses :func:`titan_reconfigure` (``python -m titan_plugin.elastic``: data-parallel degree,
+replication J/F that fit the new node count).
 """
 
 from __future__ import annotations
@@ -30,8 +41,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -42,6 +55,7 @@ from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_ERROR = 2  # exit status of titan_plugin.train / the mcore launcher on an invalid configuration
+MIN_NODES_ENV = "TIERCKPT_MIN_NODES"
 
 
 class LaunchError(RuntimeError):
@@ -90,6 +104,51 @@ def root_cause_exitcode(log_text: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _min_nodes(value: int | None, nodes: int) -> int:
+    """``value``, else ``$TIERCKPT_MIN_NODES``, else ``nodes``; checked to be in 1..nodes."""
+    src = "min_nodes"
+    if value is None and os.environ.get(MIN_NODES_ENV, "").strip():
+        src, raw = MIN_NODES_ENV, os.environ[MIN_NODES_ENV].strip()
+        if not raw.isdigit():
+            raise ValueError(f"{MIN_NODES_ENV}={raw!r}: must be an integer in 1..{nodes} (the nodes of the job)")
+        value = int(raw)
+    if value is None:
+        return nodes
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= nodes:
+        raise ValueError(f"{src} must be an integer in 1..{nodes} (the nodes of the job), got {value!r}")
+    return value
+
+
+def titan_reconfigure(command: list[str], log: Callable[[str], None] | None = None) -> Callable[[int, int], list[str]]:
+    """A ``reconfigure`` for ``command`` = ``["-m", "titan_plugin.train", "--toml", FILE, …]``:
+    runs ``python -m titan_plugin.elastic --nodes N --nproc-per-node P -- <the training args>``
+    and returns its overrides (data-parallel degree, replication J/F fitting N nodes); its
+    warnings go to ``log`` (default stderr).
+
+    Raises:
+        ValueError: ``command`` does not run ``titan_plugin.train``.
+    """
+    if command[:2] != ["-m", "titan_plugin.train"]:
+        raise ValueError(f"titan_reconfigure needs a command starting with -m titan_plugin.train, got {command[:2]}")
+    train_args = command[2:]
+    say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+
+    def fit(nodes: int, nproc_per_node: int) -> list[str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+        r = subprocess.run([sys.executable, "-m", "titan_plugin.elastic", "--nodes", str(nodes),
+                            "--nproc-per-node", str(nproc_per_node), "--", *train_args],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise LaunchError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
+        doc = json.loads(r.stdout.strip().splitlines()[-1])
+        for w in doc["warnings"]:
+            say(f"warning: {w}")
+        return list(doc["args"])
+
+    return fit
+
+
 @dataclass
 class Attempt:
     """One start of the job: one torchrun per node.
@@ -104,6 +163,10 @@ class Attempt:
         rcs: torchrun exit status per node (None: stopped by the launcher before it ended).
         failed_node: the first node whose torchrun exited non-zero (None: success).
         worker_exitcode: that node's worker status from torchrun's summary (negative: signal).
+        nodes: nodes of this attempt (``--nnodes``).
+        slots: the simulated host ("slot", its index in the first attempt) of each node.
+        extra_args: what ``reconfigure`` appended to the command (shrunk attempts).
+        lost: slots lost for good during this attempt.
     """
 
     index: int
@@ -116,6 +179,10 @@ class Attempt:
     rcs: list[int | None] = field(default_factory=list)
     failed_node: int | None = None
     worker_exitcode: int | None = None
+    nodes: int = 0
+    slots: list[int] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -137,19 +204,38 @@ class LocalLauncher:
         state_dir: where the restart counter persists across launcher runs (None: start at 0).
         kill_grace_s: seconds between SIGTERM and SIGKILL when stopping nodes.
         cwd: working directory of the nodes (default: the repository).
+        min_nodes: fewest nodes the job may go on with after :meth:`lose_node` (1..nodes;
+            None: ``$TIERCKPT_MIN_NODES``, else ``nodes``: a lost node ends the job).
+        local_root: the simulated nodes' local-root directory with ``{node}`` (its only field):
+            deleted for a lost node, renamed to follow a survivor's new id (None: no disks).
+        reconfigure: ``(nodes, nproc_per_node) -> [args]`` appended to the command of an
+            attempt with fewer nodes than the first (e.g. :func:`titan_reconfigure`); it may
+            raise ValueError or :class:`LaunchError` for a job that cannot fit (then the run
+            ends with status 2).
 
     Raises:
-        ValueError: a count < 1 or an empty command.
+        ValueError: a count < 1, ``min_nodes`` outside 1..nodes (or a bad
+            ``$TIERCKPT_MIN_NODES``), a ``local_root`` without ``{node}``, or an empty command.
     """
 
     def __init__(self, command: list[str], *, nodes: int, nproc_per_node: int = 1, max_attempts: int = 3,
                  log_dir: str, name: str = "job", env: dict[str, str] | None = None,
-                 state_dir: str | None = None, kill_grace_s: float = 5.0, cwd: str = REPO):
+                 state_dir: str | None = None, kill_grace_s: float = 5.0, cwd: str = REPO,
+                 min_nodes: int | None = None, local_root: str | None = None,
+                 reconfigure: Callable[[int, int], list[str]] | None = None):
         for opt, v in (("nodes", nodes), ("nproc_per_node", nproc_per_node), ("max_attempts", max_attempts)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{opt} must be an integer >= 1, got {v!r}")
         if not command:
             raise ValueError("command must not be empty (e.g. ['-m', 'titan_plugin.train', '--toml', FILE])")
+        self.min_nodes = _min_nodes(min_nodes, nodes)
+        if local_root is not None and "{node}" not in local_root:
+            raise ValueError(f"local_root must contain {{node}} (one directory per simulated node), got {local_root!r}")
+        self.local_root, self.reconfigure = local_root, reconfigure
+        self.initial_nodes = nodes
+        self.slots = list(range(nodes))  # simulated host of each node id; survivors keep their order
+        self.lost: list[int] = []
+        self._dir_id = {s: s for s in self.slots}  # slot -> the node id its local root is named by
         self.command = list(command)
         self.nodes, self.nproc_per_node, self.max_attempts = nodes, nproc_per_node, max_attempts
         self.log_dir, self.name, self.cwd = log_dir, name, cwd
@@ -181,12 +267,13 @@ class LocalLauncher:
         os.replace(path + ".tmp", path)
         return n
 
-    def _start(self) -> Attempt:
+    def _start(self, extra_args: list[str]) -> Attempt:
         used = {a.port for a in self.attempts}
         port = free_port()
         while port in used:  # a fresh port per attempt, as on Slurm
             port = free_port()
-        a = Attempt(index=len(self.attempts), restart_count=self._next_restart_count(), port=port)
+        a = Attempt(index=len(self.attempts), restart_count=self._next_restart_count(), port=port,
+                    nodes=self.nodes, slots=list(self.slots), extra_args=list(extra_args))
         env = dict(os.environ)
         env.pop("TIERCKPT_NODE_ID", None)  # one value cannot be right for every node: use GROUP_RANK
         env.update(self.extra_env)
@@ -198,7 +285,8 @@ class LocalLauncher:
             path = os.path.join(self.log_dir, f"{self.name}-attempt{a.index + 1}-node{node}.log")
             a.logs.append(path)
             with open(path, "w") as logf:
-                a.procs.append(subprocess.Popen(self.node_command(node, port), env=env, cwd=self.cwd, stdout=logf,
+                a.procs.append(subprocess.Popen(self.node_command(node, port) + a.extra_args, env=env, cwd=self.cwd,
+                                                stdout=logf,
                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                 start_new_session=True, preexec_fn=_term_with_parent))
         a.rcs = [None] * self.nodes
@@ -241,6 +329,44 @@ class LocalLauncher:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 
+    def lose_node(self, node: int) -> None:
+        """Lose node ``node`` (its id in the current attempt) for good, e.g. from a monitor
+        callback: its torchrun and workers are SIGKILLed at once (the attempt then fails as
+        with a crash), its local root is deleted, and the next attempts run without it.
+
+        Raises:
+            ValueError: ``node`` is not a node id of the current attempt.
+        """
+        if not isinstance(node, int) or not 0 <= node < self.nodes:
+            raise ValueError(f"node must be a node id in 0..{self.nodes - 1}, got {node!r}")
+        a = self.attempts[-1] if self.attempts else None
+        if a is not None and a.t_end is None and node < len(a.procs) and a.procs[node].poll() is None:
+            for pid in [*descendants(a.procs[node].pid), a.procs[node].pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        slot = self.slots.pop(node)
+        self.lost.append(slot)
+        if a is not None and a.t_end is None:
+            a.lost.append(slot)
+        self.nodes = len(self.slots)
+        if self.local_root is not None:
+            shutil.rmtree(self.local_root.format(node=self._dir_id.pop(slot)), ignore_errors=True)
+
+    def _relocate_disks(self) -> None:
+        """Rename each survivor's local root to its node id of the next attempt (ids only go
+        down, in order, so a target is free: it was a lost node's or an earlier survivor's)."""
+        if self.local_root is None:
+            return
+        for new_id, slot in enumerate(self.slots):
+            old_id = self._dir_id[slot]
+            if old_id != new_id:
+                src, dst = self.local_root.format(node=old_id), self.local_root.format(node=new_id)
+                if os.path.exists(dst):
+                    raise LaunchError(f"cannot move node {old_id}'s local root to {dst}: it exists")
+                if os.path.exists(src):
+                    os.rename(src, dst)
+                self._dir_id[slot] = new_id
+
     def stop(self) -> None:
         """Stop every process of the current attempt (idempotent)."""
         if self.attempts:
@@ -262,16 +388,28 @@ class LocalLauncher:
 
         Returns:
             0, or the exit status of the failed attempt's first failing torchrun (2 when a
-            worker reported an invalid configuration).
+            worker reported an invalid configuration); after a node was lost for good with
+            fewer than ``min_nodes`` left, that status (1 when it was a signal); 2 when
+            ``reconfigure`` says the job cannot fit the nodes left.
 
         Raises:
             LaunchError: the timeout passed (every process stopped).
         """
         say = log or (lambda s: None)
         deadline = None if timeout is None else time.time() + timeout
+        rc = 1
         try:
             while True:
-                a = self._start()
+                if self.nodes < self.min_nodes:
+                    say(f"giving up: node(s) {self.lost} lost for good, {self.nodes} left, fewer than the minimum "
+                        f"{self.min_nodes} (min_nodes / {MIN_NODES_ENV})")
+                    return rc if rc > 0 else 1
+                try:
+                    extra = self._fit(say)
+                except (ValueError, LaunchError) as e:
+                    say(f"cannot go on with {self.nodes} nodes: {e}")
+                    return CONFIG_ERROR
+                a = self._start(extra)
                 say(f"attempt {a.index + 1}/{self.max_attempts} (restart count {a.restart_count}), "
                     f"{self.nodes} nodes x {self.nproc_per_node} ranks, MASTER_PORT={a.port}")
                 rc = self._wait(a, deadline, monitor)
@@ -282,6 +420,8 @@ class LocalLauncher:
                 say(f"attempt {a.index + 1} failed: node {a.failed_node} exited {rc}"
                     + (f" (worker {'killed by signal ' + str(-code) if code < 0 else 'exit ' + str(code)})"
                        if code is not None else ""))
+                if a.lost:
+                    say(f"node(s) on simulated host(s) {a.lost} lost for good; {self.nodes} node(s) left")
                 if code == CONFIG_ERROR:
                     say("invalid configuration: not retrying")
                     return CONFIG_ERROR
@@ -290,6 +430,16 @@ class LocalLauncher:
                     return rc
         finally:
             self.stop()
+
+    def _fit(self, say: Callable[[str], None]) -> list[str]:
+        """Before an attempt: move the survivors' disks to their ids; the reconfigure
+        overrides when the job runs on fewer nodes than it started with."""
+        self._relocate_disks()
+        if self.nodes == self.initial_nodes or self.reconfigure is None:
+            return []
+        extra = list(self.reconfigure(self.nodes, self.nproc_per_node))
+        say(f"{self.nodes} of {self.initial_nodes} nodes: appending {' '.join(extra) or 'nothing'}")
+        return extra
 
     def _wait(self, a: Attempt, deadline: float | None, monitor) -> int:
         while True:
@@ -327,6 +477,28 @@ class LocalLauncher:
         return f"--- {self.name} attempt {a.index + 1} node {node} exited {a.rcs[node]}; end of {a.logs[node]}:\n{tail}"
 
 
+def _lose_node_monitor(spec: str | None, nodes: int):
+    """The monitor of ``--lose-node NODE@SECONDS`` (None without it).
+
+    Raises:
+        ValueError: ``spec`` is not NODE@SECONDS with NODE in 0..nodes-1 and SECONDS >= 0.
+    """
+    if spec is None:
+        return None
+    m = re.fullmatch(r"(\d+)@(\d+(?:\.\d*)?)", spec.strip())
+    if not m or int(m.group(1)) >= nodes:
+        raise ValueError(f"--lose-node must be NODE@SECONDS with NODE in 0..{nodes - 1}, got {spec!r}")
+    node, after = int(m.group(1)), float(m.group(2))
+    done: list[bool] = []
+
+    def monitor(launcher: LocalLauncher, a: Attempt) -> None:
+        if not done and a.index == 0 and time.time() - a.t_start >= after:
+            done.append(True)
+            launcher.lose_node(node)
+
+    return monitor
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python launch/local.py", description=__doc__.split("\n\n")[0],
@@ -340,14 +512,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-dir", default=None, help="keep the restart counter here across launcher runs")
     ap.add_argument("--timeout", type=float, default=None, help="seconds for the whole run")
     ap.add_argument("--kill-grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    ap.add_argument("--min-nodes", type=int, default=None,
+                    help=f"go on with at least this many nodes after one is lost for good (default ${MIN_NODES_ENV}, "
+                         "else every node is needed)")
+    ap.add_argument("--local-root", default=None,
+                    help="the nodes' local-root directory with {node}: deleted for a lost node, renamed for a "
+                         "survivor whose id changes")
+    ap.add_argument("--lose-node", default=None, metavar="NODE@SECONDS",
+                    help="lose node NODE for good SECONDS after the first attempt starts (a trial of --min-nodes)")
     if "--" not in argv:
         ap.error("separate the training command with --, e.g. -- -m titan_plugin.train --toml FILE")
     i = argv.index("--")
     args, command = ap.parse_args(argv[:i]), argv[i + 1:]
+    say = lambda s: print(f"[tierckpt local {time.strftime('%H:%M:%S')}] {s}", file=sys.stderr, flush=True)  # noqa: E731
     try:
+        fit = titan_reconfigure(command, say) if command[:2] == ["-m", "titan_plugin.train"] else None
         launcher = LocalLauncher(command, nodes=args.nodes, nproc_per_node=args.nproc_per_node,
                                  max_attempts=args.max_attempts, log_dir=args.log_dir, name=args.name,
-                                 state_dir=args.state_dir, kill_grace_s=args.kill_grace)
+                                 state_dir=args.state_dir, kill_grace_s=args.kill_grace, min_nodes=args.min_nodes,
+                                 local_root=args.local_root, reconfigure=fit)
+        monitor = _lose_node_monitor(args.lose_node, args.nodes)
     except ValueError as e:
         ap.error(str(e))
 
@@ -355,10 +539,9 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    say = lambda s: print(f"[tierckpt local {time.strftime('%H:%M:%S')}] {s}", file=sys.stderr, flush=True)  # noqa: E731
     say(f"logs: {args.log_dir}/{args.name}-attempt<k>-node<n>.log")
     try:
-        rc = launcher.run(timeout=args.timeout, log=say)
+        rc = launcher.run(timeout=args.timeout, monitor=monitor, log=say)
     except LaunchError as e:
         say(str(e))
         return 124

@@ -6,9 +6,11 @@
 # with one torchrun per node (static rendezvous: node rank = SLURM_NODEID, master = first host
 # of the allocation, a MASTER_PORT unique per job and attempt) and TIERCKPT_RESTART_COUNT =
 # attempts this job launched before (all allocations), which the engine writes into the
-# ledger's run_start. When the allocation has lost a node or the retries are used up, the job
-# is requeued (`scontrol requeue`, or exit TIERCKPT_REQUEUE_EXIT for a RequeueExit set by the
-# admins), excluding the node(s) that failed when the partition has enough other nodes.
+# ledger's run_start. When the allocation has lost a node and TIERCKPT_MIN_NODES allows it,
+# the next attempt runs on the remaining nodes (tck_shrink); otherwise, and when the retries
+# are used up, the job is requeued (`scontrol requeue`, or exit TIERCKPT_REQUEUE_EXIT for a
+# RequeueExit set by the admins), excluding the node(s) that failed when the partition has
+# enough other nodes.
 
 tck_log() { printf '[tierckpt %(%F %T)T] %s\n' -1 "$*" >&2; }
 tck_die() { tck_log "error: $*"; exit 2; }
@@ -44,6 +46,13 @@ tck_config_error() {
         [ "$(tck_root_cause "$f")" = 2 ] && return 0
     done
     return 1
+}
+
+# The hosts among "$@" that the current step runs on.
+tck_in_step() {
+    local h out=()
+    for h in "$@"; do [[ " $TCK_STEP_HOSTS " == *" $h "* ]] && out+=("$h"); done
+    echo "${out[*]}"
 }
 
 # Nodes of the allocation that Slurm no longer considers usable.
@@ -208,20 +217,34 @@ tck_port() {
 # save; this bash and tee must outlive them, or the workers' stderr pipe breaks mid-save and the
 # record is never written. SIGUSR1 (`--signal=USR1@…` without B:) is ignored here and so in
 # torchrun, which would die of it; the workers install their own handler.
+# On a step over part of the allocation (TCK_NODELIST, after a node was lost for good) the node
+# rank is the host's position in that list, and a host whose rank changed since the previous
+# attempt (TCK_PREV_HOSTS) takes its local root along: node-<old> becomes node-<new>.
 # shellcheck disable=SC2016
 TCK_NODE_SCRIPT='
-f="$TCK_ATTEMPT_DIR/node-$SLURM_NODEID"
+host=${SLURMD_NODENAME:-$(hostname -s)}
+rank=$SLURM_NODEID
+if [ -n "${TCK_NODELIST:-}" ]; then
+  rank=$(tr , "\n" <<< "$TCK_NODELIST" | grep -nxF "$host" | cut -d: -f1)
+  rank=$((${rank:-0} - 1))
+fi
+old=$(tr " " "\n" <<< "${TCK_PREV_HOSTS:-}" | grep -nxF "$host" | cut -d: -f1)
+if [ -n "$old" ] && [ "$((old - 1))" -ne "$rank" ] && [ -d "$TIERCKPT_LOCAL_ROOT/node-$((old - 1))" ] &&
+   [ ! -e "$TIERCKPT_LOCAL_ROOT/node-$rank" ]; then
+  mv "$TIERCKPT_LOCAL_ROOT/node-$((old - 1))" "$TIERCKPT_LOCAL_ROOT/node-$rank"
+fi
+f="$TCK_ATTEMPT_DIR/node-$rank"
 sig=-
 trap "sig=TERM" TERM
 trap "" USR1
-echo "${SLURMD_NODENAME:-$(hostname -s)}" > "$f.host"
+echo "$host" > "$f.host"
 # a pipeline, not a process substitution: bash waits for tee, so the file is complete
-{ "$TIERCKPT_PYTHON" -m torch.distributed.run --nnodes="$TCK_NNODES" --node-rank="$SLURM_NODEID" \
+{ "$TIERCKPT_PYTHON" -m torch.distributed.run --nnodes="$TCK_NNODES" --node-rank="$rank" \
     --nproc-per-node="$TIERCKPT_NPROC_PER_NODE" --master-addr="$MASTER_ADDR" \
     --master-port="$MASTER_PORT" --max-restarts=0 "$@" 2>&1 1>&3 3>&- | (trap "" TERM; exec tee "$f.err") >&2 3>&-
   rc=${PIPESTATUS[0]}; } 3>&1
 trap "" TERM INT  # srun stops the step now: finish the record first
-echo "$SLURM_NODEID $(cat "$f.host") $rc $sig" > "$f.exit"
+echo "$rank $(cat "$f.host") $rc $sig" > "$f.exit"
 exit $rc
 '
 
@@ -252,18 +275,61 @@ tck_init() {
     done
     [ "$TIERCKPT_MAX_ATTEMPTS" -ge 1 ] || tck_die "TIERCKPT_MAX_ATTEMPTS must be >= 1"
     TCK_NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
-    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    : "${TIERCKPT_MIN_NODES:=$TCK_NNODES}"
+    [[ "$TIERCKPT_MIN_NODES" =~ ^[0-9]+$ ]] && [ "$TIERCKPT_MIN_NODES" -ge 1 ] && [ "$TIERCKPT_MIN_NODES" -le "$TCK_NNODES" ] ||
+        tck_die "TIERCKPT_MIN_NODES=$TIERCKPT_MIN_NODES: must be an integer in 1..$TCK_NNODES (the allocation's nodes)"
+    TCK_STEP_HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tr '\n' ' ')
+    TCK_STEP_HOSTS=$(echo $TCK_STEP_HOSTS)  # one space between names, none around
+    TCK_NODELIST=""
+    TCK_PREV_HOSTS=""
+    TCK_EXTRA=()
+    MASTER_ADDR=${TCK_STEP_HOSTS%% *}
     [ -n "$MASTER_ADDR" ] || tck_die "cannot expand SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
     mkdir -p "$TIERCKPT_STATE_DIR" || tck_die "TIERCKPT_STATE_DIR=$TIERCKPT_STATE_DIR cannot be created"
     export TIERCKPT_HOME TIERCKPT_PYTHON TIERCKPT_NPROC_PER_NODE TIERCKPT_LOCAL_ROOT TIERCKPT_STATE_DIR \
-        TCK_NNODES MASTER_ADDR
+        TCK_NNODES MASTER_ADDR TCK_NODELIST TCK_PREV_HOSTS
     export PYTHONPATH="$TIERCKPT_HOME${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+# Go on with fewer nodes after Slurm reported node(s) of the last attempt unusable, when at
+# least TIERCKPT_MIN_NODES are left and the job kind defines tck_reconfigure (titan.sbatch):
+# the next attempt is a step on the remaining hosts, in allocation order, renumbered 0..N'-1,
+# the master its first host, with tck_reconfigure's overrides for N' nodes appended (parallel
+# degrees, replication J/F). The allocation must outlive the node: `sbatch --no-kill`.
+# Returns 1 when it cannot (the caller requeues); exits 2 when the training configuration
+# cannot fit the nodes left. Args: the unusable hosts (one word), then the training command.
+tck_shrink() {
+    local lost=" $1 " h left=() out
+    shift
+    for h in $TCK_STEP_HOSTS; do [[ "$lost" == *" $h "* ]] || left+=("$h"); done
+    [ "${#left[@]}" -lt "$TCK_NNODES" ] || return 1  # none of this step's hosts was lost
+    if [ "${#left[@]}" -lt "$TIERCKPT_MIN_NODES" ]; then
+        tck_log "${#left[@]} usable nodes left, fewer than TIERCKPT_MIN_NODES=$TIERCKPT_MIN_NODES: not going on with fewer"
+        return 1
+    fi
+    if ! declare -F tck_reconfigure >/dev/null; then
+        tck_log "TIERCKPT_MIN_NODES: this job kind cannot go on with fewer nodes (no tck_reconfigure)"
+        return 1
+    fi
+    if ! out=$(tck_reconfigure "${#left[@]}" "$@"); then
+        echo "$(date +%s) give-up reason=\"cannot fit ${#left[@]} nodes\"" >> "$TIERCKPT_STATE_DIR/events"
+        tck_log "the training configuration cannot go on with ${#left[@]} nodes (see above)"
+        exit 2
+    fi
+    eval "TCK_EXTRA=($out)"  # shell words, quoted by the reconfigure step (shlex.join)
+    TCK_STEP_HOSTS="${left[*]}"
+    TCK_NODELIST=$(tr ' ' , <<< "$TCK_STEP_HOSTS")
+    TCK_NNODES=${#left[@]}
+    MASTER_ADDR=${left[0]}
+    echo "$(date +%s) shrink nodes=$TCK_NNODES hosts=$TCK_NODELIST lost=$(echo $lost | tr ' ' ,) args=\"${TCK_EXTRA[*]}\"" >> "$TIERCKPT_STATE_DIR/events"
+    tck_log "going on with $TCK_NNODES nodes ($TCK_NODELIST), master $MASTER_ADDR${TCK_EXTRA[*]:+, appending ${TCK_EXTRA[*]}}"
+    return 0
 }
 
 # Run the training command ("$@": what follows torchrun's options, e.g. -m titan_plugin.train …)
 # under the retry loop; exits with its status, or requeues.
 tck_run() {
-    local attempt=0 counter rc blamed="" unhealthy b pre
+    local attempt=0 counter rc blamed="" unhealthy b pre hosts_run=""
     counter=$TIERCKPT_STATE_DIR/attempts
     tck_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $TCK_NNODES nodes ($SLURM_JOB_NODELIST) x $TIERCKPT_NPROC_PER_NODE ranks, master $MASTER_ADDR, local root $TIERCKPT_LOCAL_ROOT, state $TIERCKPT_STATE_DIR"
     trap 'tck_notice USR1' USR1
@@ -281,20 +347,23 @@ tck_run() {
         mkdir -p "$TCK_ATTEMPT_DIR"
         export TIERCKPT_RESTART_COUNT MASTER_PORT TCK_ATTEMPT_DIR
         tck_log "attempt $attempt/$TIERCKPT_MAX_ATTEMPTS in this allocation (restart count $TIERCKPT_RESTART_COUNT), MASTER_PORT=$MASTER_PORT"
-        echo "$(date +%s) start attempt=$attempt restart_count=$TIERCKPT_RESTART_COUNT port=$MASTER_PORT nodes=$SLURM_JOB_NODELIST slurm_restart=${SLURM_RESTART_COUNT:-0}" >> "$TIERCKPT_STATE_DIR/events"
+        TCK_PREV_HOSTS=$hosts_run  # the node script moves a renumbered host's local root along
+        hosts_run=$TCK_STEP_HOSTS
+        export TCK_NNODES MASTER_ADDR TCK_NODELIST TCK_PREV_HOSTS
+        echo "$(date +%s) start attempt=$attempt restart_count=$TIERCKPT_RESTART_COUNT port=$MASTER_PORT nodes=${TCK_NODELIST:-$SLURM_JOB_NODELIST} slurm_restart=${SLURM_RESTART_COUNT:-0}" >> "$TIERCKPT_STATE_DIR/events"
+        local step=(--kill-on-bad-exit=1 --nodes="$TCK_NNODES" --ntasks="$TCK_NNODES" --ntasks-per-node=1
+                    ${TCK_NODELIST:+--nodelist="$TCK_NODELIST"})
         if [ -n "${TIERCKPT_DRY_RUN:-}" ]; then
-            printf '%q ' srun --kill-on-bad-exit=1 --nodes="$TCK_NNODES" --ntasks="$TCK_NNODES" --ntasks-per-node=1 \
-                bash -c "<node script>" tierckpt-node "$@"; echo
+            printf '%q ' srun "${step[@]}" bash -c "<node script>" tierckpt-node "$@" "${TCK_EXTRA[@]}"; echo
             printf 'node 0: '
             printf '%q ' "$TIERCKPT_PYTHON" -m torch.distributed.run --nnodes="$TCK_NNODES" --node-rank=0 \
                 --nproc-per-node="$TIERCKPT_NPROC_PER_NODE" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
-                --max-restarts=0 "$@"; echo
+                --max-restarts=0 "$@" "${TCK_EXTRA[@]}"; echo
             exit 0
         fi
         # in the background: bash runs a trap only once the foreground command ends, and a
         # notice must reach the training while it runs; `wait` returns early for each one
-        srun --kill-on-bad-exit=1 --nodes="$TCK_NNODES" --ntasks="$TCK_NNODES" --ntasks-per-node=1 \
-            bash -c "$TCK_NODE_SCRIPT" tierckpt-node "$@" &
+        srun "${step[@]}" bash -c "$TCK_NODE_SCRIPT" tierckpt-node "$@" "${TCK_EXTRA[@]}" &
         TCK_SRUN_PID=$!
         tck_forward_notice
         while :; do
@@ -318,7 +387,7 @@ tck_run() {
         fi
         b=$(tck_blamed_nodes "$TCK_ATTEMPT_DIR")
         blamed=$(echo "$blamed $b" | tr ' ' '\n' | awk 'NF' | sort -u | tr '\n' ' ')
-        unhealthy=$(tck_unhealthy_nodes)
+        unhealthy=$(tck_in_step $(tck_unhealthy_nodes))  # a host lost before is no longer in the step
         b=$(echo $b)  # one space between names, none around
         unhealthy=$(echo $unhealthy)
         echo "$(date +%s) end attempt=$attempt rc=$rc failed_nodes=$(tr ' ' , <<< "${b:--}") unhealthy=$(tr ' ' , <<< "${unhealthy:--}")" >> "$TIERCKPT_STATE_DIR/events"
@@ -327,6 +396,9 @@ tck_run() {
             echo "$(date +%s) give-up reason=\"configuration error (worker exit status 2)\"" >> "$TIERCKPT_STATE_DIR/events"
             tck_log "a worker exited with status 2 (invalid configuration): not retrying"
             exit 2
+        fi
+        if [ -n "$unhealthy" ] && [ "$attempt" -lt "$TIERCKPT_MAX_ATTEMPTS" ] && tck_shrink "$unhealthy" "$@"; then
+            continue
         fi
         if [ -n "$unhealthy" ]; then
             # shellcheck disable=SC2086

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 WORKER = r"""
@@ -21,6 +23,7 @@ import json, os, signal, sys, time
 rec = {k: os.environ.get(k) for k in ("RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                       "MASTER_PORT", "TIERCKPT_RESTART_COUNT", "TIERCKPT_NODE_ID")}
 rec["pid"] = os.getpid()
+rec["argv"] = sys.argv[2:]
 with open(sys.argv[1], "a") as f:
     f.write(json.dumps(rec) + "\n")
 plan = dict(x.split(":", 1) for x in os.environ.get("FAIL", "").split(",") if x)
@@ -94,6 +97,90 @@ def test_retry_restart_count_and_config_error(tmp_path, monkeypatch):
     assert time.time() - t0 < 120
     assert all(p.poll() is not None for p in l2.attempts[0].procs)
     assert (state / "attempts").read_text().strip() == "3"
+
+
+def _wait_records(path: Path, n: int, restart_count: str) -> bool:
+    return sum(r["TIERCKPT_RESTART_COUNT"] == restart_count for r in _records(path)) >= n
+
+
+def test_lose_node_continues_on_fewer_nodes(tmp_path, monkeypatch):
+    """3 simulated nodes, TIERCKPT_MIN_NODES=2: node 1 is lost for good while every node runs;
+    the next attempt runs on 2 nodes (torchrun --nnodes=2, WORLD_SIZE 2, node ids 0 and 1),
+    with the reconfigure overrides appended; node 1's disk is gone and old node 2's disk
+    follows it to id 1."""
+    lo = _local()
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    rec, nvme = tmp_path / "rec.jsonl", tmp_path / "nvme"
+    for n in range(3):
+        (nvme / f"node-{n}").mkdir(parents=True)
+        (nvme / f"node-{n}" / "host").write_text(f"slot {n}")
+    monkeypatch.setenv("TIERCKPT_MIN_NODES", "2")
+    asked: list[tuple[int, int]] = []
+
+    def reconfigure(nodes: int, nproc: int) -> list[str]:
+        asked.append((nodes, nproc))
+        return ["--parallelism.data_parallel_shard_degree", str(nodes * nproc)]
+
+    def monitor(launcher, a):
+        if a.index == 0 and not a.lost and _wait_records(rec, 3, "0"):
+            launcher.lose_node(1)
+
+    lines: list[str] = []
+    la = lo.LocalLauncher([str(worker), str(rec)], nodes=3, max_attempts=3, log_dir=str(tmp_path / "logs"),
+                          env={"FAIL": "0/0:hang,0/1:hang,0/2:hang"}, local_root=str(nvme / "node-{node}"),
+                          reconfigure=reconfigure, kill_grace_s=2)
+    assert la.min_nodes == 2
+    assert la.run(timeout=240, monitor=monitor, log=lines.append) == 0, lines
+    a1, a2 = la.attempts
+    assert (a1.nodes, a1.slots, a1.lost, a1.failed_node, a1.worker_exitcode) == (3, [0, 1, 2], [1], 1, None)
+    assert (a2.nodes, a2.slots, a2.ok) == (2, [0, 2], True)
+    assert asked == [(2, 1)] and a1.extra_args == [] and a2.extra_args == ["--parallelism.data_parallel_shard_degree", "2"]
+    second = sorted((r for r in _records(rec) if r["TIERCKPT_RESTART_COUNT"] == "1"), key=lambda r: r["GROUP_RANK"])
+    assert [(r["GROUP_RANK"], r["RANK"], r["WORLD_SIZE"]) for r in second] == [("0", "0", "2"), ("1", "1", "2")]
+    assert all(r["argv"] == ["--parallelism.data_parallel_shard_degree", "2"] for r in second)
+    assert la.node_command(1, a2.port)[3] == "--nnodes=2"
+    assert sorted(p.name for p in nvme.iterdir()) == ["node-0", "node-1"]
+    assert [(nvme / f"node-{n}" / "host").read_text() for n in (0, 1)] == ["slot 0", "slot 2"]
+    assert any("lost for good; 2 node(s) left" in x for x in lines), lines
+
+
+def test_lose_node_below_minimum_gives_up(tmp_path):
+    lo = _local()
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    rec = tmp_path / "rec.jsonl"
+    lines: list[str] = []
+
+    def monitor(launcher, a):
+        if a.index == 0 and not a.lost and _wait_records(rec, 2, "0"):
+            launcher.lose_node(0)
+
+    la = lo.LocalLauncher([str(worker), str(rec)], nodes=2, max_attempts=3, log_dir=str(tmp_path / "logs"),
+                          env={"FAIL": "0/0:hang,0/1:hang"}, min_nodes=2, kill_grace_s=2)
+    rc = la.run(timeout=240, monitor=monitor, log=lines.append)
+    assert rc != 0 and len(la.attempts) == 1 and la.lost == [0], lines
+    assert lines[-1] == "giving up: node(s) [0] lost for good, 1 left, fewer than the minimum 2 (min_nodes / TIERCKPT_MIN_NODES)"
+    with pytest.raises(ValueError, match="node must be a node id in 0..0"):
+        la.lose_node(1)
+
+
+def test_min_nodes_errors(tmp_path, monkeypatch):
+    lo = _local()
+    kw = dict(nodes=3, log_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"min_nodes must be an integer in 1..3 \(the nodes of the job\), got 4"):
+        lo.LocalLauncher(["x.py"], min_nodes=4, **kw)
+    with pytest.raises(ValueError, match="local_root must contain {node}"):
+        lo.LocalLauncher(["x.py"], local_root=str(tmp_path / "nvme"), **kw)
+    monkeypatch.setenv("TIERCKPT_MIN_NODES", "two")
+    with pytest.raises(ValueError, match="TIERCKPT_MIN_NODES='two': must be an integer in 1..3"):
+        lo.LocalLauncher(["x.py"], **kw)
+    monkeypatch.delenv("TIERCKPT_MIN_NODES")
+    assert lo.LocalLauncher(["x.py"], **kw).min_nodes == 3  # default: every node is needed
+    with pytest.raises(ValueError, match="--lose-node must be NODE@SECONDS with NODE in 0..2"):
+        lo._lose_node_monitor("3@1", 3)
+    with pytest.raises(ValueError, match="needs a command starting with -m titan_plugin.train"):
+        lo.titan_reconfigure(["x.py"])
 
 
 def test_cli_errors(capsys):

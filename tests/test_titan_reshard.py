@@ -6,11 +6,11 @@
    After training, each rank computes the loss of the fixed batch (the whole batch on every
    rank) under ``no_grad``.
 2. A 1-rank process builds the trainer from the same config (``replication_factor = 1``: one
-   node cannot hold a replica; ``exclude_from_loading = ["dataloader"]``: torchtitan's
-   dataloader state is per data-parallel rank), calls ``trainer.checkpointer.load()`` and
-   computes the loss of the same fixed batch. Node 0's disk holds its own half of every sharded
-   tensor and its replica of node 1's half: the restore reads both in-cluster, resharding 2 → 1,
-   without a persistent byte.
+   node cannot hold a replica), calls ``trainer.checkpointer.load()`` and computes the loss of
+   the same fixed batch. Node 0's disk holds its own half of every sharded tensor and its
+   replica of node 1's half: the restore reads both in-cluster, resharding 2 → 1, without a
+   persistent byte. The dataloader state is loaded too: the demo corpus is repositioned from 2
+   data-parallel ranks to 1 (titan_plugin/dataloader.py).
 3. Node 0's replica of node 1 is deleted and the 1-rank restore runs again: node 1's chunks are
    in no in-cluster copy, so it loads the persistent tier and the ledger names the missing chunks.
 
@@ -66,6 +66,16 @@ def fixed_batch_loss(trainer) -> float:
     return float(loss)
 
 
+def _dataloader_outcome(trainer) -> dict:
+    """How the checkpointer positioned the dataloader, and where it now reads (epoch, row view)."""
+    positions = getattr(trainer.checkpointer, "positions", None)
+    ds = trainer.dataloader.dataset
+    view = getattr(ds, "_tierckpt_view", None)
+    return {"outcome": getattr(positions, "outcome", None), "epoch": ds._epoch, "sample_idx": ds._sample_idx,
+            "view": None if view is None else [list(r) for r in view[1]], "shard_len": len(ds._original_data),
+            "buffer": len(ds._inputs_buffer)}
+
+
 def helper(argv: list[str]) -> int:
     import argparse
 
@@ -96,7 +106,8 @@ def helper(argv: list[str]) -> int:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         out = {"mode": args.mode, "rank": rank, "world": int(os.environ.get("WORLD_SIZE", "1")),
                "step": trainer.step, "loss": loss, "loss_hex": loss.hex(), "loss_before_load": before,
-               "restored_from": None if res is None else {str(n): o.source.kind for n, o in res.sources.items()}}
+               "restored_from": None if res is None else {str(n): o.source.kind for n, o in res.sources.items()},
+               "dataloader": _dataloader_outcome(trainer)}
         with open(f"{args.result}.rank{rank}", "w") as f:
             json.dump(out, f)
     finally:
@@ -144,8 +155,7 @@ def test_resume_2_to_1_ranks_resharded_in_cluster_then_persistent(tmp_path):
                      cmd=[*script, "--mode", "train", "--result", str(tmp_path / "train.json"), *common,
                           "--checkpoint.replication_factor", "2"])
         two.wait(300)
-        restore = [*script, "--mode", "restore", *common, "--checkpoint.replication_factor", "1",
-                   "--checkpoint.exclude_from_loading", "dataloader"]
+        restore = [*script, "--mode", "restore", *common, "--checkpoint.replication_factor", "1"]
         ld.Job("restore-1rank-in-cluster", world=1, log_dir=str(logs), restart_count=1,
                cmd=[*restore, "--result", str(tmp_path / "restore.json")]).wait(300)
         # node 1's shards now exist only in the persistent tier
@@ -182,6 +192,13 @@ def test_resume_2_to_1_ranks_resharded_in_cluster_then_persistent(tmp_path):
     assert pfs["sources"]["0"]["source"] == "persistent" and pfs["persistent_bytes"] > 0, pfs
     assert pfs["missing"] and any(f["source"] == "in-cluster" and f["step"] == K for f in pfs["failures"]), pfs
     assert rp["restored_from"] == {"0": "persistent"}
+    # the data goes on where both ranks stopped: the rows neither had read, in order
+    d2, d1 = [r["dataloader"] for r in r2], r1["dataloader"]
+    assert d1["outcome"] == "resharded 2->1" and d1["epoch"] == 0 and d1["sample_idx"] == 0, d1
+    n = sum(d["shard_len"] for d in d2)
+    rest = [[0 + d2[0]["sample_idx"], d2[0]["shard_len"]], [d2[0]["shard_len"] + d2[1]["sample_idx"], n]]
+    assert d1["view"] == rest and d1["buffer"] == sum(d["buffer"] for d in d2), (d1, d2)
+    assert rp["dataloader"] == d1, (rp["dataloader"], d1)  # the same positions from either source
 
     l2, l1 = r2[0]["loss"], r1["loss"]
     assert math.isfinite(l1) and math.isfinite(l2)

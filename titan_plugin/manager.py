@@ -43,13 +43,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torchtitan.components.checkpoint import MODEL, CheckpointManager
+from torchtitan.components.checkpoint import DATALOADER, MODEL, CheckpointManager
 
 from tierckpt import (ConfigError, PeerFailure, Preempted, RestoreRecord, TieredCheckpointer, VerificationError,
                       all_gather, restore_metrics, run_agreed, write_dcp)
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 from titan_plugin.config import build_tier_config, checkpoint_error
+from titan_plugin.dataloader import DataloaderPositions
 from titan_plugin.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,7 @@ class TieredCheckpointManager(CheckpointManager):
                          lr_schedulers=lr_schedulers, states=states, sd_adapter=sd_adapter,
                          base_folder=base_folder)
         self.engine: TieredCheckpointer | None = None
+        self.positions: DataloaderPositions | None = None
         self.tier_metrics = TierMetrics(self._metric_logger)
         self._metrics_step = 0  # the step of the last save() call: where close() logs what is left
         self.seed_run = bool(config.create_seed_checkpoint)
@@ -219,6 +221,29 @@ class TieredCheckpointManager(CheckpointManager):
         self.last_restore = None
         self._t_step_end: float | None = None
         self._last_handle = None
+        self.positions = self._wrap_dataloader(dataloader)
+
+    def _wrap_dataloader(self, dataloader) -> DataloaderPositions | None:
+        """Put :class:`titan_plugin.dataloader.DataloaderPositions` in place of torchtitan's
+        per-DP-rank dataloader state, so a run with another data-parallel degree can resume
+        the data where the saved run stopped. Collective (creates a gloo group) when the
+        dataloader is a ``ParallelAwareDataloader``; None (torchtitan's state kept) otherwise."""
+        from torchtitan.components.dataloader import ParallelAwareDataloader
+
+        if not isinstance(dataloader, ParallelAwareDataloader):
+            return None
+        trainer_cfg = getattr(self.states.get("train_state"), "config", None)
+        path = getattr(getattr(trainer_cfg, "dataloader", None), "dataset_path", None)
+        group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.states[DATALOADER] = wrapper = DataloaderPositions(dataloader, group, dataset_path=path)
+        return wrapper
+
+    def _states_to_save(self) -> dict[str, Any]:
+        """The flattened states of a save; gathers every rank's dataloader position first
+        (collective: every rank saves at the same step)."""
+        if self.positions is not None:
+            self.positions.prepare()
+        return self._flattened_model_states_sd()
 
     # -- save ----------------------------------------------------------------------------------
     def _due_tiers(self, curr_step: int, last_step: bool) -> list[str]:
@@ -245,7 +270,7 @@ class TieredCheckpointManager(CheckpointManager):
             saved = self._save_due(curr_step, last_step)
             sig = None if last_step else self.engine.preemption_requested()  # agreed on every rank
             if sig is not None:
-                raise self.engine.save_for_preemption(curr_step, self._flattened_model_states_sd(), sig,
+                raise self.engine.save_for_preemption(curr_step, self._states_to_save(), sig,
                                                       handle=self._last_handle)
             return saved
         finally:
@@ -271,7 +296,7 @@ class TieredCheckpointManager(CheckpointManager):
         saved = False
         if tiers:
             # raises TierFailedError when a due tier's previous save failed (not warn-only)
-            handle = self._last_handle = self.engine.save(curr_step, self._flattened_model_states_sd(), tiers=tiers)
+            handle = self._last_handle = self.engine.save(curr_step, self._states_to_save(), tiers=tiers)
             log.info("tierckpt: step %d staged for %s in %.3fs", curr_step, "+".join(tiers), handle.blocking_s)
             self.tier_metrics.saved(handle, curr_step)
             saved = True
@@ -379,6 +404,8 @@ class TieredCheckpointManager(CheckpointManager):
             raise FileNotFoundError(f"checkpoint.load_step=0: no seed checkpoint (step-0) in "
                                     f"{self.engine.persistent_url()}")
         states = self._states_to_load(model_only=False)
+        if self.positions is not None:
+            self.positions.loaded = None
         explicit = step != -1
         res = self.engine.restore(states, step=step if explicit else None,
                                   rollback=explicit and not self.load_only)
@@ -390,6 +417,9 @@ class TieredCheckpointManager(CheckpointManager):
             return super()._load(-1)
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(states)
+        if self.positions is not None and DATALOADER in states:
+            # after the restore, not inside it: a policy error must not read as a bad source
+            log.info("tierckpt: dataloader positions: %s", self.positions.apply())
         self.last_restore = res
         self.tier_metrics.restored(res)
         log.info("tierckpt: resumed from step %d (%s) in %.2fs", res.step,

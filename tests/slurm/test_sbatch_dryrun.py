@@ -122,6 +122,7 @@ def test_titan_command_line(tmp_path):
     ("TIERCKPT_MAX_ATTEMPTS", "0", "TIERCKPT_MAX_ATTEMPTS must be >= 1"),
     ("TIERCKPT_NPROC_PER_NODE", "eight", "TIERCKPT_NPROC_PER_NODE=eight: must be a non-negative integer"),
     ("TIERCKPT_TOML", "/nonexistent.toml", "TIERCKPT_TOML=/nonexistent.toml: no such file"),
+    ("TIERCKPT_MIN_NODES", "3", "TIERCKPT_MIN_NODES=3: must be an integer in 1..2 (the allocation's nodes)"),
 ])
 def test_titan_bad_variables(tmp_path, var, value, needle):
     r = _run(tmp_path, "titan.sbatch", {var: value})
@@ -296,3 +297,121 @@ def test_notice_to_batch_script_forwards_sigterm_and_requeues(tmp_path, sig, job
     else:
         assert p.returncode == 1 and kinds == ["start", "notice", "end", "slurm-ends"], (ev, err)
         assert "scontrol requeue 1234" not in _calls(fake)
+
+
+# ----------------------------------------- a node lost for good: go on with fewer (TIERCKPT_MIN_NODES)
+# srun over the hosts of --nodelist (else the first --nodes of gpu01..), one process group per
+# node; sinfo reports the hosts listed in $FAKE_DIR/down as "down*"; the stand-in interpreter
+# answers titan_plugin.elastic with fixed overrides (one word quoted) and plays torchrun: in the
+# first attempt host $FAKE_LOSE dies (and Slurm marks it down), the others train until stopped.
+SHRINK_SRUN = r"""#!/bin/bash
+hosts=""
+for a in "$@"; do case "$a" in --nodelist=*) hosts=${a#*=} ;; esac; done
+while [ $# -gt 0 ] && [ "$1" != bash ]; do shift; done
+shift 2; script=$1; shift 2
+[ -n "$hosts" ] || hosts=$(seq -s, -f 'gpu%02g' 1 "$TCK_NNODES")
+echo "srun nodes=$TCK_NNODES hosts=$hosts" >> "$FAKE_DIR/calls"
+set -m
+pids=(); i=0
+for h in ${hosts//,/ }; do
+  SLURM_NODEID=$i SLURMD_NODENAME=$h bash -c "$script" tierckpt-node "$@" &
+  pids+=($!); i=$((i + 1))
+done
+rc=0
+for _ in "${pids[@]}"; do
+  wait -n; r=$?
+  if [ "$r" -ne 0 ] && [ "$rc" -eq 0 ]; then
+    rc=$r
+    for p in "${pids[@]}"; do kill -TERM -- -"$p" 2>/dev/null; done
+  fi
+done
+exit $rc
+"""
+
+SHRINK_SINFO = r"""#!/bin/bash
+for h in gpu01 gpu02 gpu03; do
+  if grep -qx "$h" "$FAKE_DIR/down" 2>/dev/null; then echo "$h down*"; else echo "$h alloc"; fi
+done
+"""
+
+SHRINK_SCONTROL = r"""#!/bin/bash
+echo "scontrol $*" >> "$FAKE_DIR/calls"
+case "$1 $2" in
+  "show hostnames") echo gpu01; echo gpu02; echo gpu03 ;;
+  "show job") echo "JobId=1234 JobState=RUNNING ExcNodeList=(null)" ;;
+  "requeue 1234") ;;
+  "update jobid=1234") ;;
+  *) echo "fake scontrol: unexpected $*" >&2; exit 1 ;;
+esac
+"""
+
+SHRINK_PYTHON = r"""#!/bin/bash
+if [ "$1 $2" = "-m titan_plugin.elastic" ]; then
+  echo "elastic ${*:3}" >> "$FAKE_DIR/calls"
+  echo "titan_plugin.elastic: warning: replication clamped" >&2
+  echo "--checkpoint.replication_factor 2 --note 'a b'"; exit 0
+fi
+rank=; nn=; master=
+for a in "$@"; do case "$a" in --node-rank=*) rank=${a#*=} ;; --nnodes=*) nn=${a#*=} ;; --master-addr=*) master=${a#*=} ;; esac; done
+echo "attempt=$TIERCKPT_RESTART_COUNT host=$SLURMD_NODENAME rank=$rank nnodes=$nn master=$master tail=${*: -4} last=[${*: -1}]" >> "$FAKE_DIR/nodes"
+if [ "$TIERCKPT_RESTART_COUNT" = 0 ]; then
+  if [ "$SLURMD_NODENAME" = "$FAKE_LOSE" ]; then sleep 0.3; echo "$SLURMD_NODENAME" >> "$FAKE_DIR/down"; exit 1; fi
+  for i in $(seq 300); do sleep 0.1; done
+fi
+exit 0
+"""
+
+
+def _shrink_job(tmp_path, env: dict[str, str]):
+    bindir, fake, nvme = tmp_path / "bin", tmp_path / "fake", tmp_path / "nvme"
+    for d in (bindir, fake, nvme / "node-2"):
+        d.mkdir(parents=True)
+    (nvme / "node-2" / "marker").write_text("gpu03's disk")
+    for name, text in (("srun", SHRINK_SRUN), ("sinfo", SHRINK_SINFO), ("scontrol", SHRINK_SCONTROL),
+                       ("scancel", "#!/bin/sh\nexit 0\n"), ("python", SHRINK_PYTHON)):
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    e = {"PATH": f"{bindir}:/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_ID": "1234",
+         "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_JOB_NUM_NODES": "3", "SLURM_SUBMIT_DIR": str(tmp_path),
+         "SLURM_JOB_PARTITION": "gpu", "TIERCKPT_HOME": str(REPO), "TIERCKPT_PYTHON": str(bindir / "python"),
+         "TIERCKPT_LOCAL_ROOT": str(nvme), "FAKE_DIR": str(fake), **env}
+    r = subprocess.run(["bash", str(REPO / "launch" / "titan.sbatch")], env=e, cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=120)
+    return r, fake, nvme, tmp_path / ".tierckpt" / "slurm-1234"
+
+
+@pytest.mark.parametrize("lose,left", [("gpu02", ["gpu01", "gpu03"]), ("gpu01", ["gpu02", "gpu03"])])
+def test_node_lost_for_good_goes_on_with_fewer(tmp_path, lose, left):
+    """3 nodes, TIERCKPT_MIN_NODES=2: Slurm marks one host down after its node failed; the next
+    attempt is a step on the 2 others (--nodelist), renumbered in order, the master its first
+    host, torchrun --nnodes=2, with titan_plugin.elastic's overrides (for --nodes 2) appended;
+    a host whose id changed takes its local root along."""
+    r, fake, nvme, state = _shrink_job(tmp_path, {"FAKE_LOSE": lose, "TIERCKPT_MIN_NODES": "2"})
+    assert r.returncode == 0, r.stderr
+    ev = _events(state)
+    assert [k for k, _ in ev] == ["start", "end", "shrink", "start", "end"], ev
+    assert ev[1][1]["unhealthy"] == lose and ev[3][1]["nodes"] == ",".join(left), ev
+    assert ev[2][1] == {"nodes": "2", "hosts": ",".join(left), "lost": lose,
+                        "args": '"--checkpoint.replication_factor 2 --note a b"'}, ev
+    calls = (fake / "calls").read_text().splitlines()
+    assert "srun nodes=3 hosts=gpu01,gpu02,gpu03" in calls and f"srun nodes=2 hosts={','.join(left)}" in calls
+    elastic = [c for c in calls if c.startswith("elastic ")]
+    assert elastic == [f"elastic --nodes 2 --nproc-per-node 1 --shell -- --toml {REPO}/configs/titan_demo.toml "
+                       f"--checkpoint.local_root {nvme}/node-{{node}}"], elastic
+    second = sorted(x for x in (fake / "nodes").read_text().splitlines() if x.startswith("attempt=1 "))
+    assert second == [f"attempt=1 host={h} rank={i} nnodes=2 master={left[0]} "
+                      "tail=--checkpoint.replication_factor 2 --note a b last=[a b]" for i, h in enumerate(left)], second
+    # gpu03 was node 2 and is node 1 now: its local root moved with it
+    assert sorted(p.name for p in nvme.iterdir()) == ["node-1"]
+    assert (nvme / "node-1" / "marker").read_text() == "gpu03's disk"
+    assert "going on with 2 nodes" in r.stderr and "warning: replication clamped" in r.stderr
+
+
+def test_node_lost_below_min_nodes_requeues(tmp_path):
+    """TIERCKPT_MIN_NODES=3 on 3 nodes (the default): a lost node requeues the job as before."""
+    r, fake, nvme, state = _shrink_job(tmp_path, {"FAKE_LOSE": "gpu02", "TIERCKPT_MIN_NODES": "3"})
+    assert r.returncode == 0, r.stderr
+    assert [k for k, _ in _events(state)] == ["start", "end", "requeue"], _events(state)
+    assert "fewer than TIERCKPT_MIN_NODES=3" in r.stderr
+    assert "scontrol requeue 1234" in (fake / "calls").read_text()
+    assert not any(c.startswith("elastic ") for c in (fake / "calls").read_text().splitlines())
