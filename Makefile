@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv lint test test-slurm demo bench bench-reshard bench-schedule clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
+.PHONY: venv lint test test-slurm demo demo-elastic bench bench-reshard bench-schedule clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
 
 venv: $(STAMP)
 
@@ -21,6 +21,10 @@ test: venv
 
 demo: venv
 	$(VPY) launch/local_demo.py
+
+# the second act: 3 nodes → 2 after a node is lost for good, restored in-cluster (outputs/demo-elastic)
+demo-elastic: venv
+	$(VPY) launch/local_demo_elastic.py
 
 bench: venv
 	$(VPY) bench/bench_engine.py

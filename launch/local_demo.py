@@ -331,9 +331,10 @@ def _overrides(p: DemoParams, paths: Paths, dump: str, failure: bool) -> list[st
     return ov + list(p.extra)
 
 
-def compare_final_states(dir_a: str, dir_b: str) -> dict:
-    """Compare two persistent-tier DCP checkpoints entry by entry, tensors bitwise (as raw
-    bytes); runs without a process group. Returns {"equal", "entries", "differing"}."""
+def compare_final_states(dir_a: str, dir_b: str, exclude: tuple[str, ...] = ()) -> dict:
+    """Compare two DCP checkpoints entry by entry (keys starting with one of ``exclude`` left
+    out), tensors bitwise (as raw bytes); runs without a process group. Returns
+    {"equal", "entries", "differing"}."""
     import tempfile
 
     import torch
@@ -360,7 +361,8 @@ def compare_final_states(dir_a: str, dir_b: str) -> dict:
         states = []
         for i, d in enumerate((dir_a, dir_b)):
             dcp_to_torch_save(d, os.path.join(tmp, f"{i}.pt"))
-            states.append(dict(flat(torch.load(os.path.join(tmp, f"{i}.pt"), weights_only=False))))
+            states.append({k: v for k, v in flat(torch.load(os.path.join(tmp, f"{i}.pt"), weights_only=False))
+                           if not (exclude and k.startswith(exclude))})
     a, b = states
     differing = sorted(k for k in set(a) | set(b) if k not in a or k not in b or not same(a[k], b[k]))
     return {"equal": not differing, "entries": len(set(a) | set(b)), "differing": differing}
