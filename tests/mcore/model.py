@@ -12,9 +12,10 @@ import torch.distributed as dist
 VOCAB, HIDDEN, HEADS, LAYERS, FFN, SEQ, MBS = 64, 16, 4, 2, 40, 16, 2
 
 
-def setup(tp: int = 1, seed: int = 1234):
+def setup(tp: int = 1, seed: int = 1234, pp: int = 1):
     """Apply the CPU shims and the Adam-step fix, then (re)initialise Megatron's parallel
-    state with tensor parallel size ``tp`` (DP = world / tp)."""
+    state with tensor parallel size ``tp`` and pipeline parallel size ``pp``
+    (DP = world / (tp × pp))."""
     import tierckpt_dev.mcore.cpu as cpu
     from mcore_plugin import optim_state
     from megatron.core import parallel_state as ps
@@ -24,13 +25,15 @@ def setup(tp: int = 1, seed: int = 1234):
     optim_state.install()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(seed)
 
 
 def build(seed: int = 0, lr: float = 1e-2):
     """GPTModel (2 layers, hidden 16, vocab 64; dropout off) wrapped in Megatron DDP, and
-    ``get_megatron_optimizer`` (adam → torch AdamW fallback, distributed optimizer)."""
+    ``get_megatron_optimizer`` (adam → torch AdamW fallback, distributed optimizer). Under
+    pipeline parallelism (``setup(pp=…)``) each rank builds its stage only: the embedding on
+    the first stage, the output layer and loss on the last, ``LAYERS / pp`` layers each."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -43,9 +46,12 @@ def build(seed: int = 0, lr: float = 1e-2):
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(), params_dtype=torch.float32,
+        pipeline_model_parallel_size=(pp := ps.get_pipeline_model_parallel_world_size()),
+        pipeline_dtype=torch.float32 if pp > 1 else None,
     )
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                     max_sequence_length=SEQ)
+                     max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
     model = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=True),
@@ -175,3 +181,39 @@ def step_tensors_distinct(opt) -> bool:
 
 def wipe(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def train_step_pp(model, opt, step: int) -> float:
+    """One optimizer step on ``batch(step, …)`` through Megatron's pipeline schedule (1F1B,
+    one microbatch per DP rank); returns the global mean loss on every rank (the last stage
+    computes it, a broadcast over the pipeline group shares it)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp, dps = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    tokens, labels = batch(step, dp, dps)
+
+    def forward_step(data_iterator, m):
+        tok, lab = next(data_iterator)
+        pos = torch.arange(tok.shape[1]).unsqueeze(0).expand_as(tok)
+        n = tok.shape[1]
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1).view(1, 1, n, n)
+        out = m(tok, pos, mask, labels=lab)
+        return out, lambda o: (o.mean(), {"loss": o.mean().detach()})
+
+    model.train()
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([(tokens, labels)]), model=[model],
+        num_microbatches=1, seq_length=SEQ, micro_batch_size=tokens.shape[0], forward_only=False)
+    ok, _, _ = opt.step()
+    assert ok
+    t = torch.zeros(1)
+    if ps.is_pipeline_last_stage():
+        t[0] = losses[0]["loss"]
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        t /= dps
+    last = ps.get_pipeline_model_parallel_last_rank()
+    dist.broadcast(t, src=last, group=ps.get_pipeline_model_parallel_group())
+    return t.item()
