@@ -1,0 +1,121 @@
+"""Rank functions of ``tests/mcore/test_mcore_pp.py`` (run through ``tests.harness.run_world``):
+the shipped config's TP2 × PP2 layout on 4 gloo ranks, and a DP change.
+
+Node-local roots are ``<base>/nvme/node-<n>``, the persistent tier ``<base>/pfs``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from tests.mcore import model as M
+from tests.mcore.scenarios import _check_common, _load_all, _sources, _tiers
+
+STEP = 3  # the checkpointed iteration
+RPN = 2  # TP2 × PP2: 2 simulated nodes of 2 ranks, one pipeline stage (= one TP group) each
+
+
+def _restore_pp(tiers, seed: int, snap: dict, what: str, rng=None, step=None):
+    """Restore into a fresh TP2 × PP2 model and optimizer; assert every tensor bitwise and the
+    common state (and ``rng`` when given). Returns (model, optimizer, sources by node)."""
+    from tests.scenarios import assert_bitwise
+
+    m, o = M.build(seed=seed)
+    sd = tiers.restore(M.state_dict_fn(m, o, 0, rng=rng is not None), step=step)
+    assert sd is not None, f"{what}: nothing restored"
+    assert tiers.last_restore.step == STEP, (what, tiers.last_restore.step)
+    M.apply_loaded(m, o, sd)
+    assert_bitwise(snap, M.snapshot(m, o), what)
+    assert M.step_tensors_distinct(o), what
+    _check_common(sd, STEP, rng)
+    return m, o, _sources(tiers)
+
+
+def _wipe_node(base: str, node: int, rank: int) -> None:
+    """Delete node ``node``'s whole local root (its leader does it; every rank waits)."""
+    if rank == node * RPN:
+        shutil.rmtree(os.path.join(base, "nvme", f"node-{node}"))
+    dist.barrier()
+
+
+def phase_tp2pp2(rank: int, world: int, base: str) -> dict:
+    """TP2 × PP2 × DP1 on 4 ranks as 2 simulated nodes (node n = pipeline stage n).
+
+    1. Train 3 iterations through Megatron's 1F1B pipeline schedule; write a stock
+       ``dp_reshardable`` torch_dist checkpoint (for the export); save iteration 3 to the
+       local tier (+ replica on the other node) and the persistent tier; train iteration 4
+       (the reference).
+    2. Restore iteration 3 into fresh models from own-local, from a peer replica after node 1
+       (the last stage) loses its root, and from persistent after both roots are gone: the
+       restored iteration, parameters, main params, exp_avg, exp_avg_sq, each parameter's
+       step, common state and RNG equal what was saved, bitwise; from own-local and from
+       persistent, iteration 4 then gives the reference's loss and state bitwise.
+    3. ``export`` (what ``tierckpt export-mcore`` runs) of the stock checkpoint infers TP=2,
+       PP=2, equals the persistent tier's fully_reshardable step tensor for tensor, and loads
+       back through ``dist_checkpointing.load`` bitwise.
+    """
+    from megatron.core import dist_checkpointing
+
+    from mcore_plugin.export import export
+    from tests.scenarios import assert_bitwise
+
+    out: dict = {}
+    M.setup(tp=2, pp=2)
+    model, opt = M.build(seed=0)
+    out["train"] = [M.train_step_pp(model, opt, s) for s in range(1, STEP + 1)]
+    fn = M.state_dict_fn(model, opt, STEP)
+    rng3 = M.rng_payload()
+    stock = os.path.join(base, "megatron", "stock_dp_iter_0000003")
+    if rank == 0:
+        os.makedirs(stock)
+    dist.barrier()
+    dist_checkpointing.save(fn("dp_reshardable", False), stock)
+
+    tiers = _tiers(base, rpn=RPN)
+    tiers.save(STEP, fn("dp_reshardable", False), tiers=["local", "persistent"],
+               persistent_state_dict=fn("fully_reshardable", False))
+    snap3 = M.snapshot(model, opt)
+    out["ref4"] = ref4 = M.train_step_pp(model, opt, STEP + 1)
+    snap4 = M.snapshot(model, opt)
+    tiers.wait()
+    assert tiers.outcome(STEP, ["local", "persistent"]) == {"local": True, "persistent": True}
+
+    m, o, src = _restore_pp(tiers, 11, snap3, "TP2xPP2 own-local", rng=rng3)
+    assert src == {0: "own-local", 1: "own-local"} and tiers.last_restore_format == "dp_reshardable", src
+    assert M.train_step_pp(m, o, STEP + 1) == ref4
+    assert_bitwise(snap4, M.snapshot(m, o), "TP2xPP2 own-local, iteration 4")
+
+    _wipe_node(base, 1, rank)
+    _, _, src = _restore_pp(tiers, 12, snap3, "TP2xPP2 peer-replica", rng=rng3)
+    assert src == {0: "own-local", 1: "peer-replica"}, src
+    assert tiers.last_restore.persistent_bytes_read == 0
+
+    _wipe_node(base, 0, rank)
+    _wipe_node(base, 1, rank)
+    m, o, src = _restore_pp(tiers, 13, snap3, "TP2xPP2 persistent", rng=rng3)
+    assert src == {0: "persistent", 1: "persistent"} and tiers.last_restore_format == "fully_reshardable", src
+    assert M.train_step_pp(m, o, STEP + 1) == ref4
+    assert_bitwise(snap4, M.snapshot(m, o), "TP2xPP2 persistent, iteration 4")
+    tiers.close()
+
+    exported = os.path.join(base, "exported")
+    if rank == 0:
+        rep = export(stock, exported)
+        assert (rep.tp, rep.pp) == (2, 2), rep
+        a, b = _load_all(exported), _load_all(os.path.join(base, "pfs", f"step-{STEP}"))
+        tens = [k for k in b if isinstance(b[k], torch.Tensor)]
+        assert tens and set(tens) <= set(a), set(tens) - set(a)
+        for k in tens:
+            assert torch.equal(a[k], b[k]), f"exported {k} differs from the persistent tier's"
+        out["exported_tensors"] = len(tens)
+    dist.barrier()
+    m, o = M.build(seed=14)
+    sd = dist_checkpointing.load(M.state_dict_fn(m, o, 0)("fully_reshardable", True), exported)
+    M.apply_loaded(m, o, sd)
+    assert_bitwise(snap3, M.snapshot(m, o), "TP2xPP2 exported, loaded back")
+    assert sd["rng_state"]["rank"] == rank and torch.equal(sd["rng_state"]["torch"], rng3["torch"])
+    return out
