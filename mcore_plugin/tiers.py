@@ -21,6 +21,7 @@ import logging
 import torch
 
 from tierckpt import ConfigError, SaveHandle, TierConfig, TieredCheckpointer, read_item, validate_tiers
+from tierckpt.records import GenericRecord
 
 from .convert import (
     COMMON_KEY,
@@ -32,6 +33,7 @@ from .convert import (
     optimizer_format,
     split_state_dict,
 )
+from .layout import layout_change, parallel_layout, persistent_target, restore_persistent_only, saved_layout
 from .metrics import TierMetrics
 from .persistent_io import MegatronPersistentIO
 
@@ -67,6 +69,9 @@ class MegatronTiers:
         engine: the underlying :class:`tierckpt.TieredCheckpointer`.
         last_restore: :class:`tierckpt.RestoreResult` of the last :meth:`restore`.
         last_restore_format: optimizer format of the state the last restore returned.
+        last_restore_reason: why the last restore skipped the node-local and replica copies
+            (the job's parallel layout differs from the step's: :mod:`mcore_plugin.layout`),
+            or None.
         metrics: :class:`mcore_plugin.metrics.TierMetrics` of every save and restore.
 
     Raises:
@@ -86,6 +91,7 @@ class MegatronTiers:
         self.engine = TieredCheckpointer(config, node_id=node_id, persistent_io=MegatronPersistentIO())
         self.last_restore = None
         self.last_restore_format: str | None = None
+        self.last_restore_reason: str | None = None
         self.metrics = TierMetrics()
         self._handles: dict[int, SaveHandle] = {}
 
@@ -155,12 +161,13 @@ class MegatronTiers:
             else:
                 groups.append((p, [t]))
         handle = SaveHandle(step, 0.0)
+        layout = parallel_layout()
         for (sharded, common), ts in groups:
             fmt = optimizer_format(common)
             if "persistent" in ts and fmt not in (None, "fully_reshardable", "fully_sharded_model_space"):
                 log.warning("tierckpt mcore: persistent step %d holds the %s optimizer format; TP/PP "
                             "changes on load need `tierckpt export-mcore`", step, fmt)
-            h = self.engine.save(step, {TOP_KEY: Payload(Staged(sharded, common))}, tiers=ts)
+            h = self.engine.save(step, {TOP_KEY: Payload(Staged(sharded, common, layout))}, tiers=ts)
             handle.blocking_s += h.blocking_s
             handle.futures.update(h.futures)
             handle.skipped.update(h.skipped)
@@ -198,17 +205,48 @@ class MegatronTiers:
             ``["optimizer"]`` to ``optimizer.load_state_dict``), or None when nothing is
             committed anywhere. ``last_restore`` holds the RestoreResult. ``part="sharded"``
             returns only the loaded sharded part (what a Megatron load strategy returns).
+        A job whose parallel layout (TP/PP/CP/EP/DP) differs from the one the chosen step was
+        saved under loads the persistent step instead of any node-local or replica copy
+        (:mod:`mcore_plugin.layout`); ``last_restore_reason`` says why.
+
         Raises:
-            NoCheckpointError: checkpoints exist but none could be restored.
+            NoCheckpointError: checkpoints exist but none could be restored; or the layout
+                changed and the persistent tier holds no step to load (the message names it).
         """
         req = RestoreRequest(state_dict_fn, self.local_fmt, self.persistent_fmt)
-        res = self.engine.restore({TOP_KEY: req}, step=step, rollback=rollback)
+        self.last_restore_reason = reason = self._layout_changed(step)
+        if reason is None:
+            res = self.engine.restore({TOP_KEY: req}, step=step, rollback=rollback)
+        else:
+            res = restore_persistent_only(self.engine, {TOP_KEY: req}, step, rollback)
         self.last_restore = res
         if res is None:
             return None
         self.metrics.restored(res)
         self.last_restore_format = req.optim_format
         return req.sharded_result if part == "sharded" else req.result
+
+    def _layout_changed(self, step: int | None) -> str | None:
+        """Why the node-local copies of the step a restore would choose (or ``step``) cannot
+        be loaded under this job's parallel layout, or None (collective). When they cannot,
+        the reason is logged once (global rank 0) and appended to the ledger as a
+        ``restore_policy`` record.
+
+        Raises:
+            NoCheckpointError: they cannot, and the persistent tier has no step to load.
+        """
+        got = saved_layout(self.engine, TOP_KEY, step)
+        now = parallel_layout()
+        reason = layout_change(got[1] if got else None, now, self.local_fmt)
+        if reason is None:
+            return None
+        target = persistent_target(self.engine, step, reason)
+        if self.engine.topo.rank == 0:
+            log.warning("tierckpt mcore: step %d: %s %d", got[0], reason, target)
+        self.engine.ledger.append(GenericRecord(name="restore_policy", extra={
+            "sources": ["persistent"], "reason": reason, "local_step": got[0], "persistent_step": target,
+            "saved_layout": got[1], "layout": now}))
+        return f"{reason} {target}"
 
     def read_common(self, step: int | None = None) -> tuple[int, dict] | None:
         """Megatron's common state (``args``, ``iteration``, …) of ``step`` (None: the newest

@@ -217,3 +217,35 @@ def train_step_pp(model, opt, step: int) -> float:
     last = ps.get_pipeline_model_parallel_last_rank()
     dist.broadcast(t, src=last, group=ps.get_pipeline_model_parallel_group())
     return t.item()
+
+
+def global_optimizer_state(model, opt) -> dict:
+    """The distributed optimizer's state in model space, gathered over the DP group:
+    ``{param name: {"main" | "exp_avg" | "exp_avg_sq": flat fp32 tensor of the parameter's
+    numel, "step": float}}`` — the same values under any DP size (collective over DP)."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_plugin import optim_state
+
+    names = {p: n for n, p in model.module.named_parameters()}
+    mine = []
+    for o in inner_optimizers(opt):
+        for p in optim_state.local_params(o):
+            r = o._get_model_param_range_map(p)["param"]
+            gi, go = o.model_param_group_index_map[p]
+            main = o.optimizer.param_groups[gi]["params"][go]
+            st = o.optimizer.state[main]
+            mine.append((names[p], p.numel(), r.start, r.end, main.detach().clone(),
+                         st["exp_avg"].clone(), st["exp_avg_sq"].clone(), float(st["step"])))
+    parts = [None] * ps.get_data_parallel_world_size()
+    dist.all_gather_object(parts, mine, group=ps.get_data_parallel_group())
+    out: dict = {}
+    for name, numel, start, end, main, m1, m2, step in (x for part in parts for x in part):
+        e = out.setdefault(name, {k: torch.full((numel,), float("nan")) for k in ("main", "exp_avg", "exp_avg_sq")})
+        for k, v in (("main", main), ("exp_avg", m1), ("exp_avg_sq", m2)):
+            e[k][start:end] = v
+        assert e.setdefault("step", step) == step, f"{name}: steps differ across DP ranks"
+    for name, e in out.items():
+        for k in ("main", "exp_avg", "exp_avg_sq"):
+            assert not e[k].isnan().any(), f"{name}.{k}: not covered by the DP ranks"
+    return out
