@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import inspect
 import io
-import logging
 
 import torch
 
 from tierckpt import NoCheckpointError, read_item
-
-log = logging.getLogger("mcore_plugin.strategies")
 
 LAYOUT_KEY = "tierckpt.layout"
 """Key of the parallel layout inside a local-tier DCP checkpoint (``torch.save`` bytes)."""
@@ -55,19 +52,16 @@ def parallel_layout() -> dict | None:
 
 
 def layout_change(saved: dict | None, now: dict | None, local_fmt: str) -> str | None:
-    """Why a local-tier step saved under ``saved`` cannot be loaded under ``now`` (both as
-    :func:`parallel_layout` returns them), or None when it can (same sizes, or either unknown).
-
-    Returns e.g. ``"local tier is dp_reshardable: saved DP=4, now DP=2; loading the
-    fully_reshardable persistent step"``.
-    """
+    """What makes a local-tier step saved under ``saved`` unloadable under ``now`` (both as
+    :func:`parallel_layout` returns them), e.g. ``"local tier is dp_reshardable: saved DP=4,
+    now DP=2"``; None when it loads (same sizes, or either layout unknown)."""
     if not saved or not now:
         return None
     diff = [d for d in DIMS if saved.get(d) is not None and saved.get(d) != now.get(d)]
     if not diff:
         return None
     what = ", ".join(f"saved {d.upper()}={saved[d]}, now {d.upper()}={now[d]}" for d in diff)
-    return f"local tier is {local_fmt}: {what}; loading the fully_reshardable persistent step"
+    return f"local tier is {local_fmt}: {what}"
 
 
 def saved_layout(engine, top_key: str, step: int | None) -> tuple[int, dict] | None:
@@ -82,13 +76,13 @@ def saved_layout(engine, top_key: str, step: int | None) -> tuple[int, dict] | N
     return got[0], torch.load(io.BytesIO(got[1]), weights_only=False)
 
 
-def persistent_target(engine, step: int | None, reason: str) -> int:
+def persistent_target(engine, step: int | None, change: str) -> int:
     """The persistent step a layout change restores: ``step``, or the newest committed one
-    (collective: the engine's agreed inventory).
+    (collective: the engine's agreed inventory). ``change``: :func:`layout_change`'s text.
 
     Raises:
         NoCheckpointError: the persistent tier holds no such step (names the persistent tier
-            and the reason the node-local copies cannot be used).
+            and why the node-local copies cannot be used).
     """
     steps = sorted(engine.inventory().persistent)
     if step is not None and step in steps:
@@ -97,10 +91,9 @@ def persistent_target(engine, step: int | None, reason: str) -> int:
         return steps[-1]
     want = f"step {step}" if step is not None else "a step"
     raise NoCheckpointError(
-        f"{reason.replace('; loading the fully_reshardable persistent step', '')}, so the node-local and "
-        f"replica copies cannot be loaded; {PERSISTENT_FLAGS} holds no committed {want} "
-        f"(committed persistent steps: {steps}). Restart with the saved layout, or configure the persistent "
-        "tier so that a layout change has a fully_reshardable step to load")
+        f"{change}, so the node-local and replica copies cannot be loaded; {PERSISTENT_FLAGS} holds no "
+        f"committed {want} (committed persistent steps: {steps}). Restart with the saved layout, or configure "
+        "the persistent tier so that a layout change has a fully_reshardable step to load")
 
 
 def restore_persistent_only(engine, state_dict: dict, step: int, rollback: bool):

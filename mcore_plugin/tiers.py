@@ -237,16 +237,17 @@ class MegatronTiers:
         """
         got = saved_layout(self.engine, TOP_KEY, step)
         now = parallel_layout()
-        reason = layout_change(got[1] if got else None, now, self.local_fmt)
-        if reason is None:
+        change = layout_change(got[1] if got else None, now, self.local_fmt)
+        if change is None or got is None:
             return None
-        target = persistent_target(self.engine, step, reason)
+        target = persistent_target(self.engine, step, change)
+        reason = f"{change}; loading the {self.persistent_fmt} persistent step {target}"
         if self.engine.topo.rank == 0:
-            log.warning("tierckpt mcore: step %d: %s %d", got[0], reason, target)
+            log.warning("tierckpt mcore: step %d: %s", got[0], reason)
         self.engine.ledger.append(GenericRecord(name="restore_policy", extra={
             "sources": ["persistent"], "reason": reason, "local_step": got[0], "persistent_step": target,
             "saved_layout": got[1], "layout": now}))
-        return f"{reason} {target}"
+        return reason
 
     def read_common(self, step: int | None = None) -> tuple[int, dict] | None:
         """Megatron's common state (``args``, ``iteration``, …) of ``step`` (None: the newest

@@ -4,6 +4,9 @@
   Megatron's pipeline schedule on gloo; iteration 3 restored bitwise from own-local, from a peer
   replica (the last stage's node lost) and from persistent; the export of a TP2 × PP2
   dp_reshardable checkpoint equals the persistent step and loads back bitwise.
+- ``test_dp_change_loads_the_persistent_step``: DP4 → DP2 skips the node-local copies for the
+  persistent step (bitwise, ledger record); without a persistent step the error names it.
+- ``test_layout_change_names_every_changed_size``: the reason's text.
 """
 
 from __future__ import annotations
@@ -48,3 +51,16 @@ def test_dp_change_loads_the_persistent_step(tmp_path):
     err = v["error"]
     assert err and "saved DP=4, now DP=2" in err and "the persistent tier" in err and "--save" in err, err
     assert "committed persistent steps: []" in err, err
+
+
+def test_layout_change_names_every_changed_size():
+    from mcore_plugin.layout import layout_change
+
+    base = {"world_size": 8, "tp": 2, "pp": 2, "cp": 1, "ep": 1, "dp": 2}
+    assert layout_change(base, dict(base), "dp_reshardable") is None
+    assert layout_change(None, base, "dp_reshardable") is None  # a step from before layouts were recorded
+    assert layout_change(base, None, "dp_reshardable") is None  # Megatron's parallel state not initialised
+    assert layout_change(base, {**base, "world_size": 4, "dp": 1}, "dp_reshardable") == \
+        "local tier is dp_reshardable: saved DP=2, now DP=1"
+    assert layout_change(base, {**base, "tp": 1, "dp": 4}, "fully_reshardable") == \
+        "local tier is fully_reshardable: saved TP=2, now TP=1, saved DP=2, now DP=4"
