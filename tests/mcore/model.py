@@ -29,11 +29,13 @@ def setup(tp: int = 1, seed: int = 1234, pp: int = 1):
     model_parallel_cuda_manual_seed(seed)
 
 
-def build(seed: int = 0, lr: float = 1e-2):
+def build(seed: int = 0, lr: float = 1e-2, bucket_size: int | None = None):
     """GPTModel (2 layers, hidden 16, vocab 64; dropout off) wrapped in Megatron DDP, and
     ``get_megatron_optimizer`` (adam → torch AdamW fallback, distributed optimizer). Under
     pipeline parallelism (``setup(pp=…)``) each rank builds its stage only: the embedding on
-    the first stage, the output layer and loss on the last, ``LAYERS / pp`` layers each."""
+    the first stage, the output layer and loss on the last, ``LAYERS / pp`` layers each.
+    ``bucket_size``: DDP's grad-buffer bucket size in elements (None: one bucket, as Megatron
+    makes without ``overlap_grad_reduce``; set, it turns ``overlap_grad_reduce`` on)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -52,7 +54,10 @@ def build(seed: int = 0, lr: float = 1e-2):
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                      max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())
-    model = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    # Megatron makes one bucket without overlap_grad_reduce, whatever bucket_size says
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=bucket_size,
+                                        overlap_grad_reduce=bucket_size is not None)
+    model = DDP(cfg, ddp, model)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=True),
         [model])

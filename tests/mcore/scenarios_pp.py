@@ -122,32 +122,25 @@ def phase_tp2pp2(rank: int, world: int, base: str) -> dict:
 
 
 def phase_dp4_save(rank: int, world: int, base: str) -> None:
-    """TP1 × DP4 on 4 ranks as 4 nodes: train 3 iterations, then save iteration 3 three ways:
-    local (+ replica) and persistent tiers (``nvme``/``pfs``); a local tier only
-    (``nvme-lonly``, its persistent root ``pfs-lonly`` holds no step); a stock Megatron
-    ``dp_reshardable`` checkpoint. Rank 0 writes the saved global values to ``saved.pt``:
-    parameters, the optimizer state in model space, the fixed-batch loss."""
-    from megatron.core import dist_checkpointing
-
+    """TP1 × DP4 on 4 ranks as 2 nodes of 2: train 3 iterations, then save iteration 3 to the
+    local (+ replica) and persistent tiers (``nvme``/``pfs``), and to a local tier alone
+    (``nvme-lonly``; its persistent root ``pfs-lonly`` holds no step). Rank 0 writes the saved
+    global values to ``saved.pt``: parameters, the optimizer state in model space, the
+    fixed-batch loss."""
     M.setup(tp=1)
     model, opt = M.build(seed=0)
     for s in range(1, STEP + 1):
         M.train_step(model, opt, s)
     fn = M.state_dict_fn(model, opt, STEP, rng=False)
-    tiers = _tiers(base)
+    tiers = _tiers(base, rpn=RPN)
     tiers.save(STEP, fn("dp_reshardable", False), tiers=["local", "persistent"],
                persistent_state_dict=fn("fully_reshardable", False))
     tiers.close()
     assert tiers.outcome(STEP, ["local", "persistent"]) == {"local": True, "persistent": True}
-    lonly = _tiers(base, local="nvme-lonly", persistent="pfs-lonly", tiers=("local",))
+    lonly = _tiers(base, local="nvme-lonly", persistent="pfs-lonly", tiers=("local",), rpn=RPN)
     lonly.save(STEP, fn("dp_reshardable", False), tiers=["local"])
     lonly.close()
     assert lonly.outcome(STEP, ["local"]) == {"local": True}
-    stock = os.path.join(base, "megatron", "stock_dp4")
-    if rank == 0:
-        os.makedirs(stock)
-    dist.barrier()
-    dist_checkpointing.save(fn("dp_reshardable", False), stock)
     saved = {"model": {n: p.detach().clone() for n, p in model.module.named_parameters()},
              "optim": M.global_optimizer_state(model, opt), "fixed_loss": M.fixed_batch_loss(model)}
     if rank == 0:
@@ -164,50 +157,57 @@ def _assert_saved_values(base: str, model, opt, what: str) -> None:
     assert_bitwise(saved["optim"], M.global_optimizer_state(model, opt), f"{what} optimizer")
 
 
-def phase_dp2_restore(rank: int, world: int, base: str) -> dict:
-    """TP1 × DP2 on 2 of the 4 nodes (nodes 2 and 3 lost for good).
+def _restore_fresh(tiers, seed: int, **build) -> tuple:
+    """Restore into a fresh model; returns (model, optimizer, what the test checks)."""
+    m, o = M.build(seed=seed, **build)
+    sd = tiers.restore(M.state_dict_fn(m, o, 0, rng=False))
+    M.apply_loaded(m, o, sd)
+    _check_common(sd, STEP, None)
+    res = tiers.last_restore
+    return m, o, {"reason": tiers.last_restore_reason, "sources": _sources(tiers), "step": res.step,
+                  "format": tiers.last_restore_format, "persistent_bytes": res.persistent_bytes_read}
 
-    1. Restore: the local step was saved under DP=4, so every node-local and replica copy is
-       skipped and the persistent step loads: reason, sources, format, the ledger's
-       ``restore_policy`` record, and parameters and optimizer state (in model space) bitwise
-       equal to the DP4 job's.
-    2. With only a local tier (no persistent step): NoCheckpointError naming the persistent
-       tier and the DP change.
-    3. Megatron's own load of the stock DP4 ``dp_reshardable`` checkpoint under DP2 gives the
-       same values bitwise: the format reshards over DP by DCP chunks alone (see
-       mcore_plugin/layout.py), what an in-cluster resharded restore would rely on.
+
+def phase_dp2_restore(rank: int, world: int, base: str) -> dict:
+    """2 ranks as 2 nodes of 1 (both nodes of the DP4 job kept, half the ranks).
+
+    1. TP1 × DP2: the dp_reshardable buckets reshard over DP from the in-cluster copies (no
+       persistent byte): parameters and optimizer state (model space) bitwise the DP4 job's.
+    2. TP1 × DP2 with another DDP bucket size (the buckets' global shapes change): the
+       node-local copies are skipped for the persistent step, bitwise; ``restore_policy``
+       ledger record.
+    3. TP2 × DP1: a model-parallel change, the persistent step (fixed-batch loss within REL).
+    4. TP2 with only a local tier: NoCheckpointError naming the persistent tier.
     """
     import json
 
-    from megatron.core import dist_checkpointing
-
+    from tests.mcore.scenarios import REL, _close
     from tierckpt import NoCheckpointError
 
     M.setup(tp=1)
+    out = {}
     tiers = _tiers(base)
-    m, o = M.build(seed=51)
-    sd = tiers.restore(M.state_dict_fn(m, o, 0, rng=False))
-    M.apply_loaded(m, o, sd)
-    out = {"reason": tiers.last_restore_reason, "sources": _sources(tiers), "step": tiers.last_restore.step,
-           "format": tiers.last_restore_format, "persistent_bytes": tiers.last_restore.persistent_bytes_read}
-    _check_common(sd, STEP, None)
-    _assert_saved_values(base, m, o, "DP4 -> DP2 persistent")
+    m, o, out["dp"] = _restore_fresh(tiers, 51)
+    _assert_saved_values(base, m, o, "DP4 -> DP2 in-cluster")
+    m, o, out["buckets"] = _restore_fresh(tiers, 52, bucket_size=1000)
+    _assert_saved_values(base, m, o, "DP4 -> DP2, other buckets, persistent")
+    tiers.close()
+
+    M.setup(tp=2)
+    tiers = _tiers(base)
+    m, o, out["tp"] = _restore_fresh(tiers, 53)
+    saved = torch.load(os.path.join(base, "saved.pt"), weights_only=False)
+    _close(M.fixed_batch_loss(m), saved["fixed_loss"], "TP1 -> TP2 persistent, fixed-batch loss", rel=REL)
     tiers.close()
     with open(os.path.join(base, "pfs", "tierckpt-ledger.jsonl")) as f:
         out["policy"] = [r for r in map(json.loads, f) if r["kind"] == "restore_policy"]
 
     lonly = _tiers(base, local="nvme-lonly", persistent="pfs-lonly", tiers=("local",))
-    m, o = M.build(seed=52)
+    m, o = M.build(seed=54)
     try:
         lonly.restore(M.state_dict_fn(m, o, 0, rng=False))
         out["error"] = None
     except NoCheckpointError as e:
         out["error"] = str(e)
     lonly.close(clean=False)
-
-    m, o = M.build(seed=53)
-    sd = dist_checkpointing.load(M.state_dict_fn(m, o, 0, rng=False)("dp_reshardable", True),
-                                 os.path.join(base, "megatron", "stock_dp4"))
-    M.apply_loaded(m, o, sd)
-    _assert_saved_values(base, m, o, "Megatron's own DP4 -> DP2 dp_reshardable load")
     return out
