@@ -10,13 +10,14 @@ is one global 1-D tensor per model-parallel rank (``dp_group_idx``), and every D
 slice a chunk of it at its global offset. Its global shape does not depend on DP, so a DP
 change needs no conversion to ``fully_reshardable``: the engine's in-cluster resharded
 restore reads the new slices from the node-local copies by DCP's chunk resharding. Two
-things it cannot see, because the keys stay the same while their contents move:
+changes keep the keys while their contents move, which a chunk coverage check cannot be
+relied on to catch (a key whose new shape is smaller is "covered" by the old one's first
+elements; the attempt fails only if some other key is missing or larger):
 
 - a model-parallel change (TP/PP/CP/EP): ``dp_group_idx_<k>`` then names another rank's
-  buffer, and a bucket may be covered by saved chunks of other contents;
+  buffer;
 - moved bucket boundaries (another DDP bucket size; Megatron's default grows with DP above
-  40): a bucket's global shape changes, and a smaller bucket is covered by the old one's
-  first elements.
+  40): a bucket's global shape changes.
 
 So a restore first reads the step's layout (:func:`saved_layout`). Either change skips the
 node-local and replica sources for the ``fully_reshardable`` persistent step
