@@ -42,6 +42,8 @@ from megatron.core.dist_checkpointing.utils import extract_sharded_base
 from tierckpt.io.dcp_io import CountingFileSystemReader, CountingFsspecReader
 from tierckpt.io.planner import VerifyingLoadPlanner
 
+from .layout import LAYOUT_KEY
+
 StateDictFn = Callable[[str, bool], dict]
 """``state_dict_fn(distrib_optim_sharding_type, is_loading) -> Megatron state dict``."""
 
@@ -161,18 +163,22 @@ def to_bytes(obj) -> bytes:
 # --------------------------------------------------------------------------- staged payloads
 class Staged:
     """The state the engine stages: Megatron's ShardedBase objects (their tensors are copied
-    into the engine's host buffers) and the common state. ``state_dict()`` is what the
+    into the engine's host buffers), the common state and the parallel layout it was saved
+    under (:func:`mcore_plugin.layout.parallel_layout`, or None). ``state_dict()`` is what the
     local tier's ``dcp.save`` writes (DCP resolves Stateful values itself)."""
 
-    def __init__(self, sharded: dict, common: dict):
+    def __init__(self, sharded: dict, common: dict, layout: dict | None = None):
         self.sharded = sharded
         self.common = common
+        self.layout = layout
 
     def state_dict(self) -> dict:
         # every replica this rank holds: each node must restore alone; DCP dedups in the node
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(self.sharded, keep_only_main_replica=False)
         out = to_dcp(flat_copy(flat), False, objects_as_bytes=True)
         out[COMMON_KEY] = to_bytes(self.common)
+        if self.layout is not None:  # a restore under another layout must know (mcore_plugin.layout)
+            out[LAYOUT_KEY] = to_bytes(self.layout)
         return out
 
     def load_state_dict(self, state_dict) -> None:  # pragma: no cover - Stateful protocol

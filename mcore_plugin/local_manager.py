@@ -221,7 +221,11 @@ class TieredLocalCheckpointManager:
         if template is not None:
             self.last_restore = res
             if res is not None:
-                if res.step != self.latest_iteration:
+                if res.step != self.latest_iteration and self.tiers.last_restore_reason is not None:
+                    log.warning("tierckpt: find_latest listed step %d; restored step %d because the %s "
+                                "(Megatron resumes from the loaded iteration)", self.latest_iteration, res.step,
+                                self.tiers.last_restore_reason)
+                elif res.step != self.latest_iteration:
                     log.warning("tierckpt: find_latest listed step %d but it failed verification on every copy; "
                                 "restored step %d (Megatron resumes from the loaded iteration)",
                                 self.latest_iteration, res.step)

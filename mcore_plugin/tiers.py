@@ -20,7 +20,8 @@ import logging
 
 import torch
 
-from tierckpt import ConfigError, SaveHandle, TierConfig, TieredCheckpointer, read_item, validate_tiers
+from tierckpt import ConfigError, SaveHandle, TierConfig, TieredCheckpointer, all_gather, read_item, validate_tiers
+from tierckpt.records import GenericRecord
 
 from .convert import (
     COMMON_KEY,
@@ -31,6 +32,16 @@ from .convert import (
     StateDictFn,
     optimizer_format,
     split_state_dict,
+)
+from .layout import (
+    bucket_change,
+    bucket_shapes,
+    dp_changed,
+    layout_change,
+    parallel_layout,
+    persistent_target,
+    restore_persistent_only,
+    saved_layout,
 )
 from .metrics import TierMetrics
 from .persistent_io import MegatronPersistentIO
@@ -67,6 +78,9 @@ class MegatronTiers:
         engine: the underlying :class:`tierckpt.TieredCheckpointer`.
         last_restore: :class:`tierckpt.RestoreResult` of the last :meth:`restore`.
         last_restore_format: optimizer format of the state the last restore returned.
+        last_restore_reason: why the last restore skipped the node-local and replica copies
+            (a model-parallel size or the optimizer buckets differ from the step's:
+            :mod:`mcore_plugin.layout`), or None.
         metrics: :class:`mcore_plugin.metrics.TierMetrics` of every save and restore.
 
     Raises:
@@ -86,6 +100,7 @@ class MegatronTiers:
         self.engine = TieredCheckpointer(config, node_id=node_id, persistent_io=MegatronPersistentIO())
         self.last_restore = None
         self.last_restore_format: str | None = None
+        self.last_restore_reason: str | None = None
         self.metrics = TierMetrics()
         self._handles: dict[int, SaveHandle] = {}
 
@@ -160,7 +175,7 @@ class MegatronTiers:
             if "persistent" in ts and fmt not in (None, "fully_reshardable", "fully_sharded_model_space"):
                 log.warning("tierckpt mcore: persistent step %d holds the %s optimizer format; TP/PP "
                             "changes on load need `tierckpt export-mcore`", step, fmt)
-            h = self.engine.save(step, {TOP_KEY: Payload(Staged(sharded, common))}, tiers=ts)
+            h = self.engine.save(step, {TOP_KEY: Payload(Staged(sharded, common, parallel_layout(sharded)))}, tiers=ts)
             handle.blocking_s += h.blocking_s
             handle.futures.update(h.futures)
             handle.skipped.update(h.skipped)
@@ -198,17 +213,70 @@ class MegatronTiers:
             ``["optimizer"]`` to ``optimizer.load_state_dict``), or None when nothing is
             committed anywhere. ``last_restore`` holds the RestoreResult. ``part="sharded"``
             returns only the loaded sharded part (what a Megatron load strategy returns).
+        A job whose DP size differs from the step's reads the node-local copies resharded
+        over DP (the engine's in-cluster restore); one whose TP/PP/CP/EP size or optimizer
+        buckets differ loads the persistent step instead of any node-local or replica copy
+        (:mod:`mcore_plugin.layout`); ``last_restore_reason`` says why.
+
         Raises:
-            NoCheckpointError: checkpoints exist but none could be restored.
+            NoCheckpointError: checkpoints exist but none could be restored; or the layout
+                changed and the persistent tier holds no step to load (the message names it).
         """
+        state_dict_fn, reason = self._layout_changed(state_dict_fn, step)
+        self.last_restore_reason = reason
         req = RestoreRequest(state_dict_fn, self.local_fmt, self.persistent_fmt)
-        res = self.engine.restore({TOP_KEY: req}, step=step, rollback=rollback)
+        if reason is None:
+            res = self.engine.restore({TOP_KEY: req}, step=step, rollback=rollback)
+        else:
+            res = restore_persistent_only(self.engine, {TOP_KEY: req}, step, rollback)
         self.last_restore = res
         if res is None:
             return None
         self.metrics.restored(res)
         self.last_restore_format = req.optim_format
         return req.sharded_result if part == "sharded" else req.result
+
+    def _layout_changed(self, state_dict_fn: StateDictFn, step: int | None) -> tuple[StateDictFn, str | None]:
+        """Whether the node-local copies of the step a restore would choose (or ``step``) can
+        be read under this job's parallel layout (collective; :mod:`mcore_plugin.layout`).
+
+        Same layout: yes. DP alone changed: yes when every ``dp_reshardable`` bucket keeps its
+        key and global shape on every rank (the engine then reshards over DP from the
+        in-cluster copies); checking builds the local-format template, which the returned
+        ``state_dict_fn`` hands out on its first call instead of building it again. A
+        model-parallel size or a bucket changed: no; the reason is logged once (global rank 0)
+        and appended to the ledger as a ``restore_policy`` record.
+
+        Returns:
+            ``(state_dict_fn to restore with, reason for loading the persistent step or None)``.
+        Raises:
+            NoCheckpointError: the copies cannot be read and the persistent tier has no step.
+        """
+        got = saved_layout(self.engine, TOP_KEY, step)
+        if got is None:
+            return state_dict_fn, None
+        (local_step, saved), now = got, parallel_layout()
+        change = layout_change(saved, now, self.local_fmt)
+        if change is None and dp_changed(saved, now):
+            template = state_dict_fn(self.local_fmt, True)
+            mine = bucket_change(saved, bucket_shapes(template), self.local_fmt, now or {})
+            change = next((c for c in all_gather(mine, self.engine.groups.local_world) if c), None)
+            if change is None:
+                if self.engine.topo.rank == 0:
+                    log.info("tierckpt mcore: step %d: saved DP=%s, now DP=%s: the %s local tier reshards over DP "
+                             "from the in-cluster copies", local_step, saved.get("dp"), now and now.get("dp"),
+                             self.local_fmt)
+                return _first_call_returns(state_dict_fn, (self.local_fmt, True), template), None
+        if change is None:
+            return state_dict_fn, None
+        target = persistent_target(self.engine, step, change)
+        reason = f"{change}; loading the {self.persistent_fmt} persistent step {target}"
+        if self.engine.topo.rank == 0:
+            log.warning("tierckpt mcore: step %d: %s", local_step, reason)
+        self.engine.ledger.append(GenericRecord(name="restore_policy", extra={
+            "sources": ["persistent"], "reason": reason, "local_step": local_step, "persistent_step": target,
+            "saved_layout": saved, "layout": now}))
+        return state_dict_fn, reason
 
     def read_common(self, step: int | None = None) -> tuple[int, dict] | None:
         """Megatron's common state (``args``, ``iteration``, …) of ``step`` (None: the newest
@@ -234,3 +302,15 @@ class MegatronTiers:
 
     def __exit__(self, exc_type, exc, tb):
         self.close(clean=exc_type is None, reason=repr(exc) if exc else "")
+
+
+def _first_call_returns(fn: StateDictFn, args: tuple, value: dict) -> StateDictFn:
+    """``fn``, except that its first call with ``args`` returns ``value`` (already built)."""
+    box = [value]
+
+    def wrapped(*a):
+        if a == args and box:
+            return box.pop()
+        return fn(*a)
+
+    return wrapped

@@ -12,9 +12,10 @@ import torch.distributed as dist
 VOCAB, HIDDEN, HEADS, LAYERS, FFN, SEQ, MBS = 64, 16, 4, 2, 40, 16, 2
 
 
-def setup(tp: int = 1, seed: int = 1234):
+def setup(tp: int = 1, seed: int = 1234, pp: int = 1):
     """Apply the CPU shims and the Adam-step fix, then (re)initialise Megatron's parallel
-    state with tensor parallel size ``tp`` (DP = world / tp)."""
+    state with tensor parallel size ``tp`` and pipeline parallel size ``pp``
+    (DP = world / (tp × pp))."""
     import tierckpt_dev.mcore.cpu as cpu
     from mcore_plugin import optim_state
     from megatron.core import parallel_state as ps
@@ -24,13 +25,17 @@ def setup(tp: int = 1, seed: int = 1234):
     optim_state.install()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(seed)
 
 
-def build(seed: int = 0, lr: float = 1e-2):
+def build(seed: int = 0, lr: float = 1e-2, bucket_size: int | None = None):
     """GPTModel (2 layers, hidden 16, vocab 64; dropout off) wrapped in Megatron DDP, and
-    ``get_megatron_optimizer`` (adam → torch AdamW fallback, distributed optimizer)."""
+    ``get_megatron_optimizer`` (adam → torch AdamW fallback, distributed optimizer). Under
+    pipeline parallelism (``setup(pp=…)``) each rank builds its stage only: the embedding on
+    the first stage, the output layer and loss on the last, ``LAYERS / pp`` layers each.
+    ``bucket_size``: DDP's grad-buffer bucket size in elements (None: one bucket, as Megatron
+    makes without ``overlap_grad_reduce``; set, it turns ``overlap_grad_reduce`` on)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -43,10 +48,16 @@ def build(seed: int = 0, lr: float = 1e-2):
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(), params_dtype=torch.float32,
+        pipeline_model_parallel_size=(pp := ps.get_pipeline_model_parallel_world_size()),
+        pipeline_dtype=torch.float32 if pp > 1 else None,
     )
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                     max_sequence_length=SEQ)
-    model = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+                     max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
+    # Megatron makes one bucket without overlap_grad_reduce, whatever bucket_size says
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=bucket_size,
+                                        overlap_grad_reduce=bucket_size is not None)
+    model = DDP(cfg, ddp, model)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=True),
         [model])
@@ -175,3 +186,71 @@ def step_tensors_distinct(opt) -> bool:
 
 def wipe(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def train_step_pp(model, opt, step: int) -> float:
+    """One optimizer step on ``batch(step, …)`` through Megatron's pipeline schedule (1F1B,
+    one microbatch per DP rank); returns the global mean loss on every rank (the last stage
+    computes it, a broadcast over the pipeline group shares it)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp, dps = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    tokens, labels = batch(step, dp, dps)
+
+    def forward_step(data_iterator, m):
+        tok, lab = next(data_iterator)
+        pos = torch.arange(tok.shape[1]).unsqueeze(0).expand_as(tok)
+        n = tok.shape[1]
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1).view(1, 1, n, n)
+        out = m(tok, pos, mask, labels=lab)
+        return out, lambda o: (o.mean(), {"loss": o.mean().detach()})
+
+    model.train()
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([(tokens, labels)]), model=[model],
+        num_microbatches=1, seq_length=SEQ, micro_batch_size=tokens.shape[0], forward_only=False)
+    ok, _, _ = opt.step()
+    assert ok
+    t = torch.zeros(1)
+    if ps.is_pipeline_last_stage():
+        t[0] = losses[0]["loss"]
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        t /= dps
+    last = ps.get_pipeline_model_parallel_last_rank()
+    dist.broadcast(t, src=last, group=ps.get_pipeline_model_parallel_group())
+    return t.item()
+
+
+def global_optimizer_state(model, opt) -> dict:
+    """The distributed optimizer's state in model space, gathered over the DP group:
+    ``{param name: {"main" | "exp_avg" | "exp_avg_sq": flat fp32 tensor of the parameter's
+    numel, "step": float}}`` — the same values under any DP size (collective over DP)."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_plugin import optim_state
+
+    names = {p: n for n, p in model.module.named_parameters()}
+    mine = []
+    for o in inner_optimizers(opt):
+        for p in optim_state.local_params(o):
+            r = o._get_model_param_range_map(p)["param"]
+            gi, go = o.model_param_group_index_map[p]
+            main = o.optimizer.param_groups[gi]["params"][go]
+            st = o.optimizer.state[main]
+            mine.append((names[p], p.numel(), r.start, r.end, main.detach().clone(),
+                         st["exp_avg"].clone(), st["exp_avg_sq"].clone(), float(st["step"])))
+    parts = [None] * ps.get_data_parallel_world_size()
+    dist.all_gather_object(parts, mine, group=ps.get_data_parallel_group())
+    out: dict = {}
+    for name, numel, start, end, main, m1, m2, step in (x for part in parts for x in part):
+        e = out.setdefault(name, {k: torch.full((numel,), float("nan")) for k in ("main", "exp_avg", "exp_avg_sq")})
+        for k, v in (("main", main), ("exp_avg", m1), ("exp_avg_sq", m2)):
+            e[k][start:end] = v
+        assert e.setdefault("step", step) == step, f"{name}: steps differ across DP ranks"
+    for name, e in out.items():
+        for k in ("main", "exp_avg", "exp_avg_sq"):
+            assert not e[k].isnan().any(), f"{name}.{k}: not covered by the DP ranks"
+    return out

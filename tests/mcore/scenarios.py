@@ -20,16 +20,17 @@ REL = 1e-5  # relative tolerance of losses after a resharding load (float summat
 
 
 def _tiers(base: str, *, local: str | None = "nvme", persistent: str = "pfs", factor: int = 2,
-           intervals=None):
+           intervals=None, rpn: int = 1, tiers: tuple[str, ...] | None = None):
     from mcore_plugin.strategies import MegatronTiers
     from tierckpt.config import TierConfig
 
-    kw = dict(persistent_root=os.path.join(base, persistent), job_id="mcore", simulated_ranks_per_node=1,
+    kw = dict(persistent_root=os.path.join(base, persistent), job_id="mcore", simulated_ranks_per_node=rpn,
               intervals=intervals, keep_latest_k={"local": 3, "persistent": 3})
     if local is None:
         cfg = TierConfig(tiers=("persistent",), replication_factor=1, **kw)
     else:
-        cfg = TierConfig(local_root=os.path.join(base, local, "node-{node}"), replication_factor=factor, **kw)
+        cfg = TierConfig(local_root=os.path.join(base, local, "node-{node}"), replication_factor=factor,
+                         **({} if tiers is None else {"tiers": tiers}), **kw)
     return MegatronTiers(cfg)
 
 
