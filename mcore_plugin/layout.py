@@ -29,7 +29,6 @@ the same buckets is left to the engine (in-cluster, else the persistent tier).
 
 from __future__ import annotations
 
-import inspect
 import io
 import re
 
@@ -165,23 +164,8 @@ def persistent_target(engine, step: int | None, change: str) -> int:
 
 
 def restore_persistent_only(engine, state_dict: dict, step: int, rollback: bool):
-    """Restore ``step`` from the persistent tier only, skipping every node-local and replica
-    source (collective). Returns the engine's :class:`tierckpt.RestoreResult`.
-
-    ASSUMPTION (engine hook requested for issue 12; the engine has none yet):
-    ``TieredCheckpointer.restore(state_dict, step, rollback=…, sources=("persistent",))``
-    plans over the listed source kinds only, with the full inventory (so a rollback still
-    sees the node-local steps). It is used as soon as the engine's ``restore`` takes
-    ``sources``. Until then the node-local tier is hidden from the engine's restorer for the
-    duration of this call, so its inventory lists persistent steps only (the rest of the
-    restore — verification, the ``restore`` ledger record, the scheduler's restart — is the
-    engine's own).
-    """
-    if "sources" in inspect.signature(engine.restore).parameters:
-        return engine.restore(state_dict, step=step, rollback=rollback, sources=("persistent",))
-    restorer = engine.restorer  # TEMPORARY: not an adapter attribute; remove with the hook
-    hidden, restorer.local = restorer.local, None
-    try:
-        return engine.restore(state_dict, step=step, rollback=rollback)
-    finally:
-        restorer.local = hidden
+    """Restore ``step`` from the persistent tier only, skipping every node-local, replica and
+    in-cluster source (collective; the engine's ``restore(..., sources=("persistent",))``,
+    whose inventory stays complete, so a rollback still sees the node-local steps). Returns
+    the engine's :class:`tierckpt.RestoreResult`."""
+    return engine.restore(state_dict, step=step, rollback=rollback, sources=("persistent",))

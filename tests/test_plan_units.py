@@ -174,3 +174,13 @@ def test_merge_metadata_and_read_assignment():
     assert sends == {(xid, r) for r in range(3) for xid, _, _ in io[r].recv}
     with pytest.raises(ValueError, match="no usable in-cluster copy"):
         assign_reads(plans, origins, {0: [0]}, [0, 1, 2], md)
+
+
+def test_plan_restricted_to_source_kinds():
+    inv = Inventory(local={0: {10}, 1: {10}}, persistent={10}, shapes={10: (2, 2)})
+    assert plan_restore(inv, 2, set(), world_size=2)[1][0] == Source("own-local", 0)
+    assert set(plan_restore(inv, 2, set(), world_size=2, kinds=("persistent",))[1].values()) == {
+        Source("persistent", None)}
+    assert plan_restore(Inventory(local={0: {10}, 1: {10}}), 2, set(), world_size=2, kinds=("persistent",)) is None
+    with pytest.raises(ValueError, match="allowed"):
+        plan_restore(inv, 2, set(), kinds=("nvme",))

@@ -43,6 +43,7 @@ from tierckpt.io.storage import Store
 from tierckpt.preemption import Preempted, PreemptionWatch
 from tierckpt.records import CheckpointRecord
 from tierckpt.restore import PERSISTENT, Inventory, Restorer, RestoreResult
+from tierckpt.restore.plan import KINDS
 from tierckpt.sched.cadence import Cadence
 from tierckpt.sched.driver import ScheduleDriver
 from tierckpt.tiers import retention
@@ -376,7 +377,7 @@ class TieredCheckpointer:
 
     # -- restore -------------------------------------------------------------------------------
     def restore(self, state_dict: dict, step: int | None = None, *,
-                rollback: bool = False) -> RestoreResult | None:
+                rollback: bool = False, sources: tuple[str, ...] | None = None) -> RestoreResult | None:
         """Load ``state_dict`` in place from the newest step every node can be served from.
 
         Collective. Waits for background saves first. See :mod:`tierckpt.restore`.
@@ -388,16 +389,23 @@ class TieredCheckpointer:
                 the newer committed steps this restore saw are superseded once this run
                 commits its first step of any tier (:mod:`tierckpt.history.rollback`; ledger
                 ``rollback`` record), never before.
+            sources: restore only from these source kinds (``own-local``, ``peer-replica``,
+                ``in-cluster``, ``persistent``; None: any), e.g. ``("persistent",)`` when an
+                adapter knows the node-local format cannot load under the current layout. The
+                inventory stays complete, so a rollback still sees every newer copy.
         Returns:
             RestoreResult, or None if no committed checkpoint exists (fresh start).
         Raises:
             NoCheckpointError: checkpoints exist but none could be restored.
-            ValueError: ``rollback`` without ``step``.
+            ValueError: ``rollback`` without ``step``, or an unknown source kind.
         """
         if rollback and step is None:
             raise ValueError("restore(rollback=True) needs the step rolled back to")
+        kinds = KINDS if sources is None else tuple(sources)
+        if not set(kinds) <= set(KINDS) or not kinds:
+            raise ValueError(f"restore(sources={sources!r}): allowed source kinds are {list(KINDS)}")
         self.wait(bounded=False)
-        res = self.restorer.restore(state_dict, step)
+        res = self.restorer.restore(state_dict, step, kinds=kinds)
         if res is None:
             return None
         self.journal.restore(res)

@@ -100,8 +100,12 @@ def cluster_viable(inv: Inventory, step: int, bad: set) -> bool:
     return any((m, CLUSTER, h, step) not in bad for m, by_h in inv.copies.get(step, {}).items() for h in by_h)
 
 
+KINDS = (OWN, REPLICA, CLUSTER, PERSISTENT)
+
+
 def plan_restore(inv: Inventory, nodes: int, bad: set, step: int | None = None,
-                 world_size: int | None = None) -> tuple[int, dict[int, Source]] | None:
+                 world_size: int | None = None, kinds: tuple[str, ...] = KINDS
+                 ) -> tuple[int, dict[int, Source]] | None:
     """Newest step (or exactly ``step``) that every node can be served from.
 
     A step saved by a job of the same shape is planned per node (own-local > peer-replica >
@@ -118,18 +122,23 @@ def plan_restore(inv: Inventory, nodes: int, bad: set, step: int | None = None,
             attempt as a whole ``(ALL_NODES, "in-cluster", None, step)``.
         step: plan exactly this step.
         world_size: ranks of this job (None: shapes are not compared, per-node plans only).
+        kinds: the source kinds the plan may use (default: all of :data:`KINDS`).
     Returns:
         (step, {node: Source}) or None when no step is servable.
     """
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown restore source kind(s) {sorted(unknown)}; allowed: {list(KINDS)}")
     candidates = [step] if step is not None else sorted(inv.all_steps(), reverse=True)
     for s in candidates:
         if not inv.resharded(s, nodes, world_size):
-            per_node = {n: sources_for(inv, n, s, bad) for n in range(nodes)}
+            per_node = {n: [x for x in sources_for(inv, n, s, bad) if x.kind in kinds] for n in range(nodes)}
             if all(per_node.values()):
                 return s, {n: srcs[0] for n, srcs in per_node.items()}
-        if world_size is not None and cluster_viable(inv, s, bad):
+        if CLUSTER in kinds and world_size is not None and cluster_viable(inv, s, bad):
             return s, {n: Source(CLUSTER, None) for n in range(nodes)}
-        if s in inv.persistent and all((n, PERSISTENT, None, s) not in bad for n in range(nodes)):
+        if PERSISTENT in kinds and s in inv.persistent and all((n, PERSISTENT, None, s) not in bad
+                                                               for n in range(nodes)):
             return s, {n: Source(PERSISTENT, None) for n in range(nodes)}
     return None
 

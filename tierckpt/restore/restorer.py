@@ -35,7 +35,17 @@ from tierckpt.errors import NoCheckpointError, VerificationError
 from tierckpt.history import lineage
 from tierckpt.io import layout, manifest
 from tierckpt.restore.cluster import ClusterLoad, cluster_load
-from tierckpt.restore.plan import ALL_NODES, CLUSTER, OWN, PERSISTENT, REPLICA, Inventory, Source, plan_restore
+from tierckpt.restore.plan import (
+    ALL_NODES,
+    CLUSTER,
+    KINDS,
+    OWN,
+    PERSISTENT,
+    REPLICA,
+    Inventory,
+    Source,
+    plan_restore,
+)
 from tierckpt.tiers.local_tier import LocalTier, load_dir, verify_split
 from tierckpt.tiers.persistent import PersistentTier
 from tierckpt.tiers.replication import commit_received
@@ -149,8 +159,10 @@ class Restorer:
         return inv
 
     # -- restore -------------------------------------------------------------------------------
-    def restore(self, state_dict: dict, step: int | None = None) -> RestoreResult | None:
-        """Load ``state_dict`` in place from the best source (see the module docstring).
+    def restore(self, state_dict: dict, step: int | None = None, kinds: tuple[str, ...] = KINDS
+                ) -> RestoreResult | None:
+        """Load ``state_dict`` in place from the best source (see the module docstring), using
+        only the source ``kinds`` given (default: all).
 
         Returns:
             RestoreResult, or None when no committed checkpoint exists anywhere (fresh start).
@@ -173,7 +185,7 @@ class Restorer:
         copies = sum(len(by_h) for by_node in inv.copies.values() for by_h in by_node.values())
         max_attempts = 2 + 4 * (len(inv.all_steps()) * (topo.factor + 1)) + copies
         for attempt in range(1, max_attempts + 1):
-            choice = plan_restore(inv, topo.nodes, bad, step, world_size=topo.world_size)
+            choice = plan_restore(inv, topo.nodes, bad, step, world_size=topo.world_size, kinds=kinds)
             if choice is None:
                 raise NoCheckpointError(_no_checkpoint_message(step, inv, failures))
             s, sources = choice
