@@ -143,7 +143,7 @@ def test_merge_metadata_and_read_assignment():
                                                        TensorProperties, TensorStorageMetadata)
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-    from tierckpt.restore.cluster import assign_reads, merge_metadata
+    from tierckpt.restore.chunkmap import assign_reads, merge_metadata
 
     def node_md(m, rows):  # node m saved rows [m*rows, (m+1)*rows) of "w" and the whole "b"
         w = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2 * rows, 4]),

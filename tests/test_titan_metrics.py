@@ -88,7 +88,8 @@ def test_restore_metrics_sources_and_persistent_bytes():
         "tierckpt/restore/step": 30.0, "tierckpt/restore/seconds": 4.5, "tierckpt/restore/attempts": 2.0,
         "tierckpt/restore/bytes": 1000.0, "tierckpt/restore/persistent_bytes": 700.0,
         "tierckpt/restore/failures": 1.0, "tierckpt/restore/nodes/own-local": 1.0,
-        "tierckpt/restore/nodes/peer-replica": 1.0, "tierckpt/restore/nodes/persistent": 1.0})]
+        "tierckpt/restore/nodes/peer-replica": 1.0, "tierckpt/restore/nodes/in-cluster": 0.0,
+        "tierckpt/restore/nodes/persistent": 1.0})]
 
 
 def test_schedule_decisions_and_a_broken_or_missing_logger_never_raise(caplog):
