@@ -207,3 +207,51 @@ def test_resume_2_to_1_ranks_resharded_in_cluster_then_persistent(tmp_path):
     assert r1["loss_hex"] == rp["loss_hex"], (r1, rp)
     # and the restore is what made them equal: the freshly initialised model is far off
     assert abs(r1["loss_before_load"] - l2) > 0.1, r1
+
+
+@pytest.mark.parametrize("before,after", [((2, 1), (3, 1)), ((4, 2), (2, 1))],
+                         ids=["2-to-3-nodes", "2x2-to-2x1-ranks-dp4-to-dp2"])
+def test_resume_in_cluster_on_more_nodes_or_fewer_ranks_per_node(tmp_path, before, after):
+    """torchtitan FSDP2: 2 nodes → 3 nodes (a new empty node), and 2 nodes × 2 ranks → 2 nodes ×
+    1 rank (data_parallel_shard_degree 4 → 2): restored in-cluster without a persistent byte, the
+    dataloader repositioned, and the fixed-batch loss equal to the saved run's."""
+    from tierckpt import accelerator_present
+
+    if accelerator_present():
+        pytest.skip("runs the CPU demo config (gloo, simulated nodes); the CPU patches are never applied on an accelerator machine")
+    (w0, rpn0), (w1, rpn1) = before, after
+    ld = _launcher()
+    dump, logs = tmp_path / "run", tmp_path / "logs"
+    common = ["--dump_folder", str(dump), "--training.steps", str(K),
+              "--checkpoint.enable", "true", "--checkpoint.interval", str(K),
+              "--checkpoint.local_interval", str(K), "--checkpoint.last_save_model_only", "false",
+              "--checkpoint.local_root", str(tmp_path / "nvme" / "{job}" / "node-{node}"),
+              "--checkpoint.job_id", "reshard"]
+    script = [sys.executable, str(Path(__file__).resolve())]
+    try:
+        ld.Job("train", world=w0, log_dir=str(logs),
+               cmd=[*script, "--mode", "train", "--result", str(tmp_path / "train.json"), *common,
+                    "--checkpoint.simulated_ranks_per_node", str(rpn0), "--checkpoint.replication_factor", "2"]
+               ).wait(600)
+        ld.Job("restore", world=w1, log_dir=str(logs), restart_count=1,
+               cmd=[*script, "--mode", "restore", "--result", str(tmp_path / "restore.json"), *common,
+                    "--checkpoint.simulated_ranks_per_node", str(rpn1), "--checkpoint.replication_factor", "1"]
+               ).wait(600)
+    except ld.DemoError as e:
+        pytest.fail(str(e))
+    finally:
+        ld.kill_live_jobs()
+    trained = [json.loads((tmp_path / f"train.json.rank{r}").read_text()) for r in range(w0)]
+    restored = [json.loads((tmp_path / f"restore.json.rank{r}").read_text()) for r in range(w1)]
+    rec = [r for r in _read_jsonl(dump / "checkpoint" / "tierckpt-ledger.jsonl") if r["kind"] == "restore"][-1]
+    assert rec["step"] == K and {v["source"] for v in rec["sources"].values()} == {"in-cluster"}, rec
+    assert rec["persistent_bytes"] == 0 and len(rec["sources"]) == w1 // rpn1
+    assert rec["resharded"] == {"from": {"nodes": w0 // rpn0, "world_size": w0},
+                                "to": {"nodes": w1 // rpn1, "world_size": w1}}
+    assert all(r["dataloader"]["outcome"] == f"resharded {w0}->{w1}" for r in restored), restored
+    # every new rank reads rows no old rank had read, and no two new ranks the same rows
+    views = [tuple(map(tuple, r["dataloader"]["view"])) for r in restored]
+    assert len(set(views)) == w1, views
+    saved = trained[0]["loss"]
+    for r in restored:
+        assert r["step"] == K and r["loss"] == pytest.approx(saved, rel=1e-5, abs=1e-6), (r, saved)
