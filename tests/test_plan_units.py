@@ -286,3 +286,12 @@ def test_leftover_pulls_are_purged(tmp_path):
     _commit_node_step(store, "local/step-7", 7, 0, b"y")
     assert purge_incoming(store) == [layout.incoming_step(7)]
     assert store.listdir("local") == ["step-7"]
+
+
+def test_a_transfer_to_itself_is_a_failed_receive_not_an_exception(tmp_path):
+    from tierckpt.tiers.transfer import Transfer, run_transfers
+
+    # nothing is sent or received (no process group needed): both sides refuse it
+    t = Transfer(src_rank=0, dst_rank=0, src_rel="local/step-3", dst_rel=layout.incoming_step(3), tag="pull node-0")
+    got = run_transfers([t], 0, Store(str(tmp_path)), None, 4096)
+    assert list(got) == [0] and not got[0].ok and "to itself" in got[0].problems[0]
