@@ -343,8 +343,9 @@ class TieredCheckpointer:
                 not waited for).
             bounded: the local tier is waited for at most ``local_wait_timeout_s`` (it is
                 best effort: a hung node-local disk must not hold back the trainer or the
-                persistent tier's commit). False waits without limit: needed before the
-                trainer thread runs collectives on the local tier's group (restore).
+                persistent tier's commit). False waits without limit, for a trainer that
+                must run collectives on the local tier's groups afterwards. Also waits for the
+                rebuild of replicas after a restore, unless ``step`` is given.
             raise_failures: raise the first failed save of a tier outside ``warn_only`` (once).
         Returns:
             ``{tier: finished}`` for the tiers waited for.
