@@ -184,3 +184,114 @@ def test_plan_restricted_to_source_kinds():
     assert plan_restore(Inventory(local={0: {10}, 1: {10}}), 2, set(), world_size=2, kinds=("persistent",)) is None
     with pytest.raises(ValueError, match="allowed"):
         plan_restore(inv, 2, set(), kinds=("nvme",))
+
+
+def test_integer_node_ids_0_to_n_minus_1_are_kept():
+    # the host that was node 1 comes back holding the lower ranks: it stays node 1
+    t = Topology.build(0, [1, 1, 0, 0], 1, 2, "torchrun")
+    assert t.node_of_rank == [1, 1, 0, 0] and t.node == 1 and t.nodes == 2
+    assert t.ranks_of(0) == [2, 3] and t.local_ranks == [0, 1] and t.is_node_leader and t.peers() == [0]
+    assert t.is_leader_rank(2) and not t.is_leader_rank(3)
+    assert clique(1, 2, 1, 2) == [0, 1]
+    t3 = Topology.build(2, [2, 0, 1], 1, 1, "override")
+    assert t3.node_of_rank == [2, 0, 1] and t3.node == 1 and [t3.ranks_of(n) for n in range(3)] == [[1], [2], [0]]
+
+
+@pytest.mark.parametrize("labels,expect", [
+    ([5, 5, 7, 7], [0, 0, 1, 1]),            # Slurm node ids of a larger allocation: not 0..N-1
+    ([1, 1, 2, 2], [0, 0, 1, 1]),            # a gap at 0
+    (["b", "b", "a", "a"], [0, 0, 1, 1]),    # hostnames
+    ([True, True, False, False], [0, 0, 1, 1]),  # bools are not node ids
+    ([0, 0, "1", "1"], [0, 0, 1, 1]),        # mixed types
+])
+def test_other_node_labels_are_renumbered_by_lowest_rank(labels, expect):
+    assert Topology.build(0, labels, 1, 1, "slurm").node_of_rank == expect
+
+
+def test_missing_replicas_after_a_restore():
+    from tierckpt.restore.plan import missing_replicas
+
+    # node 1 was rebuilt from node 0's replica: node 0 holds both, node 1 only its own
+    copies = {3: {0: {0: "local/step-3"}, 1: {0: "replicas/node-1/step-3", 1: "local/step-3"}}}
+    pairs, missing = missing_replicas(Inventory(copies=copies), 3, 2, 1, 2)
+    assert pairs == {(0, 1): "local/step-3"} and missing == []
+    # a remapped disk: node 0's state is node 1's local/, node 1's is node 0's local/: F copies each
+    swapped = {3: {1: {0: "local/step-3", 1: "replicas/node-1/step-3"},
+                   0: {1: "local/step-3", 0: "replicas/node-0/step-3"}}}
+    assert missing_replicas(Inventory(copies=swapped), 3, 2, 1, 2) == ({}, [])
+    # node 1 was served by the persistent tier (its own copy failed): nothing to send for it;
+    # the replica directory on node 0 is taken (by the copy that failed): never overwritten
+    bad = {(1, "own-local", 1, 3)}
+    copies = {3: {0: {0: "local/step-3", 1: "replicas/node-0/step-3"}, 1: {1: "local/step-3"}}}
+    assert missing_replicas(Inventory(copies=copies), 3, 2, 1, 2, bad) == ({}, [1])
+    copies = {3: {0: {0: "local/step-3"}, 1: {1: "local/step-3"}}}
+    inv = Inventory(copies=copies, dirs={3: {(1, "replicas/node-0/step-3")}})  # a second copy of someone there
+    assert missing_replicas(inv, 3, 2, 1, 2) == ({(1, 0): "local/step-3"}, [0])
+    # 4 nodes, J=1, F=2: cliques {0,1} {2,3}; node 3 lost everything, node 2 still has both
+    copies = {5: {0: {0: "local/step-5", 1: "replicas/node-0/step-5"}, 1: {1: "local/step-5", 0: "replicas/node-1/step-5"},
+                  2: {2: "local/step-5"}, 3: {2: "replicas/node-3/step-5"}}}
+    assert missing_replicas(Inventory(copies=copies), 5, 4, 1, 2) == ({(2, 3): "local/step-5"}, [3])
+
+
+def test_plan_keeps_pulls_out_of_an_unavailable_root():
+    from tierckpt.restore.plan import CLUSTER
+
+    # node 1's local job hangs: its root is not listed and may not receive a pull
+    inv = Inventory(copies={3: {0: {0: "local/step-3"}, 1: {0: "replicas/node-1/step-3"}}}, persistent={3},
+                    shapes={3: (2, 2)}, unavailable={1})
+    assert plan_restore(inv, 2, set(), world_size=2)[1] == {0: Source("own-local", 0), 1: Source("persistent", None)}
+    inv.persistent = set()  # without a persistent step: read node 1's state over the network
+    assert set(plan_restore(inv, 2, set(), world_size=2)[1].values()) == {Source(CLUSTER, None)}
+
+
+def _commit_node_step(store, rel, step, node, payload):
+    store.makedirs(rel)
+    with store.open(f"{rel}/__0_0.distcp", "wb") as f:
+        f.write(payload)
+    manifest.commit(store, rel, [manifest.FileEntry("__0_0.distcp", *_h(store, f"{rel}/__0_0.distcp"))],
+                    tier="local", step=step, node=node)
+
+
+def test_swap_in_keeps_another_nodes_copy(tmp_path):
+    from tierckpt.restore.pull import swap_in
+
+    store = Store(str(tmp_path))
+    # node 0's root holds node 1's state in local/ (a remapped disk); node 0's own state arrived
+    _commit_node_step(store, "local/step-3", 3, 1, b"node1")
+    _commit_node_step(store, layout.incoming_step(3), 3, 0, b"node0")
+    assert swap_in(store, 0, 3) == (1, "replicas/node-1/step-3")
+    assert manifest.read_committed(store, "local/step-3")["node"] == 0
+    assert manifest.read_committed(store, "replicas/node-1/step-3")["node"] == 1
+    assert store.read_bytes("replicas/node-1/step-3/__0_0.distcp") == b"node1"
+    assert not store.exists(layout.incoming_step(3)) and manifest.verify_step(store, "local/step-3") == []
+    # a second copy of node 1 where a committed one already is: only then is it dropped
+    _commit_node_step(store, "local/step-4", 4, 1, b"node1-dup")
+    _commit_node_step(store, "replicas/node-1/step-4", 4, 1, b"node1")
+    _commit_node_step(store, layout.incoming_step(4), 4, 0, b"node0")
+    assert swap_in(store, 0, 4) == (1, "replicas/node-1/step-4")
+    assert store.read_bytes("replicas/node-1/step-4/__0_0.distcp") == b"node1"
+    assert store.read_bytes("local/step-4/__0_0.distcp") == b"node0"
+    # the node's own copy that failed, or a torn directory, is simply replaced
+    _commit_node_step(store, "local/step-5", 5, 0, b"old")
+    _commit_node_step(store, layout.incoming_step(5), 5, 0, b"new")
+    assert swap_in(store, 0, 5) is None and store.read_bytes("local/step-5/__0_0.distcp") == b"new"
+    assert layout.parse_step(layout.incoming_step(5).split("/")[1]) is None  # never listed as a step
+
+
+def test_leftover_pulls_are_purged(tmp_path):
+    from tierckpt.tiers.retention import purge_incoming
+
+    store = Store(str(tmp_path))
+    _commit_node_step(store, layout.incoming_step(7), 7, 0, b"x")
+    _commit_node_step(store, "local/step-7", 7, 0, b"y")
+    assert purge_incoming(store) == [layout.incoming_step(7)]
+    assert store.listdir("local") == ["step-7"]
+
+
+def test_a_transfer_to_itself_is_a_failed_receive_not_an_exception(tmp_path):
+    from tierckpt.tiers.transfer import Transfer, run_transfers
+
+    # nothing is sent or received (no process group needed): both sides refuse it
+    t = Transfer(src_rank=0, dst_rank=0, src_rel="local/step-3", dst_rel=layout.incoming_step(3), tag="pull node-0")
+    got = run_transfers([t], 0, Store(str(tmp_path)), None, 4096)
+    assert list(got) == [0] and not got[0].ok and "to itself" in got[0].problems[0]

@@ -19,6 +19,7 @@ from tierckpt.records import (
     CheckpointRecord,
     GenericRecord,
     PreemptionRecord,
+    RedundancyRecord,
     RestoreRecord,
     RollbackRecord,
     RunEndRecord,
@@ -72,6 +73,10 @@ GOLDEN = [
     (PreemptionRecord(step=5, signal="SIGTERM", committed={"local": True, "persistent": False}, seconds=2.5,
                       earlier_failures=["persistent step 4: boom"]),
      ["step", "signal", "committed", "seconds", "earlier_failures"]),
+    (RedundancyRecord(step=3, ok=True, nodes=[0], missing=[], seconds=0.4, bytes=1 << 20),
+     ["step", "ok", "nodes", "missing", "seconds", "bytes", "error"]),
+    (RedundancyRecord(step=3, ok=False, missing=[0, 1, 2], reason="resharded restore"),
+     ["step", "ok", "nodes", "missing", "seconds", "bytes", "error", "reason"]),
 ]
 
 
@@ -206,13 +211,18 @@ def test_journal_writes_the_engine_events(tmp_path):
     j.schedule(DECISION, "restart", 3)
     j.rollback(SimpleNamespace(from_step=6, to_step=3, planned=lambda ex: ["persistent/6"]), "local", 4, {})
     j.preemption(4, "SIGTERM", {"local": True}, 1.0, [])
+    red = j.redundancy(3, ok=True, nodes={0}, missing=(), seconds=0.4, nbytes=1 << 20)
     j.run_end(clean=False, reason="", durable_step=None, stuck_tiers=[], failures=[rec], strict=True)
     lines = _lines(tmp_path)
     assert [x["kind"] for x in lines] == ["run_start", "checkpoint", "restore", "schedule", "rollback", "preemption",
-                                          "run_end"]
-    golden = {r.kind: keys for r, keys in GOLDEN if not getattr(r, "model_only", False)}
-    assert [list(x)[4:] for x in lines[2:6]] == [golden[k] for k in ("restore", "schedule", "rollback", "preemption")]
+                                          "redundancy", "run_end"]
+    golden = {r.kind: keys for r, keys in GOLDEN
+              if not getattr(r, "model_only", False) and not (r.kind == "redundancy" and r.reason)}
+    assert [list(x)[4:] for x in lines[2:7]] == [golden[k] for k in ("restore", "schedule", "rollback", "preemption",
+                                                                     "redundancy")]
+    assert red == RedundancyRecord(step=3, ok=True, nodes=[0], seconds=0.4, bytes=1 << 20)
+    assert (lines[6]["step"], lines[6]["ok"], lines[6]["nodes"], lines[6]["missing"]) == (3, True, [0], [])
     assert lines[2]["sources"] == {"0": {"source": "own-local", "holder": 0, "bytes": 7, "seconds": 0.5}}
     assert lines[2]["failures"] == [{"node": 1, "source": "peer-replica", "holder": 0, "step": 3, "error": "bad"}]
-    assert lines[6]["failures"] == [{"tier": "local", "step": 3, "error": "OSError: x"}]
-    assert lines[6]["exposure_s"] >= 0 and "stuck_tiers" not in lines[6]
+    assert lines[7]["failures"] == [{"tier": "local", "step": 3, "error": "OSError: x"}]
+    assert lines[7]["exposure_s"] >= 0 and "stuck_tiers" not in lines[7]

@@ -11,8 +11,11 @@ orchestration of named steps; each step lives in its wing (docs/architecture.md)
 - in the background (:mod:`tierckpt.tiers.jobs`): local tier → replication → agreed record →
   retention; persistent tier (through the adapter's :class:`PersistentIO` hooks) → agreed
   record → retention; after each record the engine's bookkeeping (:meth:`_after_record`);
-- ``restore()``: drain the jobs, :class:`~tierckpt.restore.Restorer`, the ledger record, an
-  armed rollback (:mod:`tierckpt.history.rollback`), the restart's interval decision;
+- ``restore()``: drain the jobs (the local tier bounded by ``local_wait_timeout_s``, agreed: a
+  stuck node's root is left out and the restore runs on a second set of groups),
+  :class:`~tierckpt.restore.Restorer`, the ledger record, an armed rollback
+  (:mod:`tierckpt.history.rollback`), the restart's interval decision, and the background
+  rebuild of the restored step's replicas (:meth:`TieredCheckpointer._rebuild_redundancy`);
 - ``close()``: finish the jobs, the ``run_end`` record, raise what was not raised.
 """
 
@@ -22,6 +25,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Iterable
 
@@ -31,7 +35,7 @@ import torch.distributed as dist
 from tierckpt import startup
 from tierckpt.config import TierConfig, validate_tiers
 from tierckpt.dist.collectives import all_gather
-from tierckpt.dist.topology import discover
+from tierckpt.dist.topology import Groups, discover, new_groups
 from tierckpt.errors import ConfigError, TierFailedError
 from tierckpt.handle import SaveHandle
 from tierckpt.io import layout
@@ -43,7 +47,7 @@ from tierckpt.io.storage import Store
 from tierckpt.preemption import Preempted, PreemptionWatch
 from tierckpt.records import CheckpointRecord
 from tierckpt.restore import PERSISTENT, Inventory, Restorer, RestoreResult
-from tierckpt.restore.plan import KINDS
+from tierckpt.restore.plan import KINDS, missing_replicas
 from tierckpt.sched.cadence import Cadence
 from tierckpt.sched.driver import ScheduleDriver
 from tierckpt.tiers import retention
@@ -149,6 +153,10 @@ class TieredCheckpointer:
         self._preempt_seen = False
         self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
                                  cfg.transfer_chunk_bytes)
+        # second sets of groups, made on first need: {"restore": while a local job is stuck,
+        # "redundancy": the background rebuild of replicas after a restore}
+        self._extra_groups: dict[str, Groups] = {}
+        self.last_redundancy: Future | None = None  # Future of the rebuild after the last restore (None: none ran)
 
     # -- cadence -------------------------------------------------------------------------------
     def due(self, step: int) -> list[str]:
@@ -335,8 +343,9 @@ class TieredCheckpointer:
                 not waited for).
             bounded: the local tier is waited for at most ``local_wait_timeout_s`` (it is
                 best effort: a hung node-local disk must not hold back the trainer or the
-                persistent tier's commit). False waits without limit: needed before the
-                trainer thread runs collectives on the local tier's group (restore).
+                persistent tier's commit). False waits without limit, for a trainer that
+                must run collectives on the local tier's groups afterwards. Also waits for the
+                rebuild of replicas after a restore, unless ``step`` is given.
             raise_failures: raise the first failed save of a tier outside ``warn_only`` (once).
         Returns:
             ``{tier: finished}`` for the tiers waited for.
@@ -380,7 +389,16 @@ class TieredCheckpointer:
                 rollback: bool = False, sources: tuple[str, ...] | None = None) -> RestoreResult | None:
         """Load ``state_dict`` in place from the newest step every node can be served from.
 
-        Collective. Waits for background saves first. See :mod:`tierckpt.restore`.
+        Collective. Waits for background saves first: the local tier at most
+        ``local_wait_timeout_s`` (agreed over every rank, as a save's wait); a node whose local
+        job is still running then is restored without its local root (neither read nor
+        written: its copies are not trusted while a write into that root hangs), on a second
+        set of groups, and logged. See :mod:`tierckpt.restore`.
+
+        Afterwards the restored step's replicas are rebuilt in the background (clique peers
+        that lack a committed copy of a node's state get it from the node), and a
+        ``redundancy`` ledger record says when the replication factor is back or why it is
+        not (a resharded restore: only the next local save makes copies of the new layout).
 
         Args:
             step: restore exactly this step (from whichever tier holds it). Read-only: newer
@@ -404,8 +422,9 @@ class TieredCheckpointer:
         kinds = KINDS if sources is None else tuple(sources)
         if not set(kinds) <= set(KINDS) or not kinds:
             raise ValueError(f"restore(sources={sources!r}): allowed source kinds are {list(KINDS)}")
-        self.wait(bounded=False)
-        res = self.restorer.restore(state_dict, step, kinds=kinds)
+        stuck = self._drain_for_restore()
+        groups = self._second_groups("restore") if stuck else self.groups
+        res = self.restorer.restore(state_dict, step, kinds=kinds, groups=groups, unavailable=frozenset(stuck))
         if res is None:
             return None
         self.journal.restore(res)
@@ -414,8 +433,60 @@ class TieredCheckpointer:
         with self._lock:  # every node's copy of res.step sits on some node's local disk
             self.local_anchor = res.step if all(o.source.kind != PERSISTENT for o in res.sources.values()) else None
         if self.schedule is not None:
-            self.schedule.after_restore(res.step, self.groups.local_world)
+            self.schedule.after_restore(res.step, groups.local_world)
+        self._rebuild_redundancy(res, stuck)
         return res
+
+    def _drain_for_restore(self) -> list[int]:
+        """Wait for the background jobs before a restore: the other tiers without limit (the
+        in-cluster read uses the persistent tier's group), the local tier at most
+        ``local_wait_timeout_s`` (collective vote). Returns the nodes whose local job still
+        runs (the same on every rank)."""
+        self.jobs.wait([t for t in self.cfg.tiers if t != "local"], None, bounded=False)
+        if "local" not in self.cfg.tiers:
+            return []
+        stuck = self.jobs.stuck_before_restore()
+        if stuck and self.topo.rank == 0:
+            log.warning("tierckpt: restore: a local-tier job is still running on node(s) %s after "
+                        "local_wait_timeout_s = %gs; restoring without their local roots", stuck,
+                        self.cfg.local_wait_timeout_s)
+        return stuck
+
+    def _second_groups(self, use: str) -> Groups:
+        """The second set of groups for ``use`` (created on first need: collective, every rank
+        at the same point; see :func:`tierckpt.dist.topology.new_groups`)."""
+        if use not in self._extra_groups:
+            self._extra_groups[use] = new_groups(self.topo, self.cfg.collective_timeout_s, self.groups.control)
+        return self._extra_groups[use]
+
+    def _rebuild_redundancy(self, res: RestoreResult, stuck: list[int]) -> None:
+        """Re-establish the replication factor of restored step ``res.step``: each node that
+        holds its own state sends it to the clique peers holding no committed copy of it, on the
+        local worker (never overlapping a local save) over groups no foreground collective uses.
+        Without a copy to send (a node served by the persistent tier, a stuck local job, a
+        resharded restore: node-local copies in the saved layout, not this job's) the
+        ``redundancy`` record names the nodes still missing copies, which the next local save
+        makes. Nothing is written when nothing is missing."""
+        self.last_redundancy = None
+        topo = self.topo
+        if self.local is None or topo.factor < 2:
+            return
+        if res.resharded is not None:
+            self.journal.redundancy(res.step, ok=False, missing=range(topo.nodes), reason=(
+                f"resharded restore: the node-local copies of step {res.step} are in the layout of the job that saved "
+                f"it ({res.resharded['from']}); copies of this job's layout come back at the next local save"))
+            return
+        pairs, missing = missing_replicas(self.restorer.last_inventory, res.step, topo.nodes, topo.jump, topo.factor,
+                                          self.restorer.last_bad)
+        if stuck:
+            missing, pairs = sorted(set(missing) | {n for n, _ in pairs}), {}
+        if missing and not pairs:
+            self.journal.redundancy(res.step, ok=False, missing=missing, reason=(
+                f"a local-tier job is still running on node(s) {stuck}" if stuck else
+                "these nodes hold no good copy of their own state to send"
+            ) + "; their copies come back at the next local save")
+        if pairs:
+            self.last_redundancy = self.jobs.submit_redundancy(res.step, pairs, missing, self._second_groups("redundancy"))
 
     # -- queries for adapters -------------------------------------------------------------------
     @property

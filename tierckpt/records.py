@@ -22,6 +22,8 @@ Kinds (class, fields in the order they are written):
 - ``rollback`` (:class:`RollbackRecord`): from_step, to_step, trigger, superseded.
 - ``preemption`` (:class:`PreemptionRecord`): step, signal, committed, seconds,
   earlier_failures.
+- ``redundancy`` (:class:`RedundancyRecord`): step, ok, nodes, missing, seconds, bytes, error;
+  reason only when set.
 
 Schema versions: a line states its layout version in a ``schema`` key only for kinds whose
 layout changed since the ledger began (``checkpoint``: version 1, lines without the key are
@@ -493,10 +495,44 @@ class PreemptionRecord(LedgerRecord):
     earlier_failures: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class RedundancyRecord(LedgerRecord):
+    """``redundancy``: the replication factor of a restored step after the restore — every
+    node's state held by the node and by each peer of its clique — and what was rebuilt to get
+    there (in the background, right after the restore; global rank 0 writes).
+
+    Attributes:
+        step: the restored step.
+        ok: every node's state of ``step`` has its F copies again (read default False).
+        nodes: nodes whose state was copied to the clique peers that lacked it.
+        missing: nodes whose state still lacks copies; they come back at the next local save
+            (e.g. the node was served by the persistent tier, or the restore was resharded).
+        seconds: time the rebuild took (0 when nothing could be copied).
+        bytes: bytes received by all ranks.
+        error: first failure of a copy, None when none failed.
+        reason: why nothing was copied for the ``missing`` nodes; written only when set.
+    """
+
+    KIND: ClassVar[str] = "redundancy"
+    _READERS = {"step": _count, "ok": _bool, "nodes": _list, "missing": _list, "seconds": _seconds,
+                "bytes": _count, "error": _str, "reason": _str}
+    _READ_DEFAULTS = {"step": None, "ok": False}
+    _OMIT_FALSY = ("reason",)
+
+    step: int
+    ok: bool
+    nodes: list[int] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    bytes: int = 0
+    error: str | None = None
+    reason: str = ""
+
+
 #: record class of each known kind
 KINDS: dict[str, type[LedgerRecord]] = {c.KIND: c for c in (
     RunStartRecord, RunEndRecord, CheckpointRecord, RestoreRecord, ScheduleRecord, RollbackRecord,
-    PreemptionRecord)}
+    PreemptionRecord, RedundancyRecord)}
 
 
 def record_from_ledger(line: dict) -> LedgerRecord:

@@ -27,14 +27,16 @@ def open_local_tier(cfg: TierConfig, topo: Topology, node_group, in_use: retenti
                     ) -> tuple[LocalTier | None, ConfigError | None]:
     """The node's local tier (None when not configured) and this rank's problem with it.
 
-    The node leader first removes torn steps of an earlier run (e.g. a full disk must not stay
-    full); every rank then checks the root is writable (``local_root``)."""
+    The node leader first removes torn steps and unfinished restore pulls of an earlier run
+    (e.g. a full disk must not stay full); every rank then checks the root is writable
+    (``local_root``)."""
     if "local" not in cfg.tiers:
         return None, None
     root = cfg.local_root_for(topo.node, topo.hostname)
     if topo.is_node_leader:
         try:
             retention.purge_local(Store(root), 0, in_use)
+            retention.purge_incoming(Store(root))
         except OSError as e:
             log.warning("tierckpt: could not clean torn steps under %s: %s", root, e)
     err = None

@@ -7,12 +7,15 @@ Node ids come, in this order, from:
    machine;
 2. torchrun: ``GROUP_RANK`` (the node rank of torchrun's static rendezvous);
 3. Slurm: ``SLURM_NODEID``;
-4. otherwise the hostnames of all ranks, gathered at start (nodes numbered in order of their
-   lowest global rank).
+4. otherwise the hostnames of all ranks, gathered at start.
 
-Every rank contributes its id to an all-gather, so all ranks agree on the node map. Replica
-placement is by node id, never by global rank number, so a restart that maps ranks to nodes
-differently still finds each node's data.
+Every rank contributes its label to an all-gather, so all ranks agree on the node map. When
+every label is an integer and the labels are exactly 0..N-1, they are the node ids as given:
+an id pins a node (the host started with ``TIERCKPT_NODE_ID=1`` reads node 1's root and
+replicas, whatever its global ranks). Any other labels (hostnames, gaps such as Slurm node
+ids 4 and 7 of a larger allocation) are numbered 0..N-1 in order of their lowest global rank,
+and the mapping is logged. Replica placement is by node id, never by global rank number, so
+a restart that maps ranks to nodes differently still finds each node's data.
 
 Replica peers (``replication_jump`` J, ``replication_factor`` F) follow nvidia-resiliency-ext's
 CliqueReplicationStrategy (the ``--replication-jump/--replication-factor`` flags of
@@ -24,6 +27,7 @@ node's local checkpoint is copied to the other F-1 members of its clique.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -31,6 +35,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from tierckpt.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def check_replication(nodes: int, jump: int, factor: int) -> None:
@@ -133,18 +139,27 @@ class Topology:
         return clique(self.node, self.nodes, self.jump, self.factor)
 
     @classmethod
-    def build(cls, rank: int, node_ids: list[int], jump: int, factor: int, source: str) -> "Topology":
-        """Construct from every rank's node id (any hashable labels, renumbered 0..N-1 in
-        order of first appearance), validating J/F and uniform ranks per node.
+    def build(cls, rank: int, node_ids: list, jump: int, factor: int, source: str) -> "Topology":
+        """Construct from every rank's node label (``node_ids[r]`` of global rank r), validating
+        J/F and uniform ranks per node.
+
+        Integer labels that are exactly 0..N-1 (in any order over the ranks) are kept as the
+        node ids; any other hashable labels are renumbered 0..N-1 in order of their lowest
+        global rank (global rank 0 logs the mapping).
 
         Raises:
             ConfigError: impossible J/F, or nodes with different rank counts.
         """
-        relabel: dict = {}
-        for n in node_ids:
-            relabel.setdefault(n, len(relabel))
-        node_of_rank = [relabel[n] for n in node_ids]
-        nodes = len(relabel)
+        node_of_rank = pinned_ids(node_ids)
+        if node_of_rank is None:
+            relabel: dict = {}
+            for n in node_ids:
+                relabel.setdefault(n, len(relabel))
+            node_of_rank = [relabel[n] for n in node_ids]
+            if rank == 0 and any(k != v for k, v in relabel.items()):
+                log.info("tierckpt: node labels from %s are not the integers 0..%d: numbered by lowest rank %s",
+                         source, len(relabel) - 1, {str(k): v for k, v in relabel.items()})
+        nodes = max(node_of_rank) + 1
         counts = {n: node_of_rank.count(n) for n in range(nodes)}
         if len(set(counts.values())) != 1:
             raise ConfigError(
@@ -154,6 +169,14 @@ class Topology:
         check_replication(nodes, jump, factor)
         return cls(rank=rank, world_size=len(node_ids), node=node_of_rank[rank],
                    node_of_rank=node_of_rank, jump=jump, factor=factor, source=source)
+
+
+def pinned_ids(labels: list) -> list[int] | None:
+    """``labels`` as node ids when every one is an int (not a bool) and together they are
+    exactly {0, …, N-1}; else None (they need renumbering)."""
+    if not labels or not all(isinstance(x, int) and not isinstance(x, bool) for x in labels):
+        return None
+    return list(labels) if set(labels) == set(range(len(set(labels)))) else None
 
 
 def _local_node_label(rank: int, node_id: int | None, ranks_per_node: int = 0) -> tuple[object, str]:
@@ -246,3 +269,28 @@ def discover(jump: int, factor: int, *, node_id: int | None = None, ranks_per_no
     assert topo is not None and mine is not None
     return topo, Groups(node=mine, local_world=local_world, persistent_world=persistent_world,
                         control=control)
+
+
+def new_groups(topo: Topology, timeout_s: float, control: dist.ProcessGroup) -> Groups:
+    """A second set of the engine's gloo groups, with the memberships of :func:`discover`'s
+    (``control`` is reused as given).
+
+    For work that must not share a group with a collective another thread may be inside:
+    a restore while a local-tier job hangs in ``local_world``, and the background rebuild of
+    replicas after a restore. Collective: every rank calls it, in the same order relative to
+    the other group creations, from the thread that owns the default group.
+
+    Args:
+        timeout_s: timeout of the new groups, seconds.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    local_world = dist.new_group(backend="gloo", timeout=timeout)
+    persistent_world = dist.new_group(backend="gloo", timeout=timeout)
+    mine = None
+    for n in range(topo.nodes):
+        ranks = topo.ranks_of(n)
+        g = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        if topo.rank in ranks:
+            mine = g
+    assert mine is not None  # every rank is on some node
+    return Groups(node=mine, local_world=local_world, persistent_world=persistent_world, control=control)

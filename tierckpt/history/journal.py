@@ -21,6 +21,7 @@ from tierckpt.io.layout import LEDGER
 from tierckpt.records import (
     CheckpointRecord,
     PreemptionRecord,
+    RedundancyRecord,
     RestoreRecord,
     RollbackRecord,
     RunEndRecord,
@@ -128,6 +129,16 @@ class RunJournal:
         """Append the ``preemption`` record of a final save (seconds it took)."""
         self.ledger.append(PreemptionRecord(step=step, signal=signal, committed=committed, seconds=seconds,
                                             earlier_failures=earlier_failures))
+
+    def redundancy(self, step: int, *, ok: bool, nodes: Iterable[int] = (), missing: Iterable[int] = (),
+                   seconds: float = 0.0, nbytes: int = 0, error: str | None = None,
+                   reason: str = "") -> RedundancyRecord:
+        """Append (and return) the ``redundancy`` record of restored step ``step`` (see
+        :class:`~tierckpt.records.RedundancyRecord`; ``nbytes``: its ``bytes``)."""
+        rec = RedundancyRecord(step=step, ok=ok, nodes=sorted(nodes), missing=sorted(missing), seconds=seconds,
+                               bytes=nbytes, error=error, reason=reason)
+        self.ledger.append(rec)
+        return rec
 
     def run_end(self, *, clean: bool, reason: str, durable_step: int | None, stuck_tiers: list[str],
                 failures: Iterable[CheckpointRecord], strict: bool) -> None:

@@ -4,6 +4,7 @@ Local root of node n (template expanded)::
 
     <local_root>/local/step-<N>/                 node n's own DCP checkpoint of step N
     <local_root>/replicas/node-<m>/step-<N>/     a byte copy of node m's local step N
+    <local_root>/local/.incoming-step-<N>/       a restore's pull of step N until it committed
 
 Persistent root::
 
@@ -52,6 +53,15 @@ def parse_node(name: str) -> int | None:
 def local_step(step: int) -> str:
     """Relative path of a node's own step in its local root."""
     return f"local/{step_name(step)}"
+
+
+INCOMING_PREFIX = ".incoming-"
+
+
+def incoming_step(step: int) -> str:
+    """Relative path, in a node's local root, where a restore pulls the node's step ``step``
+    from a peer; renamed to :func:`local_step` once committed (never listed as a step)."""
+    return f"local/{INCOMING_PREFIX}{step_name(step)}"
 
 
 def replica_dir(node: int) -> str:

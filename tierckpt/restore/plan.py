@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tierckpt.dist.topology import peers
 from tierckpt.io import layout
 
 OWN, REPLICA, CLUSTER, PERSISTENT = "own-local", "peer-replica", "in-cluster", "persistent"
@@ -42,6 +43,10 @@ class Inventory:
             — by the node each manifest records, which is what restore plans from. Derived from
             ``local``/``replicas`` when not given.
         shapes: {step: (nodes, world size) of the job that saved it}, from the manifests.
+        unavailable: nodes whose local root restore must neither read nor write (a local-tier
+            job is stuck in it): they hold no listed copy and receive no pull.
+        dirs: {step: {(holder node, directory)}} of every committed copy, also the ones
+            ``copies`` does not name (a second copy of the same node on one holder).
     """
 
     local: dict[int, set[int]] = field(default_factory=dict)
@@ -49,6 +54,8 @@ class Inventory:
     persistent: set[int] = field(default_factory=set)
     copies: dict[int, dict[int, dict[int, str]]] = field(default_factory=dict)
     shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
+    unavailable: set[int] = field(default_factory=set)
+    dirs: dict[int, set[tuple[int, str]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.copies:
@@ -85,7 +92,8 @@ def sources_for(inv: Inventory, node: int, step: int, bad: set) -> list[Source]:
     if node in holders and (node, OWN, node, step) not in bad:
         out.append(Source(OWN, node))
     for h in sorted(holders):
-        if h != node and (node, REPLICA, h, step) not in bad:
+        # a pull writes into the node's own root: not into one a stuck local job holds
+        if h != node and node not in inv.unavailable and (node, REPLICA, h, step) not in bad:
             out.append(Source(REPLICA, h))
     if step in inv.persistent and (node, PERSISTENT, None, step) not in bad:
         out.append(Source(PERSISTENT, None))
@@ -142,3 +150,39 @@ def plan_restore(inv: Inventory, nodes: int, bad: set, step: int | None = None,
             return s, {n: Source(PERSISTENT, None) for n in range(nodes)}
     return None
 
+
+
+def missing_replicas(inv: Inventory, step: int, nodes: int, jump: int, factor: int, bad: set | frozenset = frozenset()
+                     ) -> tuple[dict[tuple[int, int], str], list[int]]:
+    """Which copies of ``step`` the cliques lack (copies counted by the node their manifest
+    names, so a remapped disk's copies count where they are).
+
+    Args:
+        inv: what the cluster holds (after the restore's pulls).
+        nodes, jump, factor: the job's node count, J and F.
+        bad: the restore's failed sources (as :func:`plan_restore`'s): a copy that failed is
+            no copy.
+    Returns:
+        ``({(node, peer): node's directory of its own state}, missing)``: the copies a node can
+        send to a clique peer that holds none, and the nodes whose missing copies cannot be
+        sent now (the node holds no good copy of its own state, or the peer's replica
+        directory already holds a committed copy — of another node, or one that failed —
+        which a rebuild never overwrites: a copy is only ever replaced by a committed one).
+    """
+    pairs: dict[tuple[int, int], str] = {}
+    missing: set[int] = set()
+    taken = {(h, rel) for by_h in inv.copies.get(step, {}).values() for h, rel in by_h.items()}
+    taken |= inv.dirs.get(step, set())
+    for n in range(nodes):
+        holders = {h: rel for h, rel in inv.holders(n, step).items()
+                   if not {(n, OWN, h, step), (n, REPLICA, h, step), (n, CLUSTER, h, step)} & bad}
+        lacking = [p for p in peers(n, nodes, jump, factor) if p not in holders]
+        if n not in holders:
+            missing.add(n)
+            continue
+        for p in lacking:
+            if (p, layout.replica_step(n, step)) in taken:
+                missing.add(n)
+            else:
+                pairs[(n, p)] = holders[n]
+    return pairs, sorted(missing)

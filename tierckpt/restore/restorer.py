@@ -8,8 +8,10 @@
    own local > peer replica > persistent; for a step saved by a job of another shape (nodes
    lost for good, nodes added, another rank count), an in-cluster resharded read, else the
    persistent tier.
-3. A node served from a peer replica pulls the files into its own ``local/step-<N>`` first
-   (checksummed on receipt, committed with the source manifest).
+3. A node served from a peer replica pulls the files into its own root first (checksummed on
+   receipt, committed with the source manifest; :mod:`tierckpt.restore.pull`): into a
+   temporary directory that replaces ``local/step-<N>`` only once committed, keeping a copy of
+   another node's state found there. A transfer error is a failed pull, like a bad checksum.
 4. Every other chosen per-node source is checksum-verified (files split across the node's
    ranks) before DCP reads a byte; the load uses :class:`~tierckpt.io.planner.VerifyingLoadPlanner`
    over the node group. An in-cluster read (:mod:`tierckpt.restore.cluster`) merges the
@@ -18,6 +20,10 @@
 5. Outcomes are all-gathered. A failed (node, source, step) — or a failed in-cluster copy — is
    marked bad and the plan is recomputed (possibly an older step for everyone) until every
    node loaded the same step.
+
+A restore may run on another set of groups than the engine's usual ones and without some
+nodes' local roots (``unavailable``): the engine does that while a local-tier job is stuck
+in them (:meth:`tierckpt.engine.TieredCheckpointer.restore`).
 
 Every decision is logged (step, tier, source node, bytes, seconds) and, on global rank 0,
 appended to the ledger.
@@ -33,7 +39,7 @@ from tierckpt.dist.collectives import FAILURES, all_gather, run_agreed
 from tierckpt.dist.topology import Groups, Topology
 from tierckpt.errors import NoCheckpointError, VerificationError
 from tierckpt.history import lineage
-from tierckpt.io import layout, manifest
+from tierckpt.io import layout
 from tierckpt.restore.cluster import ClusterLoad, cluster_load
 from tierckpt.restore.plan import (
     ALL_NODES,
@@ -46,11 +52,10 @@ from tierckpt.restore.plan import (
     Source,
     plan_restore,
 )
+from tierckpt.restore.pull import Pulled, plan_pulls, record_pulls, run_pulls
 from tierckpt.tiers.local_tier import LocalTier, load_dir, verify_split
 from tierckpt.tiers.persistent import PersistentTier
-from tierckpt.tiers.replication import commit_received
 from tierckpt.tiers.retention import InUse
-from tierckpt.tiers.transfer import Transfer, run_transfers
 
 log = logging.getLogger(__name__)
 
@@ -105,21 +110,24 @@ class Restorer:
 
     def __init__(self, topo: Topology, groups: Groups, local: LocalTier | None,
                  persistent: PersistentTier | None, in_use: InUse, chunk_bytes: int):
-        self.topo, self.groups = topo, groups
+        self.topo, self.groups, self._groups = topo, groups, groups
         self.local, self.persistent = local, persistent
         self.in_use = in_use
         self.chunk_bytes = chunk_bytes
         self._foreign_logged: set = set()  # (node, rel, lineage) already reported
-        self.last_inventory = Inventory()  # what the last restore planned from
+        self.last_inventory = Inventory()  # what the last restore planned from (pulls included)
+        self.last_bad: set = set()  # the sources the last restore found bad
 
     # -- inventory -----------------------------------------------------------------------------
-    def inventory(self) -> Inventory:
-        """All-gather the committed steps of every node and of the persistent tier.
+    def inventory(self, unavailable: frozenset | set = frozenset()) -> Inventory:
+        """All-gather the committed steps of every node and of the persistent tier (collective
+        over the restore's ``local_world``).
 
         Node-local steps and replicas of another lineage than the local tier's are left out
-        (global rank 0 logs them, once per process)."""
+        (global rank 0 logs them, once per process). The nodes in ``unavailable`` do not list
+        their root at all (a stuck local job holds it) and are recorded as such."""
         mine = None
-        if self.topo.is_node_leader and self.local is not None:
+        if self.topo.is_node_leader and self.local is not None and self.topo.node not in unavailable:
             try:
                 copies, other = self.local.survey()
                 mine = (self.topo.node, [(c.step, c.node, c.rel, c.nodes, c.world_size, c.replica_of) for c in copies],
@@ -133,7 +141,7 @@ class Restorer:
             except (OSError, ValueError) as e:
                 log.warning("tierckpt restore: cannot list the persistent tier: %s", e)
         gathered = all_gather((mine, pers), self.groups.local_world)
-        inv = Inventory(persistent=set(gathered[0][1] or []))
+        inv = Inventory(persistent=set(gathered[0][1] or []), unavailable=set(unavailable))
         foreign = []
         for m, _ in gathered:
             if m is None:
@@ -147,6 +155,7 @@ class Restorer:
                     inv.replicas.setdefault(replica_of, {}).setdefault(holder, set()).add(step)
                 if node >= 0:
                     inv.copies.setdefault(step, {}).setdefault(node, {}).setdefault(holder, rel)
+                inv.dirs.setdefault(step, set()).add((holder, rel))
                 if nodes is not None and world is not None:
                     inv.shapes.setdefault(step, (nodes, world))
             foreign += [(holder, rel, lid) for rel, lid in other]
@@ -159,26 +168,40 @@ class Restorer:
         return inv
 
     # -- restore -------------------------------------------------------------------------------
-    def restore(self, state_dict: dict, step: int | None = None, kinds: tuple[str, ...] = KINDS
-                ) -> RestoreResult | None:
+    def restore(self, state_dict: dict, step: int | None = None, kinds: tuple[str, ...] = KINDS, *,
+                groups: Groups | None = None, unavailable: frozenset | set = frozenset()) -> RestoreResult | None:
         """Load ``state_dict`` in place from the best source (see the module docstring), using
         only the source ``kinds`` given (default: all).
 
+        Args:
+            groups: run on these groups instead of the engine's (same memberships).
+            unavailable: nodes whose local root is neither read nor written (see
+                :attr:`~tierckpt.restore.plan.Inventory.unavailable`).
         Returns:
             RestoreResult, or None when no committed checkpoint exists anywhere (fresh start).
         Raises:
             NoCheckpointError: checkpoints exist but no step could be restored on every node
                 (or ``step`` was requested and cannot be served).
         """
+        self.groups = groups or self._groups
+        try:
+            return self._restore(state_dict, step, kinds, unavailable)
+        finally:
+            self.groups = self._groups
+
+    def _restore(self, state_dict: dict, step: int | None, kinds: tuple[str, ...],
+                 unavailable: frozenset | set) -> RestoreResult | None:
+        """The attempts of :meth:`restore`, each planned from the outcomes of the previous ones."""
         t0 = time.perf_counter()
         topo = self.topo
         self._persistent_bytes = 0
-        inv = self.last_inventory = self.inventory()
+        inv = self.last_inventory = self.inventory(unavailable)
+        bad: set = set()
+        self.last_bad = bad
         if not inv.all_steps():
             if topo.rank == 0:
                 log.info("tierckpt restore: no committed checkpoint in any tier; starting fresh")
             return None
-        bad: set = set()
         loaded: dict[int, NodeOutcome] = {}
         failures: list[NodeOutcome] = []
         missing: list[str] = []
@@ -282,13 +305,13 @@ class Restorer:
         topo, node = self.topo, self.topo.node
         src = sources[node]
         t0 = time.perf_counter()
-        pulls = self._plan_pulls(s, sources, todo)
-        pulled_ok, pull_err, nbytes = self._pull(pulls, s)
+        pulled = self._pull(s, sources, todo)
+        nbytes = pulled.nbytes
         if node not in todo:
             return None
         out = NodeOutcome(node=node, step=s, source=src, ok=False)
-        if src.kind == REPLICA and not pulled_ok:
-            out.error = pull_err or "pull failed"
+        if src.kind == REPLICA and not pulled.ok:
+            out.error = pulled.error or "pull failed"
             out.seconds = time.perf_counter() - t0
             return (topo.rank, out)
         if src.kind == OWN:  # local/step-N, or a copy of itself a remapped disk holds as a replica
@@ -344,53 +367,16 @@ class Restorer:
             out.error = out.error or "another rank of the node failed"
         return (topo.rank, out)
 
-    def _plan_pulls(self, s: int, sources: dict[int, Source], todo: set[int]) -> list[Transfer]:
-        topo = self.topo
-        out = []
-        for n in sorted(todo):
-            if sources[n].kind != REPLICA:
-                continue
-            h = sources[n].holder
-            assert h is not None  # a replica source always names its holder
-            for r in range(topo.ranks_per_node):
-                out.append(Transfer(
-                    src_rank=topo.ranks_of(h)[r], dst_rank=topo.ranks_of(n)[r],
-                    src_rel=self.last_inventory.holders(n, s).get(h, layout.replica_step(n, s)),
-                    dst_rel=layout.local_step(s),
-                    share=(r, topo.ranks_per_node), tag=f"pull node-{n} step-{s} from node-{h}",
-                ))
-        return out
-
-    def _pull(self, pulls: list[Transfer], s: int) -> tuple[bool, str | None, int]:
-        """Run the pulls (collective over the world group when any exist)."""
+    def _pull(self, s: int, sources: dict[int, Source], todo: set[int]) -> Pulled:
+        """Run this attempt's pulls (collective over the restore's groups when any exist) and
+        record on every rank where the copies now are."""
+        pulls = plan_pulls(self.topo, self.last_inventory, s, sources, todo)
         if not pulls:
-            return False, None, 0
-        topo = self.topo
-        receiving = any(topo.node_of_rank[t.dst_rank] == topo.node for t in pulls)
-        if receiving and topo.is_node_leader:
-            try:
-                manifest.uncommit(self._local().store, layout.local_step(s))
-                self._local().store.rmtree(layout.local_step(s))
-            except OSError as e:  # the pull will fail and be reported; never skip the barrier
-                log.warning("tierckpt restore: cannot clear local step %d before the pull: %s", s, e)
-        import torch.distributed as dist
-
-        dist.barrier(group=self.groups.node)
-        holding = [layout.replica_step(topo.node_of_rank[t.dst_rank], s) for t in pulls if t.src_rank == topo.rank]
-        for rel in holding:
-            self.in_use.hold("local:" + rel)
-        try:
-            results = run_transfers(pulls, topo.rank, self._local().store, self.groups.local_world, self.chunk_bytes)
-        finally:
-            for rel in holding:
-                self.in_use.drop("local:" + rel)
-        ok, bad = commit_received(self._local().store, topo, self.groups.node, results, pulls)
-        nbytes = sum(r.nbytes for r in results.values())
-        if not receiving:
-            return False, None, nbytes
-        if ok:
-            return True, None, nbytes
-        return False, "; ".join(bad.values()) or "pull failed", nbytes
+            return Pulled()
+        out = run_pulls(self._local().store, self.topo, self.groups, self.in_use, self.chunk_bytes, pulls, s)
+        mine = (self.topo.node, out.kept) if out.ok and self.topo.is_node_leader else None
+        record_pulls(self.last_inventory, s, [m for m in all_gather(mine, self.groups.local_world) if m])
+        return out
 
 
 def _no_checkpoint_message(step: int | None, inv: Inventory, failures: list[NodeOutcome]) -> str:

@@ -4,7 +4,8 @@ that skips the local tier while its previous save hangs.
 A local job writes the node's step (:mod:`tierckpt.tiers.local_tier`), replicates it
 (:mod:`tierckpt.tiers.replication`), records the agreed outcome and applies retention. A
 persistent job writes the global step (:mod:`tierckpt.tiers.persistent`), records, applies
-retention. Nothing a job hits may reach the trainer's thread: every failure becomes a failed
+retention. After a restore, a redundancy job on the local worker copies the restored step to
+the clique peers that lack it (:meth:`TierJobs.submit_redundancy`). Nothing a job hits may reach the trainer's thread: every failure becomes a failed
 :class:`~tierckpt.records.CheckpointRecord`, which the engine's failure policy raises or not.
 """
 
@@ -26,7 +27,7 @@ from tierckpt.dist.topology import Groups, Topology
 from tierckpt.history.journal import RunJournal
 from tierckpt.io.staging import StagingSlot
 from tierckpt.io.storage import Store
-from tierckpt.records import CheckpointRecord
+from tierckpt.records import CheckpointRecord, RedundancyRecord
 from tierckpt.tiers import retention
 from tierckpt.tiers.local_tier import LocalTier
 from tierckpt.tiers.persistent import PersistentTier
@@ -70,6 +71,9 @@ class TierJobs:
         self.workers = {t: DaemonWorker(f"tierckpt-{t}") for t in cfg.tiers}
         self.pending: dict[str, Future | None] = {t: None for t in cfg.tiers}
         self.pending_step: dict[str, int] = {}
+        # the last job queued on each tier's worker (a save, or a redundancy job after a
+        # restore): the worker is FIFO, so waiting for it waits for everything queued
+        self._tail: dict[str, Future] = {}
         self._local_overdue: Future | None = None  # a local job that outlived a full wait
         self._local_phase = "done"  # where this rank's local job is (named when it gets stuck)
         # monotonic (submitted, finished or None) of each tier's latest job
@@ -87,6 +91,7 @@ class TierJobs:
             self._window[t] = (time.monotonic(), None)
             futures[t] = self.pending[t] = self.workers[t].submit(self._guard, job, t, staged, step, delta,
                                                                   t_wait, slot)
+            self._tail[t] = futures[t]
             self.pending_step[t] = step
         return futures
 
@@ -105,9 +110,9 @@ class TierJobs:
         that stays hung costs one wait, not one per interval. Not ready: a warning naming the
         nodes whose disk is stuck and a skipped ``checkpoint`` record in the ledger; a hung
         node-local disk must not stall training."""
-        fut, limit = self.pending.get("local"), self.cfg.local_wait_timeout_s
+        fut, limit = self._tail.get("local"), self.cfg.local_wait_timeout_s
         if fut is None or not limit:
-            return True, 0.0, None  # pending is set at the same step on every rank: no collective needed
+            return True, 0.0, None  # jobs are queued at the same point on every rank: no collective needed
         t0 = time.perf_counter()
         try:
             fut.result(timeout=0.0 if fut is self._local_overdue else limit)
@@ -127,11 +132,7 @@ class TierJobs:
     def _skipped_record(self, step: int, done: int, t0: float) -> CheckpointRecord:
         """The agreed "local tier skipped" record (collective over the control group): the stuck
         disk is on the nodes still writing or deleting; their peers merely wait for them."""
-        phases: list = [None] * self.topo.world_size
-        dist.all_gather_object(phases, (self.topo.node, "done" if done else self._local_phase),
-                               group=self.groups.control)
-        stuck = sorted({n for n, ph in phases if ph in ("save", "retention")}) or \
-            sorted({n for n, ph in phases if ph != "done"})
+        stuck = self._stuck_nodes(bool(done))
         waited = time.perf_counter() - t0
         error = (f"local save of step {self.pending_step.get('local')} still running on node(s) {stuck} "
                  f"(local_wait_timeout_s = {self.cfg.local_wait_timeout_s:g}s); local tier skipped")
@@ -142,13 +143,87 @@ class TierJobs:
         self.journal.ledger.append(rec)
         return rec
 
+    def _stuck_nodes(self, done: bool) -> list[int]:
+        """The nodes whose local job is stuck, from every rank's phase (collective over the
+        control group): the ones writing or deleting in their root; when none is (a hang
+        inside a transfer), every node still running. [] when every job finished."""
+        phases = all_gather((self.topo.node, "done" if done else self._local_phase), self.groups.control)
+        return sorted({n for n, ph in phases if ph in ("save", "retention")}) or \
+            sorted({n for n, ph in phases if ph != "done"})
+
+    def stuck_before_restore(self) -> list[int]:
+        """Wait at most ``local_wait_timeout_s`` for everything queued on the local worker
+        before a restore; the nodes whose local job still runs then (agreed: collective over the
+        control group once a local job exists; [] when all finished, or without a limit, after
+        waiting for them). A job that already outlived a full wait is only polled."""
+        fut, limit = self._tail.get("local"), self.cfg.local_wait_timeout_s
+        if fut is None:
+            return []
+        if not limit:
+            _finished(fut, None)
+            return []
+        done = _finished(fut, 0.0 if fut is self._local_overdue else limit)
+        if not done:
+            self._local_overdue = fut
+        return self._stuck_nodes(done)
+
+    def submit_redundancy(self, step: int, pairs: dict[tuple[int, int], str], missing: list[int],
+                          groups: Groups) -> Future:
+        """Queue on the local worker the copies a restore left missing: ``pairs`` {(node, peer):
+        node's directory of its state of ``step``} (the same on every rank); ``missing``: nodes
+        no copy can be made of now. The job runs over ``groups``, which no foreground collective
+        uses, and resolves to the agreed :class:`~tierckpt.records.RedundancyRecord` (never raises)."""
+        fut = self._tail["local"] = self.workers["local"].submit(self._redundancy_job, step, pairs, missing, groups)
+        return fut
+
+    def _redundancy_job(self, step: int, pairs: dict[tuple[int, int], str], missing: list[int],
+                        groups: Groups) -> RedundancyRecord:
+        """Copy ``pairs`` with :func:`~tierckpt.tiers.replication.replicate`, agree on what
+        committed and write the ``redundancy`` ledger record."""
+        assert self.local is not None  # submitted only when the local tier is configured
+        t0 = time.perf_counter()
+        self._local_phase = "redundancy"
+        src_rels = {n: rel for (n, _), rel in pairs.items()}
+        keys = ["local:" + rel for n, rel in src_rels.items() if n == self.topo.node]
+        for k in keys:  # retention must not delete a source while it is sent
+            self.in_use.hold(k)
+        committed, failed, nbytes = [], {}, 0
+        try:
+            rep = replicate(self.local.store, self.topo, groups.local_world, groups.node, step, True,
+                            self.cfg.transfer_chunk_bytes, pairs=set(pairs), src_rels=src_rels)
+            committed, failed, nbytes = rep.committed, rep.failed, rep.bytes_received
+        except FAILURES as e:  # reported in the record; every rank still reaches the agreement
+            failed = {-1: f"{type(e).__name__}: {e}"}
+        finally:
+            for k in keys:
+                self.in_use.drop(k)
+        try:
+            parts = all_gather((self.topo.node, committed, failed, nbytes), groups.local_world)
+            got = {(src, holder) for holder, comm, _, _ in parts for src in comm}
+            errors = [f"node {src}→node {holder}: {why}" for holder, _, fails, _ in parts for src, why in fails.items()]
+            still = sorted(set(missing) | {n for n, p in pairs if (n, p) not in got})
+            rebuilt = sorted({n for n, _ in pairs} - set(still))
+            rec = self.journal.redundancy(step, ok=not still, nodes=rebuilt, missing=still,
+                                          seconds=time.perf_counter() - t0, nbytes=sum(p[3] for p in parts),
+                                          error=errors[0] if errors else None)
+        except FAILURES as e:
+            log.warning("tierckpt: could not agree on the redundancy of step %d: %s", step, e)
+            rec = RedundancyRecord(step=step, ok=False, missing=sorted({n for n, _ in pairs} | set(missing)),
+                                   error=f"agreement failed: {type(e).__name__}: {e}")
+        if self.topo.rank == 0:
+            log.info("tierckpt: redundancy of restored step %d: %s (copied node(s) %s in %.2fs)%s", step,
+                     "back" if rec.ok else f"missing for node(s) {rec.missing}", rec.nodes, rec.seconds,
+                     f": {rec.error}" if rec.error else "")
+        self._local_phase = "done"
+        return rec
+
     def wait(self, tiers: Iterable[str], step: int | None, bounded: bool) -> dict[str, bool]:
         """Wait for the latest job of each of ``tiers`` (only jobs started at ``step`` when
         given); the local tier at most ``local_wait_timeout_s`` when ``bounded``. Returns
         ``{tier: finished}`` for the tiers waited for."""
         out = {}
         for t in tiers:
-            fut = self.pending.get(t)
+            fut = self.pending.get(t) if step is not None else self._tail.get(t)
             if fut is None or (step is not None and self.pending_step.get(t) != step):
                 continue
             limit = self.cfg.local_wait_timeout_s if (t == "local" and bounded) else 0
@@ -280,6 +355,18 @@ class TierJobs:
         except Exception as e:
             log.warning("tierckpt: persistent retention failed: %s", e)
         return rec
+
+
+def _finished(fut: Future, timeout: float | None) -> bool:
+    """Whether ``fut`` finished within ``timeout`` seconds (None: no limit); a job that raised
+    finished too."""
+    try:
+        fut.result(timeout=timeout)
+    except FuturesTimeout:
+        return False
+    except BaseException:  # the job's own failure is its record's business, not the wait's
+        pass
+    return True
 
 
 def describe_failure(e: BaseException, store: Store) -> str:

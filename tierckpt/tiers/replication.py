@@ -37,8 +37,18 @@ class ReplicationReport:
     seconds: float
 
 
-def plan_replication(topo: Topology, step: int, node_ok: dict[int, bool]) -> list[Transfer]:
-    """The transfers every rank runs for step ``step`` (same list on every rank)."""
+def plan_replication(topo: Topology, step: int, node_ok: dict[int, bool],
+                     pairs: set[tuple[int, int]] | None = None,
+                     src_rels: dict[int, str] | None = None) -> list[Transfer]:
+    """The transfers every rank runs for step ``step`` (same list on every rank).
+
+    Args:
+        node_ok: {node: committed its step}; a node not ok sends nothing.
+        pairs: only these (source node, destination node) copies (None: every clique peer of
+            every ok node), e.g. the copies a restore left missing.
+        src_rels: {source node: directory of its state in its own root} (default
+            ``local/step-<step>``; a remapped disk may hold it as a replica of itself).
+    """
     out = []
     rpn = topo.ranks_per_node
     for k in range(1, topo.factor):
@@ -47,11 +57,13 @@ def plan_replication(topo: Topology, step: int, node_ok: dict[int, bool]) -> lis
                 continue
             cl = clique(n, topo.nodes, topo.jump, topo.factor)
             dst_node = cl[(cl.index(n) + k) % topo.factor]
+            if pairs is not None and (n, dst_node) not in pairs:
+                continue
             src_ranks, dst_ranks = topo.ranks_of(n), topo.ranks_of(dst_node)
             for r in range(rpn):
                 out.append(Transfer(
                     src_rank=src_ranks[r], dst_rank=dst_ranks[r],
-                    src_rel=layout.local_step(step), dst_rel=layout.replica_step(n, step),
+                    src_rel=(src_rels or {}).get(n, layout.local_step(step)), dst_rel=layout.replica_step(n, step),
                     share=(r, rpn), tag=f"replica node-{n}→node-{dst_node} step-{step}",
                 ))
     return out
@@ -107,18 +119,20 @@ def _loads(b: bytes) -> dict:
 
 
 def replicate(store: Store, topo: Topology, world_group, node_group, step: int,
-              local_ok: bool, chunk_bytes: int) -> ReplicationReport:
+              local_ok: bool, chunk_bytes: int, pairs: set[tuple[int, int]] | None = None,
+              src_rels: dict[int, str] | None = None) -> ReplicationReport:
     """Replicate step ``step`` to clique peers (collective over ``world_group`` and
     ``node_group``; every rank calls it, with ``local_ok`` saying whether its node committed).
-    Failures are reported, never raised: a replica that did not arrive intact stays
-    uncommitted and restore will not use it.
+    ``pairs`` and ``src_rels`` restrict and locate the copies (:func:`plan_replication`; the
+    same on every rank). Failures are reported, never raised: a replica that did not arrive
+    intact stays uncommitted and restore will not use it.
     """
     t0 = time.perf_counter()
     flags = all_gather((topo.node, bool(local_ok)), world_group)
     node_ok = {n: True for n in range(topo.nodes)}
     for n, ok in flags:
         node_ok[n] = node_ok[n] and ok
-    transfers = plan_replication(topo, step, node_ok)
+    transfers = plan_replication(topo, step, node_ok, pairs, src_rels)
     if not transfers:
         return ReplicationReport([], {}, 0, time.perf_counter() - t0)
     incoming = sorted({t.dst_rel for t in transfers if topo.node_of_rank[t.dst_rank] == topo.node})

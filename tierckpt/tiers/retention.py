@@ -131,6 +131,23 @@ def purge_local(store: Store, keep_k: int, in_use: InUse, protect: frozenset | s
     return out
 
 
+def purge_incoming(store: Store) -> list[str]:
+    """Delete a node root's leftover restore pulls (``local/.incoming-step-<N>``: a restore that
+    died before moving its pull into place). Only at start, when no restore can be pulling.
+    Returns the directories deleted."""
+    gone = []
+    for name in store.listdir("local"):
+        if name.startswith(layout.INCOMING_PREFIX):
+            rel = f"local/{name}"
+            try:
+                manifest.uncommit(store, rel)
+                store.rmtree(rel)
+                gone.append(rel)
+            except OSError as e:
+                log.warning("tierckpt: could not delete the leftover pull %s: %s", store.url_of(rel), e)
+    return gone
+
+
 def purge_persistent(store: Store, keep_k: int, in_use: InUse) -> list[int]:
     """Retention of the persistent root (run by global rank 0 only)."""
     return purge_dir(store, "", keep_k, in_use, "persistent:", only_marked_torn=True)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from tierckpt.dist.collectives import FAILURES
 from tierckpt.io import manifest
 from tierckpt.io.storage import Store
 
@@ -77,10 +78,16 @@ def _send_header(obj: dict, dst: int, group) -> None:
         dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)
 
 
+_MAX_HEADER = 1 << 30  # a manifest header is kilobytes; more is a stream out of step
+
+
 def _recv_header(src: int, group) -> dict:
     n = torch.zeros(1, dtype=torch.int64)
     dist.recv(n, src, group=group)
-    buf = torch.empty(int(n.item()), dtype=torch.uint8)
+    size = int(n.item())
+    if not 0 <= size <= _MAX_HEADER:
+        raise ValueError(f"transfer header of {size} bytes from group rank {src}: the stream is out of step")
+    buf = torch.empty(size, dtype=torch.uint8)
     if buf.numel():
         dist.recv(buf, src, group=group)
     return json.loads(buf.numpy().tobytes())
@@ -344,21 +351,23 @@ def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
                   chunk_bytes: int) -> dict[int, Received]:
     """Execute this rank's part of ``transfers`` (every rank passes the same list).
 
+    Never raises for a transfer problem, so every rank reaches the collective that agrees on
+    the outcome: a receive that fails (a gloo error such as "Pair is not connected", a peer
+    gone, a stream out of step) is a :class:`Received` with the error in ``problems``; a
+    failed send is logged, and its receiver sees a short or bad stream. A transfer from a
+    rank to itself is refused on both sides before any byte moves (``problems`` says so).
+
     Returns:
         {transfer index: Received} for the transfers this rank received.
-    Raises:
-        the sender thread's exception, if sending failed (after receives finished).
     """
-    sends = [t for t in transfers if t.src_rank == rank]
-    send_error: list[BaseException] = []
+    sends = [t for t in transfers if t.src_rank == rank and t.dst_rank != rank]
 
     def sender():
         for t in sends:
             try:
                 send_step(store, t, group, chunk_bytes)
-            except BaseException as e:  # reported to the caller after receives
-                send_error.append(e)
-                log.error("tierckpt transfer %s: send failed: %s", t.tag, e)
+            except BaseException as e:  # the receiver reports it: its stream ended short or wrong
+                log.error("tierckpt transfer %s: send failed: %s: %s", t.tag, type(e).__name__, e)
                 return
 
     th = threading.Thread(target=sender, name="tierckpt-send", daemon=True)
@@ -366,12 +375,18 @@ def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
     out = {}
     try:
         for i, t in enumerate(transfers):
-            if t.dst_rank == rank:
+            if t.dst_rank != rank:
+                continue
+            if t.src_rank == rank:
+                out[i] = Received(t, problems=[f"{t.tag}: a transfer from rank {rank} to itself (not sent)"])
+                continue
+            try:
                 out[i] = recv_step(store, t, group, chunk_bytes)
+            except FAILURES as e:
+                log.error("tierckpt transfer %s: receive failed: %s: %s", t.tag, type(e).__name__, e)
+                out[i] = Received(t, problems=[f"{t.tag}: receive failed: {type(e).__name__}: {e}"])
     finally:
         th.join()  # the sender shares this process's buffers: never leave it running
-    if send_error:
-        raise send_error[0]
     return out
 
 
