@@ -43,6 +43,7 @@ import threading
 import time
 import traceback
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -738,7 +739,6 @@ class Injector:
         (f,) = self.faults_of("dying-writer-thread")
 
         def submit(worker, fn, *args):
-            fut = orig(worker, fn, *args)
             if worker._thread.name == f"tierckpt-{f['tier']}" and inj.mine(f):
                 inj.counts["jobs"] += 1
                 if inj.counts["jobs"] == f["k"]:
@@ -747,8 +747,12 @@ class Injector:
                     def die():
                         raise RuntimeError("injected: the background writer thread died")
 
-                    fut.set_running_or_notify_cancel = die  # called outside the worker's try
-            return fut
+                    # armed before the item is queued: the idle worker takes it at once
+                    fut: Future = Future()
+                    fut.set_running_or_notify_cancel = die  # type: ignore[method-assign]  # outside the worker's try
+                    worker._q.put((fut, fn, args))
+                    return fut
+            return orig(worker, fn, *args)
 
         workers.DaemonWorker.submit = submit
 
@@ -1036,7 +1040,9 @@ def run_phase(func: str, world: int, base: str, plan: dict, phase: str, bound: f
 # --------------------------------------------------------------------------------------------
 def _hang_text(ph: PhaseResult, phase: str) -> str:
     """A hang's violation text: the phase and the first stack lines faulthandler dumped."""
-    stack = [ln.strip() for ln in ph.log.splitlines() if ln.strip().startswith(("File", "Thread", "Current"))]
+    # the engine's frames (not the injector's deliberately hung write) say where it waits
+    stack = [ln.strip() for ln in ph.log.splitlines()
+             if ln.strip().startswith("File") and "/tierckpt/" in ln and "/bench/" not in ln]
     return f"hang: the {phase} phase ran past its bound ({PHASE_BOUND_S:g} s); stacks: {' | '.join(stack[:12])}"
 
 
@@ -1287,6 +1293,30 @@ def counts_per_point(rows: list[TrialResult]) -> dict[str, Counter]:
     return out
 
 
+VIOLATION_KINDS = [
+    ("hang", "hang:"), ("redundancy", "redundancy not re-established"), ("lost copy", "committed copy lost"),
+    ("uncommitted visible", "tierckpt ls shows"), ("corrupt", "tierckpt verify"), ("ledger", "ledger"),
+    ("wrong step / raw error", "rank "), ("other", ""),
+]
+
+
+def violation_kind(text: str) -> str:
+    """The invariant a violation text belongs to (for the summary)."""
+    for name, prefix in VIOLATION_KINDS:
+        if text.startswith(prefix) or (prefix and prefix in text[:40]):
+            return name
+    return "other"
+
+
+def violations_by_kind(rows: list[TrialResult]) -> dict[str, list[int]]:
+    """{invariant: seeds of the trials that violated it}."""
+    out: dict[str, list[int]] = {}
+    for r in rows:
+        for kind in sorted({violation_kind(v) for v in r.violations}):
+            out.setdefault(kind, []).append(r.seed)
+    return out
+
+
 def render(rows: list[TrialResult], args: argparse.Namespace, seconds: float) -> str:
     """The Markdown report: method, command, counts per point, every trial, every violation."""
     cmd = f"make fault-campaign FAULT_TRIALS={args.trials} FAULT_SEED={args.seed}"
@@ -1330,6 +1360,9 @@ def render(rows: list[TrialResult], args: argparse.Namespace, seconds: float) ->
     ]
     for p, c in counts_per_point(rows).items():
         lines.append(f"| {p} | {POINTS[p]} | {c['trials']} | {c['ok']} | {c['VIOLATION']} | {c['not reached']} |")
+    lines += ["", "## Violations by invariant", ""]
+    for kind, seeds in violations_by_kind(rows).items():
+        lines.append(f"- {kind}: {len(seeds)} trials (seeds {', '.join(map(str, seeds))})")
     lines += ["", "## Violations", ""]
     bad = [r for r in rows if r.result == "VIOLATION"]
     if not bad:
@@ -1401,6 +1434,8 @@ def main(argv: list[str] | None = None) -> int:
     for p, c in counts_per_point(rows).items():
         if c["trials"]:
             print(f"  {p:26s} {c['trials']:4d} {c['ok']:4d} {c['VIOLATION']:4d} {c['not reached']:4d}")
+    for kind, seeds in violations_by_kind(rows).items():
+        print(f"  violated '{kind}': {len(seeds)} trials, seeds {seeds}")
     n_bad = sum(1 for r in rows if r.result == "VIOLATION")
     n_unreached = sum(1 for r in rows if r.result == "not reached")
     print(f"{len(rows)} trials in {seconds:.0f}s: {n_bad} with violations, {n_unreached} not reached; "
