@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv lint test test-slurm demo demo-elastic bench bench-reshard bench-schedule clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
+.PHONY: venv lint test test-slurm demo demo-elastic bench bench-reshard bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
 
 venv: $(STAMP)
 
@@ -37,6 +37,14 @@ bench-reshard: venv
 # issue 4's experiment: torchtitan demo under Poisson failures, fixed vs adaptive (~20 min)
 bench-schedule: venv
 	OMP_NUM_THREADS=1 $(VPY) bench/bench_schedule.py $(BENCH_ARGS)
+
+# issue 15's fault campaign (not part of make test): seeded random faults, restart, restore,
+# invariants checked from the files on disk; exit 1 on any violation (bench/fault_campaign.py)
+FAULT_TRIALS ?= 300
+FAULT_SEED ?= 0
+FAULT_ARGS ?=
+fault-campaign: venv
+	OMP_NUM_THREADS=1 $(VPY) bench/fault_campaign.py --trials $(FAULT_TRIALS) --seed $(FAULT_SEED) $(FAULT_ARGS)
 
 # launch/*.sbatch on a real private Slurm cluster on this machine (root: installs slurm-wlm +
 # munge with apt-get through scripts/setup_slurm.sh; about 8 min on 2 cores)

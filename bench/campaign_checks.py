@@ -1,0 +1,399 @@
+"""Invariants of the fault campaign (:mod:`bench.fault_campaign`), computed from the files on disk.
+
+Nothing here asks the restore planner what it would do: the step directories are listed, their
+manifests and markers read (:func:`tierckpt.io.manifest.read_committed`) and every file re-hashed
+(:func:`tierckpt.io.manifest.verify_files`) by the campaign itself, and the expected outcome of a
+restore is derived from that listing alone.
+
+Definitions (one function each, pure where possible so that tests can feed them wrong data):
+
+- a **copy** is one ``step-<N>`` directory: a node-local one (``local/`` or ``replicas/node-m/``
+  of a surviving node's root; its saved node is the one its manifest names) or a persistent one;
+  it is **committed** when its marker matches its manifest, **intact** when it is committed, its
+  manifest lists exactly the data files present (``.metadata`` included) and every size and
+  checksum matches;
+- :func:`expected_step`: the newest step for which every node of the job has an intact copy of its
+  state saved by a job of the same shape (any holder), or an intact persistent step; None when no
+  step qualifies;
+- :func:`check_restored`: every rank restored the expected step with its state bitwise equal to
+  the saved snapshot; with no expected step, a fresh start only when nothing is committed at all,
+  otherwise NoCheckpointError;
+- :func:`check_visible`: every step ``tierckpt ls`` reports committed is intact, and
+  ``tierckpt verify`` reports nothing corrupt;
+- :func:`check_no_loss`: per (saved node, step) the count of committed node-local copies — and per
+  step the committed persistent copy — does not drop, except what retention may purge: a
+  node-local copy of node n's step s when at least ``keep_local`` newer steps of node n are
+  committed afterwards, a persistent step when at least ``keep_persistent`` newer persistent
+  steps are; retention only counts when a save ran in between (``allow_retention``);
+- :func:`check_redundancy`: after a restore served only from node-local copies, every node's
+  restored step has ``factor`` copies on distinct nodes again;
+- the ledger checks (:func:`check_ledger_parse`, :func:`check_restore_record`,
+  :func:`check_failure_records`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tierckpt.io import manifest
+from tierckpt.io.layout import INPROGRESS, LEDGER, MANIFEST, MARKER, parse_node, parse_step
+from tierckpt.io.storage import Store
+
+
+# --------------------------------------------------------------------------------------------
+# what is on disk
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Copy:
+    """One step directory as the campaign sees it (see the module docstring)."""
+
+    where: str                 # "node-<h>" (a node's local root) or "pfs"
+    holder: int | None         # h for a node-local copy, None for persistent
+    rel: str                   # path relative to its root
+    step: int
+    node: int | None           # the saved node its manifest names (None: persistent / uncommitted)
+    committed: bool
+    intact: bool
+    nodes: int | None = None   # shape of the job that saved it, from the manifest
+    world_size: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def path(self) -> str:
+        return f"{self.where}/{self.rel}"
+
+
+def _data_files(d: str) -> set[str]:
+    """Files of a step directory other than the commit files, the in-progress mark and leftovers."""
+    out = set()
+    for root, _, files in os.walk(d):
+        for f in files:
+            rel = os.path.relpath(os.path.join(root, f), d).replace(os.sep, "/")
+            if rel in (MANIFEST, MARKER, INPROGRESS) or rel.endswith(".tmp") or rel.startswith(f"{MARKER}."):
+                continue
+            out.add(rel)
+    return out
+
+
+def inspect(store: Store, rel: str, where: str, holder: int | None, verify: bool = True) -> Copy:
+    """Read one step directory's commit state and (``verify``) re-hash every file."""
+    step = parse_step(rel.rsplit("/", 1)[-1])
+    assert step is not None
+    doc = manifest.read_committed(store, rel)
+    if doc is None:
+        return Copy(where, holder, rel, step, None, False, False)
+    problems: list[str] = []
+    if verify:
+        entries = manifest.entries_of(doc)
+        listed = {e.path for e in entries}
+        present = _data_files(store.path(rel))
+        if listed != present:
+            problems.append(f"manifest lists {sorted(listed - present)} missing, "
+                            f"{sorted(present - listed)} unlisted")
+        if ".metadata" not in listed:
+            problems.append("no .metadata in the manifest")
+        problems += manifest.verify_files(store, rel, entries)
+
+    def num(k):
+        v = doc.get(k)
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    node = num("node") if holder is not None else None
+    return Copy(where, holder, rel, step, node, True, not problems, num("nodes"), num("world_size"), problems)
+
+
+def scan_disk(base: str, verify: bool = True) -> list[Copy]:
+    """Every step directory under ``<base>/nvme/node-<h>/`` and ``<base>/pfs/``."""
+    out: list[Copy] = []
+    nvme = os.path.join(base, "nvme")
+    for name in sorted(os.listdir(nvme)) if os.path.isdir(nvme) else []:
+        h = parse_node(name)
+        if h is None:
+            continue
+        store = Store(os.path.join(nvme, name))
+        parents = ["local"] + [f"replicas/{m}" for m in store.listdir("replicas") if parse_node(m) is not None]
+        for parent in parents:
+            for sname in store.listdir(parent):
+                if parse_step(sname) is not None and store.isdir(f"{parent}/{sname}"):
+                    out.append(inspect(store, f"{parent}/{sname}", name, h, verify))
+    pstore = Store(os.path.join(base, "pfs"))
+    for sname in pstore.listdir(""):
+        if parse_step(sname) is not None and pstore.isdir(sname):
+            out.append(inspect(pstore, sname, "pfs", None, verify))
+    return out
+
+
+def copies_from_json(rows: list[dict]) -> list[Copy]:
+    """:class:`Copy` objects back from their JSON form (the pre-fault snapshot file)."""
+    return [Copy(**r) for r in rows]
+
+
+# --------------------------------------------------------------------------------------------
+# the restored step
+# --------------------------------------------------------------------------------------------
+def expected_step(copies: list[Copy], nodes: int) -> int | None:
+    """Newest step every node of a ``nodes``-node job (one rank per node) can be served from:
+    an intact copy of each node's state saved by a job of that shape, on any surviving disk,
+    or an intact persistent step. None when no step qualifies."""
+    steps = sorted({c.step for c in copies if c.intact}, reverse=True)
+    for s in steps:
+        if any(c.holder is None and c.step == s and c.intact for c in copies):
+            return s
+        if all(any(c.holder is not None and c.intact and c.step == s and c.node == n and c.nodes == nodes
+                   and c.world_size == nodes for c in copies) for n in range(nodes)):
+            return s
+    return None
+
+
+def any_committed(copies: list[Copy]) -> bool:
+    """Whether any step directory is committed (the engine then must not start fresh)."""
+    return any(c.committed for c in copies)
+
+
+def check_restored(expected: int | None, committed_exists: bool, results: dict[int, dict]) -> list[str]:
+    """Compare every rank's restore result (``step``, ``error``, ``mismatch``) with the
+    expectation; returns violation texts."""
+    out = []
+    if expected is None:
+        for r, v in sorted(results.items()):
+            err = v.get("error")
+            if committed_exists:
+                if not (err or "").startswith("NoCheckpointError"):
+                    got = f"raised {err[:300]}" if err else f"restored {v.get('step')}" if v.get("step") is not None \
+                        else "started fresh"
+                    out.append(f"rank {r}: no step is complete on every node, so NoCheckpointError was expected; "
+                               f"the restore {got}")
+            elif err or v.get("step") is not None:
+                out.append(f"rank {r}: nothing committed anywhere, a fresh start was expected; the restore "
+                           f"{'raised ' + err[:300] if err else 'restored ' + str(v.get('step'))}")
+        return out
+    for r, v in sorted(results.items()):
+        if v.get("error"):
+            out.append(f"rank {r}: step {expected} is complete on disk, the restore raised {v['error'][:400]}")
+        elif v.get("step") != expected:
+            out.append(f"rank {r}: restored step {v.get('step')}, but the newest step complete on disk "
+                       f"for every node is {expected}")
+        elif v.get("mismatch"):
+            out.append(f"rank {r}: restored state of step {expected} differs from the saved state: "
+                       f"{v['mismatch'][:300]}")
+    return out
+
+
+def check_sources(sources: dict[str, list], step: int, before: list[Copy]) -> list[str]:
+    """Each node's reported source (own-local / peer-replica@h / persistent) held a committed
+    copy of that node's ``step`` before the restore."""
+    out = []
+    for n, (kind, holder) in sorted(sources.items(), key=lambda kv: int(kv[0])):
+        n = int(n)
+        if kind == "persistent":
+            ok = any(c.holder is None and c.step == step and c.committed for c in before)
+        elif kind == "own-local":
+            ok = any(c.holder == n and c.node == n and c.step == step and c.committed for c in before)
+        elif kind == "peer-replica":
+            ok = any(c.holder == holder and c.node == n and c.step == step and c.committed for c in before)
+        else:  # in-cluster: some copy of the node's state anywhere
+            ok = any(c.holder is not None and c.node == n and c.step == step and c.committed for c in before)
+        if not ok:
+            out.append(f"node {n} was reported restored from {kind}"
+                       f"{'' if holder is None else '@' + str(holder)} at step {step}, but no such committed "
+                       "copy was on disk before the restore")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# visibility, loss, redundancy
+# --------------------------------------------------------------------------------------------
+def check_visible(ls_rows: list[dict], verify_doc: dict | None, copies: list[Copy], base: str) -> list[str]:
+    """Every row ``tierckpt ls --json`` reports committed is an intact copy; ``tierckpt verify
+    --json`` reports no corrupt step."""
+    by_path = {os.path.normpath(os.path.join(base, "nvme" if c.holder is not None else "", c.path)): c
+               for c in copies}
+    out = []
+    for row in ls_rows:
+        if not row.get("committed"):
+            continue
+        c = by_path.get(os.path.normpath(str(row.get("path"))))
+        if c is None or not c.intact:
+            why = "it is not committed on disk" if c is None or not c.committed else "; ".join(c.problems[:3])
+            out.append(f"tierckpt ls shows {row.get('path')} committed, but {why}")
+    for st in (verify_doc or {}).get("steps", []):
+        if st.get("status") == "CORRUPT":
+            out.append(f"tierckpt verify: {st.get('path')} CORRUPT: {'; '.join(st.get('problems', [])[:2])}")
+    return out
+
+
+def run_cli(base: str) -> tuple[list[dict], dict | None, list[str]]:
+    """``tierckpt ls --json`` and ``tierckpt verify --json`` of ``base`` through the CLI's own
+    entry point; returns (ls rows, verify document, problems running them)."""
+    from tierckpt.cli import main as cli_main
+
+    problems = []
+    docs = []
+    for cmd in ("ls", "verify"):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = cli_main([cmd, base, "--json"])
+        try:
+            docs.append(json.loads(buf.getvalue()) if buf.getvalue().strip() else None)
+        except ValueError:
+            docs.append(None)
+            problems.append(f"tierckpt {cmd} --json printed no JSON (exit {rc})")
+        if cmd == "verify" and rc not in (0, 2):  # 2: no step directory at all
+            problems.append(f"tierckpt verify exited {rc}")
+    return docs[0] or [], docs[1], problems
+
+
+def copy_counts(copies: list[Copy]) -> Counter:
+    """{(saved node, step): committed node-local copies} and {("pfs", step): 1}."""
+    c: Counter = Counter()
+    for x in copies:
+        if not x.committed:
+            continue
+        if x.holder is None:
+            c[("pfs", x.step)] = 1
+        elif x.node is not None:
+            c[(x.node, x.step)] += 1
+    return c
+
+
+def check_no_loss(before: list[Copy], after: list[Copy], *, keep_local: int, keep_persistent: int,
+                  allow_retention: bool, lost_holders: set[int] = frozenset()) -> list[str]:
+    """Committed copies present ``before`` (on holders not in ``lost_holders``) still exist
+    ``after``, counted per saved node and step (see the module docstring for retention)."""
+    cb = copy_counts([c for c in before if c.holder is None or c.holder not in lost_holders])
+    ca = copy_counts(after)
+    out = []
+    for key, n in sorted(cb.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        if ca[key] >= n:
+            continue
+        who, step = key
+        if allow_retention:
+            if who == "pfs":
+                newer = {s for (w, s) in ca if w == "pfs" and s > step}
+                keep = keep_persistent
+            else:
+                newer = {s for (w, s) in ca if w == who and s > step}
+                keep = keep_local
+            if keep and len(newer) >= keep:
+                continue
+        what = f"persistent step {step}" if who == "pfs" else f"node {who}'s step {step}"
+        out.append(f"committed copy lost: {what} had {n} committed cop{'y' if n == 1 else 'ies'} before, "
+                   f"{ca[key]} after")
+    return out
+
+
+def check_redundancy(after: list[Copy], step: int, nodes: int, factor: int) -> list[str]:
+    """After a restore from node-local copies, each node's ``step`` is held intact by
+    ``factor`` distinct nodes again."""
+    out = []
+    for n in range(nodes):
+        holders = {c.holder for c in after if c.holder is not None and c.node == n and c.step == step and c.intact}
+        if len(holders) < factor:
+            out.append(f"redundancy not re-established after the restore: node {n}'s step {step} is held by "
+                       f"{len(holders)} of F={factor} nodes ({sorted(holders)})")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the ledger
+# --------------------------------------------------------------------------------------------
+def ledger_raw(base: str) -> list[bytes]:
+    """The ledger's lines, raw (a torn last line included)."""
+    try:
+        with open(os.path.join(base, "pfs", LEDGER), "rb") as f:
+            return f.read().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def ledger_lines(base: str) -> int:
+    """How many lines the ledger has now (the records a phase appends start at this index)."""
+    return len(ledger_raw(base))
+
+
+def ledger_records(base: str, start: int = 0) -> list[dict]:
+    """Parseable records from line ``start`` on."""
+    out = []
+    for raw in ledger_raw(base)[start:]:
+        with contextlib.suppress(ValueError):
+            rec = json.loads(raw)
+            if isinstance(rec, dict) and "kind" in rec:
+                out.append(rec)
+    return out
+
+
+def check_ledger_parse(raw: list[bytes], torn_injected: int) -> list[str]:
+    """At most ``torn_injected`` unparseable lines, and none of them is followed on the same
+    line by a record (a torn line must be terminated before the next append)."""
+    bad = [i for i, line in enumerate(raw) if line.strip() and not _parses(line)]
+    out = []
+    if len(bad) > torn_injected:
+        out.append(f"ledger: {len(bad)} unparseable lines, {torn_injected} torn by the campaign: lines "
+                   f"{[i + 1 for i in bad][:5]}")
+    for i in bad:
+        if b'{"kind"' in raw[i][1:]:
+            out.append(f"ledger line {i + 1}: a record was appended onto a torn line (it is lost to readers)")
+    return out
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def check_restore_record(records: list[dict], step: int, sources: dict[str, list]) -> list[str]:
+    """Exactly one ``restore`` record among ``records`` (a restore phase's new lines), naming
+    ``step`` and each node's source kind and holder."""
+    recs = [r for r in records if r.get("kind") == "restore"]
+    if len(recs) != 1:
+        return [f"ledger: {len(recs)} restore records for one restore (expected 1)"]
+    r = recs[0]
+    out = []
+    if r.get("step") != step:
+        out.append(f"ledger: restore record says step {r.get('step')}, the restore loaded {step}")
+    got = {str(n): [v.get("source"), v.get("holder")] for n, v in (r.get("sources") or {}).items()}
+    want = {str(n): list(v) for n, v in sources.items()}
+    if got != want:
+        out.append(f"ledger: restore record sources {got} != the restore's {want}")
+    return out
+
+
+def check_failure_records(records: list[dict], tier: str, steps: list[int], *, skipped_node: int | None = None
+                          ) -> list[str]:
+    """One failed ``checkpoint`` record of ``tier`` per step in ``steps`` (an injected storage
+    fault); with ``skipped_node``, at least one skipped local record naming that node stuck."""
+    out = []
+    if skipped_node is not None:
+        sk = [r for r in records if r.get("kind") == "checkpoint" and r.get("tier") == "local" and r.get("skipped")]
+        if not any(skipped_node in (r.get("stuck_nodes") or []) for r in sk):
+            out.append(f"ledger: no skipped local checkpoint record names node {skipped_node} stuck "
+                       f"(skipped records: {[(r.get('step'), r.get('stuck_nodes')) for r in sk]})")
+        return out
+    for s in steps:
+        recs = [r for r in records if r.get("kind") == "checkpoint" and r.get("tier") == tier and r.get("step") == s]
+        failed = [r for r in recs if not r.get("ok", True)]
+        if len(failed) != 1 or len(recs) != 1:
+            out.append(f"ledger: {tier} step {s} hit an injected storage fault: expected exactly one failed "
+                       f"checkpoint record, found {len(failed)} failed of {len(recs)} "
+                       f"({[(r.get('ok'), (r.get('error') or '')[:80]) for r in recs]})")
+    return out
+
+
+def check_ok_records_on_disk(records: list[dict], after: list[Copy], keep_persistent: int) -> list[str]:
+    """Every persistent ``checkpoint`` record with ``ok`` names a step committed in the
+    persistent root now, or one retention may have purged since (``keep_persistent`` newer)."""
+    pfs = {c.step for c in after if c.holder is None and c.committed}
+    out = []
+    for r in records:
+        if r.get("kind") == "checkpoint" and r.get("tier") == "persistent" and r.get("ok"):
+            s = r.get("step")
+            if s not in pfs and len({x for x in pfs if x > s}) < keep_persistent:
+                out.append(f"ledger: persistent step {s} recorded ok, but it is not committed in the persistent root")
+    return out
