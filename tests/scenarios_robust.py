@@ -145,3 +145,40 @@ def phase_restore_while_local_hangs(rank, world, base, limit):
     eng.close()
     return {"step": res.step, "restore_s": restore_s, "persistent_bytes": res.persistent_bytes_read,
             "sources": {n: (o.source.kind, o.source.holder) for n, o in res.sources.items()}}
+
+
+def phase_read_only_persistent_root(rank, world, base):
+    """The persistent root turned read-only (EROFS on every write or delete under it; creating a
+    directory that exists is fine, as on Linux): the job
+    still starts and restores step 3 from the node-local copies; the next persistent save
+    fails as a tier failure, not at start."""
+    import errno
+
+    from tierckpt.errors import TierFailedError
+    from tierckpt.io.storage import Store
+
+    pfs = os.path.join(base, "pfs")
+    real = {n: getattr(Store, n) for n in ("write_atomic", "remove", "rmtree", "makedirs", "open", "rename")}
+
+    def guarded(name):
+        def fn(self, *a, **k):
+            mode = a[1] if name == "open" and len(a) > 1 else k.get("mode", "rb")
+            exists = name == "makedirs" and os.path.isdir(self.path(a[0] if a else k.get("rel", "")))
+            if self.root.startswith(pfs) and not exists and (name != "open" or any(c in mode for c in "wa")):
+                raise OSError(errno.EROFS, "Read-only file system (injected)", self.root)
+            return real[name](self, *a, **k)
+        return fn
+
+    for n in real:
+        setattr(Store, n, guarded(n))
+    out = _restore_once(rank, base, {})
+    eng = TieredCheckpointer(make_config(base), node_id=rank)
+    model, opt = build(seed=5)
+    h = eng.save(4, _state(model, opt, rank), tiers=["persistent"])
+    out["persistent_ok"] = h.futures["persistent"].result(timeout=120).ok
+    try:
+        eng.close()
+        out["close"] = "clean"
+    except TierFailedError as e:
+        out["close"] = f"TierFailedError: {e}"
+    return out

@@ -146,3 +146,42 @@ def test_restore_while_a_local_write_hangs(tmp_path):
     assert limit <= out["restore_s"] < limit + 60, out
     (red,) = _ledger(base, "redundancy")
     assert (red["ok"], red["missing"]) == (False, [0, 1]) and "still running on node(s) [1]" in red["reason"]
+
+
+def test_read_only_persistent_root_still_restores(saved, tmp_path):
+    base = _copy(saved, tmp_path)
+    out = run_world(sr.phase_read_only_persistent_root, 2, base)
+    for r in out:
+        v = r.value
+        assert v["step"] == K and {s for s, _ in v["sources"].values()} == {"own-local"}, v
+        assert v["persistent_ok"] is False and v["close"].startswith("TierFailedError"), v
+
+
+def test_a_dead_worker_thread_fails_its_jobs_and_is_replaced():
+    """A tier worker whose thread dies outside any job (a bug) must not leave a waiter hanging:
+    its jobs fail with the cause, and the next submit runs on a new thread."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from tierckpt.tiers.workers import DaemonWorker
+
+    w = DaemonWorker("tierckpt-test")
+    gate = threading.Event()
+    first = w.submit(gate.wait, 30)
+    queued = w.submit(lambda: "never")
+    while not first.running():  # the thread has taken the first job: the next one it takes dies
+        time.sleep(0.01)
+    real = Future.set_running_or_notify_cancel
+
+    def die(self):
+        Future.set_running_or_notify_cancel = real
+        raise RuntimeError("injected: the thread dies")
+
+    Future.set_running_or_notify_cancel = die
+    gate.set()
+    assert first.result(timeout=30) is True
+    with pytest.raises(RuntimeError, match="worker thread died"):
+        queued.result(timeout=30)
+    assert w.submit(lambda: 42).result(timeout=30) == 42
+    w.shutdown()

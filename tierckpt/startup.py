@@ -81,24 +81,32 @@ def raise_if_any_failed(err: ConfigError | None, group) -> None:
 def check_shared(store: Store, run_id: str, rank: int, group) -> None:
     """Rank 0 writes a probe into the persistent root; every rank must see it, or the
     "shared" storage is node-local and every persistent save would fail later (collective).
+    A root rank 0 cannot write (read-only, full) is not judged: restoring from it still works,
+    and its saves fail as tier failures.
 
     Raises:
         ConfigError: ``persistent_root`` is not visible from some rank.
     """
     probe = f".tierckpt-probe-{run_id}"
+    wrote = False
     if rank == 0:
         try:
             store.write_atomic(probe, b"tierckpt shared-storage probe\n")
-        except OSError as e:
-            log.warning("tierckpt: could not write %s: %s", store.url_of(probe), e)
-    all_gather(None, group)  # the probe exists before anyone looks
+            wrote = True
+        except OSError as e:  # read-only or full: restoring from it still works, saving will not
+            log.warning("tierckpt: persistent_root %s is not writable (%s): restoring from it works, but its "
+                        "saves will fail", store.url, e)
+    wrote = all_gather(wrote, group)[0]  # the probe exists (or not) before anyone looks
     try:
-        seen = store.exists(probe)
+        seen = store.exists(probe) if wrote else True
     except OSError:
         seen = False
     blind = [r for r, ok in enumerate(all_gather(seen, group)) if not ok]
-    if rank == 0:
-        store.remove(probe)
+    if rank == 0 and wrote:
+        try:
+            store.remove(probe)
+        except OSError as e:  # a root that turned read-only just now: a leftover probe is harmless
+            log.warning("tierckpt: could not remove %s: %s", store.url_of(probe), e)
     if blind:
         raise ConfigError("persistent_root", f"{store.url!r} is not shared storage: ranks {blind[:8]} cannot "
                           "see a file rank 0 wrote there; use a shared filesystem or an fsspec URL")
