@@ -185,3 +185,17 @@ def test_a_dead_worker_thread_fails_its_jobs_and_is_replaced():
         queued.result(timeout=30)
     assert w.submit(lambda: 42).result(timeout=30) == 42
     w.shutdown()
+
+
+def test_a_job_that_never_ran_reads_as_a_failed_record():
+    """A save handle's future resolves to a failed record, never raises, when the job's worker
+    thread died before running it (the campaign's dying-writer-thread fault)."""
+    from concurrent.futures import Future
+
+    from tierckpt.tiers.jobs import _never_raising
+
+    inner: Future = Future()
+    out = _never_raising(inner, "persistent", 7)
+    inner.set_exception(RuntimeError("the tierckpt-persistent worker thread died"))
+    rec = out.result(timeout=5)
+    assert not rec.ok and rec.step == 7 and rec.tier == "persistent" and "worker thread died" in rec.error

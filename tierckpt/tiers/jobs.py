@@ -89,8 +89,8 @@ class TierJobs:
         for t in tiers:
             job = self._local_job if t == "local" else self._persistent_job
             self._window[t] = (time.monotonic(), None)
-            futures[t] = self.pending[t] = self.workers[t].submit(self._guard, job, t, staged, step, delta,
-                                                                  t_wait, slot)
+            futures[t] = self.pending[t] = _never_raising(
+                self.workers[t].submit(self._guard, job, t, staged, step, delta, t_wait, slot), t, step)
             self._tail[t] = futures[t]
             self.pending_step[t] = step
         return futures
@@ -98,7 +98,7 @@ class TierJobs:
     def previous(self, tier: str) -> CheckpointRecord | None:
         """Wait for ``tier``'s latest job; its record (None if it never ran)."""
         fut = self.pending.get(tier)
-        return fut.result() if fut is not None else None  # _guard never raises
+        return _record_of(fut, tier, self.pending_step.get(tier)) if fut is not None else None
 
     def local_ready(self, step: int) -> tuple[bool, float, CheckpointRecord | None]:
         """Whether the local tier saves at ``step``, the seconds spent deciding, and the skipped
@@ -115,7 +115,7 @@ class TierJobs:
             return True, 0.0, None  # jobs are queued at the same point on every rank: no collective needed
         t0 = time.perf_counter()
         try:
-            fut.result(timeout=0.0 if fut is self._local_overdue else limit)
+            fut.exception(timeout=0.0 if fut is self._local_overdue else limit)
             done = 1
         except FuturesTimeout:
             done = 0
@@ -228,7 +228,7 @@ class TierJobs:
                 continue
             limit = self.cfg.local_wait_timeout_s if (t == "local" and bounded) else 0
             try:
-                fut.result(timeout=(0.0 if fut is self._local_overdue else limit) if limit else None)
+                fut.exception(timeout=(0.0 if fut is self._local_overdue else limit) if limit else None)
                 out[t] = True
             except FuturesTimeout:
                 self._local_overdue = fut
@@ -239,7 +239,8 @@ class TierJobs:
 
     def finished(self) -> list[CheckpointRecord]:
         """Records of the latest job of each tier that has finished (this rank's view)."""
-        return [f.result() for f in self.pending.values() if f is not None and f.done()]
+        return [_record_of(f, t, self.pending_step.get(t)) for t, f in self.pending.items()
+                if f is not None and f.done()]
 
     def busy_during(self, seconds: float) -> list[str]:
         """Tiers whose job overlapped the last ``seconds`` (for the scheduler's interference)."""
@@ -367,6 +368,25 @@ def _finished(fut: Future, timeout: float | None) -> bool:
     except BaseException:  # the job's own failure is its record's business, not the wait's
         pass
     return True
+
+
+def _never_raising(fut: Future, tier: str, step: int) -> Future:
+    """A Future of ``fut``'s record that resolves to a failed record instead of raising (what
+    a save handle's futures promise), whatever happened to the job's worker thread."""
+    out: Future = Future()
+    out.set_running_or_notify_cancel()
+    fut.add_done_callback(lambda f: out.set_result(_record_of(f, tier, step)))
+    return out
+
+
+def _record_of(fut: Future, tier: str, step: int | None) -> CheckpointRecord:
+    """A finished job's record. ``_guard`` turns every failure of a job into a record, so an
+    exception here means the job never ran (its worker thread died): a failed record too."""
+    try:
+        return fut.result()
+    except BaseException as e:
+        return CheckpointRecord(tier=tier, step=-1 if step is None else step, ok=False,
+                                error=f"the job never ran: {type(e).__name__}: {e}")
 
 
 def describe_failure(e: BaseException, store: Store) -> str:
