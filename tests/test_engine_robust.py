@@ -157,6 +157,7 @@ def test_read_only_persistent_root_still_restores(saved, tmp_path):
         assert v["persistent_ok"] is False and v["close"].startswith("TierFailedError"), v
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread does die
 def test_a_dead_worker_thread_fails_its_jobs_and_is_replaced():
     """A tier worker whose thread dies outside any job (a bug) must not leave a waiter hanging:
     its jobs fail with the cause, and the next submit runs on a new thread."""

@@ -27,6 +27,7 @@ class DaemonWorker:
         self.name = name
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._dead = False  # set (under the lock) by a dying thread, before it drains the queue
         self._thread = self._start()
 
     def _start(self) -> threading.Thread:
@@ -39,8 +40,9 @@ class DaemonWorker:
         died (a bug outside any job) is replaced first, so later jobs still run."""
         fut: Future = Future()
         with self._lock:
-            if not self._thread.is_alive():
+            if self._dead or not self._thread.is_alive():
                 log.error("tierckpt: the %s worker thread had died; starting a new one", self.name)
+                self._dead = False
                 self._thread = self._start()
             self._q.put((fut, fn, args))
         return fut
@@ -84,6 +86,7 @@ class DaemonWorker:
         log.error("tierckpt: %s", err)
         pending = [current] if current is not None else []
         with self._lock:
+            self._dead = True
             while True:
                 try:
                     item = self._q.get_nowait()
