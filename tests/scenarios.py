@@ -704,8 +704,8 @@ def phase_background_failure_policy(rank, world, base):
     try:
         eng.close()
         out["e_close"] = None
-    except OSError as e:
-        out["e_close"] = type(e).__name__
+    except TierFailedError as e:
+        out["e_close"] = (e.tier, "run_end" in str(e) and "IsADirectoryError" in str(e))
     return out
 
 

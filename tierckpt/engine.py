@@ -545,7 +545,8 @@ class TieredCheckpointer:
             TierFailedError: with ``clean=True``, after everything is closed, when a save of a
                 tier outside ``warn_only`` failed and was not raised yet (the end of training
                 must not look successful when its last checkpoint is not durable).
-            OSError: with ``clean=True``, the ledger's ``run_end`` could not be written.
+                Also (global rank 0, tier ``persistent``) when the ledger's ``run_end`` could not
+                be written and ``persistent`` is not in ``warn_only``.
         """
         if self._closed:
             return
@@ -571,8 +572,12 @@ class TieredCheckpointer:
         self._closed = True
         if clean and raise_failures and failed:
             self._raise_if_failed(failed[0])
-        if clean and raise_failures and ledger_error is not None:
-            raise ledger_error  # global rank 0 only: the ledger's one writer
+        if clean and raise_failures and ledger_error is not None and "persistent" not in self.cfg.warn_only:
+            # global rank 0 only (the ledger's one writer); the ledger lives in the persistent
+            # root and records what is durable: a failure of the persistent tier, never a raw error
+            raise TierFailedError("persistent", -1 if durable is None else durable,
+                                  f"the ledger's run_end could not be written: {type(ledger_error).__name__}: "
+                                  f"{ledger_error}")
 
     def _finish_jobs(self) -> list[str]:
         """Wait for the background jobs (the local tier at most ``local_wait_timeout_s``; none
