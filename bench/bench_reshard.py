@@ -194,7 +194,10 @@ def _record(a, head, rows, samples, elapsed, argv) -> None:
     cmd = " ".join(shlex.quote(x) for x in [".venv/bin/python", "bench/bench_reshard.py"]
                    + (sys.argv[1:] if argv is None else list(argv)))
     when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    text = (f"\n## Resharded restore, run {when}\n\nCommand: `{cmd}`; elapsed {elapsed:.0f} s. Machine: "
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    text = (f"\n## Resharded restore, run {when}\n\nCommand: `{cmd}`; elapsed {elapsed:.0f} s; load average at the "
+            f"end {load} (other jobs on the machine slow the CPU-bound in-cluster path more than the persistent "
+            f"read). Machine: "
             f"`nproc` = {m['nproc']}; {m['mem']}; CPU: {m['cpu']}; torch {m['torch']}. Page cache of every "
             f"checkpoint file dropped before each restore; persistent root on the same disk (a lower bound on "
             f"the gain).\n\n{md_table(head, rows)}\n\nSamples (s, slower rank): `{samples}`  \n"
