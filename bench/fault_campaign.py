@@ -828,7 +828,7 @@ def rank_train(rank: int, world: int, base: str, plan: dict, phase: str) -> dict
             eng.save(s, scenarios.app_state(model, opt), tiers=tiers)
         eng.wait()
         if hung and s == plan["fault"]["step"]:
-            out["restore_in_run"] = _restore_in_run(eng, rank, base)
+            out["restore_in_run"] = _restore_in_run(eng, rank, base, plan["fault"]["node"])
     try:
         eng.close()
     except TierFailedError as e:
@@ -837,15 +837,23 @@ def rank_train(rank: int, world: int, base: str, plan: dict, phase: str) -> dict
     return out
 
 
-def _restore_in_run(eng, rank: int, base: str) -> dict:
+def _restore_in_run(eng, rank: int, base: str, hung_node: int) -> dict:
     """A restore() while a local write hangs: it must return within the bound (fall back to
-    another source), and what it loads must equal the snapshot of its step."""
+    another source), and what it loads must equal the snapshot of its step. A NoCheckpointError
+    is right only when no step is servable without the hung node's local root (its copies are
+    not trusted while a write into it is stuck); ``expected`` is computed from the files."""
     from tests import scenarios
+    from tierckpt.errors import NoCheckpointError
 
     model, opt = scenarios.build(seed=77)
     sd = scenarios.app_state(model, opt)
     t0 = time.monotonic()
-    res = eng.restore(sd)
+    try:
+        res = eng.restore(sd)
+    except NoCheckpointError as e:
+        usable = [c for c in checks.scan_disk(base) if c.where != f"node-{hung_node}"]
+        return {"seconds": time.monotonic() - t0, "step": None, "mismatch": None, "error": str(e)[:300],
+                "expected": checks.expected_step(usable, eng.topo.nodes)}
     took = time.monotonic() - t0
     mismatch = None
     if res is not None:
@@ -1101,6 +1109,9 @@ def check_train_phase(plan: Plan, ph: PhaseResult, base: str, lines_before: int)
             if rr and rr.get("mismatch"):
                 out.append(f"rank {r}: restore() during a hung local write loaded step {rr['step']} wrong: "
                            f"{rr['mismatch'][:300]}")
+            if rr and rr.get("error") and rr.get("expected") is not None:
+                out.append(f"rank {r}: restore() during a hung local write raised although step "
+                           f"{rr['expected']} is servable without the hung node: {rr['error']}")
     return out
 
 
