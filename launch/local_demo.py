@@ -212,14 +212,14 @@ def kill_live_jobs() -> None:
 # =============================================================================================
 # files
 # =============================================================================================
-def clear_out(out: str) -> None:
-    """Delete and recreate ``out``, refusing (ValueError) when it holds files this demo does
-    not write (a mistyped --out must not wipe someone's directory)."""
+def clear_out(out: str, ours: set[str] = OURS) -> None:
+    """Delete and recreate ``out``, refusing (ValueError) when it holds files other than
+    ``ours`` (what the demo writes: a mistyped --out must not wipe someone's directory)."""
     out = os.path.abspath(out)
     if os.path.exists(out):
         if not os.path.isdir(out):
             raise ValueError(f"--out {out} exists and is not a directory")
-        foreign = sorted(set(os.listdir(out)) - OURS)
+        foreign = sorted(set(os.listdir(out)) - ours)
         if foreign:
             raise ValueError(f"refusing to clear {out}: it holds files this demo did not write "
                              f"({', '.join(foreign[:5])}); pick another --out")

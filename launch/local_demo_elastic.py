@@ -309,12 +309,7 @@ def print_report(con, r: dict) -> None:
 
 def clear_out(out: str) -> None:
     """Delete and recreate ``out`` (refusing a directory with files this demo did not write)."""
-    saved = demo.OURS
-    demo.OURS = OURS
-    try:
-        demo.clear_out(out)
-    finally:
-        demo.OURS = saved
+    demo.clear_out(out, OURS)
 
 
 def main(argv=None) -> int:
@@ -354,7 +349,10 @@ def main(argv=None) -> int:
         return 2
     con.print(f"[bold]tierckpt elastic demo[/]: torchtitan llama3 debugmodel, {params.nodes} simulated nodes → "
               f"{params.nodes - 1}, {params.steps} steps; node {params.victim} lost for good after step {params.kill_after}")
-    signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(KeyboardInterrupt()))
+    def on_term(signum, frame):  # make `kill <demo>` clean up its ranks too
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         report = run_demo(out, params, console=con)
     except demo.DemoError as e:
