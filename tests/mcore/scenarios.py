@@ -163,7 +163,9 @@ def phase_main(rank: int, world: int, base: str) -> dict:
     assert_bitwise(snap3, M.snapshot(m, o), "peer-replica")
     _check_common(sd, STEP, rng3)
 
-    # 3) persistent after both roots are gone
+    # 3) persistent after both roots are gone; the replica rebuild the last restore started
+    # must finish first, or it writes a copy into a root this test has just "lost"
+    tiers.wait()
     shutil.rmtree(os.path.join(base, "nvme", f"node-{rank}"))
     dist.barrier()
     m, o, sd = _restore_into_fresh(tiers, seed=13)

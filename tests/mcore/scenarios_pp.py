@@ -94,6 +94,7 @@ def phase_tp2pp2(rank: int, world: int, base: str) -> dict:
     assert src == {0: "own-local", 1: "peer-replica"}, src
     assert tiers.last_restore.persistent_bytes_read == 0
 
+    tiers.wait()  # the replica rebuild after the last restore writes into the roots wiped next
     _wipe_node(base, 0, rank)
     _wipe_node(base, 1, rank)
     m, o, src = _restore_pp(tiers, 13, snap3, "TP2xPP2 persistent", rng=rng3)
