@@ -238,6 +238,7 @@ def phase_uneven_every_tier(rank, world, base, rows, cols, factor):
     ref = snapshot(model, opt)
     seen = []
     for wipe in ("none", "node", "node+replicas"):
+        eng.wait()  # the replica rebuild after the last restore must not write into a root wiped next
         dist.barrier()
         if rank == 0 and wipe != "none":
             shutil.rmtree(os.path.join(base, "nvme", "node-1"), ignore_errors=True)

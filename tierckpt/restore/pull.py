@@ -13,8 +13,9 @@ sits there.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from tierckpt.dist.collectives import all_gather
@@ -37,6 +38,8 @@ class Pulled:
         ok: this node received a pull and it is now its committed ``local/step-<N>``.
         error: why this node's pull failed (None when ok or when it received none).
         nbytes: bytes this rank received.
+        memory: {file name: uint8 tensor of its bytes} of the files this rank received
+            (verified on receipt), kept so the load reads them from memory; empty unless ok.
         kept: ``(node m, directory)`` where the copy of node m that ``local/step-<N>`` held
             before now is (None: it held no other node's committed copy).
     """
@@ -45,6 +48,9 @@ class Pulled:
     error: str | None = None
     nbytes: int = 0
     kept: tuple[int, str] | None = None
+    # {file name in the step directory: bytes} this rank received, kept in memory so the load
+    # does not read back what the pull just wrote (this rank's share only; set when ok)
+    memory: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def plan_pulls(topo: Topology, inv: Inventory, s: int, sources: dict[int, Source], todo: set[int]) -> list[Transfer]:
@@ -85,7 +91,7 @@ def run_pulls(store: Store, topo: Topology, groups: Groups, in_use: InUse, chunk
     for k in keys:
         in_use.hold(k)
     try:
-        results = run_transfers(pulls, topo.rank, store, groups.local_world, chunk_bytes)
+        results = run_transfers(pulls, topo.rank, store, groups.local_world, chunk_bytes, keep=True)
         ok, bad = commit_received(store, topo, groups.node, results, pulls)
         out = Pulled(nbytes=sum(r.nbytes for r in results.values()))
         if receiving and topo.is_node_leader:
@@ -97,6 +103,8 @@ def run_pulls(store: Store, topo: Topology, groups: Groups, in_use: InUse, chunk
             else:
                 out.error = "; ".join(bad.values()) or "pull failed"
         out.ok, out.error, out.kept = all_gather((out.ok, out.error, out.kept), groups.node)[0]
+        if out.ok:
+            out.memory = {p: b for r in results.values() for p, b in r.memory.items()}
     finally:
         for k in keys:
             in_use.drop(k)

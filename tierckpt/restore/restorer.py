@@ -349,13 +349,14 @@ class Restorer:
                 read = self._persistent().load(state_dict, store.url_of(rel), group)
                 out.persistent_bytes = read
             else:
-                read = load_dir(state_dict, store.path(rel), group)
+                read = load_dir(state_dict, store.path(rel), group, memory=pulled.memory)
             out.bytes = read + nbytes
             out.ok = True
         except FAILURES as e:  # any verification or load failure → next source, agreed by all
             out.error = f"{type(e).__name__}: {e}"
         finally:
             self.in_use.drop(key)
+            pulled.memory = {}  # the pulled bytes are in the state now (or of no use)
         out.seconds = time.perf_counter() - t0
         self._persistent_bytes += out.persistent_bytes
         # the node's ranks agree on ok (DCP and run_agreed already raised on all of them)

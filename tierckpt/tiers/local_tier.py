@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -20,6 +21,7 @@ from tierckpt.history import lineage
 from tierckpt.io import layout, manifest
 from tierckpt.io.dcp_io import (
     CountingFileSystemReader,
+    MemoryFirstFileSystem,
     crc32_off,
     digests_under,
     hashing_writer,
@@ -173,13 +175,18 @@ def verify_split(store: Store, rel: str, index: int, count: int) -> list[str]:
     return manifest.verify_files(store, rel, entries)
 
 
-def load_dir(state_dict: dict, path: str, group: dist.ProcessGroup) -> int:
+def load_dir(state_dict: dict, path: str, group: dist.ProcessGroup,
+             memory: dict[str, torch.Tensor] | None = None) -> int:
     """DCP-load ``state_dict`` in place from a checkpoint directory over ``group``.
 
     Uses :class:`VerifyingLoadPlanner`: nothing is read unless the checkpoint covers every
-    local chunk with the same dtype. Returns bytes read by this rank.
+    local chunk with the same dtype. ``memory``: {file name in ``path``: uint8 tensor of its
+    bytes} of files already in memory (a pull's verified share), read from there instead of
+    the disk. Returns bytes read by this rank.
     """
     reader = CountingFileSystemReader(path)
+    if memory:
+        reader.fs = MemoryFirstFileSystem(path, memory)
     t0 = time.perf_counter()
     dcp.load(state_dict, storage_reader=reader, planner=VerifyingLoadPlanner(), process_group=group)
     log.debug("loaded %s in %.3fs", path, time.perf_counter() - t0)

@@ -64,6 +64,8 @@ class Received:
     manifest_bytes: bytes | None = None
     problems: list[str] = field(default_factory=list)
     nbytes: int = 0
+    # {file path in the share: its bytes (uint8)} when the receiver kept a copy in memory
+    memory: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -197,10 +199,14 @@ class _FileSink:
     """Writes received chunks to one transfer's files on its own thread (disk writes overlap
     the next receives); owns the file descriptors and the per-file write errors."""
 
-    def __init__(self, store: Store, dst_rel: str, entries: list[manifest.FileEntry], bufs: list):
+    def __init__(self, store: Store, dst_rel: str, entries: list[manifest.FileEntry], bufs: list,
+                 keep: bool = False):
         self.store, self.dst_rel, self.entries, self.bufs = store, dst_rel, entries, bufs
         self.fds: dict[int, tuple[int, bool]] = {}
         self.failed: dict[int, str] = {}
+        self.keep = keep  # also keep every file's bytes in memory (a restore loads from them)
+        self.memory: dict[int, torch.Tensor] = {}
+        self._kept: dict[int, int] = {}  # bytes of file i kept so far
         self.free: queue.Queue = queue.Queue()
         for b in range(len(bufs)):
             self.free.put(b)
@@ -253,12 +259,22 @@ class _FileSink:
             self.failed[i] = f"{type(ex).__name__}: {ex}"
             os.close(self.fds.pop(i)[0])
 
+    def _keep(self, i: int, b: int, n: int) -> None:
+        buf = self.memory.get(i)
+        if buf is None:
+            buf = self.memory[i] = torch.empty(self.entries[i].size, dtype=torch.uint8)
+        off = self._kept.get(i, 0)
+        buf[off: off + n].copy_(self.bufs[b][:n])
+        self._kept[i] = off + n
+
     def _run(self) -> None:
         while True:
             item = self.writes.get()
             if item is None:
                 return
             i, b, n, last = item
+            if self.keep:
+                self._keep(i, b, n)
             self._write(i, b, n)
             if last:
                 self._finish(i)
@@ -270,7 +286,7 @@ class _FileSink:
         self.thread.join()
 
 
-def recv_step(store: Store, t: Transfer, group, chunk_bytes: int) -> Received:
+def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: bool = False) -> Received:
     """Receive one :class:`Transfer` into ``t.dst_rel`` of ``store``, verifying as it goes.
 
     Two receives stay in flight while the previous chunk is hashed; a writer thread writes
@@ -280,6 +296,9 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int) -> Received:
     away, then fsynced. Nothing is committed here (the node leader commits once every share
     of the step arrived intact). After a write error (ENOSPC, …) the stream is still drained
     so the sender never blocks.
+
+    ``keep``: also keep each file's bytes in memory (:attr:`Received.memory`, the files that
+    arrived intact), so a restore loads them without reading back what it just wrote.
     """
     src = _gsrc(t.src_rank, group)
     res = Received(t)
@@ -293,7 +312,7 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int) -> Received:
               for off in range(0, e.size, chunk_bytes)]
     bufs = _buffers("recv", chunk_bytes, count=4)
     hashers = [xxhash.xxh3_64() for _ in entries]
-    sink = _FileSink(store, t.dst_rel, entries, bufs)
+    sink = _FileSink(store, t.dst_rel, entries, bufs, keep)
     try:
         res.nbytes = _receive_chunks(chunks, bufs, hashers, sink, src, group)
     finally:
@@ -305,6 +324,8 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int) -> Received:
             res.problems.append(f"{t.dst_rel}/{e.path}: checksum mismatch on receipt")
         else:
             res.entries.append(e)
+            if keep:
+                res.memory[e.path] = sink.memory.get(i, torch.empty(0, dtype=torch.uint8))
     return res
 
 
@@ -348,7 +369,7 @@ def _buffers(kind: str, chunk_bytes: int, count: int = 2) -> list[torch.Tensor]:
 
 
 def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
-                  chunk_bytes: int) -> dict[int, Received]:
+                  chunk_bytes: int, keep: bool = False) -> dict[int, Received]:
     """Execute this rank's part of ``transfers`` (every rank passes the same list).
 
     Never raises for a transfer problem, so every rank reaches the collective that agrees on
@@ -356,6 +377,7 @@ def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
     gone, a stream out of step) is a :class:`Received` with the error in ``problems``; a
     failed send is logged, and its receiver sees a short or bad stream. A transfer from a
     rank to itself is refused on both sides before any byte moves (``problems`` says so).
+    ``keep``: receivers also keep the files' bytes in memory (see :func:`recv_step`).
 
     Returns:
         {transfer index: Received} for the transfers this rank received.
@@ -381,7 +403,7 @@ def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
                 out[i] = Received(t, problems=[f"{t.tag}: a transfer from rank {rank} to itself (not sent)"])
                 continue
             try:
-                out[i] = recv_step(store, t, group, chunk_bytes)
+                out[i] = recv_step(store, t, group, chunk_bytes, keep)
             except FAILURES as e:
                 log.error("tierckpt transfer %s: receive failed: %s: %s", t.tag, type(e).__name__, e)
                 out[i] = Received(t, problems=[f"{t.tag}: receive failed: {type(e).__name__}: {e}"])
