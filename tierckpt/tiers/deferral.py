@@ -83,6 +83,6 @@ class BusyPoll:
         rec = CheckpointRecord(tier=tier, step=step, ok=False, skipped=True, deferred=True, running_step=running,
                                error=error, blocking_s=waited, wait_s=waited)
         if self._rank == 0:
-            log.warning("tierckpt: step %d: %s; training continues", step, error)
+            log.warning("tierckpt: %s; training continues", error)
         self._append(rec)
         return rec
