@@ -427,6 +427,11 @@ class TierConfig(_KnownFields):
             out[tier] = policy
         self._put("busy_tier_policy", FrozenDict(out))
 
+    def busy_policy(self, tier: str) -> str:
+        """``busy_tier_policy`` of ``tier``: ``"defer"`` or ``"wait"``."""
+        policy = self.busy_tier_policy
+        return policy if isinstance(policy, str) else policy.get(tier, "defer")
+
     def resolved_job_id(self) -> str:
         """The ``{job}`` value: ``job_id``, else SLURM_JOB_ID, else ``"job"``."""
         return self.job_id or os.environ.get("SLURM_JOB_ID") or "job"

@@ -264,7 +264,7 @@ class TieredCheckpointer:
         the ``warn_only`` policy, apply the interval decision made after it. Returns (tiers
         that save now, {deferred or skipped tier: record}, seconds spent on a skipped tier)."""
         go, skipped, t_skip, t0 = [], {}, 0.0, time.perf_counter()
-        defer = [] if wait_previous else [t for t in tiers if self.cfg.busy_tier_policy[t] == "defer"]
+        defer = [] if wait_previous else [t for t in tiers if self.cfg.busy_policy(t) == "defer"]
         finished = self.busy.finished(defer, step) if defer else {}
         for t in tiers:
             rec: CheckpointRecord | None = None
