@@ -139,6 +139,12 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    type=_nonneg_float("--ckpt-plugin-local-wait-timeout", "0 = no limit"), default=None,
                    metavar="SECONDS", help="Longest a local save waits for the previous one; then that step "
                                            "skips the local tier on every rank (default 300; 0 = no limit).")
+    g.add_argument("--ckpt-plugin-busy-tier-policy", choices=("defer", "wait"), default=None,
+                   help="A tier due while its previous save still runs: defer (default; the plugin's "
+                        "local tier skips that iteration and saves at the first one where the running "
+                        "save finished on every rank, recorded in the ledger) or wait (the local tier "
+                        "waits at most --ckpt-plugin-local-wait-timeout). Megatron's persistent path "
+                        "always waits: Megatron records every save it starts as its latest checkpoint.")
     g.add_argument("--ckpt-plugin-persistent-keep",
                    type=_nonneg_int("--ckpt-plugin-persistent-keep", "0 keeps all"),
                    default=None, metavar="K", help="Committed persistent steps kept (default 3).")
@@ -196,6 +202,8 @@ class PluginSettings:
         local_wait_timeout_s: seconds a local save waits for the previous one (None = the
             engine's default, 0 = no limit).
         warn_only: tiers whose failed saves only warn (``TierConfig.warn_only``).
+        busy_tier_policy: ``"defer"`` or ``"wait"`` (``TierConfig.busy_tier_policy``; None =
+            the engine's default, defer).
     """
 
     tiers: tuple[str, ...]
@@ -212,6 +220,7 @@ class PluginSettings:
     notes: list[str] = field(default_factory=list)
     local_wait_timeout_s: float | None = None
     warn_only: tuple[str, ...] = ("local",)
+    busy_tier_policy: str | None = None
 
 
 # id(args) -> (weak reference to args, settings); Namespace is not hashable (it defines __eq__)
@@ -325,6 +334,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         schedule_options=schedule, notes=notes,
         local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout,
         warn_only=tuple(getattr(args, "ckpt_plugin_warn_only", None) or ("local",)),
+        busy_tier_policy=getattr(args, "ckpt_plugin_busy_tier_policy", None),
     )
     tier_config_from_args(args, settings)  # the engine's own bounds, with the flag names users typed
     _set_settings(args, settings)
@@ -498,6 +508,7 @@ _FIELD_TO_FLAG = {
     "simulated_ranks_per_node": "--ckpt-plugin-simulated-ranks-per-node",
     "local_wait_timeout_s": "--ckpt-plugin-local-wait-timeout",
     "warn_only": "--ckpt-plugin-warn-only",
+    "busy_tier_policy": "--ckpt-plugin-busy-tier-policy",
     "min_steps": "--ckpt-plugin-min-interval",
     "max_steps": "--ckpt-plugin-max-interval",
     "gpu_mtbf_s": "--ckpt-plugin-gpu-mtbf-hours",
@@ -531,7 +542,9 @@ def tier_config_from_args(args: argparse.Namespace, settings: PluginSettings | N
     settings = settings_of(args) if settings is None else settings
     if settings is None:
         raise RuntimeError("tier_config_from_args: the plugin is off or validate_plugin_args has not run")
-    extra = {} if settings.local_wait_timeout_s is None else {"local_wait_timeout_s": settings.local_wait_timeout_s}
+    extra: dict = {} if settings.local_wait_timeout_s is None else {"local_wait_timeout_s": settings.local_wait_timeout_s}
+    if settings.busy_tier_policy is not None:
+        extra["busy_tier_policy"] = settings.busy_tier_policy
     try:
         return TierConfig(
             **extra,

@@ -140,8 +140,10 @@ class TieredLocalCheckpointManager:
         if not isinstance(state_dict, LocalStateDictHolder) or state_dict.state_dict is None:
             raise TypeError("TieredLocalCheckpointManager.save expects the LocalStateDictHolder made by "
                             "MCoreTensorAwareStateDict.from_state_dict with mcore_plugin installed")
-        delta = self.tiers.save(int(iteration), state_dict.state_dict, tiers=["local"]).blocking_s
-        self.last_saved_step = int(iteration)
+        handle = self.tiers.save(int(iteration), state_dict.state_dict, tiers=["local"])
+        delta = handle.blocking_s
+        if "local" in handle.futures:  # a deferred save (busy_tier_policy) wrote nothing
+            self.last_saved_step = int(iteration)
         self.latest_iteration = -1
         log.info("tierckpt local tier: step %d staged in %.3fs (writing in the background)", iteration, delta)
         return None

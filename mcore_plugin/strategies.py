@@ -247,7 +247,10 @@ class TieredSaveStrategy(TorchDistSaveShardedStrategy):
         self._step = None
         due = self.tiers.due(step)
         parts = self._parts(due, sharded_state_dict, checkpoint_dir)
-        handle = self.tiers.save_parts(step, parts) if parts else SaveHandle(step, 0.0)
+        # Megatron names every save it starts as its latest checkpoint (tracker file) once
+        # finalized: a deferred persistent step would be named without existing, so this path
+        # waits for a running save instead (its exits are planned exits too)
+        handle = self.tiers.save_parts(step, parts, wait_previous=True) if parts else SaveHandle(step, 0.0)
         self.last_delta, self.last_handle = handle.blocking_s, handle
         done = _Completion(self.tiers, handle)
         return AsyncRequest(wait_for_tiers, (done.reader, self.timeout_s),

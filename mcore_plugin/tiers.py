@@ -157,10 +157,11 @@ class MegatronTiers:
                 t == "persistent" and persistent_state_dict is not None) else base
         return self.save_parts(step, {t: parts[t] for t in tiers})
 
-    def save_parts(self, step: int, parts: dict[str, tuple[dict, dict]]) -> SaveHandle:
+    def save_parts(self, step: int, parts: dict[str, tuple[dict, dict]], *, wait_previous: bool = False) -> SaveHandle:
         """Like :meth:`save` with already split ``{tier: (sharded, common)}``; tiers sharing
         the same parts object are staged once. Returns one handle for the step (δ summed over
-        stagings)."""
+        stagings). ``wait_previous``: never defer a tier whose previous save still runs (see
+        :meth:`tierckpt.TieredCheckpointer.save`)."""
         groups: list[tuple[tuple, list[str]]] = []
         for t, p in parts.items():
             for g in groups:
@@ -175,7 +176,8 @@ class MegatronTiers:
             if "persistent" in ts and fmt not in (None, "fully_reshardable", "fully_sharded_model_space"):
                 log.warning("tierckpt mcore: persistent step %d holds the %s optimizer format; TP/PP "
                             "changes on load need `tierckpt export-mcore`", step, fmt)
-            h = self.engine.save(step, {TOP_KEY: Payload(Staged(sharded, common, parallel_layout(sharded)))}, tiers=ts)
+            h = self.engine.save(step, {TOP_KEY: Payload(Staged(sharded, common, parallel_layout(sharded)))}, tiers=ts,
+                                 wait_previous=wait_previous)
             handle.blocking_s += h.blocking_s
             handle.futures.update(h.futures)
             handle.skipped.update(h.skipped)

@@ -44,6 +44,7 @@ def test_precedence_cli_over_toml_over_registry(tmp_path):
     ("[checkpoint]\nadaptive = [\"nvme\"]\n", [], "checkpoint.adaptive", "allowed: local, persistent"),
     ("", ["--checkpoint.restart_prior_s", "-1"], "checkpoint.restart_prior_s", ">= 0"),
     ("", ["--checkpoint.local_wait_timeout_s", "-2"], "checkpoint.local_wait_timeout_s", ">= 0 (0 = no limit)"),
+    ("", ["--checkpoint.busy_tier_policy", "later"], "checkpoint.busy_tier_policy", "'defer' or 'wait'"),
     ("[nosuchsection]\nx = 1\n", [], "nosuchsection", "unknown key"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, overrides, key, fragment):

@@ -25,6 +25,10 @@ from tierckpt.sched.mtbf import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT, prior_params
 TIERS = ("local", "persistent")
 """Tiers a save can target. Replication is part of the local tier (F>1), not a tier of its own."""
 
+BUSY_TIER_POLICIES = ("defer", "wait")
+"""Values of ``TierConfig.busy_tier_policy``: what a save does with a tier whose previous save
+still runs."""
+
 MAX_WAIT_S = 7 * 86400.0  # local_wait_timeout_s bound (threading.TIMEOUT_MAX is far above)
 DEFAULT_KEEP_LATEST_K = {"local": 2, "persistent": 3}
 TEMPLATE_FIELDS = ("job", "node", "hostname")
@@ -248,6 +252,17 @@ class TierConfig(_KnownFields):
             no limit). When the previous local save is still running on some rank after this
             (a hung or very slow node-local disk), every rank skips the local tier at this step
             with a warning and a ledger record; training and the persistent tier go on.
+        busy_tier_policy: what ``save()`` does with a due tier whose previous save is still
+            running on some rank: ``"defer"`` (default) or ``"wait"``, for every tier or as
+            ``{tier: policy}`` (tiers left out: ``"defer"``). ``"defer"``: that tier's save is
+            not made now and training goes on without waiting; the decision is one all-reduce
+            of 4 bytes per tier over the control group (the same on every rank); a ``checkpoint`` record with ``skipped`` and ``deferred`` names the
+            running step (``SaveHandle.skipped``, the ledger, a warning from rank 0). With
+            ``intervals``, the tier is then due again at the first step where that save has
+            finished on every rank (:meth:`TieredCheckpointer.due`); without, the caller's next
+            save of the tier. ``"wait"``: the persistent tier waits without bound, the local
+            tier at most ``local_wait_timeout_s`` and is then skipped. Planned exits
+            (``save(..., wait_previous=True)``, ``save_for_preemption``) always wait.
         local_root_is_node_private: the template may omit ``{node}`` because each node's path
             is on its own disk.
         simulated_ranks_per_node: > 0 simulates nodes on one machine: node = rank // this
@@ -292,6 +307,7 @@ class TierConfig(_KnownFields):
     staging_buffers: int = 2
     collective_timeout_s: float = 600.0
     local_wait_timeout_s: float = 300.0  # MAX_WAIT_S at most
+    busy_tier_policy: str | Mapping[str, str] = "defer"
     local_root_is_node_private: bool = False
     simulated_ranks_per_node: int = 0
     intervals: Mapping[str, int] | None = None
@@ -307,6 +323,7 @@ class TierConfig(_KnownFields):
         self._check_cadence()
         self._check_preemption()
         self._check_resources()
+        self._check_busy_policy()
 
     def _put(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
@@ -393,6 +410,27 @@ class TierConfig(_KnownFields):
             raise ConfigError("staging_buffers", "must be >= 2 with a local tier and local_wait_timeout_s > 0: "
                               "a stuck local save keeps its buffer, the other tiers need another "
                               f"(got {self.staging_buffers}; or set local_wait_timeout_s = 0)")
+
+    def _check_busy_policy(self) -> None:
+        value, allowed = self.busy_tier_policy, " or ".join(repr(p) for p in BUSY_TIER_POLICIES)
+        if isinstance(value, str):
+            value = {t: value for t in TIERS}
+        if not isinstance(value, Mapping):
+            raise ConfigError("busy_tier_policy", f"must be {allowed}, or a mapping tier -> policy; got {value!r}")
+        out = {t: "defer" for t in TIERS}
+        for tier, policy in value.items():
+            if tier not in TIERS:
+                raise ConfigError("busy_tier_policy", f"unknown tier {tier!r}; allowed: {', '.join(TIERS)}")
+            if policy not in BUSY_TIER_POLICIES:
+                name = "busy_tier_policy" if isinstance(self.busy_tier_policy, str) else f"busy_tier_policy.{tier}"
+                raise ConfigError(name, f"must be {allowed}, got {policy!r}")
+            out[tier] = policy
+        self._put("busy_tier_policy", FrozenDict(out))
+
+    def busy_policy(self, tier: str) -> str:
+        """``busy_tier_policy`` of ``tier``: ``"defer"`` or ``"wait"``."""
+        policy = self.busy_tier_policy
+        return policy if isinstance(policy, str) else policy.get(tier, "defer")
 
     def resolved_job_id(self) -> str:
         """The ``{job}`` value: ``job_id``, else SLURM_JOB_ID, else ``"job"``."""

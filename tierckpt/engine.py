@@ -3,9 +3,10 @@ orchestration of named steps; each step lives in its wing (docs/architecture.md)
 
 - start (:mod:`tierckpt.startup`): topology and groups, the local root, the persistent root and
   its lineage, the shared-storage probe, purge of other experiments' node-local steps;
-- ``save()``: wait for each tier's previous save (:mod:`tierckpt.tiers.jobs`, the local tier
-  bounded by ``local_wait_timeout_s`` and skipped on every rank when it hangs), raise earlier
-  failures by the ``warn_only`` policy, apply interval decisions (:mod:`tierckpt.sched.driver`),
+- ``save()``: a tier whose previous save still runs is deferred (``busy_tier_policy``
+  "defer", agreed: :mod:`tierckpt.tiers.deferral`) or waited for (:mod:`tierckpt.tiers.jobs`,
+  the local tier bounded by ``local_wait_timeout_s`` and skipped on every rank when it hangs;
+  always at planned exits, ``wait_previous``), raise earlier failures by the ``warn_only`` policy, apply interval decisions (:mod:`tierckpt.sched.driver`),
   stage the state (:mod:`tierckpt.io.staging`; the blocking time δ ends here), submit the tier
   jobs and return a :class:`~tierckpt.handle.SaveHandle`;
 - in the background (:mod:`tierckpt.tiers.jobs`): local tier → replication → agreed record →
@@ -51,6 +52,7 @@ from tierckpt.restore.plan import KINDS, missing_replicas
 from tierckpt.sched.cadence import Cadence
 from tierckpt.sched.driver import ScheduleDriver
 from tierckpt.tiers import retention
+from tierckpt.tiers.deferral import BusyPoll
 from tierckpt.tiers.jobs import TierJobs, describe_failure
 from tierckpt.tiers.persistent import PersistentIO, PersistentTier
 
@@ -148,6 +150,9 @@ class TieredCheckpointer:
         self.jobs = TierJobs(cfg, topo, self.groups, self.local, self.persistent, self.in_use, self.journal,
                              on_record=self._after_record, local_anchor=lambda: self.local_anchor,
                              interference=self.cadence.interference_of if self.cadence else None)
+        jobs = self.jobs
+        self.busy = BusyPoll(jobs.latest, lambda t: jobs.pending_step.get(t) if jobs.latest(t) is jobs.pending.get(t)
+                             else None, self.groups.control, topo.rank, self.journal.ledger.append)
         # a repeat within the grace period (+ a margin for the exit) is the same notice
         self.preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0)
         self._preempt_seen = False
@@ -162,12 +167,21 @@ class TieredCheckpointer:
     def due(self, step: int) -> list[str]:
         """Tiers due at ``step`` under ``TierConfig.intervals`` (same answer on every rank).
 
+        A tier whose save was deferred (``busy_tier_policy`` "defer") is due at the first step
+        where its previous save has finished on every rank, then follows its interval again
+        (fixed tiers: the next multiple of the interval; adaptive tiers: τ after that save).
+        While such a tier waits, this is collective over the control group (one all-reduce of
+        4 bytes per waiting tier, once per step however often it is called): every rank calls
+        it at the same steps, as it calls ``save()``.
+
         Raises:
             RuntimeError: no ``intervals`` configured.
         """
         if self.schedule is None:
             raise RuntimeError("TierConfig.intervals is not set: the caller decides when to save")
-        return self.schedule.due(step)
+        waiting = sorted(self.schedule.deferred)
+        ready = [t for t, ok in self.busy.finished(waiting, step).items() if ok] if waiting else []
+        return self.schedule.due(step, ready)
 
     def observe_step(self, seconds: float) -> None:
         """Report one training step's wall time (seconds, without checkpoint stalls) to the
@@ -183,7 +197,7 @@ class TieredCheckpointer:
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, step: int, state_dict: dict, tiers: Iterable[str] | None = None, *,
-             raise_failures: bool = True) -> SaveHandle:
+             raise_failures: bool = True, wait_previous: bool = False) -> SaveHandle:
         """Stage ``state_dict`` and start writing it to ``tiers`` in the background.
 
         Collective: every rank calls it with the same ``step`` and ``tiers``. Returns once the
@@ -197,9 +211,14 @@ class TieredCheckpointer:
             tiers: subset of the configured tiers (default: all configured).
             raise_failures: False keeps a failure of a previous save from raising here (it is
                 raised later, at the next save or a clean close).
+            wait_previous: a planned exit (the run's last save): every tier waits for its
+                previous save as with ``busy_tier_policy = "wait"`` and is never deferred.
         Returns:
             :class:`~tierckpt.handle.SaveHandle`: ``blocking_s`` (δ, seconds) and one future per
-            started tier resolving to its :class:`~tierckpt.records.CheckpointRecord`.
+            started tier resolving to its :class:`~tierckpt.records.CheckpointRecord`; in
+            ``skipped`` the tiers deferred (``busy_tier_policy`` "defer": the previous save of
+            the tier still runs on some rank; record ``deferred``, ``running_step``) or skipped
+            (a hung local disk).
         Raises:
             ConfigError: unknown or unconfigured tier.
             TierFailedError: the previous save of a due tier failed and that tier is not in
@@ -210,11 +229,14 @@ class TieredCheckpointer:
         if not tiers:
             return SaveHandle(step, 0.0)
         t0 = time.perf_counter()
-        tiers, skipped, t_skip = self._previous_saves(step, tiers, raise_failures)
+        tiers, skipped, t_skip = self._previous_saves(step, tiers, raise_failures, wait_previous)
         # a skipped local tier's wait is the local tier's cost: keep it out of the other tiers' δ
         t_wait = time.perf_counter() - t0 - t_skip
-        if skipped and self.schedule is not None:  # the next attempt is one interval later, not next step
-            self.schedule.saved(list(skipped), step)
+        if skipped and self.schedule is not None:
+            deferred = [t for t, r in skipped.items() if r.deferred]
+            self.schedule.defer(deferred)  # due again once the running save finished
+            # a hung disk's skip: the next attempt is one interval later, not next step
+            self.schedule.saved([t for t in skipped if t not in deferred], step)
         if not tiers:
             return SaveHandle(step, time.perf_counter() - t0, skipped=skipped)
         slot, staged = self._stage(state_dict, len(tiers))
@@ -235,28 +257,35 @@ class TieredCheckpointer:
                 raise ConfigError("tiers", f"tier {t!r} is not configured; configured: {', '.join(self.cfg.tiers)}")
         return tiers
 
-    def _previous_saves(self, step: int, tiers: tuple[str, ...], raise_failures: bool
+    def _previous_saves(self, step: int, tiers: tuple[str, ...], raise_failures: bool, wait_previous: bool
                         ) -> tuple[tuple[str, ...], dict[str, CheckpointRecord], float]:
-        """Wait for each tier's previous save (the local tier bounded, agreed: it may be skipped),
-        raise its failure by the ``warn_only`` policy, apply the interval decision made after it.
-        Returns (tiers that save now, {skipped tier: record}, seconds spent on skipped tiers)."""
-        go, skipped, t_skip = [], {}, 0.0
+        """Defer each tier whose previous save still runs (``busy_tier_policy`` "defer", agreed)
+        or wait for it (the local tier bounded, agreed: it may be skipped), raise its failure by
+        the ``warn_only`` policy, apply the interval decision made after it. Returns (tiers
+        that save now, {deferred or skipped tier: record}, seconds spent on a skipped tier)."""
+        go, skipped, t_skip, t0 = [], {}, 0.0, time.perf_counter()
+        defer = [] if wait_previous else [t for t in tiers if self.cfg.busy_policy(t) == "defer"]
+        finished = self.busy.finished(defer, step) if defer else {}
         for t in tiers:
-            if t == "local":
-                ready, t_skip, skip_rec = self.jobs.local_ready(step)
+            rec: CheckpointRecord | None = None
+            if not finished.get(t, True):
+                rec = self.busy.deferred(t, step, t0, "busy_tier_policy = defer")
+            elif t == "local" and t not in defer:
+                ready, t_local, rec = self.jobs.local_ready(step)
                 if not ready:
-                    assert skip_rec is not None  # not ready always comes with its record
-                    skipped[t] = skip_rec
-                    with self._lock:
-                        self.history.append(skip_rec.as_ledger())
-                    continue
+                    t_skip = t_local
+            if rec is not None:  # deferred or skipped: nothing staged for this tier
+                skipped[t] = rec
+                with self._lock:
+                    self.history.append(rec.as_ledger())
+                continue
             rec = self.jobs.previous(t)
             if raise_failures:
                 self._raise_if_failed(rec)
             if self.schedule is not None:  # every rank reaches this at the same step
                 self.schedule.before_save(t)
             go.append(t)
-        return tuple(go), skipped, (t_skip if skipped else 0.0)
+        return tuple(go), skipped, t_skip
 
     def _stage(self, state_dict: dict, users: int):
         """Copy the state into a free staging slot (the blocking copy); returns (slot, staged)."""
@@ -288,19 +317,23 @@ class TieredCheckpointer:
         """The final save of a preemption notice (collective): every configured tier at
         ``step`` (or the tiers ``handle`` already started at ``step``), the local tier (with its
         replicas) waited for first, the persistent tier with what is left of
-        ``preemption_grace_s``; a ``preemption`` ledger record says what is durable. Returns
-        the :class:`~tierckpt.preemption.Preempted` for the adapter to raise."""
+        ``preemption_grace_s``; a ``preemption`` ledger record says what is durable. A planned
+        exit never defers: each tier first waits for its previous save (``wait_previous``), and
+        a tier ``handle`` deferred is saved now. Returns the
+        :class:`~tierckpt.preemption.Preempted` for the adapter to raise."""
         t0 = time.monotonic()
         earlier = [f"{r.tier} step {r.step}: {r.error}" for r in self.unraised_failures()]
         # an earlier failed save must not cancel the final one: it is reported, not raised
         if handle is None or handle.step != step:
-            handle = self.save(step, state_dict, raise_failures=False)
-        else:  # tiers not saved at this step yet (e.g. only the local tier was due)
-            missing = [t for t in self.cfg.tiers if t not in handle.futures and t not in handle.skipped]
+            handle = self.save(step, state_dict, raise_failures=False, wait_previous=True)
+        else:  # tiers not saved at this step yet (only the local tier was due, or a tier deferred)
+            missing = [t for t in self.cfg.tiers if t not in handle.futures
+                       and (t not in handle.skipped or handle.skipped[t].deferred)]
             if missing:
-                more = self.save(step, state_dict, tiers=missing, raise_failures=False)
+                more = self.save(step, state_dict, tiers=missing, raise_failures=False, wait_previous=True)
+                kept = {t: r for t, r in handle.skipped.items() if t not in missing}
                 handle = SaveHandle(step, handle.blocking_s + more.blocking_s, {**handle.futures, **more.futures},
-                                    {**handle.skipped, **more.skipped})
+                                    {**kept, **more.skipped})
         committed = {t: False for t in self.cfg.tiers}
         committed.update({t: r.ok for t, r in handle.skipped.items()})
         for t in sorted(handle.futures, key=lambda t: t != "local"):

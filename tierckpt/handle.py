@@ -20,7 +20,9 @@ class SaveHandle:
         futures: ``{tier: Future}`` of the tiers started at this step; each resolves to the
             tier's :class:`~tierckpt.records.CheckpointRecord` (never raises: a failure is a
             record with ``ok=False``).
-        skipped: ``{tier: record}`` of tiers due at this step but skipped (hung local disk).
+        skipped: ``{tier: record}`` of tiers due at this step but not started: deferred
+            (``record.deferred``: the tier's previous save, of ``record.running_step``, still
+            ran; ``busy_tier_policy`` "defer") or skipped (a hung local disk).
     """
 
     def __init__(self, step: int, blocking_s: float, futures: dict[str, Future] | None = None,

@@ -14,7 +14,7 @@ Kinds (class, fields in the order they are written):
 - ``checkpoint`` (:class:`CheckpointRecord`, also what a
   :class:`~tierckpt.handle.SaveHandle` future resolves to): tier, step, ok, error, blocking_s,
   wait_s, bytes, background_s; skipped, stuck_nodes, replicas_failed only when set;
-  interference_s, schema.
+  interference_s; deferred, running_step only when set; schema.
 - ``restore`` (:class:`RestoreRecord`): step, seconds, attempts, persistent_bytes, bytes,
   sources, failures; model_only only when true, checksummed only when known.
 - ``schedule`` (:class:`ScheduleRecord`): trigger, at_step and the fields of
@@ -316,9 +316,15 @@ class CheckpointRecord(LedgerRecord):
         wait_s: time this rank's ``save()`` waited for the tier's previous job, seconds.
         bytes: bytes written by the tier over all ranks (node leaders for local).
         background_s: slowest rank's background time of the job, seconds.
-        skipped: the tier skipped this step (a hung node-local disk, ``local_wait_timeout_s``).
+        skipped: the tier skipped this step (a hung node-local disk, ``local_wait_timeout_s``;
+            or a deferral, below).
         stuck_nodes: nodes whose local save was still running when the step was skipped.
         replicas_failed: replication errors of a local step (None: every replica written).
+        deferred: the tier was due while its previous save still ran on some rank and
+            ``TierConfig.busy_tier_policy`` is ``"defer"``: nothing was staged or written for
+            this step (``skipped`` is true too); the tier saves at a later step.
+        running_step: step of the save that was still running when this one was deferred
+            (None otherwise).
         interference_s: slowdown of training steps charged to this job (rank 0's scheduler;
             None elsewhere, and in schema-0 lines).
     """
@@ -328,9 +334,10 @@ class CheckpointRecord(LedgerRecord):
     UNMARKED_SCHEMA: ClassVar[int] = 0
     _READERS = {"tier": _str, "step": _count, "ok": _bool, "error": _str, "blocking_s": _seconds,
                 "wait_s": _seconds, "bytes": _count, "background_s": _seconds, "skipped": _bool,
-                "stuck_nodes": _list, "interference_s": _seconds}
+                "stuck_nodes": _list, "interference_s": _seconds, "deferred": _bool, "running_step": _count}
     _READ_DEFAULTS = {"step": None, "ok": True}
-    _OMIT_FALSY = ("skipped", "stuck_nodes", "replicas_failed")
+    _OMIT_FALSY = ("skipped", "stuck_nodes", "replicas_failed", "deferred")
+    _OMIT_NONE = ("running_step",)
 
     tier: str
     step: int
@@ -344,6 +351,8 @@ class CheckpointRecord(LedgerRecord):
     stuck_nodes: list[int] = field(default_factory=list)
     replicas_failed: object = None
     interference_s: float | None = None
+    deferred: bool = False
+    running_step: int | None = None
 
     @property
     def failed(self) -> bool:

@@ -119,6 +119,12 @@ class TieredCheckpointManager(CheckpointManager):
         """Longest a local save waits for the previous one, seconds (0 = no limit); then that
         step skips the local tier on every rank (a hung node-local disk must not stall training)."""
 
+        busy_tier_policy: str = "defer"
+        """A tier due while its previous save still runs: "defer" (that save is not made, training
+        goes on; the tier saves at the first step where the running save finished on every
+        rank, and the ledger records the deferral) or "wait" (the persistent tier waits for it,
+        the local tier at most local_wait_timeout_s). The last step and a preemption always wait."""
+
         restart_prior_s: float = 0.0
         """Restart + restore time R (seconds) the adaptive scheduler assumes until it has seen a
         restore (0 = 300 s). Set it to the launcher's requeue latency plus a restore."""
@@ -164,6 +170,9 @@ class TieredCheckpointManager(CheckpointManager):
                     or not 0 <= self.local_wait_timeout_s < float("inf"):
                 raise ConfigError("checkpoint.local_wait_timeout_s",
                                   f"must be seconds >= 0 (0 = no limit), got {self.local_wait_timeout_s!r}")
+            if self.busy_tier_policy not in ("defer", "wait"):
+                raise ConfigError("checkpoint.busy_tier_policy",
+                                  f"must be 'defer' or 'wait', got {self.busy_tier_policy!r}")
             if isinstance(self.restart_prior_s, bool) or not isinstance(self.restart_prior_s, (int, float)) \
                     or not self.restart_prior_s >= 0:
                 raise ConfigError("checkpoint.restart_prior_s",
@@ -296,7 +305,9 @@ class TieredCheckpointManager(CheckpointManager):
         saved = False
         if tiers:
             # raises TierFailedError when a due tier's previous save failed (not warn-only)
-            handle = self._last_handle = self.engine.save(curr_step, self._states_to_save(), tiers=tiers)
+            # the last step is a planned exit: it waits for a running save instead of deferring
+            handle = self._last_handle = self.engine.save(curr_step, self._states_to_save(), tiers=tiers,
+                                                          wait_previous=last_step)
             log.info("tierckpt: step %d staged for %s in %.3fs", curr_step, "+".join(tiers), handle.blocking_s)
             self.tier_metrics.saved(handle, curr_step)
             saved = True

@@ -76,14 +76,14 @@ def test_flags_are_in_the_parser_help():
                  "--ckpt-plugin-replication-factor", "--ckpt-plugin-local-interval",
                  "--ckpt-plugin-persistent-interval", "--ckpt-plugin-adaptive", "--ckpt-plugin-gpu-mtbf-hours",
                  "--ckpt-plugin-restart-prior", "--ckpt-plugin-min-interval", "--ckpt-plugin-local-wait-timeout", "--ckpt-plugin-max-interval", "--ckpt-plugin-local-keep",
-                 "--ckpt-plugin-persistent-keep", "--ckpt-plugin-job-id"):
+                 "--ckpt-plugin-persistent-keep", "--ckpt-plugin-job-id", "--ckpt-plugin-busy-tier-policy"):
         assert flag in text, flag
 
 
 def test_valid_flags_give_tier_config_and_drive_megatron_args():
     args = parse(GOOD + ["--ckpt-plugin-replication-factor", "3", "--ckpt-plugin-local-keep", "4",
                          "--ckpt-plugin-persistent-keep", "0", "--ckpt-plugin-job-id", "run7",
-                         "--ckpt-plugin-local-wait-timeout", "45"])
+                         "--ckpt-plugin-local-wait-timeout", "45", "--ckpt-plugin-busy-tier-policy", "wait"])
     s = validate_plugin_args(args)
     assert s.tiers == ("local", "persistent") and s.intervals == {"local": 10, "persistent": 100}
     # Megatron's own loop then calls the local path every 10 iterations, --save every 100
@@ -95,9 +95,11 @@ def test_valid_flags_give_tier_config_and_drive_megatron_args():
     assert cfg.keep_latest_k == {"local": 4, "persistent": 0} and cfg.job_id == "run7"
     assert cfg.intervals == {"local": 10, "persistent": 100} and cfg.adaptive == ()
     assert cfg.local_wait_timeout_s == 45.0
+    assert cfg.busy_tier_policy == {"local": "wait", "persistent": "wait"}
     plain = parse(GOOD)
     validate_plugin_args(plain)
     assert tier_config_from_args(plain).local_wait_timeout_s == 300.0  # the engine's default
+    assert tier_config_from_args(plain).busy_tier_policy == {"local": "defer", "persistent": "defer"}
 
 
 def test_megatron_local_flags_are_taken_over():

@@ -436,12 +436,13 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
     tiers = Table(title="checkpoints per tier")
     tiers.add_column("tier")
-    for col in ("count", "ok", "failed", "mean blocking s", "mean background s", "last step", "last bytes"):
+    for col in ("count", "ok", "failed", "deferred", "mean blocking s", "mean background s", "last step",
+                "last bytes"):
         tiers.add_column(col, justify="right")
     for name in sorted(summary["checkpoints"], key=lambda t: (TIER_ORDER.get(t, 9), t)):
         t = summary["checkpoints"][name]
         tiers.add_row(
-            name, str(t["count"]), str(t["ok"]), str(t["failed"]),
+            name, str(t["count"]), str(t["ok"]), str(t["failed"]), str(t.get("deferred", 0)),
             _fmt_seconds(t["mean_blocking_s"]), _fmt_seconds(t["mean_background_s"]),
             "-" if t["last_step"] is None else str(t["last_step"]),
             human_bytes(t["last_bytes"]) if t["ok"] else "-",

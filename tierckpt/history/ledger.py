@@ -159,12 +159,12 @@ def summarize(records: Iterable[dict | LedgerRecord]) -> dict:
         JSON-ready dict with ``runs`` (per run: run_id, start, end (UNIX s), clean,
         exposure_s, checkpoints, restores, restart_count, last_time), ``failures`` (runs that
         started and did not end cleanly, the one in progress included), ``checkpoints`` (per
-        tier: count, ok, failed, mean_blocking_s, mean_background_s (seconds, None without a
+        tier: count, ok, failed (skipped included), deferred (``busy_tier_policy``), mean_blocking_s, mean_background_s (seconds, None without a
         committed step), last_bytes, last_step of the newest committed step), ``restores``
         (the ``restore`` lines, :meth:`~tierckpt.records.LedgerRecord.as_line`).
     """
     runs: dict[str, dict] = {}
-    tiers: dict[str, dict] = defaultdict(lambda: {"count": 0, "ok": 0, "failed": 0, "blocking_s": [],
+    tiers: dict[str, dict] = defaultdict(lambda: {"count": 0, "ok": 0, "failed": 0, "deferred": 0, "blocking_s": [],
                                                   "background_s": [], "last_bytes": 0, "last_step": None})
     restores = []
     for r in parse_records(records):
@@ -198,6 +198,8 @@ def _count_checkpoint(t: dict, r: CheckpointRecord) -> None:
         t["blocking_s"].append(r.blocking_s)
         t["background_s"].append(r.background_s)
         t["last_bytes"], t["last_step"] = r.bytes, r.step
+    elif r.deferred:  # not made because the tier's previous save still ran: no failure
+        t["deferred"] += 1
     else:
         t["failed"] += 1
 
@@ -206,5 +208,6 @@ def _tier_summary(t: dict) -> dict:
     def mean(xs):
         return sum(xs) / len(xs) if xs else None
 
-    return {"count": t["count"], "ok": t["ok"], "failed": t["failed"], "mean_blocking_s": mean(t["blocking_s"]),
+    return {"count": t["count"], "ok": t["ok"], "failed": t["failed"], "deferred": t["deferred"],
+            "mean_blocking_s": mean(t["blocking_s"]),
             "mean_background_s": mean(t["background_s"]), "last_bytes": t["last_bytes"], "last_step": t["last_step"]}

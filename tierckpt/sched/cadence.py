@@ -15,7 +15,7 @@ the step time; afterwards τ = sqrt(2δ(M+R)) − δ (Daly 2006) in steps, clamp
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import logging
 import threading
@@ -45,6 +45,9 @@ class Cadence:
         self.tau = {t: int(n) for t, n in intervals.items()}
         self.adaptive = tuple(t for t in adaptive if t in intervals)
         self.last: dict[str, int] = {}
+        # tiers whose due save was deferred (busy_tier_policy "defer"): due again as soon as
+        # their previous save finished on every rank, not one interval later
+        self.deferred: set[str] = set()
         self._lock = threading.Lock()
         self.scheduler = None
         self._last_logged: dict[str, tuple] = {}
@@ -110,23 +113,33 @@ class Cadence:
             if t in self.adaptive and n and n >= 1:
                 self.tau[t] = int(n)
 
-    def due(self, step: int) -> list[str]:
+    def due(self, step: int, ready: Iterable[str] = ()) -> list[str]:
         """Tiers due at ``step``. Fixed tiers: ``step % tau == 0`` (torchtitan's and Megatron's
         convention, so saves land on the same steps after a resume). Adaptive tiers:
-        ``step − last save ≥ tau`` (a tier never saved counts from 0)."""
+        ``step − last save ≥ tau`` (a tier never saved counts from 0). A deferred tier
+        (:meth:`mark_deferred`) is due exactly when it is in ``ready`` (its previous save
+        finished on every rank), whatever its interval says."""
+        ready = set(ready)
         return [t for t in self.tiers
-                if (step - self.last.get(t, 0) >= self.tau[t] if t in self.adaptive else step % self.tau[t] == 0)]
+                if (t in ready if t in self.deferred else
+                    step - self.last.get(t, 0) >= self.tau[t] if t in self.adaptive else step % self.tau[t] == 0)]
 
     def mark_saved(self, tiers, step: int) -> None:
-        """``tiers`` saved at ``step``."""
+        """``tiers`` saved (or were skipped for good) at ``step``."""
         for t in tiers:
             if t in self.tau:
                 self.last[t] = int(step)
+                self.deferred.discard(t)
+
+    def mark_deferred(self, tiers) -> None:
+        """``tiers`` were due but deferred: each is due again once its previous save finished."""
+        self.deferred.update(t for t in tiers if t in self.tau)
 
     def reset(self, step: int) -> None:
-        """Count every interval from ``step`` (after a restore)."""
+        """Count every interval from ``step`` (after a restore); nothing stays deferred."""
         for t in self.tiers:
             self.last[t] = int(step)
+        self.deferred.clear()
 
 
 def decision_metrics(records: list[dict]) -> dict[str, float]:

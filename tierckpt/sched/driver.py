@@ -34,9 +34,15 @@ class ScheduleDriver:
         self._log: list[dict] = []
         self._pending: dict[str, dict | None] = {}  # tier -> proposal made after its last save
 
-    def due(self, step: int) -> list[str]:
-        """Tiers due at ``step`` (the same on every rank)."""
-        return self.cadence.due(step)
+    def due(self, step: int, ready=()) -> list[str]:
+        """Tiers due at ``step`` (the same on every rank); ``ready``: deferred tiers whose
+        previous save finished on every rank (see :meth:`Cadence.due`)."""
+        return self.cadence.due(step, ready)
+
+    @property
+    def deferred(self) -> set[str]:
+        """Tiers whose deferred save waits for their previous one (the same on every rank)."""
+        return self.cadence.deferred
 
     def drain(self) -> list[dict]:
         """Decisions (ledger ``schedule`` lines) made since the last call."""
@@ -86,6 +92,10 @@ class ScheduleDriver:
     def saved(self, tiers, step: int) -> None:
         """``tiers`` saved (or were skipped) at ``step``: their next save is one interval later."""
         self.cadence.mark_saved(tiers, step)
+
+    def defer(self, tiers) -> None:
+        """``tiers`` were due and deferred: due again once their previous save finished."""
+        self.cadence.mark_deferred(tiers)
 
     def after_record(self, tier: str, step: int, rec: CheckpointRecord, group) -> None:
         """Feed a save's agreed record to the scheduler and share the next proposal (collective

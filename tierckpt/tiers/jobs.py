@@ -95,6 +95,11 @@ class TierJobs:
             self.pending_step[t] = step
         return futures
 
+    def latest(self, tier: str) -> Future | None:
+        """The last job queued on ``tier``'s worker (a save, or the replica rebuild after a
+        restore), None before any; a new save of the tier would start after it."""
+        return self._tail.get(tier)
+
     def previous(self, tier: str) -> CheckpointRecord | None:
         """Wait for ``tier``'s latest job; its record (None if it never ran)."""
         fut = self.pending.get(tier)

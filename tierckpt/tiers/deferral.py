@@ -1,0 +1,88 @@
+"""``busy_tier_policy = "defer"``: a tier due while its previous save still runs is not saved
+now, so a slow write never stalls training.
+
+:class:`BusyPoll` answers "has the tier's last job finished on every rank?" with one all-reduce
+(MIN of one int32 done flag per tier asked) over the control group, the group the trainer's
+thread alone uses (:class:`tierckpt.dist.topology.Groups`). The answer is the same on every
+rank, so every rank takes the same save-or-defer decision and the tier collectives stay in
+step. A job agreed finished stays finished: later questions about it cost no collective, and
+answers are kept for the rest of the step so repeated ``due()`` calls of one step agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from tierckpt.records import CheckpointRecord
+
+log = logging.getLogger(__name__)
+
+
+class BusyPoll:
+    """The agreed "previous save finished" poll and the deferred-save record.
+
+    Args:
+        latest: ``latest(tier)``, the last job queued on the tier's worker or None
+            (:meth:`tierckpt.tiers.jobs.TierJobs.latest`).
+        running_step: ``running_step(tier)``, the step of the tier's latest save (None before any).
+        group: the control group (every rank; used by the trainer's thread only).
+        rank: global rank (rank 0 logs).
+        ledger_append: appends a record to the ledger (global rank 0 writes).
+    """
+
+    def __init__(self, latest: Callable[[str], Future | None], running_step: Callable[[str], int | None], group,
+                 rank: int, ledger_append: Callable[[CheckpointRecord], object]):
+        self._latest, self._running_step, self._group = latest, running_step, group
+        self._rank, self._append = rank, ledger_append
+        self._done: dict[str, Future] = {}  # tier -> its job agreed finished on every rank
+        self._step: int | None = None  # the step of the answers in _answers
+        self._answers: dict[str, tuple[Future, bool]] = {}
+
+    def finished(self, tiers: Iterable[str], step: int) -> dict[str, bool]:
+        """``{tier: its last job finished on every rank}`` at ``step`` (True for a tier without
+        a job). Collective over the control group unless every answer is known already: call
+        on every rank with the same arguments, from the trainer's thread.
+
+        Costs one all-reduce of 4 bytes per tier whose job was not yet agreed finished and was
+        not asked about earlier in this step."""
+        if step != self._step:
+            self._step, self._answers = step, {}
+        out, ask = {}, []
+        for t in tiers:
+            fut = self._latest(t)
+            if fut is None or self._done.get(t) is fut:
+                out[t] = True
+            elif t in self._answers and self._answers[t][0] is fut:
+                out[t] = self._answers[t][1]
+            else:
+                ask.append((t, fut))
+        if ask:
+            flags = torch.tensor([int(f.done()) for _, f in ask], dtype=torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group)
+            for (t, fut), flag in zip(ask, flags.tolist()):
+                out[t] = bool(flag)
+                self._answers[t] = (fut, out[t])
+                if out[t]:
+                    self._done[t] = fut
+        return out
+
+    def deferred(self, tier: str, step: int, t0: float, policy_note: str) -> CheckpointRecord:
+        """The agreed record of ``tier``'s save of ``step`` deferred (every rank builds the same
+        one from agreed facts); appended to the ledger, one warning from global rank 0.
+        ``t0``: ``time.perf_counter()`` when the decision started."""
+        running = self._running_step(tier)
+        what = f"its save of step {running}" if running is not None else "its previous job"
+        error = f"{tier} save of step {step} deferred: {what} is still running on some rank ({policy_note})"
+        waited = time.perf_counter() - t0
+        rec = CheckpointRecord(tier=tier, step=step, ok=False, skipped=True, deferred=True, running_step=running,
+                               error=error, blocking_s=waited, wait_s=waited)
+        if self._rank == 0:
+            log.warning("tierckpt: %s; training continues", error)
+        self._append(rec)
+        return rec
