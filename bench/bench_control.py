@@ -112,7 +112,8 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
         out["save_tree"].append(timed(tree_agreement))
         out["save_flat"].append(timed(flat_agreement))
 
-    state = {"w": torch.full((64,), float(rank))}
+    # the same values on every rank: DCP saves a plain (non-DTensor) tensor once per save group
+    state = {"w": torch.arange(64, dtype=torch.float32)}
     eng.save(1, state, tiers=["local"])
     eng.wait(bounded=False)
     out["plan"] = [timed(lambda: plan_restore(eng.inventory(), topo.nodes, set(), None, world_size=topo.world_size))
