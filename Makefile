@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv lint test test-slurm demo demo-elastic bench bench-reshard bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
+.PHONY: venv lint test test-slurm demo demo-elastic bench bench-control bench-reshard bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
 
 venv: $(STAMP)
 
@@ -31,6 +31,10 @@ bench: venv
 	$(VPY) bench/bench_reshard.py
 
 # in-cluster vs persistent resharded restore of the same step (4 → 3 nodes), ABBA
+# control-plane cost at 2-16 gloo processes, fits and extrapolation to 16k ranks (~5-10 min)
+bench-control: venv
+	OMP_NUM_THREADS=1 $(VPY) bench/bench_control.py $(BENCH_ARGS)
+
 bench-reshard: venv
 	$(VPY) bench/bench_reshard.py $(BENCH_ARGS)
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from tierckpt import startup
 from tierckpt.config import TierConfig, validate_tiers
-from tierckpt.dist.collectives import all_gather
+from tierckpt.dist.collectives import broadcast_from_first
 from tierckpt.dist.topology import Groups, discover, new_groups
 from tierckpt.errors import ConfigError, TierFailedError
 from tierckpt.handle import SaveHandle
@@ -108,8 +108,8 @@ class TieredCheckpointer:
         pstore, lineage_info, perr = startup.open_persistent_root(cfg, topo.rank) if err is None else \
             (Store(startup.persistent_root(cfg)), None, None)
         startup.raise_if_any_failed(err or perr, world)
-        run_id, (self.lineage, created, adopt) = all_gather(
-            (uuid.uuid4().hex[:12], lineage_info) if topo.rank == 0 else None, world)[0]
+        run_id, (self.lineage, created, adopt) = broadcast_from_first(
+            (uuid.uuid4().hex[:12], lineage_info) if topo.rank == 0 else None, world)
         self.persistent = PersistentTier(pstore, persistent_io, lineage=self.lineage)
         startup.check_shared(pstore, run_id, topo.rank, world)
         if self.local is not None:

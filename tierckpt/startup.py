@@ -12,7 +12,9 @@ import logging
 import os
 
 from tierckpt.config import TierConfig
-from tierckpt.dist.collectives import all_gather
+import torch.distributed as dist
+
+from tierckpt.dist.collectives import broadcast_from_first, first_by_rank, gather_reduced
 from tierckpt.dist.topology import Topology
 from tierckpt.errors import ConfigError
 from tierckpt.history import lineage
@@ -73,7 +75,8 @@ def persistent_root(cfg: TierConfig) -> str:
 def raise_if_any_failed(err: ConfigError | None, group) -> None:
     """Raise on every rank when any rank had a start problem (collective over ``group``): the
     rank's own error, or the first rank's, named "failed on another rank"."""
-    errors = [e for e in all_gather(None if err is None else (err.option, str(err)), group) if e]
+    mine = [] if err is None else [(dist.get_rank(group), (err.option, str(err)))]
+    errors = [e for _, e in gather_reduced(mine, group, first_by_rank(1))]
     if errors:
         raise err if err is not None else ConfigError(errors[0][0], f"failed on another rank: {errors[0][1]}")
 
@@ -96,19 +99,19 @@ def check_shared(store: Store, run_id: str, rank: int, group) -> None:
         except OSError as e:  # read-only or full: restoring from it still works, saving will not
             log.warning("tierckpt: persistent_root %s is not writable (%s): restoring from it works, but its "
                         "saves will fail", store.url, e)
-    wrote = all_gather(wrote, group)[0]  # the probe exists (or not) before anyone looks
+    wrote = broadcast_from_first(wrote, group)  # the probe exists (or not) before anyone looks
     try:
         seen = store.exists(probe) if wrote else True
     except OSError:
         seen = False
-    blind = [r for r, ok in enumerate(all_gather(seen, group)) if not ok]
+    blind = [r for r, _ in gather_reduced([] if seen else [(dist.get_rank(group), None)], group, first_by_rank(8))]
     if rank == 0 and wrote:
         try:
             store.remove(probe)
         except OSError as e:  # a root that turned read-only just now: a leftover probe is harmless
             log.warning("tierckpt: could not remove %s: %s", store.url_of(probe), e)
     if blind:
-        raise ConfigError("persistent_root", f"{store.url!r} is not shared storage: ranks {blind[:8]} cannot "
+        raise ConfigError("persistent_root", f"{store.url!r} is not shared storage: ranks {blind} cannot "
                           "see a file rank 0 wrote there; use a shared filesystem or an fsspec URL")
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from tierckpt.dist.collectives import Tree, register_tree
 from tierckpt.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -211,12 +212,21 @@ class Groups:
             interleave across threads).
         control: all ranks; used by the trainer's thread only (agreeing to skip a tier whose
             previous save is still running), never by a background worker.
+        local_tree, persistent_tree: the node-leader exchange
+            (:class:`~tierckpt.dist.collectives.Tree`) under ``local_world`` (its node group is
+            ``node``: both belong to the local worker and the restore) and under
+            ``persistent_world`` (a node group and a leaders group of its own, for the
+            persistent worker); registered, so the helpers of
+            :mod:`tierckpt.dist.collectives` route those groups' agreements through them.
+            None with one rank per node, where every rank is a leader and flat is the same.
     """
 
     node: dist.ProcessGroup
     local_world: dist.ProcessGroup
     persistent_world: dist.ProcessGroup
     control: dist.ProcessGroup
+    local_tree: Tree | None = None
+    persistent_tree: Tree | None = None
 
 
 def discover(jump: int, factor: int, *, node_id: int | None = None, ranks_per_node: int = 0,
@@ -267,8 +277,37 @@ def discover(jump: int, factor: int, *, node_id: int | None = None, ranks_per_no
     if topo_error is not None:
         raise topo_error
     assert topo is not None and mine is not None
-    return topo, Groups(node=mine, local_world=local_world, persistent_world=persistent_world,
-                        control=control)
+    groups = Groups(node=mine, local_world=local_world, persistent_world=persistent_world, control=control)
+    _add_trees(topo, groups, timeout, persistent=True)
+    return topo, groups
+
+
+def _add_trees(topo: Topology, groups: Groups, timeout: datetime.timedelta, *, persistent: bool) -> None:
+    """Create and register the leaders groups (and the persistent worker's own node groups)
+    of ``groups`` (collective: every rank, same point, same order; nothing with one rank per
+    node). Group creation without a global barrier (torch's default) costs the members'
+    connections only, so the N node groups cost each rank one connection set."""
+    if topo.ranks_per_node == 1:
+        return
+    leader_ranks = [topo.ranks_of(n)[0] for n in range(topo.nodes)]
+    leader = topo.local_ranks[0]
+
+    def leaders_group():
+        g = dist.new_group(ranks=leader_ranks, backend="gloo", timeout=timeout)
+        return g if topo.is_node_leader else None
+
+    groups.local_tree = Tree(node=groups.node, leaders=leaders_group(), leader=leader, rank=topo.rank)
+    register_tree(groups.local_world, groups.local_tree)
+    if not persistent:
+        return
+    mine = None
+    for n in range(topo.nodes):
+        g = dist.new_group(ranks=topo.ranks_of(n), backend="gloo", timeout=timeout)
+        if n == topo.node:
+            mine = g
+    assert mine is not None  # every rank is on some node
+    groups.persistent_tree = Tree(node=mine, leaders=leaders_group(), leader=leader, rank=topo.rank)
+    register_tree(groups.persistent_world, groups.persistent_tree)
 
 
 def new_groups(topo: Topology, timeout_s: float, control: dist.ProcessGroup) -> Groups:
@@ -293,4 +332,7 @@ def new_groups(topo: Topology, timeout_s: float, control: dist.ProcessGroup) -> 
         if topo.rank in ranks:
             mine = g
     assert mine is not None  # every rank is on some node
-    return Groups(node=mine, local_world=local_world, persistent_world=persistent_world, control=control)
+    groups = Groups(node=mine, local_world=local_world, persistent_world=persistent_world, control=control)
+    # the second set's persistent_world only carries point-to-point chunks: no tree needed
+    _add_trees(topo, groups, timeout, persistent=False)
+    return groups

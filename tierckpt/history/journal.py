@@ -15,7 +15,9 @@ import socket
 import time
 from typing import Iterable
 
-from tierckpt.dist.collectives import all_gather
+import torch.distributed as dist
+
+from tierckpt.dist.collectives import first_by_rank, gather_reduced
 from tierckpt.history.ledger import Ledger
 from tierckpt.io.layout import LEDGER
 from tierckpt.records import (
@@ -94,7 +96,8 @@ class RunJournal:
             self.ledger.append(rec, strict=True)
         except OSError as e:
             err = f"ledger {self.ledger.store.url_of(LEDGER)}: {type(e).__name__}: {e}"
-        err = next((e for e in all_gather(err, group) if e), None)
+        first = gather_reduced([(dist.get_rank(group), err)] if err else [], group, first_by_rank(1))
+        err = first[0][1] if first else None
         if err is None:
             return rec
         log.error("tierckpt: persistent step %d: the ledger could not be written: %s", rec.step, err)

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierckpt.dist.collectives import FAILURES, all_gather
+from tierckpt.dist.collectives import FAILURES, gather_leaders, gather_reduced, union
 from tierckpt.dist.topology import Topology
 from tierckpt.io import manifest
 from tierckpt.io.storage import Store
@@ -403,7 +403,7 @@ def cluster_load(state_dict: dict, copies_by_node: dict[int, dict[int, str]], us
             else "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))[:2000])
     except FAILURES as e:
         error = f"{type(e).__name__}: {e}"
-    bad_all = set().union(*all_gather(reader.bad, load_group))
+    bad_all = gather_reduced(set(reader.bad), load_group, union)
     return ClusterLoad(ok=error is None, error=error, bad=bad_all, missing=missing, saved_nodes=sorted(parts),
                        bytes=reader.local_bytes + reader.recv_bytes, seconds=time.perf_counter() - t0)
 
@@ -423,7 +423,8 @@ def _gather_metadata(copies: NodeCopies, usable: dict[int, list[int]], topo: Top
                     failed[(m, topo.node)] = e.reason
     parts: dict[int, Metadata] = {}
     bad: dict[tuple[int, int], str] = {}
-    for got, fails in all_gather((mine, failed), group):
+    # only node leaders read metadata: leaders exchange (every rank needs the merged view)
+    for got, fails in gather_leaders((mine, failed), group, topo.is_node_leader):
         bad.update(fails)
         for m, raw in got.items():
             try:

@@ -35,7 +35,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from tierckpt.dist.collectives import FAILURES, all_gather, run_agreed
+from tierckpt.dist.collectives import FAILURES, all_gather, gather_leaders, gather_reduced, run_agreed
 from tierckpt.dist.topology import Groups, Topology
 from tierckpt.errors import NoCheckpointError, VerificationError
 from tierckpt.history import lineage
@@ -140,7 +140,8 @@ class Restorer:
                 pers = self.persistent.committed_steps()
             except (OSError, ValueError) as e:
                 log.warning("tierckpt restore: cannot list the persistent tier: %s", e)
-        gathered = all_gather((mine, pers), self.groups.local_world)
+        # only node leaders list (rank 0, a leader, adds the persistent steps): leaders exchange
+        gathered = gather_leaders((mine, pers), self.groups.local_world, self.topo.is_node_leader)
         inv = Inventory(persistent=set(gathered[0][1] or []), unavailable=set(unavailable))
         foreign = []
         for m, _ in gathered:
@@ -230,7 +231,7 @@ class Restorer:
                 outcome = self._attempt(state_dict, s, sources, todo)
             self._collect(outcome, loaded, failures, bad)
             if all(n in loaded and loaded[n].step == s for n in range(topo.nodes)):
-                pbytes = sum(all_gather(self._persistent_bytes, self.groups.local_world))
+                pbytes = gather_reduced(self._persistent_bytes, self.groups.local_world, sum)
                 res = RestoreResult(step=s, sources=dict(sorted(loaded.items())), attempts=attempt,
                                     failures=failures, seconds=time.perf_counter() - t0,
                                     persistent_bytes_read=pbytes, resharded=self._reshape(inv, s),
@@ -241,7 +242,8 @@ class Restorer:
 
     def _collect(self, outcome, loaded: dict[int, NodeOutcome], failures: list[NodeOutcome], bad: set) -> None:
         """All-gather one attempt's node outcomes into ``loaded`` / ``failures`` / ``bad``."""
-        for o in all_gather(outcome, self.groups.local_world):
+        # a node's ranks agreed on its outcome already (over the node group): leaders exchange
+        for o in gather_leaders(outcome, self.groups.local_world, self.topo.is_node_leader):
             if o is None or not self.topo.is_leader_rank(o[0]):
                 continue
             no = o[1]
@@ -376,7 +378,8 @@ class Restorer:
             return Pulled()
         out = run_pulls(self._local().store, self.topo, self.groups, self.in_use, self.chunk_bytes, pulls, s)
         mine = (self.topo.node, out.kept) if out.ok and self.topo.is_node_leader else None
-        record_pulls(self.last_inventory, s, [m for m in all_gather(mine, self.groups.local_world) if m])
+        got = gather_leaders(mine, self.groups.local_world, self.topo.is_node_leader)
+        record_pulls(self.last_inventory, s, [m for m in got if m])
         return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from tierckpt.dist.collectives import all_gather
+from tierckpt.dist.collectives import broadcast_from_first
 from tierckpt.records import CheckpointRecord
 from tierckpt.sched.cadence import Cadence
 
@@ -55,7 +55,7 @@ class ScheduleDriver:
         Returns the proposal (``{tier: steps}`` or None); ``trigger`` labels the ``schedule``
         records."""
         prop, recs = self._propose(trigger, refresh_ledger, step) if self.rank == 0 else (None, [])
-        prop, recs = all_gather((prop, recs), group)[0]
+        prop, recs = broadcast_from_first((prop, recs), group)
         if recs:
             with self._lock:
                 self._log.extend(recs)
@@ -63,7 +63,7 @@ class ScheduleDriver:
 
     def _propose(self, trigger: str, refresh_ledger: bool, step: int | None):
         """Rank 0's proposal and the records of the decisions that changed; never raises (the
-        caller's all_gather must run on every rank)."""
+        caller's broadcast must run on every rank)."""
         if refresh_ledger:
             try:
                 self.cadence.refresh_from_ledger(self.ledger.records(), self.ledger.run_id)

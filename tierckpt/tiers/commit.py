@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tierckpt.dist.collectives import all_gather, run_agreed
+from tierckpt.dist.collectives import all_gather, gather_reduced, run_agreed, union
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 
@@ -30,7 +30,7 @@ def written_entries(store: Store, rel: str, mine: dict[str, tuple[int, str]], in
     """Checksums of a just-saved step: ``mine`` ({relative path: (size bytes, xxh3-64)} hashed by
     this rank while writing), plus a re-read of any file no rank hashed (split ``index::count``
     across the group's ranks). Collective over ``group`` (all-gathers which files were hashed)."""
-    hashed = set().union(*all_gather(sorted(mine), group))
+    hashed = gather_reduced(set(mine), group, union)
     missing = [f for f in manifest.data_files(store, rel) if f not in hashed]
     return [manifest.FileEntry(p, s, h) for p, (s, h) in sorted(mine.items())] + \
         hash_split(store, rel, missing, index, count)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tierckpt.config import TierConfig
-from tierckpt.dist.collectives import FAILURES, all_gather
+from tierckpt.dist.collectives import FAILURES, all_gather, first_by_rank, gather_reduced, union
 from tierckpt.dist.topology import Groups, Topology
 from tierckpt.history.journal import RunJournal
 from tierckpt.io.staging import StagingSlot
@@ -203,14 +203,17 @@ class TierJobs:
             for k in keys:
                 self.in_use.drop(k)
         try:
-            parts = all_gather((self.topo.node, committed, failed, nbytes), groups.local_world)
-            got = {(src, holder) for holder, comm, _, _ in parts for src in comm}
-            errors = [f"node {src}→node {holder}: {why}" for holder, _, fails, _ in parts for src, why in fails.items()]
+            # per node: the copies it committed; per rank: its first error and bytes received
+            node = self.topo.node
+            got, errors, total = gather_reduced(
+                ({(src, node) for src in committed},
+                 [(self.topo.rank, f"node {src}→node {node}: {why}") for src, why in list(failed.items())[:1]],
+                 nbytes), groups.local_world, _merge_redundancy)
             still = sorted(set(missing) | {n for n, p in pairs if (n, p) not in got})
             rebuilt = sorted({n for n, _ in pairs} - set(still))
             rec = self.journal.redundancy(step, ok=not still, nodes=rebuilt, missing=still,
-                                          seconds=time.perf_counter() - t0, nbytes=sum(p[3] for p in parts),
-                                          error=errors[0] if errors else None)
+                                          seconds=time.perf_counter() - t0, nbytes=total,
+                                          error=errors[0][1] if errors else None)
         except FAILURES as e:
             log.warning("tierckpt: could not agree on the redundancy of step %d: %s", step, e)
             rec = RedundancyRecord(step=step, ok=False, missing=sorted({n for n, _ in pairs} | set(missing)),
@@ -274,7 +277,7 @@ class TierJobs:
         group = self.groups.local_world if tier == "local" else self.groups.persistent_world
         if tier in self._window:
             self._window[tier] = (self._window[tier][0], time.monotonic())
-        parts = all_gather((ok, error, nbytes, background_s, delta), group)
+        parts = [gather_reduced((self.topo.rank, ok, error, nbytes, background_s, delta), group, merge_stats)[1:]]
         rec = self.journal.checkpoint(tier, step, parts, wait_s=t_wait, group=group, extra=extra,
                                       interference_s=self._interference(tier) if self._interference else None)
         self._on_record(tier, step, rec, group)
@@ -361,6 +364,24 @@ class TierJobs:
         except Exception as e:
             log.warning("tierckpt: persistent retention failed: %s", e)
         return rec
+
+
+def merge_stats(parts: list[tuple]) -> tuple:
+    """A ``reduce`` for :func:`~tierckpt.dist.collectives.gather_reduced` of save stats
+    ``(rank, ok, error, bytes, background_s, blocking_s)``: ok of all, the error of the lowest
+    rank that has one (its rank leads; else the lowest rank), bytes summed, seconds the
+    slowest. Applied per node, then over the nodes, it gives what one flat gather gives, so
+    the ledger's record is the same."""
+    failed = [p for p in parts if p[2]]
+    head = min(failed or parts, key=lambda p: p[0])
+    return (head[0], all(p[1] for p in parts), head[2], sum(p[3] for p in parts),
+            max(p[4] for p in parts), max(p[5] for p in parts))
+
+
+def _merge_redundancy(parts: list[tuple]) -> tuple:
+    """``reduce`` of ``({(src, holder) committed}, [(rank, first error)], bytes)``: union, the
+    lowest rank's error, sum (the same per node then over nodes as over all ranks at once)."""
+    return union([p[0] for p in parts]), first_by_rank(1)([p[1] for p in parts]), sum(p[2] for p in parts)
 
 
 def _finished(fut: Future, timeout: float | None) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from tierckpt.dist.collectives import all_gather
+from tierckpt.dist.collectives import all_gather, gather_reduced
 from tierckpt.dist.topology import Topology, clique
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
@@ -112,6 +112,15 @@ def commit_received(store: Store, topo: Topology, node_group, results: dict[int,
     return ok, bad
 
 
+def _and_by_node(parts: list[dict[int, bool]]) -> dict[int, bool]:
+    """``reduce`` of ``{node: committed}`` flags: a node committed when all its ranks did."""
+    out: dict[int, bool] = {}
+    for part in parts:
+        for n, ok in part.items():
+            out[n] = out.get(n, True) and ok
+    return out
+
+
 def _loads(b: bytes) -> dict:
     import json
 
@@ -128,10 +137,8 @@ def replicate(store: Store, topo: Topology, world_group, node_group, step: int,
     intact stays uncommitted and restore will not use it.
     """
     t0 = time.perf_counter()
-    flags = all_gather((topo.node, bool(local_ok)), world_group)
-    node_ok = {n: True for n in range(topo.nodes)}
-    for n, ok in flags:
-        node_ok[n] = node_ok[n] and ok
+    flags = gather_reduced({topo.node: bool(local_ok)}, world_group, _and_by_node)
+    node_ok = {n: flags.get(n, True) for n in range(topo.nodes)}
     transfers = plan_replication(topo, step, node_ok, pairs, src_rels)
     if not transfers:
         return ReplicationReport([], {}, 0, time.perf_counter() - t0)
