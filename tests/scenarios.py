@@ -109,8 +109,8 @@ def assert_bitwise(a, b, path="state"):
 
 def make_config(base: str, **kw) -> TierConfig:
     kw.setdefault("replication_factor", 2)
-    return TierConfig(local_root=os.path.join(base, "nvme", "node-{node}"),
-                      persistent_root=os.path.join(base, "pfs"), job_id="test", **kw)
+    kw.setdefault("local_root", os.path.join(base, "nvme", "node-{node}"))
+    return TierConfig(persistent_root=os.path.join(base, "pfs"), job_id="test", **kw)
 
 
 # ---------------------------------------------------------------------------------------------
