@@ -190,9 +190,13 @@ class TieredCheckpointer:
              raise_failures: bool = True) -> SaveHandle:
         """Stage ``state_dict`` and start writing it to ``tiers`` in the background.
 
-        Collective: every rank calls it with the same ``step`` and ``tiers``. Returns once the
-        host copy is complete, so the caller may modify parameters immediately; the bytes
-        written are the values at the time of the call.
+        Collective: every rank calls it with the same ``step`` and ``tiers``. The bytes
+        written are the values at the time of the call. A state of CPU tensors is copied
+        before this returns, so the caller may modify it immediately. A state holding CUDA
+        tensors (with CUDA available) only has its device→host copies into pinned buffers
+        enqueued on a side stream (:mod:`tierckpt.io.staging`): the caller may run forward and
+        backward at once but must call :meth:`wait_for_staging` before it next modifies a saved
+        tensor in place (the optimizer step), as with DCP's ``async_with_pinned_mem``.
 
         Args:
             step: training step (>= 0).
@@ -299,6 +303,18 @@ class TieredCheckpointer:
             self.history.append(rec.as_ledger())
         skipped["local"] = rec
         return tuple(t for t in tiers if t != "local")
+
+    def wait_for_staging(self) -> float:
+        """Block until the device→host copies of every save are complete (not collective).
+
+        Needed only for CUDA states (see :meth:`save`): call it before modifying a saved tensor
+        in place after ``save()`` returned (torchtitan: ``maybe_wait_for_staging()`` before
+        ``optimizers.step()``). A CPU state was copied inside ``save()``: returns at once.
+
+        Returns:
+            seconds waited.
+        """
+        return self.pool.wait_for_staging()
 
     def _stage(self, state_dict: dict, users: int):
         """Copy the state into a free staging slot (the blocking copy); returns (slot, staged)."""
@@ -464,6 +480,7 @@ class TieredCheckpointer:
         kinds = KINDS if sources is None else tuple(sources)
         if not set(kinds) <= set(KINDS) or not kinds:
             raise ValueError(f"restore(sources={sources!r}): allowed source kinds are {list(KINDS)}")
+        self.pool.wait_for_staging()  # the load writes into tensors a pending device→host copy reads
         stuck = self._drain_for_restore()
         groups = self._second_groups("restore") if stuck else self.groups
         res = self.restorer.restore(state_dict, step, kinds=kinds, groups=groups, unavailable=frozenset(stuck))
