@@ -133,7 +133,7 @@ def test_ram_root_too_small_degrades_local_tier(shm, tmp_path):
 
 
 def phase_ram_retention_no_odirect(rank, world, base, shm_dir):
-    """Kernels before 6.6 refuse O_DIRECT on tmpfs (EINVAL): replication must fall back to
+    """Older kernels refuse O_DIRECT on tmpfs (EINVAL): replication must fall back to
     buffered writes. Three saves with keep_latest_k.local = 2 leave steps 2 and 3, own and
     replica, each verifying against its manifest."""
     real_open = os.open
