@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv lint test test-slurm demo demo-elastic bench bench-control bench-reshard bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
+.PHONY: venv lint test test-slurm demo demo-elastic bench bench-control bench-gpu bench-reshard bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
 
 venv: $(STAMP)
 
@@ -29,6 +29,12 @@ demo-elastic: venv
 bench: venv
 	$(VPY) bench/bench_engine.py
 	$(VPY) bench/bench_reshard.py
+
+# on a GPU machine (one H200): δ of save() on CUDA state (pinned staging on a side stream) and restore,
+# 1 and 8 GiB per rank, vs DCP sync, DCP async_with_pinned_mem, NVRx local; last line: JSON summary.
+# No GPU: BENCH_ARGS=--cpu-dry-run checks the script on CPU at a tiny size.
+bench-gpu: venv
+	$(VPY) bench/bench_gpu.py $(BENCH_ARGS)
 
 # in-cluster vs persistent resharded restore of the same step (4 → 3 nodes), ABBA
 # control-plane cost at 2-16 gloo processes, fits and extrapolation to 16k ranks (~5-10 min)

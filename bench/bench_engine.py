@@ -22,7 +22,10 @@ phases by wrapping functions at run time (this file only; tierckpt/ is untouched
 
 Usage::
 
-    .venv/bin/python bench/bench_engine.py [--gib-per-rank 1.0] [--dir /tmp] [--record]
+    .venv/bin/python bench/bench_engine.py [--gib-per-rank 1.0] [--dir /tmp] [--local-root-base /dev/shm] [--record]
+
+``--local-root-base /dev/shm`` puts the local roots (and the plain-write baseline, so the ratio
+stays on one filesystem) in host memory (tmpfs); the persistent root stays under ``--dir``.
 
 ``--record`` appends the results (machine, exact command, tables) to bench/RESULTS.md.
 Everything written under the temp dir is removed at the end (``--keep`` keeps it).
@@ -194,7 +197,7 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
 
     memcpy_once()  # fault in dst
     cfg = TierConfig(
-        local_root=os.path.join(base, "nvme", "node-{node}"), persistent_root=os.path.join(base, "pfs"),
+        local_root=os.path.join(args["local_base"], "nvme", "node-{node}"), persistent_root=os.path.join(base, "pfs"),
         tiers=("local",), replication_factor=2, job_id="bench",
         transfer_chunk_bytes=args["chunk_bytes"] or TierConfig.transfer_chunk_bytes,
     )
@@ -264,7 +267,7 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
     # -- 2. local-tier write vs plain write+fsync --------------------------------------------
     slot = eng.pool.acquire()
     staged = slot.stage(sd, users=1)
-    plain_dir = os.path.join(base, "plain")
+    plain_dir = os.path.join(args["local_base"], "plain")  # the same filesystem as the local tier
     os.makedirs(plain_dir, exist_ok=True)
     wchunk = args["write_chunk_bytes"]
 
@@ -638,18 +641,22 @@ def main(argv=None) -> int:
     ap.add_argument("--write-chunk-bytes", type=int, default=64 << 20, help="plain-write chunk size (default 64 MiB)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1: 2 ranks on 2 cores)")
     ap.add_argument("--dir", default=None, help="parent of the temp dir (default: $TMPDIR or /tmp)")
+    ap.add_argument("--local-root-base", default=None,
+                    help="parent of the local roots and the plain-write baseline (e.g. /dev/shm for a RAM local "
+                         "tier; default: the temp dir under --dir); a temp dir is made there and removed at the end")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir")
     ap.add_argument("--record", action="store_true", help=f"append the results to {os.path.relpath(RESULTS_MD, REPO)}")
     ap.add_argument("--timeout", type=float, default=1500, help="abort after this many seconds (default 1500)")
     a = ap.parse_args(argv)
     base = tempfile.mkdtemp(prefix="tierckpt-bench-", dir=a.dir)
+    local_base = tempfile.mkdtemp(prefix="tierckpt-bench-local-", dir=a.local_root_base) if a.local_root_base else base
     args = dict(gib_per_rank=a.gib_per_rank, tensors=a.tensors, saves=a.saves, write_reps=a.write_reps,
                 repl_reps=a.repl_reps, chunk_bytes=a.chunk_bytes, write_chunk_bytes=a.write_chunk_bytes,
-                threads=a.threads, base=base)
+                threads=a.threads, base=base, local_base=local_base)
     cmd = " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO)
                                             else sys.executable, os.path.relpath(os.path.abspath(__file__), REPO)]
                    + (sys.argv[1:] if argv is None else list(argv)))
-    dfout = disk(base)
+    dfout = disk(local_base)  # the local-tier and plain-write measurements run there
     t0 = time.time()
     print(f"bench dir {base}", flush=True)
     try:
@@ -657,6 +664,7 @@ def main(argv=None) -> int:
     finally:
         if not a.keep:
             shutil.rmtree(base, ignore_errors=True)
+            shutil.rmtree(local_base, ignore_errors=True)
     elapsed = time.time() - t0
     s = summarise(r0, r1)
     bd = breakdown_rows(r0, r1)

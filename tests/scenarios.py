@@ -112,8 +112,8 @@ def make_config(base: str, **kw) -> TierConfig:
     # these scenarios save tiers back to back and expect each save to happen (the blocking
     # behaviour); deferral has its own tests (tests/test_engine_defer.py)
     kw.setdefault("busy_tier_policy", "wait")
-    return TierConfig(local_root=os.path.join(base, "nvme", "node-{node}"),
-                      persistent_root=os.path.join(base, "pfs"), job_id="test", **kw)
+    kw.setdefault("local_root", os.path.join(base, "nvme", "node-{node}"))
+    return TierConfig(persistent_root=os.path.join(base, "pfs"), job_id="test", **kw)
 
 
 # ---------------------------------------------------------------------------------------------

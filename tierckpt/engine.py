@@ -51,7 +51,7 @@ from tierckpt.restore import PERSISTENT, Inventory, Restorer, RestoreResult
 from tierckpt.restore.plan import KINDS, missing_replicas
 from tierckpt.sched.cadence import Cadence
 from tierckpt.sched.driver import ScheduleDriver
-from tierckpt.tiers import retention
+from tierckpt.tiers import ram, retention
 from tierckpt.tiers.deferral import BusyPoll
 from tierckpt.tiers.jobs import TierJobs, describe_failure
 from tierckpt.tiers.persistent import PersistentIO, PersistentTier
@@ -137,6 +137,10 @@ class TieredCheckpointer:
         self._saved_any = False
         self._closed = False
         self.pool = StagingPool(cfg.staging_buffers)
+        # the RAM-root fit check runs once, at the first local save (tiers/ram.py); a root
+        # found too small turns the local tier off for this run (the reason is kept here)
+        self._ram_checked = False
+        self._local_off: str | None = None
         self.rollback = RollbackTracker(
             self.journal, topo.node, self.local.store if (self.local and topo.is_node_leader) else None,
             self.persistent.store if topo.rank == 0 else None)
@@ -200,9 +204,13 @@ class TieredCheckpointer:
              raise_failures: bool = True, wait_previous: bool = False) -> SaveHandle:
         """Stage ``state_dict`` and start writing it to ``tiers`` in the background.
 
-        Collective: every rank calls it with the same ``step`` and ``tiers``. Returns once the
-        host copy is complete, so the caller may modify parameters immediately; the bytes
-        written are the values at the time of the call.
+        Collective: every rank calls it with the same ``step`` and ``tiers``. The bytes
+        written are the values at the time of the call. A state of CPU tensors is copied
+        before this returns, so the caller may modify it immediately. A state holding CUDA
+        tensors (with CUDA available) only has its device→host copies into pinned buffers
+        enqueued on a side stream (:mod:`tierckpt.io.staging`): the caller may run forward and
+        backward at once but must call :meth:`wait_for_staging` before it next modifies a saved
+        tensor in place (the optimizer step), as with DCP's ``async_with_pinned_mem``.
 
         Args:
             step: training step (>= 0).
@@ -229,7 +237,9 @@ class TieredCheckpointer:
         if not tiers:
             return SaveHandle(step, 0.0)
         t0 = time.perf_counter()
+        state_dict = resolve_stateful(state_dict)  # once: the RAM-root check and staging read it
         tiers, skipped, t_skip = self._previous_saves(step, tiers, raise_failures, wait_previous)
+        tiers = self._local_fits(step, state_dict, tiers, skipped)
         # a skipped local tier's wait is the local tier's cost: keep it out of the other tiers' δ
         t_wait = time.perf_counter() - t0 - t_skip
         if skipped and self.schedule is not None:
@@ -286,6 +296,54 @@ class TieredCheckpointer:
                 self.schedule.before_save(t)
             go.append(t)
         return tuple(go), skipped, t_skip
+
+    def _local_fits(self, step: int, state_dict: dict, tiers: tuple[str, ...],
+                    skipped: dict[str, CheckpointRecord]) -> tuple[str, ...]:
+        """The tiers that save now, without the local tier when its RAM root is too small.
+
+        At the first local save (the state size is known only now) every rank agrees, over the
+        control group, whether each tmpfs/ramfs root can hold the local tier's expected
+        footprint (:mod:`tierckpt.tiers.ram`). If some cannot, the local tier is off for the
+        rest of the run on every rank (replication pairs nodes, so all nodes stop together),
+        with one warning and a skipped ``checkpoint`` record per save in ``skipped``: filling
+        host memory could get the trainer OOM-killed, which a skipped local step never does."""
+        if "local" not in tiers:
+            return tiers
+        if self._local_off is None and not self._ram_checked:
+            self._ram_checked = True
+            assert self.local is not None  # "local" in tiers means the local tier is configured
+            mine = ram.leader_report(self.local.store.path(""), self.topo.node, *ram.state_bytes(state_dict),
+                                     self.topo.is_node_leader)
+            keep, cfg = self.cfg.keep_latest_k["local"], self.cfg
+            reports = all_gather(mine, self.groups.control)
+            short = ram.too_small(reports, keep, cfg.replication_jump, cfg.replication_factor)
+            if short:
+                self._local_off = ram.describe(short, keep, cfg.replication_factor)
+                if self.topo.rank == 0:
+                    log.warning("tierckpt: step %d: %s", step, self._local_off)
+            elif keep == 0 and self.topo.is_node_leader and next(r for r in reports if r.node == self.topo.node).ram:
+                log.warning("tierckpt: local_root %s is a RAM root (tmpfs) and keep_latest_k.local = 0 keeps "
+                            "every step: host memory use grows with every local save", self.local.store.url)
+        if self._local_off is None:
+            return tiers
+        rec = CheckpointRecord(tier="local", step=step, ok=False, skipped=True, error=self._local_off)
+        self.journal.ledger.append(rec)
+        with self._lock:
+            self.history.append(rec.as_ledger())
+        skipped["local"] = rec
+        return tuple(t for t in tiers if t != "local")
+
+    def wait_for_staging(self) -> float:
+        """Block until the device→host copies of every save are complete (not collective).
+
+        Needed only for CUDA states (see :meth:`save`): call it before modifying a saved tensor
+        in place after ``save()`` returned (torchtitan: ``maybe_wait_for_staging()`` before
+        ``optimizers.step()``). A CPU state was copied inside ``save()``: returns at once.
+
+        Returns:
+            seconds waited.
+        """
+        return self.pool.wait_for_staging()
 
     def _stage(self, state_dict: dict, users: int):
         """Copy the state into a free staging slot (the blocking copy); returns (slot, staged)."""
@@ -455,6 +513,7 @@ class TieredCheckpointer:
         kinds = KINDS if sources is None else tuple(sources)
         if not set(kinds) <= set(KINDS) or not kinds:
             raise ValueError(f"restore(sources={sources!r}): allowed source kinds are {list(KINDS)}")
+        self.pool.wait_for_staging()  # the load writes into tensors a pending device→host copy reads
         stuck = self._drain_for_restore()
         groups = self._second_groups("restore") if stuck else self.groups
         res = self.restorer.restore(state_dict, step, kinds=kinds, groups=groups, unavailable=frozenset(stuck))

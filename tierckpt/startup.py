@@ -19,7 +19,7 @@ from tierckpt.dist.topology import Topology
 from tierckpt.errors import ConfigError
 from tierckpt.history import lineage
 from tierckpt.io.storage import Store
-from tierckpt.tiers import retention
+from tierckpt.tiers import ram, retention
 from tierckpt.tiers.local_tier import LocalTier
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,9 @@ def open_local_tier(cfg: TierConfig, topo: Topology, node_group, in_use: retenti
         except OSError as e:
             log.warning("tierckpt: could not clean torn steps under %s: %s", root, e)
     err = None
+    if topo.is_node_leader and ram.is_ram_root(root):
+        log.info("tierckpt: node %d: local_root %s is in host memory (tmpfs): it survives a process "
+                 "restart, not a reboot; its footprint is checked at the first local save", topo.node, root)
     try:
         _probe_writable(root)
     except OSError as e:

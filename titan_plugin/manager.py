@@ -10,8 +10,10 @@ The trainer keeps calling ``load``, ``maybe_wait_for_staging``, ``save(step, las
   written in the background over a gloo group with the same ``dcp.save`` call torchtitan's
   ``CheckpointManager.dcp_save`` makes, plus tierckpt's manifest and commit marker;
 - both tiers share one staging copy of the flattened state (model, optimizer, lr_scheduler,
-  dataloader, train_state); ``save`` returns once it is complete, so no parameter changes
-  before its copy is taken and ``maybe_wait_for_staging`` has nothing to wait for;
+  dataloader, train_state); on CPU ``save`` returns once it is complete; CUDA tensors are
+  copied into pinned host buffers on a side stream and ``maybe_wait_for_staging`` (called by
+  torchtitan before ``optimizers.step()``) waits for those copies, as DCP's
+  ``async_with_pinned_mem`` does;
 - ``load`` restores from the best committed source (own local > peer replica > persistent);
   ``checkpoint.load_step`` picks that step from whichever tier holds it: read-only with
   ``checkpoint.load_only``, a rollback in a training run (:mod:`tierckpt.history.rollback`);
@@ -372,7 +374,11 @@ class TieredCheckpointManager(CheckpointManager):
         return True
 
     def _maybe_wait_for_staging(self) -> None:
-        """Nothing to wait for: ``save`` returns only once the staging copy is complete."""
+        """Wait for the device→host copies of the last save (CUDA states are staged on a side
+        stream into pinned buffers, :meth:`tierckpt.TieredCheckpointer.wait_for_staging`);
+        torchtitan calls this right before ``optimizers.step()``. CPU states: returns at once."""
+        if self.engine is not None:
+            self.engine.wait_for_staging()
 
     def _wait_for_saving(self) -> None:
         """torchtitan's abstract "await ``save_future`` and clear it". This manager's saves never

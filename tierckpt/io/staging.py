@@ -13,26 +13,52 @@ where each live value goes, checks that the new state dict has the same structur
 container lengths, each tensor's type, dtype, shape and DTensor spec), and copies every
 tensor with one ``torch._foreach_copy_`` call (the per-tensor Python work of the deep copy was
 most of the blocking time above one memcpy of the state: bench/RESULTS.md). Any difference
-falls back to DCP's stager, which rebuilds the plan.
+falls back to DCP's stager, which rebuilds the plan. CPU tensors only (plain tensors and
+DTensors' local tensors); CUDA states take the path below.
 
 A :class:`StagingPool` holds ``n`` such buffer sets. A set is busy from ``stage()`` until every
 tier job that reads it has called :meth:`StagingSlot.release`; :meth:`StagingPool.acquire`
 blocks while all sets are busy.
+
+**CUDA tensors** (:func:`staging_mode` = ``"cuda-async"``): the device→host copies into pinned
+host buffers are only *enqueued* on a side CUDA stream, after that stream waited for the
+trainer's current stream (so they copy the values as of the ``save()`` call), and a CUDA event
+is recorded behind them. ``save()`` then returns: δ covers enqueuing, not copying. Two waits
+follow from it:
+
+- the background tier jobs call :meth:`StagingSlot.wait_copied` (the event) before reading a
+  byte of the staged copy;
+- the trainer must call :meth:`tierckpt.TieredCheckpointer.wait_for_staging` before it next
+  modifies a saved tensor in place (the optimizer step), exactly as with DCP's
+  ``async_save(..., async_stager=DefaultStager(StagingOptions(use_async_staging=True)))``
+  where torchtitan's ``async_with_pinned_mem`` mode calls ``maybe_wait_for_staging()`` right
+  before ``optimizers.step()``. Forward and backward may run meanwhile: they read the
+  parameters and write activations and gradients, which are not being copied.
+
+Each CUDA source tensor is ``record_stream``-ed on the side stream, so the caching allocator
+does not hand its memory to another tensor before the copy ran, even when the caller drops its
+state dict right after ``save()``.
+
+A state with no CUDA tensor (``"sync"``) is copied exactly as before: synchronously, in
+``save()``; :meth:`StagingSlot.wait_copied` and ``wait_for_staging`` return at once.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
-from typing import Any
+import time
+from typing import Any, Iterator
 
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+SYNC, CUDA_ASYNC = "sync", "cuda-async"
 # values a staged copy may share with the live state (never mutated in place)
 _ATOMIC = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the copy plan copies (not ShardedTensor &c.)
 
 
 def resolve_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -40,27 +66,75 @@ def resolve_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
 
 
+def _tensors(v: Any) -> Iterator[torch.Tensor]:
+    """Every tensor holding data in a (nested dict/list/tuple) state: plain tensors, DTensors'
+    local tensors, ShardedTensors' local shards."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, DTensor):
+            yield x.to_local()
+        elif isinstance(x, ShardedTensor):
+            yield from (sh.tensor for sh in x.local_shards())
+        elif isinstance(x, torch.Tensor):
+            yield x
+
+
+def staging_mode(state_dict: dict[str, Any], cuda_available: bool | None = None) -> str:
+    """``"cuda-async"`` when CUDA is available and the state holds a CUDA tensor (copies
+    enqueued on a side stream, see the module docstring), else ``"sync"`` (the blocking copy).
+    ``cuda_available`` defaults to ``torch.cuda.is_available()``."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        return SYNC
+    return CUDA_ASYNC if any(t.is_cuda for t in _tensors(state_dict)) else SYNC
+
+
 class StagingSlot:
-    """One reusable host copy of the state. Thread-safe reference counting."""
+    """One reusable host copy of the state. Thread-safe reference counting.
+
+    Host buffers are pinned (page-locked) when CUDA is available and pageable otherwise (DCP's
+    stager ignores ``pin_memory`` without CUDA). ``mode`` is the :func:`staging_mode` of the
+    last :meth:`stage`."""
 
     def __init__(self, pool: "StagingPool", index: int):
         self.pool = pool
         self.index = index
-        use_cuda = torch.cuda.is_available()
+        self.pinned = torch.cuda.is_available()
         self.stager = DefaultStager(
             StagingOptions(
-                use_pinned_memory=use_cuda,
+                use_pinned_memory=self.pinned,
                 use_shared_memory=False,
                 use_async_staging=False,
                 use_non_blocking_copy=False,
             )
         )
         self.refs = 0
-        self._plan: _CopyPlan | None = None
+        self.mode = SYNC
+        self._event: Any = None  # torch.cuda.Event behind the last enqueued copies (cuda-async)
+        self._stream: Any = None  # the side stream, made on first use
+        self._cuda_stager: Any = None  # StateDictStager with pinned buffers, made on first use
+        self._plan: _CopyPlan | None = None  # how to refill the last "sync" staged copy
 
     def stage(self, state_dict: dict[str, Any], users: int) -> dict[str, Any]:
-        """Copy ``state_dict`` into this slot's host buffers; ``users`` jobs will release it."""
+        """Copy ``state_dict`` into this slot's host buffers; ``users`` jobs will release it.
+
+        ``"sync"``: the copy is complete on return. ``"cuda-async"``: the copies are enqueued;
+        readers call :meth:`wait_copied` first and the trainer calls
+        :meth:`StagingPool.wait_for_staging` before modifying a saved tensor in place."""
         self.refs = users
+        self.mode = staging_mode(state_dict)
+        if self.mode == CUDA_ASYNC:
+            return self._stage_cuda(state_dict)
+        self._event = None
         sig, leaves = _walk(state_dict)
         plan = self._plan
         if plan is not None and plan.sig == sig and plan.refill(leaves):
@@ -71,6 +145,36 @@ class StagingSlot:
             torch.cuda.synchronize()
         self._plan = _CopyPlan.build(sig, leaves, staged)
         return staged
+
+    def _stage_cuda(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+            self._cuda_stager = StateDictStager(pin_memory=True, share_memory=False)
+        stream = self._stream
+        # the copies must see every kernel the trainer queued before save(): order after them
+        stream.wait_stream(torch.cuda.current_stream())
+        for t in _tensors(state_dict):
+            if t.is_cuda:
+                t.record_stream(stream)
+        with torch.cuda.stream(stream):
+            staged = self._cuda_stager.stage(state_dict, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._event = event
+        return staged
+
+    def wait_copied(self) -> None:
+        """Block until this slot's staged copy is complete (no-op after a ``"sync"`` stage)."""
+        ev = self._event
+        if ev is not None:
+            ev.synchronize()
+
+    def copied(self) -> bool:
+        """Whether the staged copy is complete (never blocks)."""
+        ev = self._event
+        return ev is None or bool(ev.query())
 
     def release(self) -> None:
         """Called once by each job that read the staged copy."""
@@ -85,6 +189,8 @@ class StagingSlot:
         """Free the host buffers."""
         self._plan = None
         self.stager.close()
+        if self._cuda_stager is not None:
+            self._cuda_stager.close()
 
 
 class StagingPool:
@@ -107,9 +213,18 @@ class StagingPool:
             # Prefer the slot used least recently so a just-released slot's buffers stay warm.
             return self._free.pop(0)
 
+    def wait_for_staging(self) -> float:
+        """Block until every slot's enqueued device→host copy is complete; returns the seconds
+        waited (0.0 on the ``"sync"`` path, where ``stage`` already copied)."""
+        t0 = time.perf_counter()
+        for s in self._slots:
+            s.wait_copied()
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         """Free every slot's host buffers."""
         for s in self._slots:
+            s.wait_copied()  # never free pinned buffers a copy is still writing
             s.close()
 
 
@@ -133,7 +248,7 @@ def _walk(obj: Any) -> tuple[list, list]:
         elif isinstance(x, DTensor):
             sig.append((t, x._spec, x._local_tensor.device))
             leaves.append(x)
-        elif isinstance(x, torch.Tensor):
+        elif t in _PLAIN:
             sig.append((t, x.dtype, x.shape, x.device))
             leaves.append(x)
         else:
@@ -170,8 +285,8 @@ class _CopyPlan:
             if isinstance(live, torch.Tensor):
                 lt = live._local_tensor if isinstance(live, DTensor) else live
                 d = st._local_tensor if isinstance(st, DTensor) else st
-                if not isinstance(st, torch.Tensor) or lt.device.type != "cpu" or d.device.type != "cpu" \
-                        or d.shape != lt.shape or d.dtype != lt.dtype:
+                if type(lt) not in _PLAIN or type(d) not in _PLAIN or lt.device.type != "cpu" \
+                        or d.device.type != "cpu" or d.shape != lt.shape or d.dtype != lt.dtype:
                     return None
                 dsts.append(d)
                 tensor_pos.append(i)

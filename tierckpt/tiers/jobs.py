@@ -292,6 +292,7 @@ class TierJobs:
         self._local_phase = "save"
         try:
             try:
+                slot.wait_copied()  # CUDA staging: the device→host copies may still be running
                 nbytes = self.local.save(staged, step)
             except FAILURES as e:  # degrade: the persistent tier and training go on
                 ok, error = False, describe_failure(e, self.local.store)
@@ -342,6 +343,7 @@ class TierJobs:
         self.in_use.hold(key)
         ok, error, nbytes = True, None, 0
         try:
+            slot.wait_copied()  # CUDA staging: the device→host copies may still be running
             nbytes = self.persistent.save(staged, step, self.groups.persistent_world)
         except FAILURES as e:
             ok, error = False, describe_failure(e, self.persistent.store)

@@ -1,0 +1,109 @@
+"""The staging slot's copy plan (tierckpt/io/staging.py): from the second save of one structure on, a slot refills its
+last staged copy instead of deep-copying through DCP's stager. Every case asserts the staged
+values equal the live ones at the time of the call and stay isolated from later changes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tierckpt.io.staging import StagingPool
+
+
+def _state(scale: float = 1.0) -> dict:
+    return {
+        "model": {f"w{i}": torch.full((3, 4), scale * i) for i in range(5)},
+        "optim": {"state": {0: {"step": torch.tensor(7.0 * scale), "exp_avg": torch.arange(6.0) * scale}},
+                  "param_groups": [{"lr": 0.1 * scale, "betas": (0.9, 0.95), "params": [0]}]},
+        "ints": torch.arange(4, dtype=torch.int64) * int(scale),
+        "step": int(scale * 10),
+        "name": "run",
+    }
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _stage(slot, sd):
+    return slot.stage(sd, users=1)
+
+
+def test_second_stage_refills_the_same_copy_with_new_values():
+    slot = StagingPool(1).acquire()
+    live = _state(1.0)
+    first = _stage(slot, live)
+    assert _same(first, live)
+    for k in live["model"]:  # training goes on after save() returned
+        live["model"][k].add_(100)
+    live["optim"]["param_groups"][0]["lr"] = 0.5
+    live["step"] = 11
+    assert first["model"]["w1"][0, 0].item() == 1.0 and first["step"] == 10  # the copy did not move
+    second = _stage(slot, live)
+    assert second is first, "same structure: the slot's copy is refilled, not rebuilt"
+    assert _same(second, live)
+    assert second["model"]["w1"].data_ptr() != live["model"]["w1"].data_ptr()
+    live["ints"].add_(5)
+    assert second["ints"].tolist() == [0, 1, 2, 3]
+
+
+def test_structure_changes_fall_back_to_a_full_copy():
+    slot = StagingPool(1).acquire()
+    live = _state(1.0)
+    _stage(slot, live)
+    changes = [
+        lambda s: s["model"].update(extra=torch.ones(2)),                 # new key
+        lambda s: s["model"].__setitem__("w0", torch.zeros(4, 4)),          # new shape
+        lambda s: s.__setitem__("ints", s["ints"].to(torch.int32)),          # new dtype
+        lambda s: s["optim"]["param_groups"][0]["params"].append(1),        # list length
+        lambda s: s["optim"]["param_groups"][0].__setitem__("betas", (0.8, 0.95)),  # a value in a tuple
+    ]
+    for change in changes:
+        change(live)
+        staged = _stage(slot, live)
+        assert _same(staged, live)
+        again = _stage(slot, live)
+        assert again is staged and _same(again, live)  # the new structure gets its own plan
+
+
+def test_objects_are_copied_not_shared():
+    @dataclasses.dataclass
+    class Pos:
+        rows: list
+
+    slot = StagingPool(1).acquire()
+    live = {"w": torch.ones(3), "pos": Pos([1, 2])}
+    _stage(slot, live)
+    staged = _stage(slot, live)
+    live["pos"].rows.append(3)
+    assert staged["pos"].rows == [1, 2]
+    assert _stage(slot, live)["pos"].rows == [1, 2, 3]
+
+
+def test_shared_tensors_and_views_keep_their_values():
+    slot = StagingPool(1).acquire()
+    base = torch.arange(12.0)
+    live = {"a": base[:6].view(2, 3), "b": base[6:], "a_again": base[:6].view(2, 3), "t": base[::2]}
+    _stage(slot, live)
+    base.mul_(-1)
+    staged = _stage(slot, live)
+    assert _same(staged, live)
+    base.add_(1000)
+    assert staged["b"][0].item() == -6.0 and staged["t"][1].item() == -2.0
+
+
+def test_slots_keep_separate_copies():
+    pool = StagingPool(2)
+    a, b = pool.acquire(), pool.acquire()
+    live = _state(1.0)
+    sa = _stage(a, live)
+    live["model"]["w2"].fill_(-1)
+    sb = _stage(b, live)
+    assert sa["model"]["w2"][0, 0].item() == 2.0 and sb["model"]["w2"][0, 0].item() == -1.0
