@@ -32,7 +32,7 @@ def make_state(rank: int, mib: float, seed: int = 1234) -> dict:
 
     total = int(mib * MiB)
     large_el = (total * 3 // 4) // (4 * N_LARGE)
-    small_el = (total - N_LARGE * large_el * 4) // (4 * N_SMALL)
+    small_el = (total - N_LARGE * large_el * 4 - 8 * N_SCALAR) // (4 * N_SMALL)
     if large_el < 1 or small_el < 1:
         raise ValueError(f"mib={mib} is too small for {N_LARGE + N_SMALL} fp32 tensors")
     gen = torch.Generator().manual_seed(seed + rank)
