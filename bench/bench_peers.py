@@ -417,6 +417,9 @@ def summarise(r: dict, lmr: dict) -> dict:
                "restore": {n: med(v) for n, v in r["restore_s"].items()},
                "rss": dict(r["rss_growth_bytes"]), "lmr": None}
     s["delta_ratio"] = {n: v / mem for n, v in s["delta"].items()}
+    s["raw"] = {"delta_s": r["delta_s"], "memcpy_s": r["memcpy_s"], "restore_s": r["restore_s"],
+                "lmr": {k: lmr[k] for k in ("capture_s", "replication_s", "memcpy_s", "ram_restore_s",
+                                            "disk_restore_s", "flush_s") if k in lmr}}
     if "skipped" not in lmr:
         lm = med(lmr["memcpy_s"])
         s["lmr"] = {"memcpy": lm, "capture": med(lmr["capture_s"]), "replication": med(lmr["replication_s"]),
@@ -535,6 +538,8 @@ def record(summaries, m, args, cmd, elapsed, dfout, load0) -> None:
                      + md_table(TARGET_HEAD, targ) + "\n")
         if s.get("lmr_skipped"):
             parts.append(f"\nlm-resiliency skipped: {s['lmr_skipped']}\n")
+        raw = json.dumps(s["raw"], default=lambda x: x)
+        parts.append(f"\nRaw samples (seconds, slower rank):\n\n```json\n{raw}\n```\n")
     with open(RESULTS_MD, "a") as f:
         f.write("".join(parts))
     print(f"recorded to {RESULTS_MD}")

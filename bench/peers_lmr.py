@@ -107,6 +107,9 @@ def lmr_rank(rank: int, world: int, args: dict) -> dict:
                 caps.append(d)
                 reps.append(r)
     out.update(capture_s=caps, replication_s=reps, memcpy_s=mems)
+    if rank == 0:
+        print(f"[peers-lmr] {args['mib']:g} MiB: capture {[round(x, 3) for x in caps]} s, "
+              f"memcpy {[round(x, 3) for x in mems]} s", flush=True)
 
     # RAM recovery with processes alive (its in-memory slots)
     ram = []
@@ -180,6 +183,9 @@ def lmr_rank(rank: int, world: int, args: dict) -> dict:
         shutil.rmtree(node_dir(rank), ignore_errors=True)
         dist.barrier()
     out.update(disk_restore_s=disk, flush_s=flush)
+    if rank == 0:
+        print(f"[peers-lmr] RAM recovery {[round(x, 3) for x in ram]} s, disk restart path "
+              f"{[round(x, 3) for x in disk]} s (bitwise equal)", flush=True)
     mgr.close()
     return out
 
