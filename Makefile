@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv lint test test-slurm demo demo-elastic bench bench-control bench-gpu bench-reshard bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
+.PHONY: venv lint test test-slurm demo demo-elastic bench bench-control bench-gpu bench-peers bench-reshard bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
 
 venv: $(STAMP)
 
@@ -43,6 +43,19 @@ bench-control: venv
 
 bench-reshard: venv
 	$(VPY) bench/bench_reshard.py $(BENCH_ARGS)
+
+# tierckpt side by side with DCP (sync, thread, process+async staging), NVRx local checkpointing
+# and lm-resiliency on the same state; lm-resiliency runs in the side venv .venv-peers
+# (scripts/setup_venv_peers.sh; never a dependency of the product). BENCH_ARGS e.g.
+# "--mib-per-rank 256 --local-root-base /dev/shm --record"
+VENVP := .venv-peers
+STAMPP := $(VENVP)/.installed-stamp
+
+$(STAMPP): requirements-peers.txt scripts/setup_venv_peers.sh
+	PY=$(PY) scripts/setup_venv_peers.sh
+
+bench-peers: venv $(STAMPP)
+	OMP_NUM_THREADS=1 $(VPY) bench/bench_peers.py $(BENCH_ARGS)
 
 # issue 4's experiment: torchtitan demo under Poisson failures, fixed vs adaptive (~20 min)
 bench-schedule: venv
@@ -107,4 +120,4 @@ test-megatron-lm-019: venv-mcore019 $(MLM019_STAMP)
 	MEGATRON_LM_DIR=$$dir OMP_NUM_THREADS=1 $(VENV019)/bin/python -m pytest tests/mcore/test_megatron_lm.py tests/mcore/test_install.py tests/mcore/test_args.py -q -rs -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) $(VENV019) outputs .pytest_cache
+	rm -rf $(VENV) $(VENV019) $(VENVP) outputs .pytest_cache

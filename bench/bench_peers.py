@@ -1,0 +1,608 @@
+"""Peer benchmark: tierckpt against the checkpointing systems users would pick instead.
+
+Two gloo ranks act as two nodes; every system saves the same state per rank (324 tensors: 4
+large fp32 tensors holding 3/4 of the bytes, 280 small fp32 ones, 40 int64 scalars; keys
+rank-unique) at each size of ``--mib-per-rank`` (default 256 and 1024 MiB).
+
+Systems (main venv unless said otherwise):
+- **tierckpt**: ``TieredCheckpointer``, local tier + replication_factor 2 on a node-local dir per
+  rank; the persistent tier is off (``tiers=("local",)``; the persistent root holds the ledger
+  only). With ``--local-root-base /dev/shm`` a second column puts the local tier in RAM.
+- **DCP sync**: ``dcp.save``.
+- **DCP async (thread)**: ``dcp.async_save`` with the thread executor (torchtitan's "async").
+- **DCP process+async staging**: ``dcp.async_save`` with the process executor and a persistent
+  ``DefaultStager``. CPU adaptation: torchtitan's ``async_with_pinned_mem`` fails on CPU, so the
+  stager uses shared memory and async staging without pinned memory and with
+  ``use_non_blocking_copy=False``. Its blocking time runs until ``staging_completion``: the
+  state may not change before.
+- **NVRx local** (nvidia-resiliency-ext 0.4.1): ``LocalCheckpointManager`` +
+  ``CliqueReplicationStrategy`` (J=1, F=2), synchronous saves only (``is_async=False``; its
+  whole save blocks). CPU adaptations, patched in the rank processes only: the ``is_cuda``
+  assertion of ``BasicTensorAwareStateDict`` is dropped and its CPU copy made a real copy
+  (``.to("cpu")`` of a CPU tensor aliases the live tensor), and its ``restore_tensor_device``
+  (``.to("cuda")`` after a load) is a no-op; the per-tensor ``.cuda()`` staging
+  in ``GroupWrapper.isend_state_dict``/``irecv_state_dict`` is removed; ``torch.cuda.synchronize``
+  is a no-op.
+- **lm-resiliency 0.2.0**, in the side venv ``.venv-peers`` (``bench/peers_lmr.py``, its own
+  spawned gloo ranks and its own memcpy). CPU adaptation: ``pin_memory=False``.
+
+Measured (each sample is the slower rank's; medians over repetitions; systems in ABBA order
+across repetitions):
+1. blocking time δ ÷ one memcpy (``dst.copy_(src)`` into preallocated tensors) of the same state,
+   a memcpy sample taken before each save. The cross-run ratio against lm-resiliency compares
+   memcpy-normalised values: (δ_tierckpt / memcpy_main) / (capture_lmr / memcpy_side).
+2. restore after losing node 1 and its disk: rank 1's node-local dir is deleted and the page
+   cache of every file dropped (fsync + ``POSIX_FADV_DONTNEED``); timed from a barrier until both
+   ranks hold the state (new manager/engine included, process start-up excluded), tierckpt
+   against NVRx (same run, ABBA) and lm-resiliency's disk restart path and RAM path (side run;
+   the ratios there are memcpy-normalised as in 1). tierckpt restores in place into
+   preallocated tensors; the peers return new tensors (their copy into a model is not timed).
+3. host RSS growth (self + child processes, ``VmRSS``) from after ``--warmup`` saves (again
+   after the restores, which replace tierckpt's engine) to after ``--rss-saves`` more saves,
+   each waited to completion. NVRx is left out (its synchronous saves are too slow for 50).
+Every restore is compared bitwise with the saved state (``AssertionError`` otherwise).
+
+Targets (PASS/MISS printed, never an exit status): δ ≤ 1.05× memcpy and ≤ 0.95× lm-resiliency's
+capture; restore ≤ 0.8× NVRx and ≤ 0.8× lm-resiliency's disk path.
+
+Usage::
+
+    .venv/bin/python bench/bench_peers.py [--mib-per-rank 256 1024] [--local-root-base /dev/shm]
+        [--saves 6] [--restore-reps 3] [--rss-saves 50] [--peers-python .venv-peers/bin/python]
+        [--skip-lmr] [--record]
+
+``--record`` appends machine, command, load average, method and tables to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from bench_engine import REPO, RESULTS_MD, disk, machine, md_table, run_ranks  # noqa: E402
+from peers_common import (abba, assert_bitwise, drop_page_cache, make_state, med, mutate,  # noqa: E402
+                          rss_bytes, snapshot, state_bytes)
+
+MiB = 1 << 20
+PEERS_PY = os.path.join(REPO, ".venv-peers", "bin", "python")
+TARGETS = {"delta_memcpy": 1.05, "delta_lmr": 0.95, "restore_nvrx": 0.8, "restore_lmr_disk": 0.8}
+ADAPTATIONS = [
+    "tierckpt: persistent tier off (tiers=('local',), replication_factor=2)",
+    "DCP process+async staging: DefaultStager(use_pinned_memory=False, use_shared_memory=True, "
+    "use_async_staging=True, use_non_blocking_copy=False) instead of torchtitan's async_with_pinned_mem "
+    "(fails on CPU); δ runs until staging_completion",
+    "NVRx local: is_cuda assertion dropped, CPU copy made a real copy and restore_tensor_device "
+    "(.to('cuda') after a load) a no-op (BasicTensorAwareStateDict); "
+    ".cuda() staging removed from GroupWrapper.isend/irecv_state_dict; torch.cuda.synchronize no-op; "
+    "sync saves only (δ = the whole save)",
+    "lm-resiliency: pin_memory=False; driven from its Python API on spawned gloo ranks (its torchrun "
+    "entry point is broken); disk path copies only the newest rank-1.pt to node 1 (cheaper than copy_to)",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# NVRx CPU patches (in the rank process only)
+def patch_nvrx_for_cpu() -> None:
+    """Let NVRx 0.4.1's local checkpointing run on CPU tensors (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    from nvidia_resiliency_ext.checkpointing.local import basic_state_dict as bsd
+    from nvidia_resiliency_ext.checkpointing.local.replication import group_utils as gu
+
+    if getattr(bsd.BasicTensorAwareStateDict, "_tierckpt_cpu", False):
+        return
+
+    def init(self, state_dict):
+        self.state_dict = state_dict
+        self._is_hollow = False
+
+    def copy_tensors_to_cpu(self, non_blocking=False):
+        # on a GPU this is a device-to-host copy; .to("cpu") of a CPU tensor would alias the
+        # live tensor, so the CPU stand-in must clone to keep the semantics of a copy
+        bsd.dict_list_map_inplace(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, self.state_dict)
+
+    def isend_state_dict(self, state_dict, dst):
+        tensor_data = state_dict.pop_tensors()
+        log_data = {"data_sent": sum(t.nbytes for t in tensor_data)}
+        self.send_object(state_dict, dst)
+        for t in tensor_data:
+            dist.send(t, dst, group=self.group)
+        state_dict.insert_tensors(tensor_data)
+        return log_data
+
+    def irecv_state_dict(self, src):
+        hollow = self.recv_object(src)
+        hollow.init_tensors()
+        for t in hollow.tensors:
+            dist.recv(t, src, group=self.group)
+        return hollow, {"data_recv": sum(t.nbytes for t in hollow.tensors)}
+
+    bsd.BasicTensorAwareStateDict.__init__ = init
+    bsd.BasicTensorAwareStateDict.copy_tensors_to_cpu = copy_tensors_to_cpu
+    # a load moves tensors back "to cuda"; on CPU they stay where torch.load put them
+    bsd.BasicTensorAwareStateDict.restore_tensor_device = lambda self, non_blocking=True: None
+    bsd.BasicTensorAwareStateDict._tierckpt_cpu = True
+    gu.GroupWrapper.isend_state_dict = isend_state_dict
+    gu.GroupWrapper.irecv_state_dict = irecv_state_dict
+    torch.cuda.synchronize = lambda device=None: None
+
+
+# ---------------------------------------------------------------------------------------------
+# systems (rank side). capture() returns the local blocking seconds; complete() finishes the
+# background work (untimed); restore_after_loss() returns the local restore seconds.
+class Tier:
+    """tierckpt, local tier + replica on the other node."""
+
+    def __init__(self, rank, base, label, local_base=None):
+        from tierckpt.config import TierConfig
+        from tierckpt.engine import TieredCheckpointer
+
+        self.rank, self.label = rank, label
+        self.dir = os.path.join(local_base or base, label)
+        self.cfg = TierConfig(local_root=os.path.join(self.dir, "node-{node}"),
+                              persistent_root=os.path.join(base, label + "-ledger"),
+                              tiers=("local",), replication_factor=2, job_id="bench-peers")
+        self._cls = TieredCheckpointer
+        self.eng = TieredCheckpointer(self.cfg, node_id=rank)
+
+    def capture(self, sd, step):
+        t0 = time.perf_counter()
+        self.eng.save(step, sd, tiers=["local"])
+        return time.perf_counter() - t0
+
+    def complete(self):
+        self.eng.wait(bounded=False)
+
+    def restore_after_loss(self, expected, barrier, step):
+        import torch
+
+        self.eng.close()
+        barrier()
+        if self.rank == 1:
+            shutil.rmtree(os.path.join(self.dir, "node-1"))
+        barrier()
+        if self.rank == 0:
+            drop_page_cache(self.dir)
+        target = {k: torch.zeros_like(v) for k, v in expected.items()}
+        barrier()
+        t0 = time.perf_counter()
+        self.eng = self._cls(self.cfg, node_id=self.rank)
+        res = self.eng.restore(target)
+        dt = time.perf_counter() - t0
+        if res is None or res.step != step:
+            raise RuntimeError(f"{self.label}: restored step {None if res is None else res.step}, expected {step}")
+        assert_bitwise(expected, target, f"{self.label} (rank {self.rank})")
+        self.eng.wait(bounded=False)  # the replica rebuild, before the next measurement
+        return dt
+
+    def close(self):
+        self.eng.close()
+
+
+class Dcp:
+    """torch.distributed.checkpoint: sync, thread executor, or process executor + stager."""
+
+    def __init__(self, rank, base, mode):
+        self.rank, self.mode = rank, mode
+        self.dir = os.path.join(base, f"dcp-{mode}")
+        self.fut = None
+        self.prev: str | None = None
+        self.stager = None
+        if mode == "process":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+                                                       use_async_staging=True, use_non_blocking_copy=False))
+
+    def capture(self, sd, step):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        path = os.path.join(self.dir, f"step-{step}")
+        t0 = time.perf_counter()
+        if self.mode == "sync":
+            dcp.save(sd, checkpoint_id=path)
+        elif self.mode == "thread":
+            self.fut = dcp.async_save(sd, checkpoint_id=path)
+        else:
+            resp = dcp.async_save(sd, checkpoint_id=path, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                  async_stager=self.stager)
+            resp.staging_completion.result()
+            self.fut = resp.upload_completion
+        dt = time.perf_counter() - t0
+        self.cur = path
+        return dt
+
+    def complete(self):
+        import torch.distributed as dist
+
+        if self.fut is not None:
+            self.fut.result()
+            self.fut = None
+        dist.barrier()
+        if self.rank == 0 and self.prev:  # keep one step on disk, as retention would
+            shutil.rmtree(self.prev, ignore_errors=True)
+        self.prev = self.cur
+
+    def close(self):
+        if self.stager is not None:
+            self.stager.close()
+
+
+class Nvrx:
+    """NVRx LocalCheckpointManager + CliqueReplicationStrategy (J=1, F=2), sync saves."""
+
+    def __init__(self, rank, base):
+        patch_nvrx_for_cpu()
+        self.rank = rank
+        self.dir = os.path.join(base, "nvrx")
+        self.mgr = self._manager()
+
+    def _manager(self):
+        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
+        from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
+
+        strat = CliqueReplicationStrategy.from_replication_params(replication_jump=1, replication_factor=2)
+        return LocalCheckpointManager(os.path.join(self.dir, f"node-{self.rank}"), session_id="bench",
+                                      repl_strategy=strat)
+
+    def capture(self, sd, step):
+        from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+
+        t0 = time.perf_counter()
+        # a shallow copy: replicate() hollows the dict it is given (tensors → placeholders)
+        self.mgr.save(BasicTensorAwareStateDict(dict(sd)), step, is_async=False)
+        return time.perf_counter() - t0
+
+    def complete(self):
+        pass
+
+    def restore_after_loss(self, expected, barrier, step):
+        barrier()
+        if self.rank == 1:
+            shutil.rmtree(os.path.join(self.dir, "node-1"))
+        barrier()
+        if self.rank == 0:
+            drop_page_cache(self.dir)
+        barrier()
+        t0 = time.perf_counter()
+        self.mgr = self._manager()
+        it = self.mgr.find_latest()
+        tasd, _ckpt_id = self.mgr.load()
+        dt = time.perf_counter() - t0
+        if it != step:
+            raise RuntimeError(f"NVRx: restored iteration {it}, expected {step}")
+        assert_bitwise(expected, tasd.state_dict, f"NVRx local (rank {self.rank})")
+        return dt
+
+    def close(self):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+def peers_rank(rank: int, world: int, args: dict) -> dict:
+    """Rank side of the main-venv measurement; returns the samples (slower rank of each)."""
+    import logging
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("nvidia_resiliency_ext").setLevel(logging.ERROR)
+    base = args["base"]
+
+    def gmax(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def settle():
+        os.sync()
+        dist.barrier()
+
+    sd = make_state(rank, args["mib"])
+    dst = {k: torch.empty_like(v) for k, v in sd.items()}
+
+    def memcpy() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for k, v in sd.items():
+            dst[k].copy_(v)
+        return gmax(time.perf_counter() - t0)
+
+    systems: dict = {"tierckpt": Tier(rank, base, "tierckpt")}
+    if args["local_root_base"]:
+        systems["tierckpt (RAM local root)"] = Tier(rank, base, "tierckpt-ram", local_base=args["local_root_base"])
+    systems.update({"DCP sync": Dcp(rank, base, "sync"), "DCP async (thread)": Dcp(rank, base, "thread"),
+                    "DCP process+async staging": Dcp(rank, base, "process"), "NVRx local": Nvrx(rank, base)})
+    if args["systems"]:
+        systems = {k: v for k, v in systems.items() if k in args["systems"] or k.startswith("tierckpt")}
+    out: dict = {"state_bytes": state_bytes(sd), "n_tensors": len(sd), "systems": list(systems)}
+    step = 1
+
+    def save(name: str) -> float:
+        nonlocal step
+        mutate(sd, step)
+        dist.barrier()
+        d = systems[name].capture(sd, step)
+        systems[name].complete()
+        step += 1
+        return gmax(d)
+
+    # 1. blocking time, ABBA over systems; a memcpy sample before each save
+    memcpy()
+    for name in systems:
+        for _ in range(args["warmup"]):
+            save(name)
+    settle()
+    delta: dict = {n: [] for n in systems}
+    mems: list = []
+    for r, order in enumerate(abba(list(systems), args["saves"])):
+        for name in order:
+            mems.append(memcpy())
+            delta[name].append(save(name))
+            settle()
+        if rank == 0:
+            print(f"[bench-peers] {args['mib']:g} MiB rep {r + 1}/{args['saves']}: "
+                  + ", ".join(f"{n} {delta[n][-1] * 1e3:.0f} ms" for n in order), flush=True)
+    out.update(delta_s=delta, memcpy_s=mems)
+
+    # 2. restore after losing node 1 and its disk, ABBA over the systems that have one
+    rnames = [n for n in systems if hasattr(systems[n], "restore_after_loss")]
+    restore: dict = {n: [] for n in rnames}
+    for order in abba(rnames, args["restore_reps"]):
+        for name in order:
+            save(name)
+            expected = snapshot(sd)
+            saved = step - 1
+            settle()
+            restore[name].append(gmax(systems[name].restore_after_loss(expected, dist.barrier, saved)))
+            settle()
+            if rank == 0:
+                print(f"[bench-peers] restore {name}: {restore[name][-1]:.3f} s (bitwise equal)", flush=True)
+    out["restore_s"] = restore
+
+    # 3. host RSS growth over rss_saves saves (NVRx's synchronous saves are left out: too slow)
+    rss: dict = {}
+    for name in [n for n in systems if not n.startswith("NVRx")]:
+        # warm-up again: a restore above replaced tierckpt's engine, whose staging buffers are
+        # allocated by its first saves; the growth must count steady-state saves only
+        for _ in range(args["warmup"]):
+            save(name)
+        settle()
+        r0 = rss_bytes()
+        for _ in range(args["rss_saves"]):
+            save(name)
+        rss[name] = gmax(float(rss_bytes() - r0))
+        if rank == 0:
+            print(f"[bench-peers] RSS growth {name}: {rss[name] / MiB:.1f} MiB over {args['rss_saves']} saves",
+                  flush=True)
+    out["rss_growth_bytes"] = rss
+    for s in systems.values():
+        s.close()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# driver side
+def run_lmr(a, mib: float, base: str) -> dict:
+    """Run bench/peers_lmr.py in the side venv; its JSON result, or ``{"skipped": reason}``."""
+    if a.skip_lmr:
+        return {"skipped": "--skip-lmr"}
+    if not os.path.exists(a.peers_python):
+        return {"skipped": f"side venv absent ({os.path.relpath(a.peers_python, REPO)}; "
+                           f"create it with scripts/setup_venv_peers.sh or `make bench-peers`)"}
+    out = os.path.join(base, f"lmr-{mib:g}.json")
+    cmd = [a.peers_python, os.path.join(HERE, "peers_lmr.py"), "--mib", str(mib), "--saves", str(a.saves),
+           "--warmup", str(a.warmup), "--restore-reps", str(a.restore_reps), "--rss-saves", str(a.rss_saves),
+           "--threads", str(a.threads), "--dir", base, "--out", out, "--timeout", str(a.timeout)]
+    subprocess.run(cmd, check=True, timeout=a.timeout + 60)
+    with open(out) as f:
+        return json.load(f)
+
+
+def summarise(r: dict, lmr: dict) -> dict:
+    """Medians and ratios of one size (values in seconds / bytes)."""
+    mem = med(r["memcpy_s"])
+    s: dict = {"mib": r["state_bytes"] / MiB, "memcpy": mem, "systems": r["systems"],
+               "delta": {n: med(v) for n, v in r["delta_s"].items()},
+               "restore": {n: med(v) for n, v in r["restore_s"].items()},
+               "rss": dict(r["rss_growth_bytes"]), "lmr": None}
+    s["delta_ratio"] = {n: v / mem for n, v in s["delta"].items()}
+    s["raw"] = {"delta_s": r["delta_s"], "memcpy_s": r["memcpy_s"], "restore_s": r["restore_s"],
+                "lmr": {k: lmr[k] for k in ("capture_s", "replication_s", "memcpy_s", "ram_restore_s",
+                                            "disk_restore_s", "flush_s") if k in lmr}}
+    if "skipped" not in lmr:
+        lm = med(lmr["memcpy_s"])
+        s["lmr"] = {"memcpy": lm, "capture": med(lmr["capture_s"]), "replication": med(lmr["replication_s"]),
+                    "ram": med(lmr["ram_restore_s"]), "disk": med(lmr["disk_restore_s"]), "flush": med(lmr["flush_s"]),
+                    "rss": lmr["rss_growth_bytes"], "versions": lmr.get("versions", {})}
+        s["lmr"]["capture_ratio"] = s["lmr"]["capture"] / lm
+    else:
+        s["lmr_skipped"] = lmr["skipped"]
+    return s
+
+
+def _pf(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def rows(s: dict) -> tuple[list[str], list[list[str]], list[list[str]]]:
+    """(header, measurement rows, target rows) of one size."""
+    names = list(s["systems"]) + (["lm-resiliency (side venv)"] if s["lmr"] else [])
+    head = ["row"] + names
+    lm = s["lmr"]
+
+    def col(fn, name):
+        try:
+            return fn(name)
+        except KeyError:
+            return "—"
+
+    ms = lambda x: f"{x * 1e3:.0f} ms"  # noqa: E731
+    r1 = ["1. blocking δ (median)"] + [col(lambda n: ms(s["delta"][n]), n) for n in s["systems"]]
+    r1r = [f"1. δ ÷ memcpy (memcpy {ms(s['memcpy'])})"] + [col(lambda n: f"{s['delta_ratio'][n]:.2f}", n)
+                                                            for n in s["systems"]]
+    r2 = ["2. restore after losing node 1 + its disk"] + [col(lambda n: f"{s['restore'][n]:.3f} s", n)
+                                                          for n in s["systems"]]
+    r3 = ["3. host RSS growth over the RSS saves"] + [col(lambda n: f"{s['rss'][n] / MiB:.1f} MiB", n)
+                                                     for n in s["systems"]]
+    if lm:
+        r1.append(f"{ms(lm['capture'])} (capture; replication {ms(lm['replication'])} after)")
+        r1r.append(f"{lm['capture_ratio']:.2f} (its memcpy {ms(lm['memcpy'])})")
+        r2.append(f"disk path {lm['disk']:.3f} s (flush before: {lm['flush']:.3f} s); "
+                  f"RAM path, processes alive {lm['ram']:.3f} s")
+        r3.append(f"{lm['rss'] / MiB:.1f} MiB")
+    meas = [r1, r1r, r2, r3]
+    tr = s["delta_ratio"].get("tierckpt", float("nan"))
+    targ = [["δ_tierckpt ÷ memcpy", f"{tr:.2f}", f"≤ {TARGETS['delta_memcpy']}", _pf(tr <= TARGETS["delta_memcpy"])]]
+    if "NVRx local" in s["restore"]:
+        x = s["restore"]["tierckpt"] / s["restore"]["NVRx local"]
+        targ.append(["restore tierckpt ÷ NVRx local", f"{x:.2f}", f"≤ {TARGETS['restore_nvrx']}",
+                     _pf(x <= TARGETS["restore_nvrx"])])
+    if lm:
+        # cross-run ratios: each side normalised by the memcpy measured in its own run
+        x = tr / lm["capture_ratio"]
+        targ.append(["δ_tierckpt ÷ lm-resiliency capture (memcpy-normalised)", f"{x:.2f}",
+                     f"≤ {TARGETS['delta_lmr']}", _pf(x <= TARGETS["delta_lmr"])])
+        rt = s["restore"]["tierckpt"] / s["memcpy"]
+        x = rt / (lm["disk"] / lm["memcpy"])
+        targ.append(["restore tierckpt ÷ lm-resiliency disk path (memcpy-normalised)", f"{x:.2f}",
+                     f"≤ {TARGETS['restore_lmr_disk']}", _pf(x <= TARGETS["restore_lmr_disk"])])
+        x = rt / (lm["ram"] / lm["memcpy"])
+        targ.append(["(info) restore tierckpt ÷ lm-resiliency RAM path (memcpy-normalised)", f"{x:.2f}", "—", "—"])
+        ram = "tierckpt (RAM local root)"
+        if ram in s["restore"]:
+            x = (s["restore"][ram] / s["memcpy"]) / (lm["ram"] / lm["memcpy"])
+            targ.append([f"(info) restore {ram}, node 1 lost ÷ lm-resiliency RAM path, processes alive "
+                         "(memcpy-normalised)", f"{x:.2f}", "—", "—"])
+    return head, meas, targ
+
+
+TARGET_HEAD = ["target", "value", "target", "result"]
+
+
+def print_rich(summaries: list[dict], m: dict, args, elapsed: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console(width=max(160, shutil.get_terminal_size((160, 40)).columns))
+    for s in summaries:
+        head, meas, targ = rows(s)
+        t = Table(title=f"bench-peers — 2 gloo ranks = 2 nodes, {s['mib']:.1f} MiB per rank (324 tensors)",
+                  show_lines=True)
+        for h in head:
+            t.add_column(h)
+        for r in meas:
+            t.add_row(*r)
+        c.print(t)
+        tt = Table(title="targets (PASS/MISS; not an exit status)")
+        for h in TARGET_HEAD:
+            tt.add_column(h)
+        for r in targ:
+            color = {"PASS": "green", "MISS": "red"}.get(r[-1], "default")
+            tt.add_row(*r[:-1], f"[{color}]{r[-1]}[/]")
+        c.print(tt)
+        if s.get("lmr_skipped"):
+            c.print(f"lm-resiliency skipped: {s['lmr_skipped']}")
+    c.print("CPU adaptations of the peers:\n" + "\n".join(f"  - {x}" for x in ADAPTATIONS))
+    c.print(f"machine: {m['nproc']} CPUs ({m['cpu']}), {m['mem']}, torch {m['torch']}; "
+            f"load average at the end {os.getloadavg()}; elapsed {elapsed:.0f} s")
+
+
+def record(summaries, m, args, cmd, elapsed, dfout, load0) -> None:
+    when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    parts = [f"\n## bench-peers {when}\n\n",
+             f"Command (from the repo root): `{cmd}`  \n",
+             f"Machine: `nproc` = {m['nproc']}; {m['mem']}; CPU: {m['cpu']}; kernel {m['kernel']}; "
+             f"Python {m['python']}; torch {m['torch']}.  \n",
+             f"Load average: {load0} at the start, {os.getloadavg()} at the end; elapsed {elapsed:.0f} s.  \n",
+             f"Method: 2 gloo ranks = 2 nodes, 324 tensors per rank (4 large fp32 = 3/4 of the bytes, 280 "
+             f"small fp32, 40 int64 scalars); saves {args.saves} per system (ABBA order, {args.warmup} warm-up), "
+             f"restore repetitions {args.restore_reps} (ABBA; node 1's dir deleted, page cache of every file "
+             f"dropped, timed until both ranks hold the state, checked bitwise), RSS growth over "
+             f"{args.rss_saves} saves; medians of the slower rank. Ratios against lm-resiliency (side venv, "
+             f"separate run) are normalised by the memcpy measured in each run. See bench/bench_peers.py.  \n",
+             "CPU adaptations: " + "; ".join(ADAPTATIONS) + ".\n\nBench dir filesystem:\n\n```\n" + dfout + "\n```\n"]
+    for s in summaries:
+        head, meas, targ = rows(s)
+        parts.append(f"\n{s['mib']:.1f} MiB per rank:\n\n" + md_table(head, meas) + "\n\n"
+                     + md_table(TARGET_HEAD, targ) + "\n")
+        if s.get("lmr_skipped"):
+            parts.append(f"\nlm-resiliency skipped: {s['lmr_skipped']}\n")
+        raw = json.dumps(s["raw"], default=lambda x: x)
+        parts.append(f"\nRaw samples (seconds, slower rank):\n\n```json\n{raw}\n```\n")
+    with open(RESULTS_MD, "a") as f:
+        f.write("".join(parts))
+    print(f"recorded to {RESULTS_MD}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib-per-rank", type=float, nargs="+", default=[256, 1024],
+                    help="state sizes per rank in MiB (default 256 1024)")
+    ap.add_argument("--saves", type=int, default=6, help="measured saves per system (default 6)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up saves per system (default 2)")
+    ap.add_argument("--restore-reps", type=int, default=3, help="restores per system (default 3)")
+    ap.add_argument("--rss-saves", type=int, default=50, help="saves for the RSS growth (default 50)")
+    ap.add_argument("--systems", nargs="*", default=None,
+                    help="only these peers (tierckpt always runs): 'DCP sync', 'DCP async (thread)', "
+                         "'DCP process+async staging', 'NVRx local'")
+    ap.add_argument("--local-root-base", default=None,
+                    help="also run tierckpt with its local root under this dir (e.g. /dev/shm)")
+    ap.add_argument("--peers-python", default=PEERS_PY, help="side venv interpreter for lm-resiliency")
+    ap.add_argument("--skip-lmr", action="store_true", help="leave lm-resiliency out")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    ap.add_argument("--dir", default=None, help="parent of the temp dir (default $TMPDIR or /tmp)")
+    ap.add_argument("--record", action="store_true", help="append the results to bench/RESULTS.md")
+    ap.add_argument("--json", default=None, help="write the summaries to this JSON file")
+    ap.add_argument("--timeout", type=float, default=3000, help="per run, seconds (default 3000)")
+    a = ap.parse_args(argv)
+    cmd = " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO)
+                                            else sys.executable, os.path.relpath(os.path.abspath(__file__), REPO)]
+                   + (sys.argv[1:] if argv is None else list(argv)))
+    load0 = os.getloadavg()
+    t0 = time.time()
+    summaries = []
+    base = tempfile.mkdtemp(prefix="tierckpt-peers-", dir=a.dir)
+    ram_base = tempfile.mkdtemp(prefix="tierckpt-peers-", dir=a.local_root_base) if a.local_root_base else None
+    dfout = disk(base)
+    try:
+        for mib in a.mib_per_rank:
+            print(f"[bench-peers] {mib:g} MiB per rank: lm-resiliency (side venv) first, then the main run",
+                  flush=True)
+            lmr = run_lmr(a, mib, base)
+            args = dict(mib=mib, saves=a.saves, warmup=a.warmup, restore_reps=a.restore_reps, rss_saves=a.rss_saves,
+                        threads=a.threads, base=base, local_root_base=ram_base, systems=a.systems)
+            r0, _r1 = run_ranks(args, timeout=a.timeout, target=peers_rank)
+            summaries.append(summarise(r0, lmr))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        if ram_base:
+            shutil.rmtree(ram_base, ignore_errors=True)
+    elapsed = time.time() - t0
+    m = machine()
+    print_rich(summaries, m, a, elapsed)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summaries, f, indent=1)
+    if a.record:
+        record(summaries, m, a, cmd, elapsed, dfout, load0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""lm-resiliency 0.2.0 part of ``bench/bench_peers.py``; runs in the side venv ``.venv-peers``.
+
+lm-resiliency's torchrun rendezvous entry point does not work here, so this module drives its
+Python API (``lm_resiliency.checkpointing.InMemoryCheckpointManager``) from its own 2 spawned
+gloo ranks (2 simulated nodes, ``replication_jump=1``: rank 0 and rank 1 are peers). It needs
+only torch, numpy and lm-resiliency; tierckpt is not installed in that venv.
+
+CPU adaptation: ``pin_memory=False`` (its buffer pool pins only when CUDA is available anyway);
+its device copier takes its own CPU branch (``dst.copy_(src)``). Nothing is patched.
+
+Measured per rank, results written as JSON to ``--out`` (slower rank of every sample):
+- capture: ``save(sd, step)`` + ``maybe_wait()`` (its host copy; the time the trainer is held),
+  each paired with one ``dst.copy_(src)`` memcpy of the same state (ABBA: memcpy first on even
+  repetitions, capture first on odd ones); ``finalize_replication()`` (peer exchange done) is
+  timed apart and not part of the capture;
+- RAM recovery, processes alive: ``load(mode="latest")`` from its in-memory slots;
+- disk restart path after losing node 1 and its disk: ``flush_for_restart()`` on both ranks
+  (what its SIGTERM handler writes: own + peer slots; untimed, reported), managers closed,
+  node 1's disk folder deleted, page cache of every file dropped; timed: rank 0 copies the
+  newest flushed ``rank-1.pt`` into node 1's new folder (only that file: cheaper than its
+  ``copy_to``, which copies every flushed step of own and peer shards), both ranks build a new
+  manager with the same ``run_id`` and ``load(mode="latest")`` from disk;
+- host RSS growth over ``--rss-saves`` captures (each followed by ``finalize_replication()``).
+Every restore is checked bitwise against the saved state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from peers_common import abba, assert_bitwise, drop_page_cache, make_state, mutate, rss_bytes, snapshot, state_bytes  # noqa: E402
+
+RUN_ID = "tierckpt-bench-peers"
+
+
+def lmr_rank(rank: int, world: int, args: dict) -> dict:
+    """One rank of the lm-resiliency measurement (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    from lm_resiliency.checkpointing import InMemoryCheckpointManager, InMemoryCkptConfig
+    from lm_resiliency.checkpointing.disk import DiskSerializer, atomic_copy_file
+
+    base = os.path.join(args["base"], "lmr")
+
+    def gmax(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def node_dir(r: int) -> str:
+        return os.path.join(base, f"node-{r}")
+
+    def manager():
+        return InMemoryCheckpointManager(InMemoryCkptConfig(
+            enable=True, interval=1, replication_jump=1, disk_flush_interval=0,
+            disk_folder=node_dir(rank), run_id=RUN_ID, pin_memory=False))
+
+    sd = make_state(rank, args["mib"])
+    dst = {k: torch.empty_like(v) for k, v in sd.items()}
+    out: dict = {"state_bytes": state_bytes(sd), "n_tensors": len(sd)}
+
+    def memcpy() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for k, v in sd.items():
+            dst[k].copy_(v)
+        return gmax(time.perf_counter() - t0)
+
+    step = 1
+    mgr = manager()
+
+    def capture() -> tuple[float, float]:
+        nonlocal step
+        mutate(sd, step)
+        dist.barrier()
+        t0 = time.perf_counter()
+        mgr.save(sd, step)
+        mgr.maybe_wait()
+        d = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        ok = mgr.finalize_replication()
+        r = time.perf_counter() - t1
+        if not ok:
+            raise RuntimeError(f"lm-resiliency: replication of step {step} did not complete")
+        step += 1
+        return gmax(d), gmax(r)
+
+    memcpy()
+    for _ in range(args["warmup"]):
+        capture()
+    caps, reps, mems = [], [], []
+    for order in abba(["memcpy", "capture"], args["saves"]):
+        for what in order:
+            if what == "memcpy":
+                mems.append(memcpy())
+            else:
+                d, r = capture()
+                caps.append(d)
+                reps.append(r)
+    out.update(capture_s=caps, replication_s=reps, memcpy_s=mems)
+    if rank == 0:
+        print(f"[peers-lmr] {args['mib']:g} MiB: capture {[round(x, 3) for x in caps]} s, "
+              f"memcpy {[round(x, 3) for x in mems]} s", flush=True)
+
+    # RAM recovery with processes alive (its in-memory slots)
+    ram = []
+    for _ in range(args["restore_reps"]):
+        capture()
+        expected = snapshot(sd)
+        saved_step = step - 1
+        mutate(sd, step + 1000)  # training went on after the save
+        dist.barrier()
+        t0 = time.perf_counter()
+        res = mgr.load(mode="latest")
+        dt = time.perf_counter() - t0
+        if res is None or res[1] != saved_step:
+            raise RuntimeError(f"lm-resiliency RAM load returned {None if res is None else res[1]}, "
+                               f"expected step {saved_step}")
+        assert_bitwise(expected, res[0], f"lm-resiliency RAM recovery (rank {rank})")
+        ram.append(gmax(dt))
+        sd.update({k: v.clone() for k, v in expected.items()})
+    out["ram_restore_s"] = ram
+
+    # host RSS growth over rss_saves captures
+    rss0 = rss_bytes()
+    for _ in range(args["rss_saves"]):
+        capture()
+    out["rss_growth_bytes"] = gmax(float(rss_bytes() - rss0))
+
+    # disk restart path after losing node 1 and its disk
+    disk, flush = [], []
+    for _ in range(args["restore_reps"]):
+        capture()
+        capture()  # own_previous/peer_previous hold a step too, as in training
+        expected = snapshot(sd)
+        saved_step = step - 1
+        dist.barrier()
+        t0 = time.perf_counter()
+        mgr.flush_for_restart()
+        flush.append(gmax(time.perf_counter() - t0))
+        topo = mgr.topology_id
+        mgr.close()
+        del mgr
+        dist.barrier()
+        if rank == 1:
+            shutil.rmtree(node_dir(1), ignore_errors=True)
+        dist.barrier()
+        if rank == 0:
+            drop_page_cache(base)
+        dst_tensors = None
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            src_ns = DiskSerializer.namespace_folder(node_dir(0), RUN_ID, topo)
+            steps = sorted(int(p.name.split("-", 1)[1]) for p in src_ns.glob("step-*")
+                           if (p / "rank-1.pt").is_file())
+            newest = f"step-{steps[-1]}"
+            dst_ns = DiskSerializer.namespace_folder(node_dir(1), RUN_ID, topo)
+            (dst_ns / newest).mkdir(parents=True, exist_ok=True)
+            atomic_copy_file(src_ns / newest / "rank-1.pt", dst_ns / newest / "rank-1.pt")
+        dist.barrier()  # node 1 cannot start loading before its file is there
+        mgr = manager()
+        res = mgr.load(mode="latest")
+        dt = time.perf_counter() - t0
+        if res is None or res[1] != saved_step:
+            raise RuntimeError(f"lm-resiliency disk restart returned {None if res is None else res[1]}, "
+                               f"expected step {saved_step}")
+        dst_tensors = res[0]
+        assert_bitwise(expected, dst_tensors, f"lm-resiliency disk restart path (rank {rank})")
+        disk.append(gmax(dt))
+        del dst_tensors, res
+        # next repetition starts from empty node-local folders (untimed)
+        dist.barrier()
+        shutil.rmtree(node_dir(rank), ignore_errors=True)
+        dist.barrier()
+    out.update(disk_restore_s=disk, flush_s=flush)
+    if rank == 0:
+        print(f"[peers-lmr] RAM recovery {[round(x, 3) for x in ram]} s, disk restart path "
+              f"{[round(x, 3) for x in disk]} s (bitwise equal)", flush=True)
+    mgr.close()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="lm-resiliency part of bench_peers (side venv)")
+    ap.add_argument("--mib", type=float, required=True)
+    ap.add_argument("--saves", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--restore-reps", type=int, default=3)
+    ap.add_argument("--rss-saves", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dir", required=True, help="parent directory for the node-local folders")
+    ap.add_argument("--out", required=True, help="JSON result file")
+    ap.add_argument("--timeout", type=float, default=1500)
+    a = ap.parse_args(argv)
+    from bench_engine import run_ranks
+
+    args = dict(mib=a.mib, saves=a.saves, warmup=a.warmup, restore_reps=a.restore_reps,
+                rss_saves=a.rss_saves, threads=a.threads, base=a.dir)
+    try:
+        r0, _r1 = run_ranks(args, timeout=a.timeout, target=lmr_rank)
+    finally:
+        shutil.rmtree(os.path.join(a.dir, "lmr"), ignore_errors=True)
+    import torch
+    from importlib.metadata import version
+
+    r0["versions"] = {"python": sys.version.split()[0], "torch": torch.__version__,
+                      "lm-resiliency": version("lm-resiliency")}
+    with open(a.out, "w") as f:
+        json.dump(r0, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

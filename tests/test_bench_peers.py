@@ -1,0 +1,96 @@
+"""bench/bench_peers.py: the bitwise check must catch one flipped bit, and the bench runs end to end
+at a tiny size (tierckpt, DCP, NVRx in .venv; lm-resiliency only where .venv-peers exists)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+
+import pytest
+import torch
+
+from bench import bench_peers as bp
+from bench import peers_common as pc
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_state_layout():
+    sd = pc.make_state(rank=1, mib=4)
+    assert len(sd) == 324
+    large = [v for k, v in sd.items() if ".large" in k]
+    small = [v for k, v in sd.items() if ".small" in k]
+    scalars = [v for k, v in sd.items() if ".scalar" in k]
+    assert (len(large), len(small), len(scalars)) == (4, 280, 40)
+    assert all(v.dtype == torch.float32 for v in large + small)
+    assert all(v.dtype == torch.int64 and v.dim() == 0 for v in scalars)
+    total = pc.state_bytes(sd)
+    assert total <= 4 << 20
+    assert sum(v.numel() * 4 for v in large) / total == pytest.approx(0.75, abs=0.01)
+    assert all(k.startswith("r1.") for k in sd)  # rank-unique keys (DCP would dedupe otherwise)
+
+
+def test_bitwise_check_fails_on_one_bit():
+    sd = pc.make_state(rank=0, mib=1)
+    got = pc.snapshot(sd)
+    assert pc.bitwise_mismatches(sd, got) == []
+    pc.assert_bitwise(sd, got, "identical")
+
+    got["r0.large2"].view(torch.int32)[12345] ^= 1  # lowest mantissa bit of one float
+    assert pc.bitwise_mismatches(sd, got) == ["r0.large2: 1 byte(s) differ"]
+    with pytest.raises(AssertionError, match="r0.large2: 1 byte"):
+        pc.assert_bitwise(sd, got, "one bit")
+
+    got = pc.snapshot(sd)
+    got["r0.scalar7"].view(1).view(torch.uint8)[7] ^= 0x80  # the sign bit of an int64 scalar
+    assert pc.bitwise_mismatches(sd, got) == ["r0.scalar7: 1 byte(s) differ"]
+
+    got = pc.snapshot(sd)
+    got["r0.small3"] = got["r0.small3"].double()
+    assert "r0.small3: torch.float64" in pc.bitwise_mismatches(sd, got)[0]
+    del got["r0.small4"]
+    assert pc.bitwise_mismatches(sd, got)[0] == "missing keys: ['r0.small4']"
+
+
+def test_abba_order():
+    assert pc.abba(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+
+
+def test_bench_runs_end_to_end_main_venv(tmp_path):
+    out = tmp_path / "s.json"
+    rc = bp.main(["--mib-per-rank", "4", "--saves", "1", "--warmup", "1", "--restore-reps", "1",
+                  "--rss-saves", "1", "--skip-lmr", "--dir", str(tmp_path), "--json", str(out), "--timeout", "300"])
+    assert rc == 0
+    (s,) = json.loads(out.read_text())
+    assert s["systems"] == ["tierckpt", "DCP sync", "DCP async (thread)", "DCP process+async staging", "NVRx local"]
+    assert 3.9 < s["mib"] <= 4.0
+    for name in s["systems"]:
+        assert 0 < s["delta"][name] < 60 and math.isfinite(s["delta_ratio"][name])
+    # the restores ran and passed the bitwise check inside the ranks (they raise otherwise)
+    assert set(s["restore"]) == {"tierckpt", "NVRx local"}
+    assert all(0 < v < 60 for v in s["restore"].values())
+    assert set(s["rss"]) == {"tierckpt", "DCP sync", "DCP async (thread)", "DCP process+async staging"}
+    assert s["lmr"] is None and s["lmr_skipped"] == "--skip-lmr"
+    head, meas, targ = bp.rows(s)
+    assert head[1:] == s["systems"]
+    assert [t[0] for t in targ] == ["δ_tierckpt ÷ memcpy", "restore tierckpt ÷ NVRx local"]
+    assert all(t[-1] in ("PASS", "MISS") for t in targ)
+    assert [p for p in os.listdir(tmp_path) if p.startswith("tierckpt-peers-")] == []
+
+
+@pytest.mark.skipif(not os.path.exists(bp.PEERS_PY),
+                    reason="side venv .venv-peers absent (scripts/setup_venv_peers.sh or `make bench-peers` creates it)")
+def test_lmr_driver_side_venv(tmp_path):
+    out = tmp_path / "lmr.json"
+    subprocess.run([bp.PEERS_PY, os.path.join(REPO, "bench", "peers_lmr.py"), "--mib", "4", "--saves", "1",
+                    "--warmup", "1", "--restore-reps", "1", "--rss-saves", "1", "--dir", str(tmp_path),
+                    "--out", str(out), "--timeout", "300"], check=True, timeout=360)
+    r = json.loads(out.read_text())
+    assert r["versions"]["lm-resiliency"] == "0.2.0"
+    assert r["n_tensors"] == 324
+    assert len(r["capture_s"]) == len(r["memcpy_s"]) == 1
+    for k in ("capture_s", "replication_s", "ram_restore_s", "disk_restore_s", "flush_s"):
+        assert len(r[k]) >= 1 and all(0 < x < 60 for x in r[k]), k
+    assert not (tmp_path / "lmr").exists()
