@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from tierckpt import startup
 from tierckpt.config import TierConfig, validate_tiers
-from tierckpt.dist.collectives import broadcast_from_first
+from tierckpt.dist.collectives import all_gather, broadcast_from_first
 from tierckpt.dist.topology import Groups, discover, new_groups
 from tierckpt.errors import ConfigError, TierFailedError
 from tierckpt.handle import SaveHandle
