@@ -321,12 +321,12 @@ def _overrides(p: DemoParams, paths: Paths, dump: str, failure: bool) -> list[st
     if failure:
         ov += ["--checkpoint.local_root", paths.local_root_template,
                "--checkpoint.job_id", JOB_ID,
-               "--checkpoint.local_interval", str(p.local_interval),
+               "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", str(p.local_interval),
                "--checkpoint.interval", str(p.persistent_interval),
                "--checkpoint.replication_factor", "2"]
     else:
         ov += ["--checkpoint.job_id", JOB_ID + "-reference",
-               "--checkpoint.local_interval", "0",
+               "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", "0",
                "--checkpoint.interval", str(p.steps)]
     return ov + list(p.extra)
 

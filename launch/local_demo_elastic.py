@@ -111,11 +111,11 @@ def _train_args(p: ElasticParams, paths: Paths, dump: str, reference: bool) -> l
             "--checkpoint.last_save_model_only", "false", "--checkpoint.simulated_ranks_per_node", "1"]
     if reference:
         return args + ["--training.steps", str(p.kill_after + 1), "--checkpoint.job_id", JOB_ID + "-reference",
-                       "--checkpoint.local_interval", "0", "--checkpoint.interval", str(p.steps),
+                       "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", "0", "--checkpoint.interval", str(p.steps),
                        "--checkpoint.replication_factor", "1", *p.extra]
     return args + ["--training.steps", str(p.steps), "--checkpoint.job_id", JOB_ID,
                    "--checkpoint.local_root", os.path.join(paths.elastic, "nvme", "{job}", "node-{node}"),
-                   "--checkpoint.local_interval", str(p.local_interval),
+                   "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", str(p.local_interval),
                    "--checkpoint.interval", str(p.persistent_interval),
                    "--checkpoint.replication_factor", "3", *p.extra]
 

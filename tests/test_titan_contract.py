@@ -19,7 +19,7 @@ def _train(tmp, steps, *extra, check=True, persistent=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()), "-m", "titan_plugin.train", "--toml", os.path.join(ROOT, "configs", "titan_demo.toml"),
            "--dump_folder", os.path.join(tmp, "run"), "--checkpoint.local_root", os.path.join(tmp, "nvme", "node-{node}"),
-           "--training.steps", str(steps), "--checkpoint.local_interval", "3", "--checkpoint.interval", "3", *extra]
+           "--training.steps", str(steps), "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", "3", "--checkpoint.interval", "3", *extra]
     if persistent:
         cmd += ["--checkpoint.persistent_folder", persistent]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -80,7 +80,7 @@ def _cmd(tmp, dump, steps, *extra):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
             str(free_port()), "-m", "titan_plugin.train", "--toml", os.path.join(ROOT, "configs", "titan_demo.toml"),
             "--dump_folder", os.path.join(tmp, dump), "--checkpoint.local_root", os.path.join(tmp, "nvme", "node-{node}"),
-            "--training.steps", str(steps), "--checkpoint.local_interval", "3", "--checkpoint.interval", "6", *extra]
+            "--training.steps", str(steps), "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", "3", "--checkpoint.interval", "6", *extra]
 
 
 def _losses(dump) -> dict[int, str]:

@@ -27,7 +27,7 @@ def _train(tmp, exp, steps):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()), "-m", "titan_plugin.train", "--toml", os.path.join(ROOT, "configs", "titan_demo.toml"),
            "--dump_folder", os.path.join(tmp, exp), "--checkpoint.local_root", os.path.join(tmp, "nvme", "node-{node}"),
-           "--training.steps", str(steps), "--checkpoint.local_interval", "3", "--checkpoint.interval", "6",
+           "--training.steps", str(steps), "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", "3", "--checkpoint.interval", "6",
            # a learning rate that does not depend on training.steps: a run extended from 4 to 6
            # steps then follows the same schedule as one planned for 6
            "--lr_scheduler.decay_ratio", "0"]

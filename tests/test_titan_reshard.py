@@ -146,7 +146,7 @@ def test_resume_2_to_1_ranks_resharded_in_cluster_then_persistent(tmp_path):
     dump, logs = tmp_path / "run", tmp_path / "logs"
     common = ["--dump_folder", str(dump), "--training.steps", str(K),
               "--checkpoint.enable", "true", "--checkpoint.interval", str(K),
-              "--checkpoint.local_interval", str(K), "--checkpoint.last_save_model_only", "false",
+              "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", str(K), "--checkpoint.last_save_model_only", "false",
               "--checkpoint.local_root", str(tmp_path / "nvme" / "{job}" / "node-{node}"),
               "--checkpoint.job_id", "reshard", "--checkpoint.simulated_ranks_per_node", "1"]
     script = [sys.executable, str(Path(__file__).resolve())]
@@ -224,7 +224,7 @@ def test_resume_in_cluster_on_more_nodes_or_fewer_ranks_per_node(tmp_path, befor
     dump, logs = tmp_path / "run", tmp_path / "logs"
     common = ["--dump_folder", str(dump), "--training.steps", str(K),
               "--checkpoint.enable", "true", "--checkpoint.interval", str(K),
-              "--checkpoint.local_interval", str(K), "--checkpoint.last_save_model_only", "false",
+              "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", str(K), "--checkpoint.last_save_model_only", "false",
               "--checkpoint.local_root", str(tmp_path / "nvme" / "{job}" / "node-{node}"),
               "--checkpoint.job_id", "reshard"]
     script = [sys.executable, str(Path(__file__).resolve())]

@@ -20,7 +20,7 @@ def _train(tmp, steps, *extra, nproc=2, ok=True, check=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(free_port()), "-m", "titan_plugin.train", "--toml", os.path.join(ROOT, "configs", "titan_demo.toml"),
            "--dump_folder", os.path.join(tmp, "run"), "--checkpoint.local_root", os.path.join(tmp, "nvme", "node-{node}"),
-           "--training.steps", str(steps), "--checkpoint.local_interval", "3", "--checkpoint.interval", "3", *extra]
+           "--training.steps", str(steps), "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", "3", "--checkpoint.interval", "3", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
     if (ok if check is None else check):

@@ -229,7 +229,7 @@ def _titan_job(cluster, tmp_path, extra_env: dict[str, str], steps: int = STEPS,
            "TIERCKPT_LOCAL_ROOT": f"{cluster.nvme}/{name}", "TIERCKPT_DUMP_FOLDER": str(run),
            "TIERCKPT_STATE_DIR": str(shared / "state"), **extra_env}
     # the real topology (torchrun's node rank), not the demo's simulated one
-    args = ["--training.steps", str(steps), "--checkpoint.local_interval", str(local_every),
+    args = ["--training.steps", str(steps), "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", str(local_every),
             "--checkpoint.interval", str(persistent_every or steps), "--checkpoint.simulated_ranks_per_node", "0",
             "--checkpoint.job_id", name]
     out = shared / "job.out"
@@ -354,7 +354,7 @@ def _reference_losses(tmp_path) -> dict[int, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "titan_plugin.train", "--toml", str(REPO / "configs" / "titan_demo.toml"),
            "--dump_folder", str(ref / "run"), "--checkpoint.local_root", str(ref / "nvme" / "node-{node}"),
-           "--training.steps", str(PRE_STEPS), "--checkpoint.local_interval", str(PRE_STEPS),
+           "--training.steps", str(PRE_STEPS), "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", str(PRE_STEPS),
            "--checkpoint.interval", str(PRE_STEPS)]
     r = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
