@@ -633,8 +633,8 @@ class Injector:
         def send_step(store, t, group, chunk_bytes):
             return run("kill-repl-send", orig_send, t, (store, t, group, chunk_bytes))
 
-        def recv_step(store, t, group, chunk_bytes):
-            return run("kill-repl-recv", orig_recv, t, (store, t, group, chunk_bytes))
+        def recv_step(store, t, group, chunk_bytes, keep=False):
+            return run("kill-repl-recv", orig_recv, t, (store, t, group, chunk_bytes, keep))
 
         def _work(w):
             mid = getattr(inj.tls, "mid", None)

@@ -293,24 +293,44 @@ def phase_bad_input(rank, world, base):
 
 
 def phase_full_local_disk(rank, world, base):
-    """Node 1's local root is a tiny tmpfs: its local save hits ENOSPC, training goes on, the
-    persistent tier still saves, and restore serves node 1 from the persistent tier."""
+    """Node 1's local root is a small tmpfs with room at the first save (the RAM-root check at
+    the first local save passes), then filled up: its next local save hits ENOSPC, training
+    goes on, the persistent tier still saves, and restore serves node 1 from the persistent
+    tier, node 0 from its own copy."""
     eng = TieredCheckpointer(make_config(base), node_id=rank)
     model, opt = build(seed=0)
     train_step(model, opt, 1, rank)
     eng.save(1, app_state(model, opt))
-    ref = snapshot(model, opt)
-    train_step(model, opt, 2, rank)  # training goes on while the local tier fails
     eng.wait()
-    rec = {h["tier"]: h for h in eng.history}
+    if rank == 1:  # the disk fills up (another job, logs, …)
+        _fill(os.path.join(base, "nvme", "node-1"))
+    dist.barrier()
+    train_step(model, opt, 2, rank)
+    eng.save(2, app_state(model, opt))
+    ref = snapshot(model, opt)
+    train_step(model, opt, 3, rank)  # training goes on while the local tier fails
+    eng.wait()
+    rec = {h["tier"]: h for h in eng.history if h.get("step") == 2}
     m2, o2 = build(seed=5)
     sd = app_state(m2, o2)
     res = eng.restore(sd)
     apply_state(m2, o2, sd)
     assert_bitwise(snapshot(m2, o2), ref)
     eng.close()
-    return {"local": rec["local"], "persistent": rec["persistent"],
+    return {"local": rec["local"], "persistent": rec["persistent"], "step": res.step,
             "sources": {n: res.source_of(n) for n in res.sources}}
+
+
+def _fill(root: str) -> None:
+    """Write zeros into ``root`` until its filesystem is full."""
+    block = bytes(1 << 16)
+    with open(os.path.join(root, "filler"), "wb") as f:
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError:
+            pass
 
 
 def phase_retention_and_staging(rank, world, base):

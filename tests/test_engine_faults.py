@@ -49,9 +49,9 @@ def test_bad_input_names_the_option(tmp_path):
 def tiny_tmpfs(tmp_path):
     mnt = tmp_path / "nvme" / "node-1"
     mnt.mkdir(parents=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"a full disk is simulated with a 16 KiB tmpfs, and mounting one failed: {r.stderr.strip()}")
+        pytest.skip(f"a full disk is simulated with a 32 MiB tmpfs filled up, and mounting one failed: {r.stderr.strip()}")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
@@ -61,7 +61,7 @@ def test_full_local_disk_degrades_to_persistent(tmp_path, tiny_tmpfs):
     out = res[0].value
     assert out["local"]["ok"] is False and "No space left" in (out["local"]["error"] or ""), out["local"]
     assert out["persistent"]["ok"] is True
-    assert out["sources"] == {0: "own-local", 1: "persistent"}
+    assert out["step"] == 2 and out["sources"] == {0: "own-local", 1: "persistent"}
 
 
 def test_retention_and_staging_isolation(tmp_path):

@@ -73,15 +73,16 @@ def test_structure_changes_fall_back_to_a_full_copy():
         assert again is staged and _same(again, live)  # the new structure gets its own plan
 
 
-def test_objects_are_copied_not_shared():
+def test_object_leaves_take_the_full_copy_every_time():
     @dataclasses.dataclass
     class Pos:
         rows: list
 
     slot = StagingPool(1).acquire()
     live = {"w": torch.ones(3), "pos": Pos([1, 2])}
-    _stage(slot, live)
+    first = _stage(slot, live)
     staged = _stage(slot, live)
+    assert staged is not first, "an object leaf is deep-copied by DCP's stager, never refilled"
     live["pos"].rows.append(3)
     assert staged["pos"].rows == [1, 2]
     assert _stage(slot, live)["pos"].rows == [1, 2, 3]

@@ -346,10 +346,12 @@ class TieredCheckpointer:
         return self.pool.wait_for_staging()
 
     def _stage(self, state_dict: dict, users: int):
-        """Copy the state into a free staging slot (the blocking copy); returns (slot, staged)."""
+        """Copy the state (top-level ``Stateful`` values already resolved, once: a resolved
+        value may itself look ``Stateful``) into a free staging slot (the blocking copy);
+        returns (slot, staged)."""
         slot = self.pool.acquire()
         try:
-            return slot, slot.stage(resolve_stateful(state_dict), users=users)
+            return slot, slot.stage(state_dict, users=users)
         except BaseException:
             slot.refs = 1
             slot.release()

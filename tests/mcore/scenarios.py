@@ -24,8 +24,10 @@ def _tiers(base: str, *, local: str | None = "nvme", persistent: str = "pfs", fa
     from mcore_plugin.strategies import MegatronTiers
     from tierckpt.config import TierConfig
 
+    # saves back to back, each expected to happen: the blocking policy (deferral is tested in
+    # tests/test_engine_defer.py)
     kw = dict(persistent_root=os.path.join(base, persistent), job_id="mcore", simulated_ranks_per_node=rpn,
-              intervals=intervals, keep_latest_k={"local": 3, "persistent": 3})
+              intervals=intervals, keep_latest_k={"local": 3, "persistent": 3}, busy_tier_policy="wait")
     if local is None:
         cfg = TierConfig(tiers=("persistent",), replication_factor=1, **kw)
     else:

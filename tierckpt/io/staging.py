@@ -45,7 +45,6 @@ A state with no CUDA tensor (``"sync"``) is copied exactly as before: synchronou
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from typing import Any, Iterator
@@ -275,8 +274,9 @@ class _CopyPlan:
     @classmethod
     def build(cls, sig: list, leaves: list, staged: dict) -> "_CopyPlan | None":
         """The plan of ``staged`` (DCP's copy of a state dict whose walk gave ``sig``/``leaves``),
-        or None when the fast path cannot serve this structure (a device tensor, a structure
-        the stager changed, a changeable value inside a tuple)."""
+        or None when the fast path cannot serve this structure (a device tensor, a tensor
+        subclass other than DTensor, an object leaf other than an immutable scalar, a
+        structure the stager changed)."""
         ssig, sleaves = _walk(staged)
         if len(sleaves) != len(leaves) or _containers(ssig) != _containers(sig):
             return None
@@ -295,8 +295,9 @@ class _CopyPlan:
             return None
         tensors = set(tensor_pos)
         setters = [st for st in setters if st[2] not in tensors]
-        if any(parent is None and type(leaves[i]) not in _ATOMIC for parent, _, i in setters):
-            return None  # a value inside a tuple that could change without == seeing it
+        if any(type(leaves[i]) not in _ATOMIC for _, _, i in setters):
+            # an object leaf (e.g. a framework object holding tensors) needs DCP's deep copy
+            return None
         return cls(sig, staged, dsts, tensor_pos, setters)
 
     def refill(self, leaves: list) -> bool:
@@ -307,9 +308,8 @@ class _CopyPlan:
             if parent is None and key != leaves[i]:
                 return False
         for parent, key, i in self.setters:
-            if parent is not None:
-                v = leaves[i]
-                parent[key] = v if type(v) in _ATOMIC else copy.deepcopy(v)
+            if parent is not None:  # atomic values (build() refuses others): shared, never mutated
+                parent[key] = leaves[i]
         srcs = [leaves[i] for i in self.tensor_pos]
         srcs = [x._local_tensor if isinstance(x, DTensor) else x for x in srcs]
         with torch.no_grad():
