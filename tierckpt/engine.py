@@ -156,7 +156,8 @@ class TieredCheckpointer:
                              interference=self.cadence.interference_of if self.cadence else None)
         jobs = self.jobs
         self.busy = BusyPoll(jobs.latest, lambda t: jobs.pending_step.get(t) if jobs.latest(t) is jobs.pending.get(t)
-                             else None, self.groups.control, topo.rank, self.journal.ledger.append)
+                             else None, self.groups.control, topo.rank, self.journal.ledger.append,
+                             stuck_nodes=lambda: jobs.stuck_nodes(False))
         # a repeat within the grace period (+ a margin for the exit) is the same notice
         self.preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0)
         self._preempt_seen = False

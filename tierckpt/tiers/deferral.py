@@ -34,12 +34,19 @@ class BusyPoll:
         group: the control group (every rank; used by the trainer's thread only).
         rank: global rank (rank 0 logs).
         ledger_append: appends a record to the ledger (global rank 0 writes).
+        stuck_nodes: ``stuck_nodes()``, the nodes whose local job is still writing or deleting
+            in their root (collective over the control group; :meth:`TierJobs.stuck_nodes`):
+            a deferred local save names them, once per running job (a hung disk must be
+            findable from the ledger).
     """
 
     def __init__(self, latest: Callable[[str], Future | None], running_step: Callable[[str], int | None], group,
-                 rank: int, ledger_append: Callable[[CheckpointRecord], object]):
+                 rank: int, ledger_append: Callable[[CheckpointRecord], object],
+                 stuck_nodes: Callable[[], list[int]] | None = None):
         self._latest, self._running_step, self._group = latest, running_step, group
         self._rank, self._append = rank, ledger_append
+        self._stuck_nodes = stuck_nodes
+        self._stuck: tuple[Future | None, list[int]] | None = None  # (local job, its stuck nodes)
         self._done: dict[str, Future] = {}  # tier -> its job agreed finished on every rank
         self._step: int | None = None  # the step of the answers in _answers
         self._answers: dict[str, tuple[Future, bool]] = {}
@@ -78,10 +85,17 @@ class BusyPoll:
         ``t0``: ``time.perf_counter()`` when the decision started."""
         running = self._running_step(tier)
         what = f"its save of step {running}" if running is not None else "its previous job"
-        error = f"{tier} save of step {step} deferred: {what} is still running on some rank ({policy_note})"
+        stuck = None
+        if tier == "local" and self._stuck_nodes is not None:
+            fut = self._latest(tier)
+            if self._stuck is None or self._stuck[0] is not fut:  # every rank: same job, same answer
+                self._stuck = (fut, self._stuck_nodes())
+            stuck = self._stuck[1]
+        where = f"on node(s) {stuck}" if stuck else "on some rank"
+        error = f"{tier} save of step {step} deferred: {what} is still running {where} ({policy_note})"
         waited = time.perf_counter() - t0
         rec = CheckpointRecord(tier=tier, step=step, ok=False, skipped=True, deferred=True, running_step=running,
-                               error=error, blocking_s=waited, wait_s=waited)
+                               stuck_nodes=stuck or [], error=error, blocking_s=waited, wait_s=waited)
         if self._rank == 0:
             log.warning("tierckpt: %s; training continues", error)
         self._append(rec)

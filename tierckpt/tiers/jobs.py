@@ -137,7 +137,7 @@ class TierJobs:
     def _skipped_record(self, step: int, done: int, t0: float) -> CheckpointRecord:
         """The agreed "local tier skipped" record (collective over the control group): the stuck
         disk is on the nodes still writing or deleting; their peers merely wait for them."""
-        stuck = self._stuck_nodes(bool(done))
+        stuck = self.stuck_nodes(bool(done))
         waited = time.perf_counter() - t0
         error = (f"local save of step {self.pending_step.get('local')} still running on node(s) {stuck} "
                  f"(local_wait_timeout_s = {self.cfg.local_wait_timeout_s:g}s); local tier skipped")
@@ -148,7 +148,7 @@ class TierJobs:
         self.journal.ledger.append(rec)
         return rec
 
-    def _stuck_nodes(self, done: bool) -> list[int]:
+    def stuck_nodes(self, done: bool) -> list[int]:
         """The nodes whose local job is stuck, from every rank's phase (collective over the
         control group): the ones writing or deleting in their root; when none is (a hang
         inside a transfer), every node still running. [] when every job finished."""
@@ -170,7 +170,7 @@ class TierJobs:
         done = _finished(fut, 0.0 if fut is self._local_overdue else limit)
         if not done:
             self._local_overdue = fut
-        return self._stuck_nodes(done)
+        return self.stuck_nodes(done)
 
     def submit_redundancy(self, step: int, pairs: dict[tuple[int, int], str], missing: list[int],
                           groups: Groups) -> Future:
