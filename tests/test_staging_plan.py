@@ -108,3 +108,19 @@ def test_slots_keep_separate_copies():
     live["model"]["w2"].fill_(-1)
     sb = _stage(b, live)
     assert sa["model"]["w2"][0, 0].item() == 2.0 and sb["model"]["w2"][0, 0].item() == -1.0
+
+
+def test_resolve_stateful_resolves_only_stateful_values():
+    from tierckpt.io.staging import resolve_stateful
+
+    class App:
+        def state_dict(self):
+            return {"w": torch.ones(2)}
+
+        def load_state_dict(self, sd):
+            pass
+
+    t = torch.zeros(3)
+    out = resolve_stateful({"app": App(), "t": t, "d": {"x": 1}, "n": 4, "s": "a"})
+    assert torch.equal(out["app"]["w"], torch.ones(2))
+    assert out["t"] is t and out["d"] == {"x": 1} and out["n"] == 4 and out["s"] == "a"

@@ -60,9 +60,16 @@ _ATOMIC = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the copy plan copies (not ShardedTensor &c.)
 
 
+# top-level value types that are never Stateful: skipped without the Protocol's isinstance
+# check, which costs ~11 µs per value (inspect.getattr_static) — 3.7 ms per save of a flat
+# 324-tensor state, inside δ
+_NOT_STATEFUL = (dict, list, tuple, int, float, bool, str, bytes, type(None))
+
+
 def resolve_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Replace top-level :class:`Stateful` values by their ``state_dict()`` (as DCP's save does)."""
-    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+    return {k: (v.state_dict() if type(v) not in _NOT_STATEFUL and not isinstance(v, torch.Tensor)
+                and isinstance(v, Stateful) else v) for k, v in state_dict.items()}
 
 
 def _tensors(v: Any) -> Iterator[torch.Tensor]:
