@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 
@@ -322,15 +323,17 @@ def phase_full_local_disk(rank, world, base):
 
 
 def _fill(root: str) -> None:
-    """Write zeros into ``root`` until its filesystem is full."""
+    """Write zeros into ``root`` until its filesystem is full (ENOSPC; any other error raises)."""
     block = bytes(1 << 16)
-    with open(os.path.join(root, "filler"), "wb") as f:
-        try:
-            while True:
-                f.write(block)
-                f.flush()
-        except OSError:
-            pass
+    fd = os.open(os.path.join(root, "filler"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        while True:
+            os.write(fd, block)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
 
 
 def phase_retention_and_staging(rank, world, base):
