@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from tierckpt.io.dcp_io import MemoryFirstFileSystem, _TensorStream
+from tierckpt.io.memory_read import MemoryFirstFileSystem, TensorStream as _TensorStream
 from tierckpt.tiers.local_tier import load_dir
 
 

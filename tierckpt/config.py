@@ -246,6 +246,11 @@ class TierConfig(_KnownFields):
             ``"job"``. torchrun's TORCHELASTIC_RUN_ID is not used: ``--standalone`` makes it
             random per launch, which would hide the previous launch's local checkpoints.
         transfer_chunk_bytes: largest piece of a file held in memory while replicating (bytes).
+        restore_memory_bytes: largest share of a node-local step one rank holds in memory during
+            a restore (bytes, default 32 GiB; 0 = none): the rank's share of its own copy, read
+            and checksummed in one pass while the pulls run, and a pulled replica, received into
+            memory and loaded from it while it is written to disk. A larger own share is verified
+            and loaded from disk; a larger pull is committed to disk before it is loaded.
         staging_buffers: host copies of the state kept for overlapping saves (>=1).
         collective_timeout_s: timeout of the engine's own gloo groups (seconds).
         local_wait_timeout_s: longest a local-tier save waits for the previous one (seconds; 0 =
@@ -304,6 +309,7 @@ class TierConfig(_KnownFields):
     keep_latest_k: Mapping[str, int] = field(default_factory=lambda: FrozenDict(DEFAULT_KEEP_LATEST_K))
     job_id: str | None = None
     transfer_chunk_bytes: int = 64 << 20
+    restore_memory_bytes: int = 32 << 30
     staging_buffers: int = 2
     collective_timeout_s: float = 600.0
     local_wait_timeout_s: float = 300.0  # MAX_WAIT_S at most
@@ -364,6 +370,11 @@ class TierConfig(_KnownFields):
                 "transfer_chunk_bytes",
                 f"must be a positive multiple of 4096 bytes (O_DIRECT alignment), got {self.transfer_chunk_bytes!r}",
             )
+        if isinstance(self.restore_memory_bytes, bool) or not isinstance(self.restore_memory_bytes, int) \
+                or self.restore_memory_bytes < 0:
+            raise ConfigError("restore_memory_bytes",
+                              f"must be an integer number of bytes >= 0 (0 = restore from disk), "
+                              f"got {self.restore_memory_bytes!r}")
 
     def _check_cadence(self) -> None:
         if self.intervals is not None:

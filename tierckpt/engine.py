@@ -162,7 +162,7 @@ class TieredCheckpointer:
         self.preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0)
         self._preempt_seen = False
         self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
-                                 cfg.transfer_chunk_bytes)
+                                 cfg.transfer_chunk_bytes, cfg.restore_memory_bytes)
         # second sets of groups, made on first need: {"restore": while a local job is stuck,
         # "redundancy": the background rebuild of replicas after a restore}
         self._extra_groups: dict[str, Groups] = {}
@@ -519,7 +519,8 @@ class TieredCheckpointer:
         self.pool.wait_for_staging()  # the load writes into tensors a pending device→host copy reads
         stuck = self._drain_for_restore()
         groups = self._second_groups("restore") if stuck else self.groups
-        res = self.restorer.restore(state_dict, step, kinds=kinds, groups=groups, unavailable=frozenset(stuck))
+        res = self.restorer.restore(state_dict, step, kinds=kinds, groups=groups, unavailable=frozenset(stuck),
+                                    defer_commit=self.local is not None)
         if res is None:
             return None
         self.journal.restore(res)
@@ -558,30 +559,51 @@ class TieredCheckpointer:
         """Re-establish the replication factor of restored step ``res.step``: each node that
         holds its own state sends it to the clique peers holding no committed copy of it, on the
         local worker (never overlapping a local save) over groups no foreground collective uses.
-        Without a copy to send (a node served by the persistent tier, a stuck local job, a
-        resharded restore: node-local copies in the saved layout, not this job's) the
-        ``redundancy`` record names the nodes still missing copies, which the next local save
-        makes. Nothing is written when nothing is missing."""
+        A node served from a peer's replica was loaded from memory: its pulled copy is written
+        and committed first, in the same background job (before that, the node holds no copy
+        of its own to send). Without a copy to send (a node served by the persistent tier, a
+        stuck local job, a resharded restore: node-local copies in the saved layout, not this
+        job's) the ``redundancy`` record names the nodes still missing copies, which the next
+        local save makes. Nothing is written when nothing is missing."""
         self.last_redundancy = None
+        if self.restorer.pending:
+            groups = self._second_groups("redundancy")
+
+            def commit_then_rebuild():
+                self.restorer.commit_pending(groups)
+                return self._redundancy(res, stuck, groups, inline=True)
+
+            self.last_redundancy = self.jobs.submit_pull_commit(commit_then_rebuild)
+            return
+        self._redundancy(res, stuck, None, inline=False)
+
+    def _redundancy(self, res: RestoreResult, stuck: list[int], groups: Groups | None, inline: bool):
+        """Plan the copies missing after restoring ``res.step`` (the same on every rank) and make
+        them: ``inline`` on the calling local-worker job over ``groups`` (returns the
+        ``redundancy`` record or None), else as a new job (sets :attr:`last_redundancy`)."""
         topo = self.topo
         if self.local is None or topo.factor < 2:
-            return
+            return None
         if res.resharded is not None:
-            self.journal.redundancy(res.step, ok=False, missing=range(topo.nodes), reason=(
+            return self.journal.redundancy(res.step, ok=False, missing=range(topo.nodes), reason=(
                 f"resharded restore: the node-local copies of step {res.step} are in the layout of the job that saved "
                 f"it ({res.resharded['from']}); copies of this job's layout come back at the next local save"))
-            return
         pairs, missing = missing_replicas(self.restorer.last_inventory, res.step, topo.nodes, topo.jump, topo.factor,
                                           self.restorer.last_bad)
         if stuck:
             missing, pairs = sorted(set(missing) | {n for n, _ in pairs}), {}
         if missing and not pairs:
-            self.journal.redundancy(res.step, ok=False, missing=missing, reason=(
+            return self.journal.redundancy(res.step, ok=False, missing=missing, reason=(
                 f"a local-tier job is still running on node(s) {stuck}" if stuck else
                 "these nodes hold no good copy of their own state to send"
             ) + "; their copies come back at the next local save")
-        if pairs:
-            self.last_redundancy = self.jobs.submit_redundancy(res.step, pairs, missing, self._second_groups("redundancy"))
+        if not pairs:
+            return None
+        if inline:
+            assert groups is not None
+            return self.jobs.redundancy_job(res.step, pairs, missing, groups)
+        self.last_redundancy = self.jobs.submit_redundancy(res.step, pairs, missing, self._second_groups("redundancy"))
+        return None
 
     # -- queries for adapters -------------------------------------------------------------------
     @property

@@ -13,12 +13,10 @@ Two costs of a plain ``FileSystemWriter`` save are redundant once tierckpt check
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import threading
 from pathlib import Path
 
-import torch
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -143,52 +141,3 @@ class CountingFsspecReader(_Counting, FsspecReader):
 
 class CountingFileSystemReader(_Counting, FileSystemReader):
     """DCP FileSystemReader (POSIX paths) that counts ``bytes_read``."""
-
-
-class _TensorStream(io.RawIOBase):
-    """A read-only, seekable stream over a uint8 tensor's bytes (no copy)."""
-
-    def __init__(self, buf: torch.Tensor):
-        self._mv = memoryview(buf.numpy().data).cast("B") if buf.numel() else memoryview(b"")
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), len(self._mv) - self._pos))
-        memoryview(b).cast("B")[:n] = self._mv[self._pos: self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._mv)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-
-class MemoryFirstFileSystem(FileSystem):
-    """DCP ``FileSystem`` that reads the files of ``root`` found in ``files`` ({path relative to
-    ``root``: uint8 tensor of the file's bytes}) from memory and every other file from disk.
-    A restore uses it for the files a pull just received and verified, so loading them costs
-    no disk read."""
-
-    def __init__(self, root: str, files: dict[str, torch.Tensor]):
-        super().__init__()
-        self.root, self.files = os.path.abspath(root), files
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str):
-        rel = os.path.relpath(os.path.abspath(str(path)), self.root).replace(os.sep, "/")
-        if mode == "rb" and rel in self.files:
-            with io.BufferedReader(_TensorStream(self.files[rel]), buffer_size=1 << 20) as stream:
-                yield stream
-        else:
-            with super().create_stream(path, mode) as stream:
-                yield stream

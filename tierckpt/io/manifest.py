@@ -13,6 +13,7 @@ Checksums: xxHash XXH3 64-bit (https://xxhash.com), via the ``xxhash`` package.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 
@@ -154,6 +155,42 @@ def read_committed(store: Store, step_rel: str) -> dict | None:
 def entries_of(manifest: dict) -> list[FileEntry]:
     """The file entries of a manifest dict."""
     return [FileEntry(f["path"], int(f["size"]), f[HASH_NAME]) for f in manifest["files"]]
+
+
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def rank_of_file(path: str) -> int | None:
+    """The writing rank of a DCP data file (``__<rank>_<n>.distcp``, FileSystemWriter's naming),
+    else None (``.metadata`` and any other file)."""
+    m = _RANK_FILE.match(path.rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+def split_share(entries: list[FileEntry], index: int, count: int) -> list[FileEntry]:
+    """Rank ``index``'s share of ``entries`` among ``count`` ranks (every entry in exactly one share).
+
+    Rank-affine: a DCP data file written by rank r < ``count`` of the node group goes to rank r,
+    which is the rank that loads it back under the same layout, so a share that is read,
+    checksummed or received into memory is the share that rank's load needs. Every other file
+    goes round-robin in manifest order.
+
+    Raises:
+        ValueError: ``index`` not in ``[0, count)``.
+    """
+    if not 0 <= index < count:
+        raise ValueError(f"share index {index} not in [0, {count})")
+    out, k = [], 0
+    for e in entries:
+        r = rank_of_file(e.path)
+        if r is not None and r < count:
+            if r == index:
+                out.append(e)
+            continue
+        if k % count == index:
+            out.append(e)
+        k += 1
+    return out
 
 
 def verify_files(store: Store, step_rel: str, entries: list[FileEntry]) -> list[str]:

@@ -3,8 +3,12 @@
 
 The files land in ``local/.incoming-step-<N>`` of the receiving node's root, are hashed on
 receipt and committed there with the source's manifest; only then does the committed copy
-replace ``local/step-<N>``. A pull that fails leaves the root as it was, so a failed source
-never costs a copy another source could serve. The directory it replaces may be a valid copy
+replace ``local/step-<N>``. Two phases: :func:`run_pulls` receives every byte into memory
+(checksummed) and returns before writing any, so the restore loads from memory;
+:func:`commit_pull` then writes, fsyncs and commits (the engine runs it in the background
+after a restore that converged; a restore runs it at once before another attempt). A pull
+that fails leaves the root as it was, so a failed source never costs a copy another source
+could serve. The directory it replaces may be a valid copy
 of another node's state (a disk that came back under another node id): that copy is kept,
 renamed to ``replicas/node-<m>/step-<N>``, unless a committed copy of node m's step already
 sits there.
@@ -25,7 +29,7 @@ from tierckpt.io.storage import Store
 from tierckpt.restore.plan import REPLICA, Inventory, Source
 from tierckpt.tiers.replication import commit_received
 from tierckpt.tiers.retention import InUse
-from tierckpt.tiers.transfer import Transfer, run_transfers
+from tierckpt.tiers.transfer import Received, Transfer, run_transfers
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +39,32 @@ class Pulled:
     """One node's outcome of the pulls of an attempt (the same on every rank of the node).
 
     Attributes:
-        ok: this node received a pull and it is now its committed ``local/step-<N>``.
-        error: why this node's pull failed (None when ok or when it received none).
+        step: the step pulled (-1: no pull in this attempt).
+        intact: this node received a pull and every rank's share arrived with matching sizes
+            and checksums (agreed over the node); set by :func:`run_pulls`.
+        ok: the pull is now this node's committed ``local/step-<N>`` (set by :func:`commit_pull`).
+        error: why this node's pull failed (None when it succeeded or when it received none).
         nbytes: bytes this rank received.
         memory: {file name: uint8 tensor of its bytes} of the files this rank received
-            (verified on receipt), kept so the load reads them from memory; empty unless ok.
+            (verified on receipt; its share plus the memory-only shared files), kept so the load
+            reads them from memory; empty unless intact.
         kept: ``(node m, directory)`` where the copy of node m that ``local/step-<N>`` held
             before now is (None: it held no other node's committed copy).
+        committed: :func:`commit_pull` ran (whatever its outcome).
     """
 
+    step: int = -1
+    intact: bool = False
     ok: bool = False
     error: str | None = None
     nbytes: int = 0
     kept: tuple[int, str] | None = None
-    # {file name in the step directory: bytes} this rank received, kept in memory so the load
-    # does not read back what the pull just wrote (this rank's share only; set when ok)
     memory: dict[str, torch.Tensor] = field(default_factory=dict)
+    committed: bool = False
+    receiving: bool = False
+    results: dict[int, Received] = field(default_factory=dict, repr=False)
+    pulls: list[Transfer] = field(default_factory=list, repr=False)
+    keys: set[str] = field(default_factory=set, repr=False)
 
 
 def plan_pulls(topo: Topology, inv: Inventory, s: int, sources: dict[int, Source], todo: set[int]) -> list[Transfer]:
@@ -67,16 +81,23 @@ def plan_pulls(topo: Topology, inv: Inventory, s: int, sources: dict[int, Source
             out.append(Transfer(
                 src_rank=topo.ranks_of(h)[r], dst_rank=topo.ranks_of(n)[r],
                 src_rel=inv.holders(n, s).get(h, layout.replica_step(n, s)), dst_rel=layout.incoming_step(s),
-                share=(r, topo.ranks_per_node), tag=f"pull node-{n} step-{s} from node-{h}",
+                share=(r, topo.ranks_per_node), tag=f"pull node-{n} step-{s} from node-{h}", shared_files=True,
             ))
     return out
 
 
 def run_pulls(store: Store, topo: Topology, groups: Groups, in_use: InUse, chunk_bytes: int,
-              pulls: list[Transfer], s: int) -> Pulled:
-    """Run ``pulls`` (collective over ``groups.local_world`` and ``groups.node``; every rank
-    passes the same non-empty list) and move each committed pull into place. Never raises for
-    a transfer or disk problem: it is this node's :attr:`Pulled.error`."""
+              pulls: list[Transfer], s: int, memory_bytes: int) -> Pulled:
+    """Receive ``pulls`` into memory (collective over ``groups.local_world`` and ``groups.node``;
+    every rank passes the same non-empty list) and agree per node whether they arrived intact.
+
+    ``memory_bytes``: the most a rank receives into memory (``TierConfig.restore_memory_bytes``);
+    :attr:`Pulled.memory` is set only when every rank of the node kept its whole share.
+    Returns before the received files are written into
+    :func:`~tierckpt.io.layout.incoming_step`; every rank must later call :func:`commit_pull`
+    on the result (until then the sources and ``local/step-<s>`` are held against retention).
+    Never raises for a transfer problem: it is this node's :attr:`Pulled.error`.
+    """
     receiving = any(topo.node_of_rank[t.dst_rank] == topo.node for t in pulls)
     tmp = layout.incoming_step(s)
     if receiving and topo.is_node_leader:
@@ -90,25 +111,62 @@ def run_pulls(store: Store, topo: Topology, groups: Groups, in_use: InUse, chunk
         keys |= {"local:" + layout.local_step(s)}
     for k in keys:
         in_use.hold(k)
+    out = Pulled(step=s, receiving=receiving, pulls=pulls, keys=keys)
     try:
-        results = run_transfers(pulls, topo.rank, store, groups.local_world, chunk_bytes, keep=True)
-        ok, bad = commit_received(store, topo, groups.node, results, pulls)
-        out = Pulled(nbytes=sum(r.nbytes for r in results.values()))
-        if receiving and topo.is_node_leader:
+        out.results = run_transfers(pulls, topo.rank, store, groups.local_world, chunk_bytes, keep=memory_bytes)
+    except BaseException:
+        _release(out, in_use)
+        raise
+    out.nbytes = sum(r.nbytes for r in out.results.values())
+    problems = [p for r in out.results.values() for p in r.problems]
+    if any(r.manifest_bytes is None and not r.problems for r in out.results.values()):
+        problems.append("no manifest received")
+    kept = all(r.sink is not None for r in out.results.values())
+    flags = all_gather((problems[:1], kept), groups.node)
+    errs = [p for f, _ in flags for p in f]
+    if receiving:
+        out.intact = not errs
+        out.error = "; ".join(errs[:3]) or None
+        if out.intact and all(k for _, k in flags):
+            out.memory = {p: b for r in out.results.values() for p, b in r.memory.items()}
+    return out
+
+
+def commit_pull(store: Store, topo: Topology, node_group, in_use: InUse, pulled: Pulled) -> None:
+    """Phase two of a pull (collective over ``node_group``, every rank of the node; a no-op for
+    a pulled step already committed or no pull): write and fsync what :func:`run_pulls` kept
+    in memory, commit the received copy and move it into ``local/step-<N>`` (:func:`swap_in`). Sets
+    :attr:`Pulled.ok`, ``error`` and ``kept`` the same on every rank of the node, releases the
+    held keys and the received memory. Never raises for a disk problem (it is the error)."""
+    if pulled.committed or pulled.step < 0:
+        return
+    pulled.committed = True
+    s = pulled.step
+    try:
+        for r in pulled.results.values():
+            r.finish()
+        ok, bad = commit_received(store, topo, node_group, pulled.results, pulled.pulls)
+        ok_, err, kept = False, pulled.error, None
+        if pulled.receiving and topo.is_node_leader:
             if ok:
                 try:
-                    out.kept, out.ok = swap_in(store, topo.node, s), True
+                    kept, ok_ = swap_in(store, topo.node, s), True
                 except OSError as e:
-                    out.error = f"committed pull not moved into {layout.local_step(s)}: {type(e).__name__}: {e}"
+                    err = f"committed pull not moved into {layout.local_step(s)}: {type(e).__name__}: {e}"
             else:
-                out.error = "; ".join(bad.values()) or "pull failed"
-        out.ok, out.error, out.kept = all_gather((out.ok, out.error, out.kept), groups.node)[0]
-        if out.ok:
-            out.memory = {p: b for r in results.values() for p, b in r.memory.items()}
+                err = "; ".join(bad.values()) or err or "pull failed"
+        pulled.ok, pulled.error, pulled.kept = all_gather((ok_, err, kept), node_group)[0]
     finally:
-        for k in keys:
-            in_use.drop(k)
-    return out
+        _release(pulled, in_use)
+
+
+def _release(pulled: Pulled, in_use: InUse) -> None:
+    """Drop a pull's holds and buffers (its files' writers have finished or are abandoned)."""
+    for r in pulled.results.values():
+        r.finish()
+    for k in pulled.keys:
+        in_use.drop(k)
+    pulled.keys, pulled.results, pulled.memory = set(), {}, {}
 
 
 def swap_in(store: Store, node: int, s: int) -> tuple[int, str] | None:

@@ -52,7 +52,8 @@ from tierckpt.restore.plan import (
     Source,
     plan_restore,
 )
-from tierckpt.restore.pull import Pulled, plan_pulls, record_pulls, run_pulls
+from tierckpt.io.memory_read import OwnRead
+from tierckpt.restore.pull import Pulled, commit_pull, plan_pulls, record_pulls, run_pulls
 from tierckpt.tiers.local_tier import LocalTier, load_dir, verify_split
 from tierckpt.tiers.persistent import PersistentTier
 from tierckpt.tiers.retention import InUse
@@ -109,11 +110,13 @@ class Restorer:
     """Runs a restore over the engine's groups. All ranks call :meth:`restore` together."""
 
     def __init__(self, topo: Topology, groups: Groups, local: LocalTier | None,
-                 persistent: PersistentTier | None, in_use: InUse, chunk_bytes: int):
+                 persistent: PersistentTier | None, in_use: InUse, chunk_bytes: int, memory_bytes: int = 32 << 30):
         self.topo, self.groups, self._groups = topo, groups, groups
         self.local, self.persistent = local, persistent
         self.in_use = in_use
         self.chunk_bytes = chunk_bytes
+        self.memory_bytes = memory_bytes  # TierConfig.restore_memory_bytes
+        self.pending: list[Pulled] = []  # pulls received, loaded, not yet committed
         self._foreign_logged: set = set()  # (node, rel, lineage) already reported
         self.last_inventory = Inventory()  # what the last restore planned from (pulls included)
         self.last_bad: set = set()  # the sources the last restore found bad
@@ -170,7 +173,8 @@ class Restorer:
 
     # -- restore -------------------------------------------------------------------------------
     def restore(self, state_dict: dict, step: int | None = None, kinds: tuple[str, ...] = KINDS, *,
-                groups: Groups | None = None, unavailable: frozenset | set = frozenset()) -> RestoreResult | None:
+                groups: Groups | None = None, unavailable: frozenset | set = frozenset(),
+                defer_commit: bool = False) -> RestoreResult | None:
         """Load ``state_dict`` in place from the best source (see the module docstring), using
         only the source ``kinds`` given (default: all).
 
@@ -178,6 +182,9 @@ class Restorer:
             groups: run on these groups instead of the engine's (same memberships).
             unavailable: nodes whose local root is neither read nor written (see
                 :attr:`~tierckpt.restore.plan.Inventory.unavailable`).
+            defer_commit: leave the pulls of the round that converged in :attr:`pending` (their
+                files not yet written) for the caller's :meth:`commit_pending`, e.g. in the
+                background; otherwise they are committed before this returns.
         Returns:
             RestoreResult, or None when no committed checkpoint exists anywhere (fresh start).
         Raises:
@@ -186,7 +193,10 @@ class Restorer:
         """
         self.groups = groups or self._groups
         try:
-            return self._restore(state_dict, step, kinds, unavailable)
+            res = self._restore(state_dict, step, kinds, unavailable)
+            if not defer_commit:
+                self.commit_pending()
+            return res
         finally:
             self.groups = self._groups
 
@@ -209,6 +219,7 @@ class Restorer:
         copies = sum(len(by_h) for by_node in inv.copies.values() for by_h in by_node.values())
         max_attempts = 2 + 4 * (len(inv.all_steps()) * (topo.factor + 1)) + copies
         for attempt in range(1, max_attempts + 1):
+            self.commit_pending()  # the previous round's pulls, before this round plans from them
             choice = plan_restore(inv, topo.nodes, bad, step, world_size=topo.world_size, kinds=kinds)
             if choice is None:
                 raise NoCheckpointError(_no_checkpoint_message(step, inv, failures))
@@ -238,6 +249,7 @@ class Restorer:
                                     missing=missing)
                 _log_result(res, topo)
                 return res
+        self.commit_pending()
         raise NoCheckpointError(f"restore did not converge after {max_attempts} attempts")
 
     def _collect(self, outcome, loaded: dict[int, NodeOutcome], failures: list[NodeOutcome], bad: set) -> None:
@@ -303,16 +315,43 @@ class Restorer:
         return self.persistent
 
     def _attempt(self, state_dict: dict, s: int, sources: dict[int, Source], todo: set[int]):
-        """Run one round; returns (global rank, NodeOutcome for this node) or None."""
+        """Run one round; returns (global rank, NodeOutcome for this node) or None.
+
+        A node restoring its own copy reads and checksums its share into memory on a helper
+        thread (:class:`~tierckpt.io.memory_read.OwnRead`) while the round's pulls run; a node
+        served by a replica loads the pulled bytes from memory while they are written to disk
+        (the commit is :meth:`commit_pending`'s)."""
+        own = self._own_read(s, sources, todo)
+        pulled = self._pull(s, sources, todo)
+        if pulled.step >= 0:
+            self.pending.append(pulled)
+        try:
+            return self._load_node(state_dict, s, sources, todo, pulled, own)
+        finally:
+            if own is not None:
+                own.result()  # never leave the reader running into the next round
+            pulled.memory = {}  # the pulled bytes are in the state now (or of no use)
+
+    def _own_read(self, s: int, sources: dict[int, Source], todo: set[int]) -> OwnRead | None:
+        """Start reading this rank's share of the node's own copy of ``s`` when that is its source."""
+        node = self.topo.node
+        if node not in todo or sources[node].kind != OWN or self.memory_bytes <= 0:
+            return None
+        rel = self.last_inventory.holders(node, s).get(node, layout.local_step(s))
+        own = OwnRead(self._local().store, rel, self.topo.local_rank, self.topo.ranks_per_node, self.memory_bytes)
+        return own if own.started else None
+
+    def _load_node(self, state_dict: dict, s: int, sources: dict[int, Source], todo: set[int], pulled: Pulled,
+                   own: OwnRead | None):
+        """Verify and load this node's source of the round (see :meth:`_attempt`)."""
         topo, node = self.topo, self.topo.node
         src = sources[node]
         t0 = time.perf_counter()
-        pulled = self._pull(s, sources, todo)
         nbytes = pulled.nbytes
         if node not in todo:
             return None
         out = NodeOutcome(node=node, step=s, source=src, ok=False)
-        if src.kind == REPLICA and not pulled.ok:
+        if src.kind == REPLICA and not pulled.intact:
             out.error = pulled.error or "pull failed"
             out.seconds = time.perf_counter() - t0
             return (topo.rank, out)
@@ -338,11 +377,16 @@ class Restorer:
                 v_group, v_index, v_count = self.groups.local_world, topo.rank, topo.world_size
             else:
                 v_group, v_index, v_count = group, topo.local_rank, topo.ranks_per_node
+            memory: dict = {}
 
             def verify():
+                nonlocal memory
                 if src.kind == REPLICA:
                     return  # every byte was checksummed on receipt
-                problems = verify_split(store, rel, v_index, v_count)
+                if own is not None:
+                    memory, problems = own.result()
+                else:
+                    problems = verify_split(store, rel, v_index, v_count)
                 if problems:
                     raise VerificationError("; ".join(problems[:3]))
 
@@ -350,15 +394,16 @@ class Restorer:
             if src.kind == PERSISTENT:
                 read = self._persistent().load(state_dict, store.url_of(rel), group)
                 out.persistent_bytes = read
+            elif src.kind == REPLICA:
+                read = self._load_pulled(state_dict, pulled, group)
             else:
-                read = load_dir(state_dict, store.path(rel), group, memory=pulled.memory)
+                read = load_dir(state_dict, store.path(rel), group, memory=memory)
             out.bytes = read + nbytes
             out.ok = True
         except FAILURES as e:  # any verification or load failure → next source, agreed by all
             out.error = f"{type(e).__name__}: {e}"
         finally:
             self.in_use.drop(key)
-            pulled.memory = {}  # the pulled bytes are in the state now (or of no use)
         out.seconds = time.perf_counter() - t0
         self._persistent_bytes += out.persistent_bytes
         # the node's ranks agree on ok (DCP and run_agreed already raised on all of them)
@@ -370,17 +415,51 @@ class Restorer:
             out.error = out.error or "another rank of the node failed"
         return (topo.rank, out)
 
+    def _load_pulled(self, state_dict: dict, pulled: Pulled, group) -> int:
+        """Load a pull of this node (every rank of it): from memory while its files are still
+        being written when every rank holds its share there; else, or when the load asks
+        for a file not in memory (a layout whose ranks read others' files), commit the pull
+        first and load the committed copy. Raises what the load raises (→ next source)."""
+        store, s = self._local().store, pulled.step
+        if pulled.memory:
+            try:
+                return load_dir(state_dict, store.path(layout.incoming_step(s)), group, memory=pulled.memory,
+                                strict=True)
+            except FAILURES as e:  # DCP raised on every rank of the node: all of them fall back
+                log.info("tierckpt restore: node %d: loading step %d from memory failed (%s: %s); "
+                         "committing the pull and loading from disk", self.topo.node, s, type(e).__name__, e)
+        commit_pull(store, self.topo, group, self.in_use, pulled)
+        if not pulled.ok:
+            raise VerificationError(pulled.error or "pull not committed")
+        return load_dir(state_dict, store.path(layout.local_step(s)), group)
+
     def _pull(self, s: int, sources: dict[int, Source], todo: set[int]) -> Pulled:
-        """Run this attempt's pulls (collective over the restore's groups when any exist) and
-        record on every rank where the copies now are."""
+        """Receive this round's pulls (collective over the restore's groups when any exist);
+        the commit is :meth:`commit_pending`'s."""
         pulls = plan_pulls(self.topo, self.last_inventory, s, sources, todo)
         if not pulls:
             return Pulled()
-        out = run_pulls(self._local().store, self.topo, self.groups, self.in_use, self.chunk_bytes, pulls, s)
-        mine = (self.topo.node, out.kept) if out.ok and self.topo.is_node_leader else None
-        got = gather_leaders(mine, self.groups.local_world, self.topo.is_node_leader)
-        record_pulls(self.last_inventory, s, [m for m in got if m])
-        return out
+        return run_pulls(self._local().store, self.topo, self.groups, self.in_use, self.chunk_bytes, pulls, s,
+                         self.memory_bytes)
+
+    def commit_pending(self, groups: Groups | None = None) -> None:
+        """Commit the pulls the last restore received (collective: every rank, the same
+        restore's pulls; over ``groups``, default the restore's): each node waits for its
+        writes, commits and swaps in its copy (:func:`~tierckpt.restore.pull.commit_pull`), and
+        every rank records where the copies now are in :attr:`last_inventory`. A pull that
+        does not commit is logged: the node's state was loaded from memory, and its own copy
+        comes back at the next local save. Never raises for a disk problem."""
+        groups = groups or self.groups
+        pending, self.pending = self.pending, []
+        for pulled in pending:
+            commit_pull(self._local().store, self.topo, groups.node, self.in_use, pulled)
+            if pulled.receiving and pulled.intact and not pulled.ok and self.topo.is_node_leader:
+                log.warning("tierckpt restore: node %d's pulled copy of step %d was not committed: %s; "
+                            "its own copy comes back at the next local save", self.topo.node, pulled.step,
+                            pulled.error)
+            mine = (self.topo.node, pulled.kept) if pulled.ok and self.topo.is_node_leader else None
+            got = gather_leaders(mine, groups.local_world, self.topo.is_node_leader)
+            record_pulls(self.last_inventory, pulled.step, [m for m in got if m])
 
 
 def _no_checkpoint_message(step: int | None, inv: Inventory, failures: list[NodeOutcome]) -> str:

@@ -172,16 +172,37 @@ class TierJobs:
             self._local_overdue = fut
         return self.stuck_nodes(done)
 
+    def submit_pull_commit(self, commit: Callable[[], RedundancyRecord | None]) -> Future:
+        """Queue ``commit`` (a restore's :meth:`~tierckpt.restore.restorer.Restorer.commit_pending`
+        then its replica rebuild, over groups no foreground collective uses) on the local worker:
+        the pulled copies are written, committed and swapped in while training resumes, before
+        any later local save or retention touches the root. Resolves to what ``commit`` returns
+        (the ``redundancy`` record, or None); a failure is logged and resolves to None, never
+        raised (the state was loaded already; the copies come back at the next local save)."""
+        def job() -> RedundancyRecord | None:
+            self._local_phase = "save"  # writes and renames in the root: a hung disk shows here
+            try:
+                return commit()
+            except FAILURES as e:
+                log.warning("tierckpt: committing the restore's pulled copies failed on node %d: %s: %s",
+                            self.topo.node, type(e).__name__, e)
+                return None
+            finally:
+                self._local_phase = "done"
+
+        fut = self._tail["local"] = self.workers["local"].submit(job)
+        return fut
+
     def submit_redundancy(self, step: int, pairs: dict[tuple[int, int], str], missing: list[int],
                           groups: Groups) -> Future:
         """Queue on the local worker the copies a restore left missing: ``pairs`` {(node, peer):
         node's directory of its state of ``step``} (the same on every rank); ``missing``: nodes
         no copy can be made of now. The job runs over ``groups``, which no foreground collective
         uses, and resolves to the agreed :class:`~tierckpt.records.RedundancyRecord` (never raises)."""
-        fut = self._tail["local"] = self.workers["local"].submit(self._redundancy_job, step, pairs, missing, groups)
+        fut = self._tail["local"] = self.workers["local"].submit(self.redundancy_job, step, pairs, missing, groups)
         return fut
 
-    def _redundancy_job(self, step: int, pairs: dict[tuple[int, int], str], missing: list[int],
+    def redundancy_job(self, step: int, pairs: dict[tuple[int, int], str], missing: list[int],
                         groups: Groups) -> RedundancyRecord:
         """Copy ``pairs`` with :func:`~tierckpt.tiers.replication.replicate`, agree on what
         committed and write the ``redundancy`` ledger record."""

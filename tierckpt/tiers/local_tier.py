@@ -21,11 +21,11 @@ from tierckpt.history import lineage
 from tierckpt.io import layout, manifest
 from tierckpt.io.dcp_io import (
     CountingFileSystemReader,
-    MemoryFirstFileSystem,
     crc32_off,
     digests_under,
     hashing_writer,
 )
+from tierckpt.io.memory_read import MemoryReader
 from tierckpt.io.planner import NodeLocalSavePlanner, VerifyingLoadPlanner
 from tierckpt.io.storage import Store
 from tierckpt.tiers.commit import save_step
@@ -171,22 +171,23 @@ def verify_split(store: Store, rel: str, index: int, count: int) -> list[str]:
     doc = manifest.read_committed(store, rel)
     if doc is None:
         return [f"{store.url_of(rel)}: not committed"]
-    entries = manifest.entries_of(doc)[index::count]
+    entries = manifest.split_share(manifest.entries_of(doc), index, count)
     return manifest.verify_files(store, rel, entries)
 
 
 def load_dir(state_dict: dict, path: str, group: dist.ProcessGroup,
-             memory: dict[str, torch.Tensor] | None = None) -> int:
+             memory: dict[str, torch.Tensor] | None = None, strict: bool = False) -> int:
     """DCP-load ``state_dict`` in place from a checkpoint directory over ``group``.
 
     Uses :class:`VerifyingLoadPlanner`: nothing is read unless the checkpoint covers every
     local chunk with the same dtype. ``memory``: {file name in ``path``: uint8 tensor of its
-    bytes} of files already in memory (a pull's verified share), read from there instead of
-    the disk. Returns bytes read by this rank.
+    bytes} of files already in memory and verified (a pull's share, or this rank's share of
+    its own copy), loaded from there without a disk read or an intermediate copy
+    (:class:`~tierckpt.io.memory_read.MemoryReader`); ``strict``: read nothing from disk
+    (:class:`~tierckpt.io.memory_read.NotInMemoryError` inside DCP's ``CheckpointException``).
+    Returns bytes read by this rank.
     """
-    reader = CountingFileSystemReader(path)
-    if memory:
-        reader.fs = MemoryFirstFileSystem(path, memory)
+    reader = MemoryReader(path, memory or {}, strict) if memory or strict else CountingFileSystemReader(path)
     t0 = time.perf_counter()
     dcp.load(state_dict, storage_reader=reader, planner=VerifyingLoadPlanner(), process_group=group)
     log.debug("loaded %s in %.3fs", path, time.perf_counter() - t0)

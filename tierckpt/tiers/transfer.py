@@ -21,7 +21,6 @@ import mmap
 import os
 import queue
 import threading
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +29,7 @@ import xxhash
 
 from tierckpt.dist.collectives import FAILURES
 from tierckpt.io import manifest
+from tierckpt.io.memory_read import map_readonly
 from tierckpt.io.storage import Store
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,12 @@ class Transfer:
         src_rank, dst_rank: global ranks (must be members of the group used).
         src_rel: step directory, relative to the sender's store.
         dst_rel: step directory, relative to the receiver's store.
-        share: (index, count): the sender streams ``files[index::count]`` of the manifest.
+        share: (index, count): the sender streams its share of the manifest's files
+            (:func:`~tierckpt.io.manifest.split_share`: rank r's DCP files to rank r).
         tag: free-form label for logs (e.g. ``replica node-1 step-20``).
+        shared_files: also stream, for the receiver's memory only (never written), every file
+            of at most :data:`SHARED_MAX` bytes outside the share that no rank owns (DCP's
+            ``.metadata``): a restore that loads a pull from memory needs it on every rank.
     """
 
     src_rank: int
@@ -53,6 +57,10 @@ class Transfer:
     dst_rel: str
     share: tuple[int, int] = (0, 1)
     tag: str = ""
+    shared_files: bool = False
+
+
+SHARED_MAX = 16 << 20  # bytes: a shared file larger than this stays with its share's rank only
 
 
 @dataclass
@@ -64,13 +72,29 @@ class Received:
     manifest_bytes: bytes | None = None
     problems: list[str] = field(default_factory=list)
     nbytes: int = 0
-    # {file path in the share: its bytes (uint8)} when the receiver kept a copy in memory
+    # {file path: its bytes (uint8)} when the receiver kept a copy in memory: the share's files
+    # that arrived intact, plus the memory-only shared files (Transfer.shared_files)
     memory: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the writer of a kept receive, still writing to disk until finish()
+    sink: _FileSink | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
-        """Every file of the share arrived with matching size and checksum."""
+        """Every file of the share arrived with matching size and checksum (and, once
+        :meth:`finish` ran, was written)."""
         return not self.problems and self.manifest_bytes is not None
+
+    def finish(self) -> None:
+        """Write and fsync the files of a kept receive (``recv_step(keep=...)`` returns before
+        writing them); a failed write becomes a problem and its entry is dropped. Idempotent;
+        a no-op for a receive that was not kept."""
+        sink, self.sink = self.sink, None
+        if sink is None:
+            return
+        sink.close()
+        failed = {sink.entries[i].path: why for i, why in sink.failed.items()}
+        self.problems += [f"{self.transfer.dst_rel}/{p}: write failed: {why}" for p, why in failed.items()]
+        self.entries = [e for e in self.entries if e.path not in failed]
 
 
 def _send_header(obj: dict, dst: int, group) -> None:
@@ -117,30 +141,32 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
         _send_header({"error": f"{type(e).__name__}: {e}"}, dst, group)
         return 0
     idx, cnt = t.share
-    entries = manifest.entries_of(doc)[idx::cnt]
-    _send_header({"manifest": mbytes.decode(), "files": [e.__dict__ for e in entries]}, dst, group)
+    every = manifest.entries_of(doc)
+    entries = manifest.split_share(every, idx, cnt)
+    extra = [e for e in every if t.shared_files and e not in entries and e.size <= SHARED_MAX
+             and manifest.rank_of_file(e.path) is None]
+    _send_header({"manifest": mbytes.decode(), "files": [e.__dict__ for e in entries],
+                  "extra": [e.__dict__ for e in extra]}, dst, group)
+    entries = entries + extra
     sent = 0
     bufs = None
     pending: collections.deque = collections.deque()
     k = 0
     for entry in entries:
         path = f"{t.src_rel}/{entry.path}"
-        mapped = _map_file(store, path, entry.size)
-        if mapped is not None:
-            # Send straight from the page cache: no copy into a staging buffer.
-            m, data = mapped
-            for off in range(0, entry.size, chunk_bytes):
-                if len(pending) >= 2:
-                    pending.popleft().wait()
-                pending.append(_work(dist.isend(data[off:off + chunk_bytes], dst, group=group)))
-                sent += min(chunk_bytes, entry.size - off)
-            while pending:
-                pending.popleft().wait()
-            del data
+        fd = _open_exact(store, path, entry.size)
+        if fd is not None:
+            # Send straight from the page cache, one mapping per chunk: the disk read of chunk
+            # k+1 (populated when mapped) overlaps the network send of chunk k.
             try:
-                m.close()
-            except BufferError:  # a finished Work may still hold a view; GC unmaps it
-                pass
+                for off in range(0, entry.size, chunk_bytes):
+                    data = map_readonly(fd, off, min(chunk_bytes, entry.size - off))
+                    if len(pending) >= 2:
+                        pending.popleft().wait()
+                    pending.append(_work(dist.isend(data, dst, group=group)))
+                    sent += data.numel()
+            finally:
+                os.close(fd)
             continue
         bufs = bufs or _buffers("send", chunk_bytes)
         try:
@@ -172,10 +198,9 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
     return sent
 
 
-def _map_file(store: Store, rel: str, size: int):
-    """(mmap, uint8 tensor view) of a local file of exactly ``size`` > 0 bytes, else None.
-
-    A shared read-only mapping: pages come straight from the page cache (no copy)."""
+def _open_exact(store: Store, rel: str, size: int) -> int | None:
+    """A read-only descriptor of a local file of exactly ``size`` > 0 bytes, else None (the
+    buffered path then pads a file that shrank, which the receiver's checksum rejects)."""
     if not store.local or size <= 0:
         return None
     try:
@@ -183,30 +208,43 @@ def _map_file(store: Store, rel: str, size: int):
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_size != size:
-            return None  # shrank or grew: the buffered path pads and the receiver rejects it
-        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
-    with warnings.catch_warnings():  # read-only buffer: gloo only reads it
-        warnings.simplefilter("ignore", UserWarning)
-        return m, torch.frombuffer(m, dtype=torch.uint8)
+        if os.fstat(fd).st_size == size:
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _aligned(size: int) -> torch.Tensor:
+    """A zeroed uint8 tensor of ``size`` rounded up to :data:`_ALIGN` bytes, page-aligned (an
+    anonymous mapping, kept alive by the tensor), so O_DIRECT can write any chunk of it."""
+    return torch.frombuffer(mmap.mmap(-1, max(_ALIGN, -(-size // _ALIGN) * _ALIGN)), dtype=torch.uint8)
 
 
 class _FileSink:
     """Writes received chunks to one transfer's files on its own thread (disk writes overlap
-    the next receives); owns the file descriptors and the per-file write errors."""
+    the next receives); owns the file descriptors and the per-file write errors.
+
+    ``keep``: chunks are received straight into one page-aligned buffer per file (``memory``,
+    also the files in ``extra``, which are never written) and written from there once
+    :meth:`close` is called: a restore loads from memory first, and its disk writes do not
+    compete with the transfer (on the sender's disk read, or for the CPU)."""
 
     def __init__(self, store: Store, dst_rel: str, entries: list[manifest.FileEntry], bufs: list,
-                 keep: bool = False):
+                 keep: bool = False, extra: list[manifest.FileEntry] | None = None):
         self.store, self.dst_rel, self.entries, self.bufs = store, dst_rel, entries, bufs
         self.fds: dict[int, tuple[int, bool]] = {}
         self.failed: dict[int, str] = {}
-        self.keep = keep  # also keep every file's bytes in memory (a restore loads from them)
+        self.keep = keep
+        # O_DIRECT writes from a file buffer need chunk offsets that are multiples of _ALIGN
+        self.direct_ok = not keep or bufs[0].numel() % _ALIGN == 0
+        self.full: dict[int, torch.Tensor] = {}
         self.memory: dict[int, torch.Tensor] = {}
-        self._kept: dict[int, int] = {}  # bytes of file i kept so far
+        if keep:
+            for i, e in enumerate(entries + (extra or [])):
+                self.full[i] = _aligned(e.size)
+                self.memory[i] = self.full[i][: e.size]
         self.free: queue.Queue = queue.Queue()
         for b in range(len(bufs)):
             self.free.put(b)
@@ -216,7 +254,8 @@ class _FileSink:
                 self._open(i)
                 self._finish(i)
         self.thread = threading.Thread(target=self._run, name="tierckpt-recv-write", daemon=True)
-        self.thread.start()
+        if not keep:
+            self.thread.start()
 
     def _open(self, i: int) -> None:
         path = self.store.path(f"{self.dst_rel}/{self.entries[i].path}")
@@ -224,6 +263,8 @@ class _FileSink:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
             try:
+                if not self.direct_ok:
+                    raise OSError("chunk offsets not aligned for O_DIRECT")
                 self.fds[i] = (os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644), hasattr(os, "O_DIRECT"))
             except OSError:  # tmpfs and some network filesystems refuse O_DIRECT
                 self.fds[i] = (os.open(path, flags, 0o644), False)
@@ -243,13 +284,13 @@ class _FileSink:
         finally:
             os.close(fd)
 
-    def _write(self, i: int, b: int, n: int) -> None:
+    def _write(self, i: int, b: int | None, off: int, n: int) -> None:
         if i not in self.fds and i not in self.failed:
             self._open(i)
         if i not in self.fds:
             return
         fd, direct = self.fds[i]
-        whole = self.bufs[b].numpy().data
+        whole = self.bufs[b].numpy().data if b is not None else self.full[i].numpy().data[off:]
         view = whole[: -(-n // _ALIGN) * _ALIGN] if direct else whole[:n]
         try:
             done = 0
@@ -259,34 +300,34 @@ class _FileSink:
             self.failed[i] = f"{type(ex).__name__}: {ex}"
             os.close(self.fds.pop(i)[0])
 
-    def _keep(self, i: int, b: int, n: int) -> None:
-        buf = self.memory.get(i)
-        if buf is None:
-            buf = self.memory[i] = torch.empty(self.entries[i].size, dtype=torch.uint8)
-        off = self._kept.get(i, 0)
-        buf[off: off + n].copy_(self.bufs[b][:n])
-        self._kept[i] = off + n
+    def target(self, i: int, off: int, n: int) -> tuple[int | None, torch.Tensor]:
+        """(buffer index or None, tensor to receive chunk ``off:off+n`` of file ``i`` into)."""
+        if self.keep:
+            return None, self.memory[i][off: off + n]
+        b = self.free.get()
+        return b, self.bufs[b][:n]
 
     def _run(self) -> None:
         while True:
             item = self.writes.get()
             if item is None:
                 return
-            i, b, n, last = item
-            if self.keep:
-                self._keep(i, b, n)
-            self._write(i, b, n)
+            i, b, off, n, last = item
+            self._write(i, b, off, n)
             if last:
                 self._finish(i)
-            self.free.put(b)
+            if b is not None:
+                self.free.put(b)
 
     def close(self) -> None:
-        """Let the writer finish what was queued and stop."""
+        """Let the writer write what was queued (a kept receive's writes start here) and stop."""
+        if self.thread.ident is None:
+            self.thread.start()
         self.writes.put(None)
         self.thread.join()
 
 
-def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: bool = False) -> Received:
+def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0) -> Received:
     """Receive one :class:`Transfer` into ``t.dst_rel`` of ``store``, verifying as it goes.
 
     Two receives stay in flight while the previous chunk is hashed; a writer thread writes
@@ -297,8 +338,12 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: bool = F
     of the step arrived intact). After a write error (ENOSPC, …) the stream is still drained
     so the sender never blocks.
 
-    ``keep``: also keep each file's bytes in memory (:attr:`Received.memory`, the files that
-    arrived intact), so a restore loads them without reading back what it just wrote.
+    ``keep``: when the files sent (the share plus the transfer's memory-only shared files)
+    total at most ``keep`` bytes, receive each straight into memory (:attr:`Received.memory`:
+    those that arrived intact) and return as soon as the last byte arrived and was
+    checksummed, before anything is written: :meth:`Received.finish` writes and fsyncs the
+    files, and must be called before committing (a restore loads from memory first). 0: keep
+    nothing.
     """
     src = _gsrc(t.src_rank, group)
     res = Received(t)
@@ -308,46 +353,63 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: bool = F
         return res
     res.manifest_bytes = header["manifest"].encode()
     entries = [manifest.FileEntry(**d) for d in header["files"]]
-    chunks = [(i, min(chunk_bytes, e.size - off)) for i, e in enumerate(entries)
+    extra = [manifest.FileEntry(**d) for d in header.get("extra", [])]
+    every = entries + extra
+    keep = keep > 0 and sum(e.size for e in every) <= keep  # memory-only files are drained otherwise
+    chunks = [(i, off, min(chunk_bytes, e.size - off)) for i, e in enumerate(every)
               for off in range(0, e.size, chunk_bytes)]
     bufs = _buffers("recv", chunk_bytes, count=4)
-    hashers = [xxhash.xxh3_64() for _ in entries]
-    sink = _FileSink(store, t.dst_rel, entries, bufs, keep)
+    hashers = [xxhash.xxh3_64() for _ in every]
+    sink = _FileSink(store, t.dst_rel, entries, bufs, keep, extra)
     try:
-        res.nbytes = _receive_chunks(chunks, bufs, hashers, sink, src, group)
-    finally:
+        res.nbytes = _receive_chunks(chunks, hashers, sink, len(entries), src, group)
+    except BaseException:
         sink.close()
-    for i, e in enumerate(entries):
+        raise
+    if keep:
+        res.sink = sink
+    else:
+        sink.close()
+    for i, e in enumerate(every):
         if i in sink.failed:
             res.problems.append(f"{t.dst_rel}/{e.path}: write failed: {sink.failed[i]}")
         elif e.size and hashers[i].hexdigest() != e.xxh3_64:
             res.problems.append(f"{t.dst_rel}/{e.path}: checksum mismatch on receipt")
         else:
-            res.entries.append(e)
+            if i < len(entries):
+                res.entries.append(e)
             if keep:
-                res.memory[e.path] = sink.memory.get(i, torch.empty(0, dtype=torch.uint8))
+                res.memory[e.path] = sink.memory[i]
     return res
 
 
-def _receive_chunks(chunks: list[tuple[int, int]], bufs: list, hashers: list, sink: _FileSink, src: int,
-                    group) -> int:
-    """Receive ``chunks`` ((file index, bytes) in stream order) with two receives in flight,
-    hash each, queue it for the sink; returns the bytes received."""
-    in_flight = min(2, len(bufs) - 1)
+def _receive_chunks(chunks: list[tuple[int, int, int]], hashers: list, sink: _FileSink, n_written: int,
+                    src: int, group) -> int:
+    """Receive ``chunks`` ((file index, offset, bytes) in stream order) with two receives in
+    flight, hash each, queue it for the sink (files ``>= n_written`` are memory-only); returns
+    the bytes received."""
+    in_flight = 2
     works = {}
     nbytes = 0
+
+    def post(k: int):
+        i, off, n = chunks[k]
+        b, view = sink.target(i, off, n)
+        return b, view, _work(dist.irecv(view, src, group=group))
+
     for k in range(min(in_flight, len(chunks))):
-        b = sink.free.get()
-        works[k] = (b, _work(dist.irecv(bufs[b][: chunks[k][1]], src, group=group)))
-    for k, (i, n) in enumerate(chunks):
-        b, w = works.pop(k)
+        works[k] = post(k)
+    for k, (i, off, n) in enumerate(chunks):
+        b, view, w = works.pop(k)
         w.wait()
-        hashers[i].update(bufs[b].numpy().data[:n])
+        hashers[i].update(view.numpy().data)
         nbytes += n
-        sink.writes.put((i, b, n, k + 1 == len(chunks) or chunks[k + 1][0] != i))
+        if i < n_written:
+            sink.writes.put((i, b, off, n, k + 1 == len(chunks) or chunks[k + 1][0] != i))
+        elif b is not None:
+            sink.free.put(b)
         if k + in_flight < len(chunks):
-            b2 = sink.free.get()
-            works[k + in_flight] = (b2, _work(dist.irecv(bufs[b2][: chunks[k + in_flight][1]], src, group=group)))
+            works[k + in_flight] = post(k + in_flight)
     return nbytes
 
 
@@ -369,7 +431,7 @@ def _buffers(kind: str, chunk_bytes: int, count: int = 2) -> list[torch.Tensor]:
 
 
 def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
-                  chunk_bytes: int, keep: bool = False) -> dict[int, Received]:
+                  chunk_bytes: int, keep: int = 0) -> dict[int, Received]:
     """Execute this rank's part of ``transfers`` (every rank passes the same list).
 
     Never raises for a transfer problem, so every rank reaches the collective that agrees on
@@ -377,7 +439,8 @@ def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
     gone, a stream out of step) is a :class:`Received` with the error in ``problems``; a
     failed send is logged, and its receiver sees a short or bad stream. A transfer from a
     rank to itself is refused on both sides before any byte moves (``problems`` says so).
-    ``keep``: receivers also keep the files' bytes in memory (see :func:`recv_step`).
+    ``keep``: receivers keep up to that many bytes per transfer in memory and return before
+    their disk writes end (see :func:`recv_step`): call :meth:`Received.finish` on every result.
 
     Returns:
         {transfer index: Received} for the transfers this rank received.

@@ -1,0 +1,263 @@
+"""Loading a DCP checkpoint whose files are in memory: the restore's fast path.
+
+A restore has the files it loads in memory twice over: a pull receives a peer's replica into
+memory (checksummed on receipt, :mod:`tierckpt.tiers.transfer`), and a node restoring its own
+copy reads and checksums its share in one pass (:func:`read_verified`) while the pulls run.
+:class:`MemoryReader` then loads from those bytes. DCP's ``FileSystemReader`` would
+``torch.load`` each tensor record from a stream (parse the zip, copy the bytes into a new
+storage, then copy into the target); here each tensor of a file held in memory is decoded
+with torch's own ``torch.save`` reader over a storage that *is* the file's bytes, so the
+only copy is into the target tensor. The file format is DCP's own (``FileSystemWriter``,
+torch.save records); nothing about it changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import logging
+import mmap
+import os
+import threading
+import warnings
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+from tierckpt.io import manifest
+from tierckpt.io.dcp_io import CountingFileSystemReader
+from tierckpt.io.storage import Store
+
+log = logging.getLogger(__name__)
+_READ_CHUNK = 8 << 20
+
+
+class NotInMemoryError(FileNotFoundError):
+    """A strict :class:`MemoryFirstFileSystem` was asked for a file it does not hold."""
+
+
+class TensorStream(io.RawIOBase):
+    """A read-only, seekable stream over a uint8 tensor's bytes (no copy)."""
+
+    def __init__(self, buf: torch.Tensor):
+        self._mv = memoryview(buf.numpy().data).cast("B") if buf.numel() else memoryview(b"")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self._mv) - self._pos))
+        memoryview(b).cast("B")[:n] = self._mv[self._pos: self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._mv)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+class MemoryFirstFileSystem(FileSystem):
+    """DCP ``FileSystem`` that reads the files of ``root`` found in ``files`` ({path relative to
+    ``root``: uint8 tensor of the file's bytes}) from memory and every other file from disk,
+    or, with ``strict``, raises :class:`NotInMemoryError` for them (a pull's files are still
+    being written: the disk copy must not be read yet)."""
+
+    def __init__(self, root: str, files: dict[str, torch.Tensor], strict: bool = False):
+        super().__init__()
+        self.root, self.files, self.strict = os.path.abspath(root), files, strict
+
+    def rel(self, path) -> str:
+        """``path`` relative to the root, '/'-separated (the key of :attr:`files`)."""
+        return os.path.relpath(os.path.abspath(str(path)), self.root).replace(os.sep, "/")
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        rel = self.rel(path)
+        if mode == "rb" and rel in self.files:
+            with io.BufferedReader(TensorStream(self.files[rel]), buffer_size=1 << 20) as stream:
+                yield stream
+            return
+        if self.strict:
+            raise NotInMemoryError(f"{path}: not among the files held in memory ({sorted(self.files)})")
+        with super().create_stream(path, mode) as stream:
+            yield stream
+
+
+_fast_ok = True
+
+
+def decode_record(buf: torch.Tensor) -> torch.Tensor:
+    """The tensor of one ``torch.save`` record held in ``buf`` (uint8, CPU), sharing ``buf``'s
+    memory (no copy of the data).
+
+    Uses torch's reader (``torch.serialization._load`` over the record's bytes as its
+    ``overall_storage``, what ``torch.load(mmap=True)`` does for a file) with the weights-only
+    unpickler. Should that private entry point change in another torch release, this falls
+    back to ``torch.load`` (a copy), once logged. Raises what ``torch.load`` raises for a bad
+    record.
+    """
+    global _fast_ok
+    if _fast_ok:
+        try:
+            from torch import _weights_only_unpickler
+
+            zf = torch._C.PyTorchFileReader(TensorStream(buf))  # type: ignore[call-overload]  # any seekable stream
+            st = buf.untyped_storage()
+            off = buf.storage_offset()
+            return torch.serialization._load(zf, "cpu", _weights_only_unpickler,
+                                             overall_storage=st[off: off + buf.numel()])
+        except (AttributeError, TypeError) as e:
+            _fast_ok = False
+            log.warning("tierckpt: zero-copy decode unavailable in torch %s (%s: %s); loading with torch.load",
+                        torch.__version__, type(e).__name__, e)
+    return torch.load(io.BufferedReader(TensorStream(buf)), map_location="cpu", weights_only=True)
+
+
+class MemoryReader(CountingFileSystemReader):
+    """DCP ``FileSystemReader`` for a checkpoint directory some of whose files are in memory
+    (``memory``: {file name relative to ``path``: uint8 tensor}). Tensor records of those files
+    are decoded in place (:func:`decode_record`) and copied once, into the target; every other
+    read goes through DCP's own code over :class:`MemoryFirstFileSystem` (``strict``: files
+    not in memory raise :class:`NotInMemoryError`)."""
+
+    def __init__(self, path: str, memory: dict[str, torch.Tensor], strict: bool = False):
+        super().__init__(path)
+        self.fs = MemoryFirstFileSystem(path, memory, strict)
+        self.memory = memory
+
+    def read_data(self, plan, planner):
+        fs = self.fs
+        assert isinstance(fs, MemoryFirstFileSystem)
+        rest = []
+        for req in plan.items:
+            md = self.storage_data[req.storage_index]
+            buf = self.memory.get(fs.rel(fs.concat_path(self.path, md.relative_path)))
+            if buf is None or md.transform_descriptors:
+                rest.append(req)
+                continue
+            self.bytes_read += md.length
+            data = buf[md.offset: md.offset + md.length]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(data.numpy().tobytes()))
+                continue
+            tensor = narrow_tensor_by_index(decode_record(data), req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+
+
+def map_readonly(fd: int, off: int, n: int) -> torch.Tensor:
+    """Bytes ``off:off+n`` (n > 0) of the open file ``fd`` as a uint8 tensor: a shared, read-only
+    mapping of the page cache (no copy; ``off`` a multiple of the page size), or a read into
+    memory where the mapping is refused. The tensor keeps its mapping alive.
+
+    The range is first handed to the kernel's readahead (``POSIX_FADV_WILLNEED``, returns at
+    once), so whoever touches the pages (gloo's send thread, the hash) finds them read or in
+    flight: as fast as ``MAP_POPULATE`` on a cold file and 2.5× faster than 8 MiB reads,
+    without holding the GIL for the whole read as a populating ``mmap`` call does (measured
+    on 256 MiB: 0.09 s either way; the GIL held 0.08 s vs ≤ 4 ms)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
+    try:
+        m = mmap.mmap(fd, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=off)
+    except (OSError, ValueError):
+        data = bytearray(n)
+        got = os.preadv(fd, [data], off)
+        if got < n:  # shrank meanwhile: zeros, which any checksum rejects
+            data[got:] = bytes(n - got)
+        return torch.frombuffer(data, dtype=torch.uint8)
+    with warnings.catch_warnings():  # a read-only buffer: only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(m, dtype=torch.uint8)
+
+
+def read_verified(store: Store, step_rel: str, entries: list[manifest.FileEntry]
+                  ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Map ``entries`` of a committed step of a local ``store`` into memory and checksum them:
+    a verification and the load's read in one pass (the load then decodes from the mapping).
+
+    Returns:
+        ({file path: uint8 tensor of its bytes} of the intact files, problems as
+        :func:`~tierckpt.io.manifest.verify_files` words them ([] = every file intact)).
+    """
+    out: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    for e in entries:
+        rel = f"{step_rel}/{e.path}"
+        try:
+            fd = os.open(store.path(rel), os.O_RDONLY)
+        except OSError as ex:
+            problems.append(f"{rel}: missing ({ex.__class__.__name__})")
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            if size != e.size:
+                problems.append(f"{rel}: size {size} != manifest {e.size}")
+                continue
+            buf = map_readonly(fd, 0, size) if size else torch.empty(0, dtype=torch.uint8)
+        except OSError as ex:
+            problems.append(f"{rel}: unreadable ({ex.__class__.__name__}: {ex})")
+            continue
+        finally:
+            os.close(fd)
+        h = xxhash.xxh3_64()
+        view = buf.numpy().data
+        for a in range(0, size, _READ_CHUNK):
+            h.update(view[a: a + _READ_CHUNK])
+        if h.hexdigest() != e.xxh3_64:
+            problems.append(f"{rel}: {manifest.HASH_NAME} {h.hexdigest()} != manifest {e.xxh3_64}")
+        else:
+            out[e.path] = buf
+    return out, problems
+
+
+class OwnRead:
+    """:func:`read_verified` of this rank's share of a committed step on a helper thread, so a
+    restore reads its own copy while the pulls of other nodes run (:meth:`result` joins).
+
+    A share larger than ``limit`` bytes is not read here (:attr:`started` False): the caller
+    verifies and loads from disk as before."""
+
+    def __init__(self, store: Store, step_rel: str, index: int, count: int, limit: int):
+        self.started = False
+        self._out: tuple[dict[str, torch.Tensor], list[str]] = ({}, [])
+        doc = manifest.read_committed(store, step_rel) if store.local else None
+        if doc is None:
+            return
+        share = manifest.split_share(manifest.entries_of(doc), index, count)
+        if sum(e.size for e in share) > limit:
+            return
+        self.started = True
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(store, step_rel, share), daemon=True,
+                                        name="tierckpt-own-read")
+        self._thread.start()
+
+    def _run(self, store: Store, step_rel: str, share: list[manifest.FileEntry]) -> None:
+        try:
+            self._out = read_verified(store, step_rel, share)
+        except BaseException as e:  # re-raised in result(), on the restoring thread
+            self._error = e
+
+    def result(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """(memory, problems) of the share (see :func:`read_verified`); ({}, []) if not started."""
+        if self.started:
+            self._thread.join()
+            if self._error is not None:
+                raise self._error
+        return self._out
