@@ -421,17 +421,18 @@ class Restorer:
         for a file not in memory (a layout whose ranks read others' files), commit the pull
         first and load the committed copy. Raises what the load raises (→ next source)."""
         store, s = self._local().store, pulled.step
-        if pulled.memory:
+        memory = pulled.memory
+        if memory:
             try:
-                return load_dir(state_dict, store.path(layout.incoming_step(s)), group, memory=pulled.memory,
-                                strict=True)
+                return load_dir(state_dict, store.path(layout.incoming_step(s)), group, memory=memory, strict=True)
             except FAILURES as e:  # DCP raised on every rank of the node: all of them fall back
                 log.info("tierckpt restore: node %d: loading step %d from memory failed (%s: %s); "
                          "committing the pull and loading from disk", self.topo.node, s, type(e).__name__, e)
         commit_pull(store, self.topo, group, self.in_use, pulled)
         if not pulled.ok:
             raise VerificationError(pulled.error or "pull not committed")
-        return load_dir(state_dict, store.path(layout.local_step(s)), group)
+        # what this rank received is still read from memory (the same bytes, checksummed)
+        return load_dir(state_dict, store.path(layout.local_step(s)), group, memory=memory)
 
     def _pull(self, s: int, sources: dict[int, Source], todo: set[int]) -> Pulled:
         """Receive this round's pulls (collective over the restore's groups when any exist);

@@ -1,0 +1,73 @@
+"""Rank side of tests/test_restore_memory.py: a node restored from a peer's replica loads the
+pulled bytes from memory, and its copy is written and committed afterwards in the background."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from tests.scenarios import app_state, apply_state, assert_bitwise, build, make_config, snapshot, train_step
+from tierckpt.engine import TieredCheckpointer
+from tierckpt.io import layout, manifest
+from tierckpt.io.storage import Store
+
+
+class _Count(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.fallbacks = 0
+
+    def emit(self, record):
+        if "from memory failed" in record.getMessage():
+            self.fallbacks += 1
+
+
+def phase_node_loss(rank, world, base, rpn, k, extra_steps, cfg_kw=None, drop_metadata=False):
+    """Restore step ``k`` after node 1 lost its root (the caller deleted it); check the state
+    and the next losses bitwise against the uninterrupted run, then, once the background job
+    ran, that node 1 holds a committed, intact copy of step ``k`` of its own again."""
+    if drop_metadata:  # the receiving rank "forgets" .metadata after the pull: the load must fall back
+        from tierckpt.restore import pull
+
+        run = pull.run_pulls
+
+        def forgetful(*a, **kw):
+            out = run(*a, **kw)
+            out.memory.pop(".metadata", None)
+            return out
+
+        pull.run_pulls = forgetful
+        from tierckpt.restore import restorer
+
+        restorer.run_pulls = forgetful
+    count = _Count()
+    logging.getLogger("tierckpt.restore.restorer").addHandler(count)
+    logging.getLogger("tierckpt.restore.restorer").setLevel(logging.INFO)
+    node = rank // rpn
+    eng = TieredCheckpointer(make_config(base, **(cfg_kw or {})), node_id=node)
+    model, opt = build(seed=123)
+    train_step(model, opt, 999, rank)
+    sd = app_state(model, opt)
+    res = eng.restore(sd)
+    assert res is not None
+    apply_state(model, opt, sd)
+    ref = torch.load(os.path.join(base, "ref", f"rank{rank}.pt"), weights_only=False)
+    assert_bitwise(snapshot(model, opt), ref["snap"])
+    losses = [train_step(model, opt, s, rank) for s in range(k + 1, k + 1 + extra_steps)]
+    assert losses == ref["losses"], f"losses {losses} != reference {ref['losses']}"
+    red = eng.last_redundancy.result() if eng.last_redundancy is not None else None
+    eng.wait()
+    store = Store(os.path.join(base, "nvme", f"node-{node}"))
+    doc = manifest.read_committed(store, layout.local_step(k))
+    out = {
+        "sources": {n: (o.source.kind, o.source.holder) for n, o in res.sources.items()},
+        "attempts": res.attempts,
+        "fallbacks": count.fallbacks,
+        "own_copy": None if doc is None else (doc.get("node"), manifest.verify_step(store, layout.local_step(k))),
+        "incoming_left": store.exists(layout.incoming_step(k)),
+        "redundancy": None if red is None else (red.ok, red.nodes, red.missing),
+    }
+    eng.close()
+    return out

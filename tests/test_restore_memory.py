@@ -1,0 +1,182 @@
+"""The restore's memory path (tierckpt/io/memory_read.py, tierckpt/restore/pull.py):
+
+- units: rank-affine shares, the zero-copy decode of DCP's tensor records (equal to
+  ``torch.load`` for every dtype/layout, sharing the buffer; the fallback equal too), the one-pass
+  read + checksum of an own copy, a strict load refusing the disk, the config check;
+- a node that lost its root is restored from its peer's replica loaded from memory (no
+  fallback), and after the background job its own copy of the step is committed and intact
+  and the replica rebuild reports full redundancy — 2 nodes × 1 and × 2 ranks;
+- with ``restore_memory_bytes = 0`` the pull is committed first and loaded from disk;
+- a receiving rank whose load needs a file it does not hold in memory (2 ranks per node under
+  FSDP: DCP wrote each replicated item into one rank's file; or, forced, ``.metadata``) makes
+  the node fall back, agreed, to committing the pull and loading from disk — same state.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tests import scenarios, scenarios_memory
+from tests.harness import run_world
+from tierckpt.config import TierConfig
+from tierckpt.errors import ConfigError
+from tierckpt.io import memory_read
+from tierckpt.io.manifest import FileEntry, hash_file, rank_of_file, split_share
+from tierckpt.io.storage import Store
+from tierckpt.tiers.local_tier import load_dir
+
+K, EXTRA = 2, 2
+
+
+# -- units ------------------------------------------------------------------------------------
+def test_split_share_is_rank_affine_and_covers_every_file_once():
+    names = [".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp",
+             "common.pt", "sub/__1_0.distcp"]
+    entries = [FileEntry(n, 1, "0") for n in names]
+    shares = [split_share(entries, i, 3) for i in range(3)]
+    assert sorted(e.path for s in shares for e in s) == sorted(names)  # each file exactly once
+    assert {e.path for e in shares[0]} >= {"__0_0.distcp", "__0_1.distcp"}
+    assert {e.path for e in shares[1]} >= {"__1_0.distcp", "sub/__1_0.distcp"}
+    assert "__2_0.distcp" in {e.path for e in shares[2]}
+    # a rank beyond the count (a job with more ranks per node) is spread round-robin
+    assert rank_of_file("__3_0.distcp") == 3 and rank_of_file(".metadata") is None
+    with pytest.raises(ValueError):
+        split_share(entries, 3, 3)
+
+
+def _record(t: torch.Tensor) -> torch.Tensor:
+    b = io.BytesIO()
+    torch.save(t, b)
+    return torch.frombuffer(bytearray(b.getvalue()), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.randn(17, 5), torch.randn(6, 4).t(), torch.arange(10, dtype=torch.int64), torch.tensor(3.5),
+    torch.randn(8).to(torch.bfloat16), torch.tensor([True, False]), torch.empty(0, 3),
+], ids=["fp32", "transposed", "int64", "scalar", "bf16", "bool", "empty"])
+def test_decode_record_equals_torch_load_and_shares_the_buffer(tensor):
+    buf = _record(tensor)
+    # as DCP stores it: one record at some offset inside a bigger file
+    file = torch.cat([torch.zeros(13, dtype=torch.uint8), buf, torch.zeros(7, dtype=torch.uint8)])
+    got = memory_read.decode_record(file[13: 13 + buf.numel()])
+    ref = torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True)
+    assert got.dtype == ref.dtype and got.shape == ref.shape and got.stride() == ref.stride()
+    assert torch.equal(got, ref)
+    if tensor.numel():
+        lo = file.data_ptr()
+        assert lo <= got.untyped_storage().data_ptr() < lo + file.numel(), "the data was copied"
+
+
+def test_decode_record_fallback_is_equal(monkeypatch):
+    t = torch.randn(9, 3)
+    monkeypatch.setattr(memory_read, "_fast_ok", False)
+    assert torch.equal(memory_read.decode_record(_record(t)), t)
+
+
+def test_read_verified_maps_intact_files_and_names_every_problem(tmp_path):
+    store = Store(str(tmp_path))
+    data = {"a.bin": os.urandom(5000), "b.bin": os.urandom(100), "c.bin": os.urandom(10), "e.bin": b""}
+
+    def write(name, b):
+        with open(store.path(f"s/{name}"), "wb") as f:
+            f.write(b)
+
+    os.makedirs(store.path("s"))
+    for name, b in data.items():
+        write(name, b)
+    entries = [FileEntry(n, hash_file(store, f"s/{n}").size, hash_file(store, f"s/{n}").xxh3_64) for n in data]
+    mem, problems = memory_read.read_verified(store, "s", entries)
+    assert problems == [] and {n: bytes(t.numpy()) for n, t in mem.items()} == data
+    raw = bytearray(data["a.bin"])
+    raw[4000] ^= 1
+    write("a.bin", bytes(raw))  # a flipped bit
+    write("b.bin", data["b.bin"] + b"x")  # grew
+    os.remove(store.path("s/c.bin"))  # gone
+    mem, problems = memory_read.read_verified(store, "s", entries)
+    assert sorted(mem) == ["e.bin"]
+    assert len(problems) == 3 and "xxh3_64" in problems[0] and "size 101" in problems[1] and "missing" in problems[2]
+
+
+def test_strict_memory_load_reads_nothing_from_disk(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        path = str(tmp_path / "ck")
+        dcp.save({"w": torch.arange(8.0)}, storage_writer=dcp.FileSystemWriter(path))
+        files = {n: torch.frombuffer(bytearray(open(os.path.join(path, n), "rb").read()), dtype=torch.uint8)
+                 for n in os.listdir(path)}
+        target = {"w": torch.zeros(8)}
+        load_dir(target, path, dist.group.WORLD, memory=files, strict=True)
+        assert torch.equal(target["w"], torch.arange(8.0))
+        data = {n: t for n, t in files.items() if n != ".metadata"}
+        with pytest.raises(CheckpointException, match="NotInMemoryError|not among the files"):
+            load_dir({"w": torch.zeros(8)}, path, dist.group.WORLD, memory=data, strict=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_restore_memory_bytes_is_checked(tmp_path):
+    for bad in (-1, 1.5, True, "1G"):
+        with pytest.raises(ConfigError, match="restore_memory_bytes"):
+            TierConfig(local_root=str(tmp_path / "n{node}"), persistent_root=str(tmp_path / "p"),
+                       restore_memory_bytes=bad)
+
+
+# -- node loss, restored from the peer's replica ------------------------------------------------
+@pytest.fixture(scope="module", params=[1, 2], ids=["2nodes-x1rank", "2nodes-x2ranks"])
+def saved(request, tmp_path_factory):
+    rpn = request.param
+    base = str(tmp_path_factory.mktemp(f"memrestore{rpn}"))
+    run_world(scenarios.phase_train_and_save, 2 * rpn, base, rpn, K, EXTRA, {"tiers": ("local",)})
+    return base, rpn
+
+
+def _lose_node_1(saved, tmp_path) -> str:
+    base = str(tmp_path / "run")
+    shutil.copytree(saved, base)
+    shutil.rmtree(os.path.join(base, "nvme", "node-1"))
+    return base
+
+
+def _check(out, rpn, fallback: bool):
+    for r in out:
+        v = r.value
+        assert v["sources"] == {0: ("own-local", 0), 1: ("peer-replica", 0)} and v["attempts"] == 1, v
+        # the pulled copy is node 1's committed, intact local step once the background job ran
+        assert v["own_copy"] == (r.rank // rpn, []) and not v["incoming_left"], v
+        assert v["redundancy"] == (True, [0], []), v
+    fell_back = sum(r.value["fallbacks"] for r in out if r.rank // rpn == 1)
+    assert (fell_back == rpn) if fallback else fell_back == 0, [r.value["fallbacks"] for r in out]
+
+
+def test_pulled_replica_loads_from_memory_and_commits_in_background(saved, tmp_path):
+    base, rpn = saved
+    out = run_world(scenarios_memory.phase_node_loss, 2 * rpn, _lose_node_1(base, tmp_path), rpn, K, EXTRA,
+                    {"tiers": ("local",)})
+    # one rank per node: its share is every file, the load is served from memory. Two: DCP's
+    # save wrote each replicated (FSDP-unsharded) item once, into one rank's file, so each rank
+    # of node 1 also reads a file the other received; the node falls back, agreed, to
+    # committing the pull and loading from disk — the same state, bitwise
+    _check(out, rpn, fallback=rpn > 1)
+
+
+def test_restore_memory_bytes_zero_commits_first_and_loads_from_disk(saved, tmp_path):
+    base, rpn = saved
+    out = run_world(scenarios_memory.phase_node_loss, 2 * rpn, _lose_node_1(base, tmp_path), rpn, K, EXTRA,
+                    {"tiers": ("local",), "restore_memory_bytes": 0})
+    _check(out, rpn, fallback=False)
+
+
+@pytest.mark.parametrize("saved", [1], indirect=True, ids=["2nodes-x1rank"])
+def test_a_file_missing_from_memory_falls_back_to_disk(saved, tmp_path):
+    base, rpn = saved
+    out = run_world(scenarios_memory.phase_node_loss, 2 * rpn, _lose_node_1(base, tmp_path), rpn, K, EXTRA,
+                    {"tiers": ("local",)}, True)
+    _check(out, rpn, fallback=True)
