@@ -86,9 +86,9 @@ def phase_restore(rank, world, base, cfg_kw, fail_first_receive=False):
 
         real = transfer.recv_step
 
-        def broken(store, t, group, chunk_bytes, keep=False):
+        def broken(*args, **kwargs):
             transfer.recv_step = real
-            real(store, t, group, chunk_bytes, keep)  # drain the stream: the sender must not block
+            real(*args, **kwargs).complete()  # drain the stream: the sender must not block
             raise RuntimeError("[gloo/transport/tcp/pair.cc] Pair is not connected (injected)")
 
         transfer.recv_step = broken

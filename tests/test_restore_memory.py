@@ -7,6 +7,8 @@
   fallback), and after the background job its own copy of the step is committed and intact
   and the replica rebuild reports full redundancy — 2 nodes × 1 and × 2 ranks;
 - with ``restore_memory_bytes = 0`` the pull is committed first and loaded from disk;
+- a replica corrupt in its data is loaded while it arrives, refused once the checksums settle,
+  and the node restored from the next source (persistent), bitwise;
 - a receiving rank whose load needs a file it does not hold in memory (2 ranks per node under
   FSDP: DCP wrote each replicated item into one rank's file; or, forced, ``.metadata``) makes
   the node fall back, agreed, to committing the pull and loading from disk — same state.
@@ -180,3 +182,21 @@ def test_a_file_missing_from_memory_falls_back_to_disk(saved, tmp_path):
     out = run_world(scenarios_memory.phase_node_loss, 2 * rpn, _lose_node_1(base, tmp_path), rpn, K, EXTRA,
                     {"tiers": ("local",)}, True)
     _check(out, rpn, fallback=True)
+
+
+def test_a_replica_corrupt_in_its_data_is_loaded_then_refused_and_the_next_source_used(tmp_path):
+    # the pulled bytes are loaded while they arrive; the checksum settles after the load, and a
+    # mismatch voids it: the node is restored from the persistent tier, bitwise
+    base = str(tmp_path)
+    run_world(scenarios.phase_train_and_save, 2, base, 1, K, EXTRA)
+    shutil.rmtree(os.path.join(base, "nvme", "node-1"))
+    rep = os.path.join(base, "nvme", "node-0", "replicas", "node-1", f"step-{K}")
+    victim = os.path.join(rep, sorted(f for f in os.listdir(rep) if f.endswith(".distcp"))[0])
+    with open(victim, "r+b") as f:  # one bit in the middle of the data, not in a record header
+        f.seek(os.path.getsize(victim) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    out = run_world(scenarios.phase_restore_and_check, 2, base, 1, K, EXTRA)[0].value
+    assert out["sources"] == {0: ("own-local", 0), 1: ("persistent", None)}, out
+    assert any(f[:3] == (1, "peer-replica", 0) and "checksum mismatch" in f[4] for f in out["failures"]), out

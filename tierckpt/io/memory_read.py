@@ -21,6 +21,7 @@ import mmap
 import os
 import threading
 import warnings
+from typing import Callable
 
 import torch
 import xxhash
@@ -71,12 +72,14 @@ class TensorStream(io.RawIOBase):
 class MemoryFirstFileSystem(FileSystem):
     """DCP ``FileSystem`` that reads the files of ``root`` found in ``files`` ({path relative to
     ``root``: uint8 tensor of the file's bytes}) from memory and every other file from disk,
-    or, with ``strict``, raises :class:`NotInMemoryError` for them (a pull's files are still
-    being written: the disk copy must not be read yet)."""
+    or, with ``strict``, raises :class:`NotInMemoryError` for them (a pull's files are not
+    written yet: the disk copy must not be read). ``wait(name, end)`` is called before the
+    first ``end`` bytes of a file in memory are used (a pull still arriving)."""
 
-    def __init__(self, root: str, files: dict[str, torch.Tensor], strict: bool = False):
+    def __init__(self, root: str, files: dict[str, torch.Tensor], strict: bool = False,
+                 wait: Callable[[str, int], None] | None = None):
         super().__init__()
-        self.root, self.files, self.strict = os.path.abspath(root), files, strict
+        self.root, self.files, self.strict, self.wait = os.path.abspath(root), files, strict, wait
 
     def rel(self, path) -> str:
         """``path`` relative to the root, '/'-separated (the key of :attr:`files`)."""
@@ -86,6 +89,8 @@ class MemoryFirstFileSystem(FileSystem):
     def create_stream(self, path, mode: str):
         rel = self.rel(path)
         if mode == "rb" and rel in self.files:
+            if self.wait is not None:
+                self.wait(rel, self.files[rel].numel())
             with io.BufferedReader(TensorStream(self.files[rel]), buffer_size=1 << 20) as stream:
                 yield stream
             return
@@ -130,12 +135,13 @@ class MemoryReader(CountingFileSystemReader):
     (``memory``: {file name relative to ``path``: uint8 tensor}). Tensor records of those files
     are decoded in place (:func:`decode_record`) and copied once, into the target; every other
     read goes through DCP's own code over :class:`MemoryFirstFileSystem` (``strict``: files
-    not in memory raise :class:`NotInMemoryError`)."""
+    not in memory raise :class:`NotInMemoryError`; ``wait``: as there)."""
 
-    def __init__(self, path: str, memory: dict[str, torch.Tensor], strict: bool = False):
+    def __init__(self, path: str, memory: dict[str, torch.Tensor], strict: bool = False,
+                 wait: Callable[[str, int], None] | None = None):
         super().__init__(path)
-        self.fs = MemoryFirstFileSystem(path, memory, strict)
-        self.memory = memory
+        self.fs = MemoryFirstFileSystem(path, memory, strict, wait)
+        self.memory, self.wait = memory, wait
 
     def read_data(self, plan, planner):
         fs = self.fs
@@ -143,10 +149,13 @@ class MemoryReader(CountingFileSystemReader):
         rest = []
         for req in plan.items:
             md = self.storage_data[req.storage_index]
-            buf = self.memory.get(fs.rel(fs.concat_path(self.path, md.relative_path)))
+            rel = fs.rel(fs.concat_path(self.path, md.relative_path))
+            buf = self.memory.get(rel)
             if buf is None or md.transform_descriptors:
                 rest.append(req)
                 continue
+            if self.wait is not None:
+                self.wait(rel, md.offset + md.length)
             self.bytes_read += md.length
             data = buf[md.offset: md.offset + md.length]
             if req.type == LoadItemType.BYTE_IO:

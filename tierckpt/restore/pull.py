@@ -17,6 +17,7 @@ sits there.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,7 @@ from tierckpt.io.storage import Store
 from tierckpt.restore.plan import REPLICA, Inventory, Source
 from tierckpt.tiers.replication import commit_received
 from tierckpt.tiers.retention import InUse
-from tierckpt.tiers.transfer import Received, Transfer, run_transfers
+from tierckpt.tiers.transfer import Received, Transfer, start_transfers
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,9 @@ class Pulled:
     Attributes:
         step: the step pulled (-1: no pull in this attempt).
         intact: this node received a pull and every rank's share arrived with matching sizes
-            and checksums (agreed over the node); set by :func:`run_pulls`.
+            and checksums (agreed over the node); set by :meth:`settle` (:func:`run_pulls`
+            calls it unless the pull is still streaming into :attr:`memory`, when it stays
+            True until settled).
         ok: the pull is now this node's committed ``local/step-<N>`` (set by :func:`commit_pull`).
         error: why this node's pull failed (None when it succeeded or when it received none).
         nbytes: bytes this rank received.
@@ -65,6 +68,40 @@ class Pulled:
     results: dict[int, Received] = field(default_factory=dict, repr=False)
     pulls: list[Transfer] = field(default_factory=list, repr=False)
     keys: set[str] = field(default_factory=set, repr=False)
+    sender: threading.Thread | None = field(default=None, repr=False)
+    settled: bool = True
+
+    def wait_bytes(self, path: str, end: int) -> None:
+        """Block until the first ``end`` bytes of ``path`` (a file of :attr:`memory`) arrived
+        (see :meth:`~tierckpt.tiers.transfer.Received.wait_bytes`)."""
+        for r in self.results.values():
+            if path in r.memory:
+                r.wait_bytes(path, end)
+                return
+
+    def settle(self, node_group) -> None:
+        """Wait for the rest of this rank's receives, check them, and agree over the node
+        (collective over ``node_group``; every rank of the node, once) whether every share
+        arrived intact: :attr:`intact` and :attr:`error` the same on every rank. Idempotent."""
+        if self.settled:
+            return
+        self.settled = True
+        for r in self.results.values():
+            r.complete()
+        self.nbytes = sum(r.nbytes for r in self.results.values())
+        problems = [p for r in self.results.values() for p in r.problems]
+        errs = [p for part in all_gather(problems[:1], node_group) for p in part]
+        if self.receiving:
+            self.intact, self.error = not errs, "; ".join(errs[:3]) or None
+            if not self.intact:
+                self.memory = {}
+
+    def join_sends(self) -> None:
+        """Wait for this rank's sends (before its next transfer or a collective over the
+        transfer group)."""
+        th, self.sender = self.sender, None
+        if th is not None:
+            th.join()
 
 
 def plan_pulls(topo: Topology, inv: Inventory, s: int, sources: dict[int, Source], todo: set[int]) -> list[Transfer]:
@@ -91,8 +128,12 @@ def run_pulls(store: Store, topo: Topology, groups: Groups, in_use: InUse, chunk
     """Receive ``pulls`` into memory (collective over ``groups.local_world`` and ``groups.node``;
     every rank passes the same non-empty list) and agree per node whether they arrived intact.
 
-    ``memory_bytes``: the most a rank receives into memory (``TierConfig.restore_memory_bytes``);
-    :attr:`Pulled.memory` is set only when every rank of the node kept its whole share.
+    ``memory_bytes``: the most a rank receives into memory (``TierConfig.restore_memory_bytes``).
+    When every rank of the node keeps its whole share, this returns once the receives are
+    posted: :attr:`Pulled.memory` fills as the bytes arrive (:meth:`Pulled.wait_bytes`) and
+    :meth:`Pulled.settle` (collective over the node) says whether they were intact; otherwise
+    the receives complete and are settled here. The sends of this rank may still run: call
+    :meth:`Pulled.join_sends` before the next collective over ``groups.local_world``.
     Returns before the received files are written into
     :func:`~tierckpt.io.layout.incoming_step`; every rank must later call :func:`commit_pull`
     on the result (until then the sources and ``local/step-<s>`` are held against retention).
@@ -113,22 +154,19 @@ def run_pulls(store: Store, topo: Topology, groups: Groups, in_use: InUse, chunk
         in_use.hold(k)
     out = Pulled(step=s, receiving=receiving, pulls=pulls, keys=keys)
     try:
-        out.results = run_transfers(pulls, topo.rank, store, groups.local_world, chunk_bytes, keep=memory_bytes)
+        out.results, out.sender = start_transfers(pulls, topo.rank, store, groups.local_world, chunk_bytes,
+                                                  keep=memory_bytes, stream=True)
+        kept = all(r.stream is not None for r in out.results.values())
+        streaming = all(all_gather(kept, groups.node))
     except BaseException:
         _release(out, in_use)
         raise
-    out.nbytes = sum(r.nbytes for r in out.results.values())
-    problems = [p for r in out.results.values() for p in r.problems]
-    if any(r.manifest_bytes is None and not r.problems for r in out.results.values()):
-        problems.append("no manifest received")
-    kept = all(r.sink is not None for r in out.results.values())
-    flags = all_gather((problems[:1], kept), groups.node)
-    errs = [p for f, _ in flags for p in f]
-    if receiving:
-        out.intact = not errs
-        out.error = "; ".join(errs[:3]) or None
-        if out.intact and all(k for _, k in flags):
-            out.memory = {p: b for r in out.results.values() for p, b in r.memory.items()}
+    out.settled = False
+    if receiving and streaming:  # loaded while it arrives; intact until settle() says otherwise
+        out.intact = True
+        out.memory = {p: b for r in out.results.values() for p, b in r.memory.items()}
+    else:
+        out.settle(groups.node)
     return out
 
 
@@ -143,6 +181,8 @@ def commit_pull(store: Store, topo: Topology, node_group, in_use: InUse, pulled:
     pulled.committed = True
     s = pulled.step
     try:
+        pulled.join_sends()
+        pulled.settle(node_group)
         for r in pulled.results.values():
             r.finish()
         ok, bad = commit_received(store, topo, node_group, pulled.results, pulled.pulls)
@@ -162,6 +202,7 @@ def commit_pull(store: Store, topo: Topology, node_group, in_use: InUse, pulled:
 
 def _release(pulled: Pulled, in_use: InUse) -> None:
     """Drop a pull's holds and buffers (its files' writers have finished or are abandoned)."""
+    pulled.join_sends()
     for r in pulled.results.values():
         r.finish()
     for k in pulled.keys:

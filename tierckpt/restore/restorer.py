@@ -330,6 +330,7 @@ class Restorer:
         finally:
             if own is not None:
                 own.result()  # never leave the reader running into the next round
+            pulled.join_sends()  # a node sending a replica loaded its own state meanwhile
             pulled.memory = {}  # the pulled bytes are in the state now (or of no use)
 
     def _own_read(self, s: int, sources: dict[int, Source], todo: set[int]) -> OwnRead | None:
@@ -347,7 +348,6 @@ class Restorer:
         topo, node = self.topo, self.topo.node
         src = sources[node]
         t0 = time.perf_counter()
-        nbytes = pulled.nbytes
         if node not in todo:
             return None
         out = NodeOutcome(node=node, step=s, source=src, ok=False)
@@ -398,7 +398,7 @@ class Restorer:
                 read = self._load_pulled(state_dict, pulled, group)
             else:
                 read = load_dir(state_dict, store.path(rel), group, memory=memory)
-            out.bytes = read + nbytes
+            out.bytes = read + pulled.nbytes
             out.ok = True
         except FAILURES as e:  # any verification or load failure → next source, agreed by all
             out.error = f"{type(e).__name__}: {e}"
@@ -416,18 +416,27 @@ class Restorer:
         return (topo.rank, out)
 
     def _load_pulled(self, state_dict: dict, pulled: Pulled, group) -> int:
-        """Load a pull of this node (every rank of it): from memory while its files are still
-        being written when every rank holds its share there; else, or when the load asks
-        for a file not in memory (a layout whose ranks read others' files), commit the pull
-        first and load the committed copy. Raises what the load raises (→ next source)."""
+        """Load a pull of this node (every rank of it): from memory as the bytes arrive, when
+        every rank holds its share there, then agree that they arrived intact (else the load
+        is void: this source failed); otherwise, or when the load asks for a file not in
+        memory (a layout whose ranks read others' files), commit the pull first and load the
+        committed copy. Raises what the load raises (→ next source)."""
         store, s = self._local().store, pulled.step
         memory = pulled.memory
         if memory:
             try:
-                return load_dir(state_dict, store.path(layout.incoming_step(s)), group, memory=memory, strict=True)
+                read = load_dir(state_dict, store.path(layout.incoming_step(s)), group, memory=memory, strict=True,
+                                wait=pulled.wait_bytes)
             except FAILURES as e:  # DCP raised on every rank of the node: all of them fall back
                 log.info("tierckpt restore: node %d: loading step %d from memory failed (%s: %s); "
                          "committing the pull and loading from disk", self.topo.node, s, type(e).__name__, e)
+            else:
+                pulled.settle(group)
+                if not pulled.intact:
+                    raise VerificationError(f"loaded from a pull that did not arrive intact: {pulled.error}")
+                return read
+            pulled.settle(group)
+            memory = pulled.memory
         commit_pull(store, self.topo, group, self.in_use, pulled)
         if not pulled.ok:
             raise VerificationError(pulled.error or "pull not committed")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -176,7 +177,8 @@ def verify_split(store: Store, rel: str, index: int, count: int) -> list[str]:
 
 
 def load_dir(state_dict: dict, path: str, group: dist.ProcessGroup,
-             memory: dict[str, torch.Tensor] | None = None, strict: bool = False) -> int:
+             memory: dict[str, torch.Tensor] | None = None, strict: bool = False,
+             wait: Callable[[str, int], None] | None = None) -> int:
     """DCP-load ``state_dict`` in place from a checkpoint directory over ``group``.
 
     Uses :class:`VerifyingLoadPlanner`: nothing is read unless the checkpoint covers every
@@ -184,10 +186,11 @@ def load_dir(state_dict: dict, path: str, group: dist.ProcessGroup,
     bytes} of files already in memory and verified (a pull's share, or this rank's share of
     its own copy), loaded from there without a disk read or an intermediate copy
     (:class:`~tierckpt.io.memory_read.MemoryReader`); ``strict``: read nothing from disk
-    (:class:`~tierckpt.io.memory_read.NotInMemoryError` inside DCP's ``CheckpointException``).
-    Returns bytes read by this rank.
+    (:class:`~tierckpt.io.memory_read.NotInMemoryError` inside DCP's ``CheckpointException``);
+    ``wait(name, end)``: called before bytes ``:end`` of a file in memory are used (a pull
+    still arriving). Returns bytes read by this rank.
     """
-    reader = MemoryReader(path, memory or {}, strict) if memory or strict else CountingFileSystemReader(path)
+    reader = MemoryReader(path, memory or {}, strict, wait) if memory or strict else CountingFileSystemReader(path)
     t0 = time.perf_counter()
     dcp.load(state_dict, storage_reader=reader, planner=VerifyingLoadPlanner(), process_group=group)
     log.debug("loaded %s in %.3fs", path, time.perf_counter() - t0)

@@ -75,8 +75,10 @@ class Received:
     # {file path: its bytes (uint8)} when the receiver kept a copy in memory: the share's files
     # that arrived intact, plus the memory-only shared files (Transfer.shared_files)
     memory: dict[str, torch.Tensor] = field(default_factory=dict)
-    # the writer of a kept receive, still writing to disk until finish()
+    # the writer of a kept receive: nothing is written to disk before finish()
     sink: _FileSink | None = field(default=None, repr=False)
+    # a kept receive still arriving (recv_step(stream=True)): see wait_bytes() and complete()
+    stream: _Stream | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -84,10 +86,26 @@ class Received:
         :meth:`finish` ran, was written)."""
         return not self.problems and self.manifest_bytes is not None
 
+    def wait_bytes(self, path: str, end: int) -> None:
+        """Block until the first ``end`` bytes of file ``path`` of a streamed receive are in
+        :attr:`memory` (not yet verified: only :meth:`complete` knows). Raises what the
+        transport raises (a peer gone). A no-op once complete or for a finished receive."""
+        if self.stream is not None:
+            self.stream.wait_bytes(path, end)
+
+    def complete(self) -> None:
+        """Wait for the rest of a streamed receive and check every file's checksum: a file
+        that does not match is a problem and leaves :attr:`memory`, and :attr:`entries` lists
+        the intact files. Never raises for a transport error (it is a problem). Idempotent."""
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            stream.complete(self)
+
     def finish(self) -> None:
         """Write and fsync the files of a kept receive (``recv_step(keep=...)`` returns before
-        writing them); a failed write becomes a problem and its entry is dropped. Idempotent;
-        a no-op for a receive that was not kept."""
+        writing them; :meth:`complete` first); a failed write becomes a problem and its entry
+        is dropped. Idempotent; a no-op for a receive that was not kept."""
+        self.complete()
         sink, self.sink = self.sink, None
         if sink is None:
             return
@@ -147,7 +165,7 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
              and manifest.rank_of_file(e.path) is None]
     _send_header({"manifest": mbytes.decode(), "files": [e.__dict__ for e in entries],
                   "extra": [e.__dict__ for e in extra]}, dst, group)
-    entries = entries + extra
+    entries = extra + entries  # first: a receiver loading while the stream arrives plans from .metadata
     sent = 0
     bufs = None
     pending: collections.deque = collections.deque()
@@ -156,8 +174,8 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
         path = f"{t.src_rel}/{entry.path}"
         fd = _open_exact(store, path, entry.size)
         if fd is not None:
-            # Send straight from the page cache, one mapping per chunk: the disk read of chunk
-            # k+1 (populated when mapped) overlaps the network send of chunk k.
+            # Send straight from the page cache, one mapping per chunk: the kernel reads chunk
+            # k+1 ahead (map_readonly's hint) while chunk k is on the network.
             try:
                 for off in range(0, entry.size, chunk_bytes):
                     data = map_readonly(fd, off, min(chunk_bytes, entry.size - off))
@@ -226,14 +244,16 @@ class _FileSink:
     """Writes received chunks to one transfer's files on its own thread (disk writes overlap
     the next receives); owns the file descriptors and the per-file write errors.
 
-    ``keep``: chunks are received straight into one page-aligned buffer per file (``memory``,
-    also the files in ``extra``, which are never written) and written from there once
-    :meth:`close` is called: a restore loads from memory first, and its disk writes do not
-    compete with the transfer (on the sender's disk read, or for the CPU)."""
+    ``entries``: the files of the stream in order; the first ``n_extra`` are memory-only
+    (never written). ``keep``: chunks are received straight into one page-aligned buffer per
+    file (``memory``) and written from there once :meth:`close` is called: a restore loads
+    from memory first, and its disk writes do not compete with the transfer (on the sender's
+    disk read, or for the CPU)."""
 
     def __init__(self, store: Store, dst_rel: str, entries: list[manifest.FileEntry], bufs: list,
-                 keep: bool = False, extra: list[manifest.FileEntry] | None = None):
+                 keep: bool = False, n_extra: int = 0):
         self.store, self.dst_rel, self.entries, self.bufs = store, dst_rel, entries, bufs
+        self.n_extra = n_extra
         self.fds: dict[int, tuple[int, bool]] = {}
         self.failed: dict[int, str] = {}
         self.keep = keep
@@ -242,7 +262,7 @@ class _FileSink:
         self.full: dict[int, torch.Tensor] = {}
         self.memory: dict[int, torch.Tensor] = {}
         if keep:
-            for i, e in enumerate(entries + (extra or [])):
+            for i, e in enumerate(entries):
                 self.full[i] = _aligned(e.size)
                 self.memory[i] = self.full[i][: e.size]
         self.free: queue.Queue = queue.Queue()
@@ -250,7 +270,7 @@ class _FileSink:
             self.free.put(b)
         self.writes: queue.Queue = queue.Queue()
         for i, e in enumerate(entries):  # empty files have no chunks
-            if e.size == 0:
+            if e.size == 0 and i >= n_extra:
                 self._open(i)
                 self._finish(i)
         self.thread = threading.Thread(target=self._run, name="tierckpt-recv-write", daemon=True)
@@ -327,7 +347,7 @@ class _FileSink:
         self.thread.join()
 
 
-def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0) -> Received:
+def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0, stream: bool = False) -> Received:
     """Receive one :class:`Transfer` into ``t.dst_rel`` of ``store``, verifying as it goes.
 
     Two receives stay in flight while the previous chunk is hashed; a writer thread writes
@@ -343,7 +363,9 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0)
     those that arrived intact) and return as soon as the last byte arrived and was
     checksummed, before anything is written: :meth:`Received.finish` writes and fsyncs the
     files, and must be called before committing (a restore loads from memory first). 0: keep
-    nothing.
+    nothing. ``stream`` (with a kept receive): return right after posting every chunk's
+    receive; the caller uses the bytes as they arrive (:meth:`Received.wait_bytes`) and must
+    call :meth:`Received.complete` (or ``finish``) to learn whether they were intact.
     """
     src = _gsrc(t.src_rank, group)
     res = Received(t)
@@ -352,42 +374,39 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0)
         res.problems.append(f"sender rank {t.src_rank}: {header['error']}")
         return res
     res.manifest_bytes = header["manifest"].encode()
-    entries = [manifest.FileEntry(**d) for d in header["files"]]
     extra = [manifest.FileEntry(**d) for d in header.get("extra", [])]
-    every = entries + extra
+    every = extra + [manifest.FileEntry(**d) for d in header["files"]]  # in stream order
     keep = keep > 0 and sum(e.size for e in every) <= keep  # memory-only files are drained otherwise
     chunks = [(i, off, min(chunk_bytes, e.size - off)) for i, e in enumerate(every)
               for off in range(0, e.size, chunk_bytes)]
     bufs = _buffers("recv", chunk_bytes, count=4)
-    hashers = [xxhash.xxh3_64() for _ in every]
-    sink = _FileSink(store, t.dst_rel, entries, bufs, keep, extra)
-    try:
-        res.nbytes = _receive_chunks(chunks, hashers, sink, len(entries), src, group)
-    except BaseException:
-        sink.close()
-        raise
+    sink = _FileSink(store, t.dst_rel, every, bufs, keep, len(extra))
     if keep:
-        res.sink = sink
-    else:
+        res.sink, res.stream = sink, _Stream(every, len(extra), chunks, sink, src, group)
+        res.memory = {e.path: sink.memory[i] for i, e in enumerate(every)}
+        if not stream:
+            res.complete()
+        return res
+    hashers = [xxhash.xxh3_64() for _ in every]
+    try:
+        res.nbytes = _receive_chunks(chunks, hashers, sink, len(extra), src, group)
+    finally:
         sink.close()
     for i, e in enumerate(every):
         if i in sink.failed:
             res.problems.append(f"{t.dst_rel}/{e.path}: write failed: {sink.failed[i]}")
         elif e.size and hashers[i].hexdigest() != e.xxh3_64:
             res.problems.append(f"{t.dst_rel}/{e.path}: checksum mismatch on receipt")
-        else:
-            if i < len(entries):
-                res.entries.append(e)
-            if keep:
-                res.memory[e.path] = sink.memory[i]
+        elif i >= len(extra):
+            res.entries.append(e)
     return res
 
 
-def _receive_chunks(chunks: list[tuple[int, int, int]], hashers: list, sink: _FileSink, n_written: int,
+def _receive_chunks(chunks: list[tuple[int, int, int]], hashers: list, sink: _FileSink, n_extra: int,
                     src: int, group) -> int:
     """Receive ``chunks`` ((file index, offset, bytes) in stream order) with two receives in
-    flight, hash each, queue it for the sink (files ``>= n_written`` are memory-only); returns
-    the bytes received."""
+    flight, hash each, queue it for the sink (the first ``n_extra`` files are memory-only:
+    drained); returns the bytes received."""
     in_flight = 2
     works = {}
     nbytes = 0
@@ -404,13 +423,78 @@ def _receive_chunks(chunks: list[tuple[int, int, int]], hashers: list, sink: _Fi
         w.wait()
         hashers[i].update(view.numpy().data)
         nbytes += n
-        if i < n_written:
+        if i >= n_extra:
             sink.writes.put((i, b, off, n, k + 1 == len(chunks) or chunks[k + 1][0] != i))
         elif b is not None:
             sink.free.put(b)
         if k + in_flight < len(chunks):
             works[k + in_flight] = post(k + in_flight)
     return nbytes
+
+
+class _Stream:
+    """A kept receive in progress: every chunk's ``irecv`` is posted at once, straight into its
+    file's buffer (the memory is allocated for the whole share anyway), so the sender never
+    waits for this rank and the caller may use each file's bytes as soon as they arrived
+    (:meth:`wait_bytes`). Chunks are hashed, and queued for the sink's deferred writes, in
+    stream order as they are waited for."""
+
+    def __init__(self, every: list[manifest.FileEntry], n_extra: int, chunks: list[tuple[int, int, int]],
+                 sink: _FileSink, src: int, group):
+        self.every, self.n_extra, self.chunks, self.sink = every, n_extra, chunks, sink
+        self.index = {e.path: i for i, e in enumerate(every)}
+        self.hashers = [xxhash.xxh3_64() for _ in every]
+        self.works: list = []
+        self.done = 0  # chunks waited for and hashed
+        self.nbytes = 0
+        self.error: str | None = None
+        try:
+            for i, off, n in chunks:
+                self.works.append(_work(dist.irecv(sink.memory[i][off: off + n], src, group=group)))
+        except FAILURES as ex:  # the rest is never posted: complete() reports it
+            self.error = f"receive failed: {type(ex).__name__}: {ex}"
+
+    def _advance(self) -> None:
+        k = self.done
+        i, off, n = self.chunks[k]
+        self.works[k].wait()
+        self.hashers[i].update(self.sink.memory[i][off: off + n].numpy().data)
+        self.nbytes += n
+        if i >= self.n_extra:
+            last = k + 1 == len(self.chunks) or self.chunks[k + 1][0] != i
+            self.sink.writes.put((i, None, off, n, last))
+        self.done += 1
+
+    def wait_bytes(self, path: str, end: int) -> None:
+        """See :meth:`Received.wait_bytes`."""
+        i = self.index[path]
+        while self.done < len(self.works):
+            fi, off, n = self.chunks[self.done]
+            if fi > i or (fi == i and off >= end):
+                return
+            self._advance()
+        if self.error is not None or self.done < len(self.chunks):
+            raise RuntimeError(f"tierckpt transfer: {self.error or 'stream ended early'}")
+
+    def complete(self, res: Received) -> None:
+        """See :meth:`Received.complete`."""
+        try:
+            while self.done < len(self.works):
+                self._advance()
+        except FAILURES as ex:
+            self.error = self.error or f"receive failed: {type(ex).__name__}: {ex}"
+        res.nbytes = self.nbytes
+        tag = res.transfer.dst_rel
+        if self.error is not None or self.done < len(self.chunks):
+            res.problems.append(f"{tag}: {self.error or 'stream ended early'}")
+            res.memory = {}
+            return
+        for i, e in enumerate(self.every):
+            if e.size and self.hashers[i].hexdigest() != e.xxh3_64:
+                res.problems.append(f"{tag}/{e.path}: checksum mismatch on receipt")
+                res.memory.pop(e.path, None)
+            elif i >= self.n_extra:
+                res.entries.append(e)
 
 
 _ALIGN = 4096
@@ -431,7 +515,7 @@ def _buffers(kind: str, chunk_bytes: int, count: int = 2) -> list[torch.Tensor]:
 
 
 def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
-                  chunk_bytes: int, keep: int = 0) -> dict[int, Received]:
+                  chunk_bytes: int, keep: int = 0, stream: bool = False) -> dict[int, Received]:
     """Execute this rank's part of ``transfers`` (every rank passes the same list).
 
     Never raises for a transfer problem, so every rank reaches the collective that agrees on
@@ -441,10 +525,22 @@ def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
     rank to itself is refused on both sides before any byte moves (``problems`` says so).
     ``keep``: receivers keep up to that many bytes per transfer in memory and return before
     their disk writes end (see :func:`recv_step`): call :meth:`Received.finish` on every result.
+    ``stream``: kept receives return once posted (see :func:`recv_step`).
 
     Returns:
         {transfer index: Received} for the transfers this rank received.
     """
+    out, th = start_transfers(transfers, rank, store, group, chunk_bytes, keep, stream)
+    th.join()  # the sender shares this process's buffers: never leave it running
+    return out
+
+
+def start_transfers(transfers: list[Transfer], rank: int, store: Store, group, chunk_bytes: int,
+                    keep: int = 0, stream: bool = False) -> tuple[dict[int, Received], threading.Thread]:
+    """:func:`run_transfers` that returns once this rank's receives are done (or posted, with
+    ``stream``) while its sends may still run: (results, sender thread). The caller must join
+    the thread before this rank's next transfer (they share the send buffers) and before a
+    collective over ``group``; it may do other work meanwhile (a restore loads its own copy)."""
     sends = [t for t in transfers if t.src_rank == rank and t.dst_rank != rank]
 
     def sender():
@@ -466,13 +562,14 @@ def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
                 out[i] = Received(t, problems=[f"{t.tag}: a transfer from rank {rank} to itself (not sent)"])
                 continue
             try:
-                out[i] = recv_step(store, t, group, chunk_bytes, keep)
+                out[i] = recv_step(store, t, group, chunk_bytes, keep, stream)
             except FAILURES as e:
                 log.error("tierckpt transfer %s: receive failed: %s: %s", t.tag, type(e).__name__, e)
                 out[i] = Received(t, problems=[f"{t.tag}: receive failed: {type(e).__name__}: {e}"])
-    finally:
-        th.join()  # the sender shares this process's buffers: never leave it running
-    return out
+    except BaseException:
+        th.join()
+        raise
+    return out, th
 
 
 def _work(w: dist.Work | None) -> dist.Work:
