@@ -200,3 +200,17 @@ def test_a_replica_corrupt_in_its_data_is_loaded_then_refused_and_the_next_sourc
     out = run_world(scenarios.phase_restore_and_check, 2, base, 1, K, EXTRA)[0].value
     assert out["sources"] == {0: ("own-local", 0), 1: ("persistent", None)}, out
     assert any(f[:3] == (1, "peer-replica", 0) and "checksum mismatch" in f[4] for f in out["failures"]), out
+
+
+def test_decode_record_templates_never_mix_up_records():
+    # records of one layout share every byte before their data: the second one is built from
+    # the first one's template, with its own values; a same-length record of another dtype or
+    # shape does not match the template
+    memory_read._TEMPLATES.clear()
+    a, b = torch.randn(5, 7), torch.randn(5, 7)
+    ints = torch.arange(35, dtype=torch.int32).view(5, 7)  # same byte length as a
+    flat = torch.randn(35)
+    for t in (a, b, ints, flat, a.t().contiguous().t()):
+        got = memory_read.decode_record(_record(t))
+        assert got.dtype == t.dtype and got.shape == t.shape and got.stride() == t.stride() and torch.equal(got, t)
+    assert any(len(v) > 1 for v in memory_read._TEMPLATES.values())  # one length, several layouts

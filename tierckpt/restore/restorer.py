@@ -318,13 +318,13 @@ class Restorer:
         """Run one round; returns (global rank, NodeOutcome for this node) or None.
 
         A node restoring its own copy reads and checksums its share into memory on a helper
-        thread (:class:`~tierckpt.io.memory_read.OwnRead`) while the round's pulls run; a node
-        served by a replica loads the pulled bytes from memory while they are written to disk
-        (the commit is :meth:`commit_pending`'s)."""
-        own = self._own_read(s, sources, todo)
-        pulled = self._pull(s, sources, todo)
+        thread (:class:`~tierckpt.io.memory_read.OwnRead`) while the round's sends run; a node
+        served by a replica loads the pulled bytes from memory as they arrive (written to disk
+        and committed later: :meth:`commit_pending`)."""
+        pulled = self._pull(s, sources, todo)  # first: its sends queue their disk reads ahead of ours
         if pulled.step >= 0:
             self.pending.append(pulled)
+        own = self._own_read(s, sources, todo)
         try:
             return self._load_node(state_dict, s, sources, todo, pulled, own)
         finally:

