@@ -219,6 +219,11 @@ class StagingPool:
             # Prefer the slot used least recently so a just-released slot's buffers stay warm.
             return self._free.pop(0)
 
+    def try_acquire(self) -> StagingSlot | None:
+        """A free slot now, or None (never waits)."""
+        with self._cv:
+            return self._free.pop(0) if self._free else None
+
     def wait_for_staging(self) -> float:
         """Block until every slot's enqueued device→host copy is complete; returns the seconds
         waited (0.0 on the ``"sync"`` path, where ``stage`` already copied)."""

@@ -58,6 +58,13 @@ class BusyPoll:
 
         Costs one all-reduce of 4 bytes per tier whose job was not yet agreed finished and was
         not asked about earlier in this step."""
+        return self.begin(tiers, step)()
+
+    def begin(self, tiers: Iterable[str], step: int) -> Callable[[], dict[str, bool]]:
+        """:meth:`finished` in two halves: post the all-reduce now (asynchronously) and return
+        the function that waits for it and answers, so the caller can do its own work (the
+        staging copy) while the agreement is in flight. Call the returned function exactly
+        once, before any other collective over the control group."""
         if step != self._step:
             self._step, self._answers = step, {}
         out, ask = {}, []
@@ -69,15 +76,22 @@ class BusyPoll:
                 out[t] = self._answers[t][1]
             else:
                 ask.append((t, fut))
-        if ask:
-            flags = torch.tensor([int(f.done()) for _, f in ask], dtype=torch.int32)
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group)
+        if not ask:
+            return lambda: out
+        flags = torch.tensor([int(f.done()) for _, f in ask], dtype=torch.int32)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group, async_op=True)
+
+        def answer() -> dict[str, bool]:
+            if work is not None:
+                work.wait()
             for (t, fut), flag in zip(ask, flags.tolist()):
                 out[t] = bool(flag)
                 self._answers[t] = (fut, out[t])
                 if out[t]:
                     self._done[t] = fut
-        return out
+            return out
+
+        return answer
 
     def deferred(self, tier: str, step: int, t0: float, policy_note: str) -> CheckpointRecord:
         """The agreed record of ``tier``'s save of ``step`` deferred (every rank builds the same
