@@ -48,7 +48,7 @@ capture; restore ≤ 0.8× NVRx and ≤ 0.8× lm-resiliency's disk path.
 Usage::
 
     .venv/bin/python bench/bench_peers.py [--mib-per-rank 256 1024] [--local-root-base /dev/shm]
-        [--saves 10] [--restore-reps 3] [--rss-saves 50] [--peers-python .venv-peers/bin/python]
+        [--saves 10] [--restore-reps 5] [--rss-saves 50] [--peers-python .venv-peers/bin/python]
         [--skip-lmr] [--record]
 
 ``--record`` appends machine, command, load average, method and tables to bench/RESULTS.md.
@@ -556,7 +556,7 @@ def main(argv=None) -> int:
                     help="state sizes per rank in MiB (default 256 1024)")
     ap.add_argument("--saves", type=int, default=10, help="measured saves per system (default 10)")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up saves per system (default 2)")
-    ap.add_argument("--restore-reps", type=int, default=3, help="restores per system (default 3)")
+    ap.add_argument("--restore-reps", type=int, default=5, help="restores per system (default 5)")
     ap.add_argument("--rss-saves", type=int, default=50, help="saves for the RSS growth (default 50)")
     ap.add_argument("--systems", nargs="*", default=None,
                     help="only these peers (tierckpt always runs): 'DCP sync', 'DCP async (thread)', "
