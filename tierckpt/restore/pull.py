@@ -54,6 +54,10 @@ class Pulled:
         kept: ``(node m, directory)`` where the copy of node m that ``local/step-<N>`` held
             before now is (None: it held no other node's committed copy).
         committed: :func:`commit_pull` ran (whatever its outcome).
+        receiving: this node is a destination of the attempt's pulls.
+        results, pulls, keys, sender, settled: this rank's receives, the attempt's transfers,
+            the keys held against retention, its sending thread (until :meth:`join_sends`),
+            and whether :meth:`settle` ran.
     """
 
     step: int = -1
@@ -126,7 +130,8 @@ def plan_pulls(topo: Topology, inv: Inventory, s: int, sources: dict[int, Source
 def run_pulls(store: Store, topo: Topology, groups: Groups, in_use: InUse, chunk_bytes: int,
               pulls: list[Transfer], s: int, memory_bytes: int) -> Pulled:
     """Receive ``pulls`` into memory (collective over ``groups.local_world`` and ``groups.node``;
-    every rank passes the same non-empty list) and agree per node whether they arrived intact.
+    every rank passes the same non-empty list) and agree per node whether they arrived intact
+    (here, or through :meth:`Pulled.settle` while they stream).
 
     ``memory_bytes``: the most a rank receives into memory (``TierConfig.restore_memory_bytes``).
     When every rank of the node keeps its whole share, this returns once the receives are
