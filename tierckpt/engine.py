@@ -558,8 +558,10 @@ class TieredCheckpointer:
         self.pool.wait_for_staging()  # the load writes into tensors a pending device→host copy reads
         stuck = self._drain_for_restore()
         groups = self._second_groups("restore") if stuck else self.groups
+        # pulled copies are committed in the background, on the local worker of every rank; with
+        # a local job stuck on some node that worker is blocked there: commit them now instead
         res = self.restorer.restore(state_dict, step, kinds=kinds, groups=groups, unavailable=frozenset(stuck),
-                                    defer_commit=self.local is not None)
+                                    defer_commit=self.local is not None and not stuck)
         if res is None:
             return None
         self.journal.restore(res)
