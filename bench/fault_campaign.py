@@ -614,7 +614,7 @@ class Injector:
                     out.append(f)
             return out
 
-        def run(kind, orig, t, args):
+        def run(kind, orig, t, args, kw):
             fs = matching(kind, t)
             for f in fs:
                 if f.get("sub") in ("start", "send", "recv") and f["kind"] != "kill-restore":
@@ -622,7 +622,7 @@ class Injector:
             mids = [f for f in fs if f.get("sub") == "mid" or f["kind"] == "kill-restore"]
             inj.tls.mid = (mids, 0, t.tag) if mids else None
             try:
-                out = orig(*args)
+                out = orig(*args, **kw)
             finally:
                 inj.tls.mid = None
             for f in fs:
@@ -630,11 +630,13 @@ class Injector:
                     inj.kill(f, f"{t.tag}: {kind[10:]} end")
             return out
 
-        def send_step(store, t, group, chunk_bytes):
-            return run("kill-repl-send", orig_send, t, (store, t, group, chunk_bytes))
+        # pass every argument through: a wrapper that drops one (a new parameter) fails every
+        # receive before it drains its stream, and the sender then waits out the gloo timeout
+        def send_step(store, t, *rest, **kw):
+            return run("kill-repl-send", orig_send, t, (store, t, *rest), kw)
 
-        def recv_step(store, t, group, chunk_bytes, keep=False):
-            return run("kill-repl-recv", orig_recv, t, (store, t, group, chunk_bytes, keep))
+        def recv_step(store, t, *rest, **kw):
+            return run("kill-repl-recv", orig_recv, t, (store, t, *rest), kw)
 
         def _work(w):
             mid = getattr(inj.tls, "mid", None)
