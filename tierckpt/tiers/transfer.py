@@ -15,6 +15,7 @@ wait-for chain always ends (no deadlock for any set of transfers).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import mmap
@@ -224,16 +225,12 @@ def _read_ahead(store: Store, rel: str, entries: list[manifest.FileEntry]) -> No
     if not store.local:
         return
     for e in entries:
-        try:
+        with contextlib.suppress(OSError, AttributeError):  # a hint: a missing file fails later, reported
             fd = os.open(store.path(f"{rel}/{e.path}"), os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, e.size, os.POSIX_FADV_WILLNEED)
-        except (OSError, AttributeError):
-            pass
-        finally:
-            os.close(fd)
+            try:
+                os.posix_fadvise(fd, 0, e.size, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
 
 def _open_exact(store: Store, rel: str, size: int) -> int | None:
@@ -245,11 +242,9 @@ def _open_exact(store: Store, rel: str, size: int) -> int | None:
         fd = os.open(store.path(rel), os.O_RDONLY)
     except OSError:
         return None
-    try:
+    with contextlib.suppress(OSError):
         if os.fstat(fd).st_size == size:
             return fd
-    except OSError:
-        pass
     os.close(fd)
     return None
 
