@@ -219,7 +219,7 @@ tck_port() {
 # torchrun, which would die of it; the workers install their own handler.
 # On a step over part of the allocation (TCK_NODELIST, after a node was lost for good) the node
 # rank is the host's position in that list, and a host whose rank changed since the previous
-# attempt (TCK_PREV_HOSTS) takes its local root along: node-<old> becomes node-<new>.
+# attempt (TCK_PREV_HOSTS) takes its local root along: node-<old> becomes node-<new>, in node order.
 # shellcheck disable=SC2016
 TCK_NODE_SCRIPT='
 host=${SLURMD_NODENAME:-$(hostname -s)}
@@ -229,10 +229,23 @@ if [ -n "${TCK_NODELIST:-}" ]; then
   rank=$((${rank:-0} - 1))
 fi
 old=$(tr " " "\n" <<< "${TCK_PREV_HOSTS:-}" | grep -nxF "$host" | cut -d: -f1)
+seen="$TIERCKPT_LOCAL_ROOT/.hosts"
+if [ -n "$old" ] && [ "$((old - 1))" -ne "$rank" ] && ls "$seen" 2>/dev/null | grep -qvxF "$host"; then
+  # One local root seen by several hosts (nodes simulated on one machine): the renames form a chain
+  # (node-2 -> node-1 while node-1 -> node-0), so wait until the host that held node-<rank> has
+  # moved out, lest we find the name taken, or it takes the directory we just moved in. On a
+  # node-local root (only this host in .hosts) nobody waits.
+  holder=$(tr " " "\n" <<< "$TCK_PREV_HOSTS" | sed -n "$((rank + 1))p")
+  if [ -n "$holder" ] && [ "$holder" != "$host" ] && tr , "\n" <<< "${TCK_NODELIST:-}" | grep -qxF "$holder"; then
+    for _ in $(seq 600); do [ -e "$TCK_ATTEMPT_DIR/moved-$holder" ] && break; sleep 0.05; done
+  fi
+fi
 if [ -n "$old" ] && [ "$((old - 1))" -ne "$rank" ] && [ -d "$TIERCKPT_LOCAL_ROOT/node-$((old - 1))" ] &&
    [ ! -e "$TIERCKPT_LOCAL_ROOT/node-$rank" ]; then
   mv "$TIERCKPT_LOCAL_ROOT/node-$((old - 1))" "$TIERCKPT_LOCAL_ROOT/node-$rank"
 fi
+: > "$TCK_ATTEMPT_DIR/moved-$host"
+mkdir -p "$seen" 2>/dev/null && : > "$seen/$host" 2>/dev/null
 f="$TCK_ATTEMPT_DIR/node-$rank"
 sig=-
 trap "sig=TERM" TERM

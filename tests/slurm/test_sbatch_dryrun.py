@@ -305,16 +305,20 @@ def test_notice_to_batch_script_forwards_sigterm_and_requeues(tmp_path, sig, job
 # answers titan_plugin.elastic with fixed overrides (one word quoted) and plays torchrun: in the
 # first attempt host $FAKE_LOSE dies (and Slurm marks it down), the others train until stopped.
 SHRINK_SRUN = r"""#!/bin/bash
-hosts=""
-for a in "$@"; do case "$a" in --nodelist=*) hosts=${a#*=} ;; esac; done
+hosts=""; nodelist=""
+for a in "$@"; do case "$a" in --nodelist=*) hosts=${a#*=}; nodelist=1 ;; esac; done
 while [ $# -gt 0 ] && [ "$1" != bash ]; do shift; done
 shift 2; script=$1; shift 2
 [ -n "$hosts" ] || hosts=$(seq -s, -f 'gpu%02g' 1 "$TCK_NNODES")
 echo "srun nodes=$TCK_NNODES hosts=$hosts" >> "$FAKE_DIR/calls"
 set -m
-pids=(); i=0
+pids=(); i=0; delay=0
+[ -z "$nodelist" ] || delay=$(( $(tr , "\n" <<< "$hosts" | wc -l) ))
 for h in ${hosts//,/ }; do
-  SLURM_NODEID=$i SLURMD_NODENAME=$h bash -c "$script" tierckpt-node "$@" &
+  # on a step over part of the allocation the later hosts start first (gpu03 before gpu02): the
+  # chain of local-root moves must not depend on who is scheduled first
+  delay=$((delay > 0 ? delay - 1 : 0))
+  ( sleep "0.$((delay * 3))"; SLURM_NODEID=$i SLURMD_NODENAME=$h exec bash -c "$script" tierckpt-node "$@" ) &
   pids+=($!); i=$((i + 1))
 done
 rc=0
@@ -401,8 +405,10 @@ def test_node_lost_for_good_goes_on_with_fewer(tmp_path, lose, left):
     second = sorted(x for x in (fake / "nodes").read_text().splitlines() if x.startswith("attempt=1 "))
     assert second == [f"attempt=1 host={h} rank={i} nnodes=2 master={left[0]} "
                       "tail=--checkpoint.replication_factor 2 --note a b last=[a b]" for i, h in enumerate(left)], second
-    # gpu03 was node 2 and is node 1 now: its local root moved with it
-    assert sorted(p.name for p in nvme.iterdir()) == ["node-1"]
+    # gpu03 was node 2 and is node 1 now: its local root moved with it (after gpu02's turn: the
+    # three hosts share this root, as .hosts shows, so the chain of moves goes in node order)
+    assert sorted(p.name for p in nvme.iterdir() if p.name != ".hosts") == ["node-1"]
+    assert sorted(p.name for p in (nvme / ".hosts").iterdir()) == ["gpu01", "gpu02", "gpu03"]
     assert (nvme / "node-1" / "marker").read_text() == "gpu03's disk"
     assert "going on with 2 nodes" in r.stderr and "warning: replication clamped" in r.stderr
 
