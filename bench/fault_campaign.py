@@ -597,10 +597,10 @@ class Injector:
     def _patch_transfer(self) -> None:
         """Kills at the start, in the middle (the j-th chunk request) or at the end of a send
         or a receive (replication in the faulty run, pulls in a restore)."""
-        from tierckpt.tiers import transfer
+        from tierckpt.tiers import transfer, wire
 
         inj = self
-        orig_send, orig_recv, orig_work = transfer.send_step, transfer.recv_step, transfer._work
+        orig_send, orig_recv, orig_work = transfer.send_step, transfer.recv_step, wire.work
 
         def matching(kind: str, t) -> list[dict]:
             out = []
@@ -648,7 +648,7 @@ class Injector:
                         inj.kill(f, f"{tag}: chunk request {n + 1}")
             return orig_work(w)
 
-        transfer.send_step, transfer.recv_step, transfer._work = send_step, recv_step, _work
+        transfer.send_step, transfer.recv_step, wire.work = send_step, recv_step, _work
 
     def _patch_retention(self) -> None:
         from tierckpt.io import manifest
