@@ -7,6 +7,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -94,3 +95,16 @@ def test_lmr_driver_side_venv(tmp_path):
     for k in ("capture_s", "replication_s", "ram_restore_s", "disk_restore_s", "flush_s"):
         assert len(r[k]) >= 1 and all(0 < x < 60 for x in r[k]), k
     assert not (tmp_path / "lmr").exists()
+
+
+def test_probe_memory_prints_every_method_and_refuses_bad_sizes():
+    """bench/probe_memory.py (the fresh-memory cost behind the restore row of RESULTS.md): one
+    row per method with a positive first-touch time; a zero size is refused with the option named."""
+    cmd = [sys.executable, os.path.join(REPO, "bench", "probe_memory.py")]
+    r = subprocess.run(cmd + ["--mib", "4", "--reps", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = {ln.split()[0]: ln.split()[1:] for ln in r.stdout.splitlines()[2:]}
+    assert set(rows) == {"zero_", "MADV_POPULATE_WRITE", "MAP_POPULATE"}, r.stdout
+    assert all(float(v[0]) > 0 and float(v[1]) > 0 for v in rows.values()), r.stdout
+    bad = subprocess.run(cmd + ["--mib", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--mib" in bad.stderr
