@@ -18,16 +18,27 @@ class _Count(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)
         self.fallbacks = 0
+        self.no_memory = 0
 
     def emit(self, record):
         if "from memory failed" in record.getMessage():
             self.fallbacks += 1
+        if "no memory to keep" in record.getMessage():
+            self.no_memory += 1
 
 
-def phase_node_loss(rank, world, base, rpn, k, extra_steps, cfg_kw=None, drop_metadata=False):
+def phase_node_loss(rank, world, base, rpn, k, extra_steps, cfg_kw=None, drop_metadata=False, no_memory=False):
     """Restore step ``k`` after node 1 lost its root (the caller deleted it); check the state
     and the next losses bitwise against the uninterrupted run, then, once the background job
-    ran, that node 1 holds a committed, intact copy of step ``k`` of its own again."""
+    ran, that node 1 holds a committed, intact copy of step ``k`` of its own again.
+    ``no_memory``: node 1's allocator refuses the buffers of a kept receive."""
+    if no_memory and rank // rpn == 1:
+        from tierckpt.tiers import receive
+
+        def refuse(size):
+            raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {size} bytes")
+
+        receive._aligned = refuse
     if drop_metadata:  # the receiving rank "forgets" .metadata after the pull: the load must fall back
         from tierckpt.restore import pull
 
@@ -45,6 +56,7 @@ def phase_node_loss(rank, world, base, rpn, k, extra_steps, cfg_kw=None, drop_me
     count = _Count()
     logging.getLogger("tierckpt.restore.restorer").addHandler(count)
     logging.getLogger("tierckpt.restore.restorer").setLevel(logging.INFO)
+    logging.getLogger("tierckpt.tiers.receive").addHandler(count)
     node = rank // rpn
     eng = TieredCheckpointer(make_config(base, **(cfg_kw or {})), node_id=node)
     model, opt = build(seed=123)
@@ -65,6 +77,7 @@ def phase_node_loss(rank, world, base, rpn, k, extra_steps, cfg_kw=None, drop_me
         "sources": {n: (o.source.kind, o.source.holder) for n, o in res.sources.items()},
         "attempts": res.attempts,
         "fallbacks": count.fallbacks,
+        "no_memory": count.no_memory,
         "own_copy": None if doc is None else (doc.get("node"), manifest.verify_step(store, layout.local_step(k))),
         "incoming_left": store.exists(layout.incoming_step(k)),
         "redundancy": None if red is None else (red.ok, red.nodes, red.missing),

@@ -177,6 +177,17 @@ def test_restore_memory_bytes_zero_commits_first_and_loads_from_disk(saved, tmp_
 
 
 @pytest.mark.parametrize("saved", [1], indirect=True, ids=["2nodes-x1rank"])
+def test_no_memory_for_the_pull_receives_it_to_disk(saved, tmp_path):
+    # node 1's allocator refuses the pull's buffers: it receives to disk instead (the sender is
+    # drained, not left waiting for the group timeout) and loads from there, with a warning
+    base, rpn = saved
+    out = run_world(scenarios_memory.phase_node_loss, 2 * rpn, _lose_node_1(base, tmp_path), rpn, K, EXTRA,
+                    {"tiers": ("local",)}, False, True, timeout=240)
+    _check(out, rpn, fallback=False)
+    assert [r.value["no_memory"] for r in out] == [0, 1], out
+
+
+@pytest.mark.parametrize("saved", [1], indirect=True, ids=["2nodes-x1rank"])
 def test_a_file_missing_from_memory_falls_back_to_disk(saved, tmp_path):
     base, rpn = saved
     out = run_world(scenarios_memory.phase_node_loss, 2 * rpn, _lose_node_1(base, tmp_path), rpn, K, EXTRA,

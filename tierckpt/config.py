@@ -250,7 +250,8 @@ class TierConfig(_KnownFields):
             a restore (bytes, default 32 GiB; 0 = none): the rank's share of its own copy, read
             and checksummed in one pass while the pulls run, and a pulled replica, received into
             memory and loaded from it while it is written to disk. A larger own share is verified
-            and loaded from disk; a larger pull is committed to disk before it is loaded.
+            and loaded from disk; a larger pull, or one whose buffers the allocator refuses
+            (logged), is committed to disk before it is loaded.
         staging_buffers: host copies of the state kept for overlapping saves (>=1).
         collective_timeout_s: timeout of the engine's own gloo groups (seconds).
         local_wait_timeout_s: longest a local-tier save waits for the previous one (seconds; 0 =

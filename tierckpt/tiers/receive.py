@@ -4,6 +4,7 @@ and used as they arrive (a streamed receive, :class:`Received`)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -19,6 +20,7 @@ from tierckpt.io.storage import Store
 from tierckpt.tiers import wire
 from tierckpt.tiers.wire import Transfer
 
+log = logging.getLogger(__name__)
 _ALIGN = 4096
 
 
@@ -207,7 +209,8 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0,
     those that arrived intact) and return as soon as the last byte arrived and was
     checksummed, before anything is written: :meth:`Received.finish` writes and fsyncs the
     files, and must be called before committing (a restore loads from memory first). 0: keep
-    nothing. ``stream`` (with a kept receive): return right after posting every chunk's
+    nothing. Where the allocator refuses those buffers (RuntimeError/MemoryError), the files
+    are received to disk as with ``keep=0``, with a warning. ``stream`` (with a kept receive): return right after posting every chunk's
     receive; the caller uses the bytes as they arrive (:meth:`Received.wait_bytes`) and must
     call :meth:`Received.complete` (or ``finish``) to learn whether they were intact.
     """
@@ -224,7 +227,18 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0,
     chunks = [(i, off, min(chunk_bytes, e.size - off)) for i, e in enumerate(every)
               for off in range(0, e.size, chunk_bytes)]
     bufs = wire.buffers("recv", chunk_bytes, count=4)
-    sink = _FileSink(store, t.dst_rel, every, bufs, keep, len(extra))
+    sink = None
+    if keep:
+        try:
+            sink = _FileSink(store, t.dst_rel, every, bufs, True, len(extra))
+        except (RuntimeError, MemoryError) as ex:  # the allocator refused the share's buffers
+            # receive to disk instead: the stream must be drained either way, or the sender
+            # waits for this rank until the group's timeout
+            log.warning("tierckpt transfer %s: no memory to keep %d bytes (%s: %s); receiving to disk",
+                        t.tag, sum(e.size for e in every), type(ex).__name__, ex)
+            keep = False
+    if sink is None:
+        sink = _FileSink(store, t.dst_rel, every, bufs, False, len(extra))
     if keep:
         res.sink, res.stream = sink, _Stream(every, len(extra), chunks, sink, src, group)
         res.memory = {e.path: sink.memory[i] for i, e in enumerate(every)}
