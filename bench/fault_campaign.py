@@ -479,7 +479,7 @@ class Injector:
         """Commit files, side files and the replica receiver's os.write obey the full /
         read-only flags."""
         from tierckpt.io.storage import Store
-        from tierckpt.tiers import transfer
+        from tierckpt.tiers import receive
 
         inj = self
         orig_atomic, orig_open = Store.write_atomic, Store.open
@@ -531,7 +531,7 @@ class Injector:
                     raise err
                 return os.write(fd, data)
 
-        transfer.os = _OsShim()
+        receive.os = _OsShim()  # the module whose sink writes received chunks
 
     def _patch_checksum(self) -> None:
         from tierckpt.tiers import commit

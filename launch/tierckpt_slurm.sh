@@ -228,28 +228,41 @@ if [ -n "${TCK_NODELIST:-}" ]; then
   rank=$(tr , "\n" <<< "$TCK_NODELIST" | grep -nxF "$host" | cut -d: -f1)
   rank=$((${rank:-0} - 1))
 fi
-old=$(tr " " "\n" <<< "${TCK_PREV_HOSTS:-}" | grep -nxF "$host" | cut -d: -f1)
-seen="$TIERCKPT_LOCAL_ROOT/.hosts"
-if [ -n "$old" ] && [ "$((old - 1))" -ne "$rank" ] && ls "$seen" 2>/dev/null | grep -qvxF "$host"; then
-  # One local root seen by several hosts (nodes simulated on one machine): the renames form a chain
-  # (node-2 -> node-1 while node-1 -> node-0), so wait until the host that held node-<rank> has
-  # moved out, lest we find the name taken, or it takes the directory we just moved in. On a
-  # node-local root (only this host in .hosts) nobody waits.
-  holder=$(tr " " "\n" <<< "$TCK_PREV_HOSTS" | sed -n "$((rank + 1))p")
-  if [ -n "$holder" ] && [ "$holder" != "$host" ] && tr , "\n" <<< "${TCK_NODELIST:-}" | grep -qxF "$holder"; then
-    for _ in $(seq 600); do [ -e "$TCK_ATTEMPT_DIR/moved-$holder" ] && break; sleep 0.05; done
-  fi
-fi
-if [ -n "$old" ] && [ "$((old - 1))" -ne "$rank" ] && [ -d "$TIERCKPT_LOCAL_ROOT/node-$((old - 1))" ] &&
-   [ ! -e "$TIERCKPT_LOCAL_ROOT/node-$rank" ]; then
-  mv "$TIERCKPT_LOCAL_ROOT/node-$((old - 1))" "$TIERCKPT_LOCAL_ROOT/node-$rank"
-fi
-: > "$TCK_ATTEMPT_DIR/moved-$host"
-mkdir -p "$seen" 2>/dev/null && : > "$seen/$host" 2>/dev/null
-f="$TCK_ATTEMPT_DIR/node-$rank"
 sig=-
 trap "sig=TERM" TERM
 trap "" USR1
+old=$(tr " " "\n" <<< "${TCK_PREV_HOSTS:-}" | grep -nxF "$host" | cut -d: -f1)
+root=$TIERCKPT_LOCAL_ROOT
+shared=
+for h in "$root"/.hosts/*; do [ -e "$h" ] && [ "${h##*/}" != "$host" ] && shared=1; done
+if [ -n "$old" ] && [ "$((old - 1))" -ne "$rank" ] && [ -n "$shared" ]; then
+  # One local root seen by several hosts (nodes simulated on one machine): the renames form a chain
+  # (node-2 -> node-1 while node-1 -> node-0), so wait until the host that held node-<rank> has
+  # moved out, lest we find the name taken, or it takes the directory we just moved in; a lost
+  # host leaves its directory behind, which is set aside. On a node-local root (only this host
+  # in .hosts) nobody waits.
+  holder=$(tr " " "\n" <<< "$TCK_PREV_HOSTS" | sed -n "$((rank + 1))p")
+  if [ -n "$holder" ] && [ "$holder" != "$host" ]; then
+    if tr , "\n" <<< "${TCK_NODELIST:-}" | grep -qxF "$holder"; then
+      for _ in $(seq 600); do [ -e "$TCK_ATTEMPT_DIR/moved-$holder" ] && break; sleep 0.05; done
+      [ -e "$TCK_ATTEMPT_DIR/moved-$holder" ] ||
+        echo "[tierckpt] $host: $holder did not move out of node-$rank within 30 s" >&2
+    elif [ -d "$root/node-$rank" ]; then
+      mv "$root/node-$rank" "$root/.lost-$holder-$TIERCKPT_RESTART_COUNT" &&
+        echo "[tierckpt] $host: node-$rank of lost host $holder set aside as .lost-$holder-$TIERCKPT_RESTART_COUNT" >&2
+    fi
+  fi
+fi
+if [ -n "$old" ] && [ "$((old - 1))" -ne "$rank" ] && [ -d "$root/node-$((old - 1))" ]; then
+  if [ -e "$root/node-$rank" ]; then
+    echo "[tierckpt] $host: node-$((old - 1)) not moved to node-$rank, which exists" >&2
+  else
+    mv "$root/node-$((old - 1))" "$root/node-$rank"
+  fi
+fi
+: > "$TCK_ATTEMPT_DIR/moved-$host"
+mkdir -p "$root/.hosts" 2>/dev/null && : > "$root/.hosts/$host" 2>/dev/null
+f="$TCK_ATTEMPT_DIR/node-$rank"
 echo "$host" > "$f.host"
 # a pipeline, not a process substitution: bash waits for tee, so the file is complete
 { "$TIERCKPT_PYTHON" -m torch.distributed.run --nnodes="$TCK_NNODES" --node-rank="$rank" \

@@ -318,7 +318,9 @@ for h in ${hosts//,/ }; do
   # on a step over part of the allocation the later hosts start first (gpu03 before gpu02): the
   # chain of local-root moves must not depend on who is scheduled first
   delay=$((delay > 0 ? delay - 1 : 0))
-  ( sleep "0.$((delay * 3))"; SLURM_NODEID=$i SLURMD_NODENAME=$h exec bash -c "$script" tierckpt-node "$@" ) &
+  # FAKE_NODE_LOCAL: every host sees its own local root (a real cluster's node-local disks)
+  [ -z "${FAKE_NODE_LOCAL:-}" ] || export TIERCKPT_LOCAL_ROOT="$FAKE_NODE_LOCAL/$h"
+  ( sleep "$((delay * 3 / 10)).$((delay * 3 % 10))"; SLURM_NODEID=$i SLURMD_NODENAME=$h exec bash -c "$script" tierckpt-node "$@" ) &
   pids+=($!); i=$((i + 1))
 done
 rc=0
@@ -366,11 +368,12 @@ exit 0
 """
 
 
-def _shrink_job(tmp_path, env: dict[str, str]):
+def _shrink_job(tmp_path, env: dict[str, str], disks: tuple[int, ...] = (2,)):
     bindir, fake, nvme = tmp_path / "bin", tmp_path / "fake", tmp_path / "nvme"
-    for d in (bindir, fake, nvme / "node-2"):
+    for d in (bindir, fake, *(nvme / f"node-{n}" for n in disks)):
         d.mkdir(parents=True)
-    (nvme / "node-2" / "marker").write_text("gpu03's disk")
+    for n in disks:
+        (nvme / f"node-{n}" / "marker").write_text(f"gpu0{n + 1}'s disk")
     for name, text in (("srun", SHRINK_SRUN), ("sinfo", SHRINK_SINFO), ("scontrol", SHRINK_SCONTROL),
                        ("scancel", "#!/bin/sh\nexit 0\n"), ("python", SHRINK_PYTHON)):
         (bindir / name).write_text(text)
@@ -411,6 +414,40 @@ def test_node_lost_for_good_goes_on_with_fewer(tmp_path, lose, left):
     assert sorted(p.name for p in (nvme / ".hosts").iterdir()) == ["gpu01", "gpu02", "gpu03"]
     assert (nvme / "node-1" / "marker").read_text() == "gpu03's disk"
     assert "going on with 2 nodes" in r.stderr and "warning: replication clamped" in r.stderr
+
+
+@pytest.mark.parametrize("lose,moved", [
+    ("gpu01", {"node-0": "gpu02's disk", "node-1": "gpu03's disk", ".lost-gpu01-1": "gpu01's disk"}),
+    ("gpu02", {"node-0": "gpu01's disk", "node-1": "gpu03's disk", ".lost-gpu02-1": "gpu02's disk"}),
+    ("gpu03", {"node-0": "gpu01's disk", "node-1": "gpu02's disk", "node-2": "gpu03's disk"}),
+])
+def test_a_lost_hosts_leftover_directory_on_a_shared_root_is_set_aside(tmp_path, lose, moved):
+    """Every host's directory present on one shared root (nodes simulated on one machine): the
+    lost host's directory is set aside (.lost-<host>-<attempt>) instead of being taken by the
+    host renumbered onto its name, and the chain of moves goes on behind it."""
+    r, _fake, nvme, _state = _shrink_job(tmp_path, {"FAKE_LOSE": lose, "TIERCKPT_MIN_NODES": "2"}, (0, 1, 2))
+    assert r.returncode == 0, r.stderr
+    got = {p.name: (p / "marker").read_text() for p in nvme.iterdir() if p.name != ".hosts"}
+    assert got == moved, (got, r.stderr)
+    if lose != "gpu03":
+        assert f"of lost host {lose} set aside" in r.stderr
+
+
+def test_node_local_roots_move_without_waiting(tmp_path):
+    """Node-local roots (each host sees only its own): every renumbered host moves its directory
+    at once, none waits for another's turn, and each root's .hosts names only its host."""
+    disks = tmp_path / "disks"
+    for n, h in enumerate(("gpu01", "gpu02", "gpu03")):
+        (disks / h / f"node-{n}").mkdir(parents=True)
+        (disks / h / f"node-{n}" / "marker").write_text(f"{h}'s disk")
+    r, _fake, _nvme, _state = _shrink_job(tmp_path, {"FAKE_LOSE": "gpu01", "TIERCKPT_MIN_NODES": "2",
+                                                     "FAKE_NODE_LOCAL": str(disks)}, ())
+    assert r.returncode == 0, r.stderr
+    for h, n in (("gpu02", 0), ("gpu03", 1)):
+        assert sorted(p.name for p in (disks / h).iterdir()) == [".hosts", f"node-{n}"], h
+        assert (disks / h / f"node-{n}" / "marker").read_text() == f"{h}'s disk"
+        assert [p.name for p in (disks / h / ".hosts").iterdir()] == [h]
+    assert "did not move out" not in r.stderr and "set aside" not in r.stderr, r.stderr
 
 
 def test_node_lost_below_min_nodes_requeues(tmp_path):

@@ -148,7 +148,15 @@ class _FileSink:
         except OSError as ex:
             self.failed.setdefault(i, f"{type(ex).__name__}: {ex}")
         finally:
+            self._close(i, fd)
+
+    def _close(self, i: int, fd: int) -> None:
+        # close() can report a deferred write error (NFS: EIO, ENOSPC): the file failed, and
+        # the writer thread must live on (the receive waits for its buffers)
+        try:
             os.close(fd)
+        except OSError as ex:
+            self.failed.setdefault(i, f"close: {type(ex).__name__}: {ex}")
 
     def _write(self, i: int, b: int | None, off: int, n: int) -> None:
         if i not in self.fds and i not in self.failed:
@@ -164,7 +172,7 @@ class _FileSink:
                 done += os.write(fd, view[done:])
         except OSError as ex:
             self.failed[i] = f"{type(ex).__name__}: {ex}"
-            os.close(self.fds.pop(i)[0])
+            self._close(i, self.fds.pop(i)[0])
 
     def target(self, i: int, off: int, n: int) -> tuple[int | None, torch.Tensor]:
         """(buffer index or None, tensor to receive chunk ``off:off+n`` of file ``i`` into)."""
@@ -179,11 +187,15 @@ class _FileSink:
             if item is None:
                 return
             i, b, off, n, last = item
-            self._write(i, b, off, n)
-            if last:
-                self._finish(i)
-            if b is not None:
-                self.free.put(b)
+            try:
+                self._write(i, b, off, n)
+                if last:
+                    self._finish(i)
+            except Exception as ex:  # the file failed; the thread lives on, or the receive would hang
+                self.failed.setdefault(i, f"{type(ex).__name__}: {ex}")
+            finally:
+                if b is not None:
+                    self.free.put(b)
 
     def close(self) -> None:
         """Let the writer write what was queued (a kept receive's writes start here) and stop."""
@@ -210,9 +222,11 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0,
     checksummed, before anything is written: :meth:`Received.finish` writes and fsyncs the
     files, and must be called before committing (a restore loads from memory first). 0: keep
     nothing. Where the allocator refuses those buffers (RuntimeError/MemoryError), the files
-    are received to disk as with ``keep=0``, with a warning. ``stream`` (with a kept receive): return right after posting every chunk's
-    receive; the caller uses the bytes as they arrive (:meth:`Received.wait_bytes`) and must
-    call :meth:`Received.complete` (or ``finish``) to learn whether they were intact.
+    are received to disk as with ``keep=0``, with a warning; any other local failure before the
+    first receive is posted drains the stream (the sender finishes) and raises. ``stream``
+    (with a kept receive): return right after posting every chunk's receive; the caller uses
+    the bytes as they arrive (:meth:`Received.wait_bytes`) and must call
+    :meth:`Received.complete` (or ``finish``) to learn whether they were intact.
     """
     src = wire.group_rank(t.src_rank, group)
     res = Received(t)
@@ -226,19 +240,23 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0,
     keep = keep > 0 and sum(e.size for e in every) <= keep  # memory-only files are drained otherwise
     chunks = [(i, off, min(chunk_bytes, e.size - off)) for i, e in enumerate(every)
               for off in range(0, e.size, chunk_bytes)]
-    bufs = wire.buffers("recv", chunk_bytes, count=4)
-    sink = None
-    if keep:
-        try:
-            sink = _FileSink(store, t.dst_rel, every, bufs, True, len(extra))
-        except (RuntimeError, MemoryError) as ex:  # the allocator refused the share's buffers
-            # receive to disk instead: the stream must be drained either way, or the sender
-            # waits for this rank until the group's timeout
-            log.warning("tierckpt transfer %s: no memory to keep %d bytes (%s: %s); receiving to disk",
-                        t.tag, sum(e.size for e in every), type(ex).__name__, ex)
-            keep = False
-    if sink is None:
-        sink = _FileSink(store, t.dst_rel, every, bufs, False, len(extra))
+    try:
+        bufs = wire.buffers("recv", chunk_bytes, count=4)
+        sink = None
+        if keep:
+            try:
+                sink = _FileSink(store, t.dst_rel, every, bufs, True, len(extra))
+            except (RuntimeError, MemoryError) as ex:  # the allocator refused the share's buffers
+                # receive to disk instead: the stream must be drained either way, or the sender
+                # waits for this rank until the group's timeout
+                log.warning("tierckpt transfer %s: no memory to keep %d bytes (%s: %s); receiving to disk",
+                            t.tag, sum(e.size for e in every), type(ex).__name__, str(ex))
+                keep = False
+        if sink is None:
+            sink = _FileSink(store, t.dst_rel, every, bufs, False, len(extra))
+    except FAILURES:
+        _drain(chunks, src, group)  # a local failure before any receive was posted
+        raise
     if keep:
         res.sink, res.stream = sink, _Stream(every, len(extra), chunks, sink, src, group)
         res.memory = {e.path: sink.memory[i] for i, e in enumerate(every)}
@@ -258,6 +276,20 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0,
         elif i >= len(extra):
             res.entries.append(e)
     return res
+
+
+def _drain(chunks: list[tuple[int, int, int]], src: int, group) -> None:
+    """Receive and discard ``chunks`` ((file index, offset, bytes)), so that their sender is not
+    left waiting for this rank until the group's timeout; best effort (logged if it fails)."""
+    if not chunks:
+        return
+    try:
+        scratch = torch.empty(max(n for _, _, n in chunks), dtype=torch.uint8)
+        for _, _, n in chunks:
+            wire.work(dist.irecv(scratch[:n], src, group=group)).wait()
+    except FAILURES as ex:
+        log.error("tierckpt transfer: draining a failed receive from group rank %d failed: %s: %s",
+                  src, type(ex).__name__, str(ex))
 
 
 def _receive_chunks(chunks: list[tuple[int, int, int]], hashers: list, sink: _FileSink, n_extra: int,
