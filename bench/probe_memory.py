@@ -47,6 +47,8 @@ KINDS = ("zero_", "MADV_POPULATE_WRITE", "MAP_POPULATE")
 
 
 def main() -> None:
+    """Parse the options (``--mib`` > 0, ``--reps`` > 0, else exit 2 naming them), run every
+    method ``--reps`` times interleaved, print the table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="MiB per measurement (default 256)")
     ap.add_argument("--reps", type=int, default=3, help="fresh interpreters per method (default 3)")
