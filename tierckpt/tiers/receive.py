@@ -79,7 +79,8 @@ class Received:
 def _aligned(size: int) -> torch.Tensor:
     """A uint8 tensor of ``size`` rounded up to :data:`_ALIGN` bytes, page-aligned, so O_DIRECT
     can write any chunk of it. From torch's allocator, not a fresh anonymous mapping: its first
-    touch (by the receive) costs half as much (0.025 vs 0.055 s per 256 MiB here)."""
+    touch (by the receive) costs less (0.05 vs 0.08 s per 256 MiB here, measured in one
+    process; bench/probe_memory.py measures fresh interpreters)."""
     cap = max(_ALIGN, -(-size // _ALIGN) * _ALIGN)
     raw = torch.empty(cap + _ALIGN, dtype=torch.uint8)
     start = -raw.data_ptr() % _ALIGN
