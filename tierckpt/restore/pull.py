@@ -94,6 +94,8 @@ class Pulled:
             r.complete()
         self.nbytes = sum(r.nbytes for r in self.results.values())
         problems = [p for r in self.results.values() for p in r.problems]
+        if any(r.manifest_bytes is None and not r.problems for r in self.results.values()):
+            problems.append("no manifest received")
         errs = [p for part in all_gather(problems[:1], node_group) for p in part]
         if self.receiving:
             self.intact, self.error = not errs, "; ".join(errs[:3]) or None

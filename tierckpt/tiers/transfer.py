@@ -61,7 +61,7 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
     extra = [e for e in every if t.shared_files and e not in entries and e.size <= SHARED_MAX
              and manifest.rank_of_file(e.path) is None]
     wire.send_header({"manifest": mbytes.decode(), "files": [e.__dict__ for e in entries],
-                  "extra": [e.__dict__ for e in extra]}, dst, group)
+                      "extra": [e.__dict__ for e in extra]}, dst, group)
     entries = extra + entries  # first: a receiver loading while the stream arrives plans from .metadata
     _read_ahead(store, t.src_rel, entries)
     sent = 0
