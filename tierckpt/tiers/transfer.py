@@ -73,7 +73,9 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
         fd = _open_exact(store, path, entry.size)
         if fd is not None:
             # Send straight from the page cache, one mapping per chunk: the kernel reads chunk
-            # k+1 ahead (map_readonly's hint) while chunk k is on the network.
+            # k+1 ahead (map_readonly's hint) while chunk k is on the network. The hint repeats
+            # _read_ahead's on purpose: a share larger than the free page cache loses its early
+            # pages before they are sent, and the second hint reads them back in time.
             try:
                 for off in range(0, entry.size, chunk_bytes):
                     data = map_readonly(fd, off, min(chunk_bytes, entry.size - off))
