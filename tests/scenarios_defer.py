@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from tests.scenarios import app_state, apply_state, assert_bitwise, build, make_config, snapshot, train_step
 from tierckpt.engine import TieredCheckpointer
+from tierckpt.io.staging import StagingSlot
 from tierckpt.tiers.local_tier import LocalTier
 from tierckpt.tiers.persistent import PersistentTier
 
@@ -97,11 +98,22 @@ def phase_policy(rank, world, base, policy, delay, wait_previous):
     train_step(model, opt, 2, rank)
     eng.save(2, app_state(model, opt))
     train_step(model, opt, 4, rank)
-    h = eng.save(4, app_state(model, opt), wait_previous=wait_previous)
+    staged = []  # state copies made by the save of step 4 (a deferred save needs none)
+    stage = StagingSlot.stage
+
+    def counting(self, *a, **kw):
+        staged.append(1)
+        return stage(self, *a, **kw)
+
+    StagingSlot.stage = counting
+    try:
+        h = eng.save(4, app_state(model, opt), wait_previous=wait_previous)
+    finally:
+        StagingSlot.stage = stage
     snap = snapshot(model, opt)
     recs = {t: r.ok for t, r in h.wait().items()}
     eng.wait()
-    out = {"blocking_s": h.blocking_s, "started": list(h.futures), "outcome": recs,
+    out = {"blocking_s": h.blocking_s, "started": list(h.futures), "outcome": recs, "copies": len(staged),
            "deferred": {t: (r.deferred, r.running_step) for t, r in h.skipped.items()},
            "committed": eng.persistent_steps()}
     if 4 in out["committed"]:

@@ -90,6 +90,7 @@ def test_policy_wait_blocks_and_commits_both(tmp_path):
         assert r["started"] == ["persistent"] and r["deferred"] == {}
         assert r["outcome"] == {"persistent": True}
         assert r["committed"] == [2, 4]
+        assert r["copies"] == 1
 
 
 def test_policy_defer_without_intervals(tmp_path):
@@ -98,6 +99,7 @@ def test_policy_defer_without_intervals(tmp_path):
         assert r["blocking_s"] < DELAY / 4
         assert r["started"] == [] and r["deferred"] == {"persistent": (True, 2)}
         assert r["committed"] == [2]
+        assert r["copies"] == 0  # its job still ran here: sure to be deferred, nothing copied
 
 
 def test_wait_previous_never_defers(tmp_path):

@@ -242,7 +242,9 @@ class TieredCheckpointer:
         defer = () if wait_previous else tuple(t for t in tiers if self.cfg.busy_policy(t) == "defer")
         answer = self.busy.begin(defer, step)  # the agreement travels while we copy
         t_copy = time.perf_counter()
-        early = self._early_stage(state_dict)
+        # not while every due tier is sure to be deferred (its job still runs here): a copy
+        # each step of a long deferral would only be dropped
+        early = None if answer.busy_here.issuperset(tiers) else self._early_stage(state_dict)
         t_copy = time.perf_counter() - t_copy
         try:
             tiers, skipped, t_skip = self._previous_saves(step, tiers, raise_failures, defer, answer)

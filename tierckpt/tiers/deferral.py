@@ -60,11 +60,11 @@ class BusyPoll:
         not asked about earlier in this step."""
         return self.begin(tiers, step)()
 
-    def begin(self, tiers: Iterable[str], step: int) -> Callable[[], dict[str, bool]]:
+    def begin(self, tiers: Iterable[str], step: int) -> "Answer":
         """:meth:`finished` in two halves: post the all-reduce now (asynchronously) and return
-        the function that waits for it and answers, so the caller can do its own work (the
-        staging copy) while the agreement is in flight. Call the returned function exactly
-        once, before any other collective over the control group."""
+        the :class:`Answer` that waits for it, so the caller can do its own work (the staging
+        copy) while the agreement is in flight. Call the answer exactly once, before any other
+        collective over the control group."""
         if step != self._step:
             self._step, self._answers = step, {}
         out, ask = {}, []
@@ -77,21 +77,10 @@ class BusyPoll:
             else:
                 ask.append((t, fut))
         if not ask:
-            return lambda: out
+            return Answer(self, out, [], None, None)
         flags = torch.tensor([int(f.done()) for _, f in ask], dtype=torch.int32)
         work = dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group, async_op=True)
-
-        def answer() -> dict[str, bool]:
-            if work is not None:
-                work.wait()
-            for (t, fut), flag in zip(ask, flags.tolist()):
-                out[t] = bool(flag)
-                self._answers[t] = (fut, out[t])
-                if out[t]:
-                    self._done[t] = fut
-            return out
-
-        return answer
+        return Answer(self, out, ask, flags, work)
 
     def deferred(self, tier: str, step: int, t0: float, policy_note: str) -> CheckpointRecord:
         """The agreed record of ``tier``'s save of ``step`` deferred (every rank builds the same
@@ -114,3 +103,27 @@ class BusyPoll:
             log.warning("tierckpt: %s; training continues", error)
         self._append(rec)
         return rec
+
+
+class Answer:
+    """The pending result of :meth:`BusyPoll.begin`: call it for ``{tier: its last job finished
+    on every rank}``. :attr:`busy_here` is known at once: the tiers certain to be answered
+    False, because their job still runs on this rank (the MIN over ranks is then 0) or was
+    agreed unfinished earlier in this step."""
+
+    def __init__(self, poll: BusyPoll, out: dict[str, bool], ask: list[tuple[str, Future]], flags, work):
+        self._poll, self._out, self._ask, self._flags, self._work = poll, out, ask, flags, work
+        self.busy_here = frozenset([t for t, ok in out.items() if not ok] +
+                                   [t for (t, _), f in zip(ask, flags.tolist() if ask else []) if not f])
+
+    def __call__(self) -> dict[str, bool]:
+        if not self._ask:
+            return self._out
+        if self._work is not None:
+            self._work.wait()
+        for (t, fut), flag in zip(self._ask, self._flags.tolist()):
+            self._out[t] = bool(flag)
+            self._poll._answers[t] = (fut, self._out[t])
+            if self._out[t]:
+                self._poll._done[t] = fut
+        return self._out
