@@ -84,3 +84,30 @@ def phase_node_loss(rank, world, base, rpn, k, extra_steps, cfg_kw=None, drop_me
     }
     eng.close()
     return out
+
+
+def phase_own_load_overlaps_check(rank, world, base, rpn, k, extra_steps, cfg_kw=None):
+    """:func:`~tests.scenarios.phase_restore_and_check`, recording for each checksum pass over
+    this rank's own copy whether the load from its mappings had already started (waiting up to
+    20 s for it): the load must not wait for the checksums."""
+    import threading
+
+    from tests.scenarios import phase_restore_and_check
+    from tierckpt.io import memory_read
+
+    started = threading.Event()
+    seen: list[bool] = []
+    read_data, check_share = memory_read.MemoryReader.read_data, memory_read.check_share
+
+    def reading(self, plan, planner):
+        started.set()
+        return read_data(self, plan, planner)
+
+    def checking(*a):
+        seen.append(started.wait(20))
+        return check_share(*a)
+
+    memory_read.MemoryReader.read_data = reading
+    memory_read.check_share = checking
+    out = phase_restore_and_check(rank, world, base, rpn, k, extra_steps, cfg_kw)
+    return {**out, "load_before_check": seen}

@@ -225,3 +225,35 @@ def test_decode_record_templates_never_mix_up_records():
         got = memory_read.decode_record(_record(t))
         assert got.dtype == t.dtype and got.shape == t.shape and got.stride() == t.stride() and torch.equal(got, t)
     assert any(len(v) > 1 for v in memory_read._TEMPLATES.values())  # one length, several layouts
+
+
+# -- a node restoring its own copy ---------------------------------------------------------------
+def test_own_copy_is_loaded_while_its_checksums_run(tmp_path):
+    # one pass over the disk: the load decodes from the mappings the checksum thread reads
+    base = str(tmp_path)
+    run_world(scenarios.phase_train_and_save, 2, base, 1, K, EXTRA, {"tiers": ("local",)})
+    out = run_world(scenarios_memory.phase_own_load_overlaps_check, 2, base, 1, K, EXTRA, {"tiers": ("local",)})
+    for r in out:
+        assert r.value["sources"] == {0: ("own-local", 0), 1: ("own-local", 1)}, r.value
+        assert r.value["load_before_check"] == [True], r.value
+
+
+@pytest.mark.parametrize("memory_bytes", [None, 0], ids=["loaded-while-checked", "checked-first"])
+def test_an_own_copy_corrupt_in_its_data_is_refused_and_the_replica_used(tmp_path, memory_bytes):
+    # loaded from its mappings while the checksums run (or, with restore_memory_bytes = 0,
+    # checked from disk first and never decoded): a flipped bit voids node 0's own copy on
+    # every rank, and node 0 is restored from its replica on node 1, bitwise
+    base = str(tmp_path)
+    kw = {"tiers": ("local",)} | ({} if memory_bytes is None else {"restore_memory_bytes": memory_bytes})
+    run_world(scenarios.phase_train_and_save, 2, base, 1, K, EXTRA, kw)
+    own = os.path.join(base, "nvme", "node-0", "local", f"step-{K}")
+    victim = os.path.join(own, sorted(f for f in os.listdir(own) if f.endswith(".distcp"))[0])
+    with open(victim, "r+b") as f:  # one bit in the middle of the data, not in a record header
+        f.seek(os.path.getsize(victim) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    out = run_world(scenarios.phase_restore_and_check, 2, base, 1, K, EXTRA, kw)[0].value
+    assert out["sources"] == {0: ("peer-replica", 1), 1: ("own-local", 1)}, out
+    assert [f[:4] for f in out["failures"]] == [(0, "own-local", 0, K)], out
+    assert "VerificationError" in out["failures"][0][4] and "xxh3_64" in out["failures"][0][4], out

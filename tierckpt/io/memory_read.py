@@ -242,6 +242,56 @@ def map_readonly(fd: int, off: int, n: int) -> torch.Tensor:
         return torch.frombuffer(m, dtype=torch.uint8)
 
 
+def map_share(store: Store, step_rel: str, entries: list[manifest.FileEntry]
+              ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Map ``entries`` of a committed step of a local ``store`` into memory (:func:`map_readonly`:
+    the kernel starts reading them at once; nothing is checksummed here).
+
+    Returns:
+        ({file path: uint8 tensor of its bytes} of the files present with the manifest's size,
+        {file path: problem as :func:`~tierckpt.io.manifest.verify_files` words it} for the others).
+    """
+    out: dict[str, torch.Tensor] = {}
+    problems: dict[str, str] = {}
+    for e in entries:
+        rel = f"{step_rel}/{e.path}"
+        try:
+            fd = os.open(store.path(rel), os.O_RDONLY)
+        except OSError as ex:
+            problems[e.path] = f"{rel}: missing ({ex.__class__.__name__})"
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            if size != e.size:
+                problems[e.path] = f"{rel}: size {size} != manifest {e.size}"
+                continue
+            out[e.path] = map_readonly(fd, 0, size) if size else torch.empty(0, dtype=torch.uint8)
+        except OSError as ex:
+            problems[e.path] = f"{rel}: unreadable ({ex.__class__.__name__}: {ex})"
+        finally:
+            os.close(fd)
+    return out, problems
+
+
+def check_share(step_rel: str, entries: list[manifest.FileEntry], mapped: dict[str, torch.Tensor]
+                ) -> dict[str, str]:
+    """Checksum the files of ``mapped`` (as :func:`map_share` returns them) against ``entries``;
+    returns {file path: problem} for each file whose xxh3-64 differs (it leaves ``mapped``)."""
+    problems: dict[str, str] = {}
+    for e in entries:
+        buf = mapped.get(e.path)
+        if buf is None:
+            continue
+        h = xxhash.xxh3_64()
+        view = buf.numpy().data
+        for a in range(0, e.size, _READ_CHUNK):
+            h.update(view[a: a + _READ_CHUNK])
+        if h.hexdigest() != e.xxh3_64:
+            problems[e.path] = f"{step_rel}/{e.path}: {manifest.HASH_NAME} {h.hexdigest()} != manifest {e.xxh3_64}"
+            del mapped[e.path]
+    return problems
+
+
 def read_verified(store: Store, step_rel: str, entries: list[manifest.FileEntry]
                   ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Map ``entries`` of a committed step of a local ``store`` into memory and checksum them:
@@ -251,40 +301,18 @@ def read_verified(store: Store, step_rel: str, entries: list[manifest.FileEntry]
         ({file path: uint8 tensor of its bytes} of the intact files, problems as
         :func:`~tierckpt.io.manifest.verify_files` words them ([] = every file intact)).
     """
-    out: dict[str, torch.Tensor] = {}
-    problems: list[str] = []
-    for e in entries:
-        rel = f"{step_rel}/{e.path}"
-        try:
-            fd = os.open(store.path(rel), os.O_RDONLY)
-        except OSError as ex:
-            problems.append(f"{rel}: missing ({ex.__class__.__name__})")
-            continue
-        try:
-            size = os.fstat(fd).st_size
-            if size != e.size:
-                problems.append(f"{rel}: size {size} != manifest {e.size}")
-                continue
-            buf = map_readonly(fd, 0, size) if size else torch.empty(0, dtype=torch.uint8)
-        except OSError as ex:
-            problems.append(f"{rel}: unreadable ({ex.__class__.__name__}: {ex})")
-            continue
-        finally:
-            os.close(fd)
-        h = xxhash.xxh3_64()
-        view = buf.numpy().data
-        for a in range(0, size, _READ_CHUNK):
-            h.update(view[a: a + _READ_CHUNK])
-        if h.hexdigest() != e.xxh3_64:
-            problems.append(f"{rel}: {manifest.HASH_NAME} {h.hexdigest()} != manifest {e.xxh3_64}")
-        else:
-            out[e.path] = buf
-    return out, problems
+    out, problems = map_share(store, step_rel, entries)
+    problems.update(check_share(step_rel, entries, out))
+    return out, [problems[e.path] for e in entries if e.path in problems]
 
 
 class OwnRead:
-    """:func:`read_verified` of this rank's share of a committed step on a helper thread, so a
-    restore reads its own copy while the pulls of other nodes run (:meth:`result` joins).
+    """This rank's share of a committed step read on a helper thread, so a restore reads its
+    own copy while the pulls of other nodes run: the files are mapped first (:meth:`mapped`:
+    the kernel reads them from then on), then checksummed (:meth:`result` joins). The load may
+    decode from the mappings while the checksums run (a page not yet read blocks the load
+    until the disk delivers it, as it blocks the hash): a restore then loads and verifies in
+    one pass over the disk and must not use the state unless :meth:`result` finds no problem.
 
     A share larger than ``limit`` bytes is not read here (:attr:`started` False): the caller
     verifies and loads from disk as before."""
@@ -292,6 +320,7 @@ class OwnRead:
     def __init__(self, store: Store, step_rel: str, index: int, count: int, limit: int):
         self.started = False
         self._out: tuple[dict[str, torch.Tensor], list[str]] = ({}, [])
+        self._mapped: dict[str, torch.Tensor] = {}
         doc = manifest.read_committed(store, step_rel) if store.local else None
         if doc is None:
             return
@@ -300,15 +329,30 @@ class OwnRead:
             return
         self.started = True
         self._error: BaseException | None = None
+        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(store, step_rel, share), daemon=True,
                                         name="tierckpt-own-read")
         self._thread.start()
 
     def _run(self, store: Store, step_rel: str, share: list[manifest.FileEntry]) -> None:
         try:
-            self._out = read_verified(store, step_rel, share)
+            out, problems = map_share(store, step_rel, share)
+            self._mapped = dict(out)
+            self._ready.set()
+            problems.update(check_share(step_rel, share, out))
+            self._out = (out, [problems[e.path] for e in share if e.path in problems])
         except BaseException as e:  # re-raised in result(), on the restoring thread
             self._error = e
+        finally:
+            self._ready.set()
+
+    def mapped(self) -> dict[str, torch.Tensor]:
+        """{file path: uint8 tensor} of the share's files present with their manifest size,
+        as soon as they are mapped (their checksums may still run: see :meth:`result`);
+        {} if not started or the mapping failed."""
+        if self.started:
+            self._ready.wait()
+        return self._mapped
 
     def result(self) -> tuple[dict[str, torch.Tensor], list[str]]:
         """(memory, problems) of the share (see :func:`read_verified`); ({}, []) if not started."""

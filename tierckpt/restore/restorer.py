@@ -31,6 +31,7 @@ appended to the ledger.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -377,27 +378,23 @@ class Restorer:
                 v_group, v_index, v_count = self.groups.local_world, topo.rank, topo.world_size
             else:
                 v_group, v_index, v_count = group, topo.local_rank, topo.ranks_per_node
-            memory: dict = {}
 
             def verify():
-                nonlocal memory
                 if src.kind == REPLICA:
                     return  # every byte was checksummed on receipt
-                if own is not None:
-                    memory, problems = own.result()
-                else:
-                    problems = verify_split(store, rel, v_index, v_count)
+                problems = verify_split(store, rel, v_index, v_count)
                 if problems:
                     raise VerificationError("; ".join(problems[:3]))
 
-            run_agreed(verify, v_group, f"verify {store.url_of(rel)}")
-            if src.kind == PERSISTENT:
-                read = self._persistent().load(state_dict, store.url_of(rel), group)
-                out.persistent_bytes = read
-            elif src.kind == REPLICA:
-                read = self._load_pulled(state_dict, pulled, group)
+            if src.kind == OWN:
+                read = self._load_own(state_dict, store, rel, group, own)
             else:
-                read = load_dir(state_dict, store.path(rel), group, memory=memory)
+                run_agreed(verify, v_group, f"verify {store.url_of(rel)}")
+                if src.kind == PERSISTENT:
+                    read = self._persistent().load(state_dict, store.url_of(rel), group)
+                    out.persistent_bytes = read
+                else:
+                    read = self._load_pulled(state_dict, pulled, group)
             out.bytes = read + pulled.nbytes
             out.ok = True
         except FAILURES as e:  # any verification or load failure → next source, agreed by all
@@ -407,13 +404,40 @@ class Restorer:
         out.seconds = time.perf_counter() - t0
         self._persistent_bytes += out.persistent_bytes
         # the node's ranks agree on ok (DCP and run_agreed already raised on all of them)
-        parts = all_gather((out.ok, out.bytes, out.persistent_bytes), self.groups.node)
+        parts = all_gather((out.ok, out.bytes, out.persistent_bytes, out.error), self.groups.node)
         out.bytes = sum(p[1] for p in parts)
         out.persistent_bytes = sum(p[2] for p in parts)
         if not all(p[0] for p in parts):
             out.ok = False
-            out.error = out.error or "another rank of the node failed"
+            # the cause, where one rank found it (the others' loads failed with it)
+            found = [p[3] for p in parts if p[3] and p[3].startswith(VerificationError.__name__)]
+            out.error = (found or [out.error or "another rank of the node failed"])[0]
         return (topo.rank, out)
+
+    def _load_own(self, state_dict: dict, store, rel: str, group, own: OwnRead | None) -> int:
+        """Load this node's own copy ``rel`` (every rank of the node; collective over ``group``):
+        with an :class:`~tierckpt.io.memory_read.OwnRead`, from its mappings while their
+        checksums run, the copy agreed intact only afterwards (one pass over the disk: the
+        load does not wait for the hash); without one, this rank's share is checksummed from
+        disk first and a copy found bad is not decoded (the load fails on every rank of the
+        node). Every rank runs the same collectives in the same order (DCP's load, then the
+        agreement), whichever way it read. Returns bytes read; raises VerificationError or
+        what the load raises (→ next source)."""
+        topo = self.topo
+        problems = [] if own is not None else verify_split(store, rel, topo.local_rank, topo.ranks_per_node)
+        if problems:  # nothing in memory, strict: reading .metadata fails the load on every rank
+            with contextlib.suppress(*FAILURES):
+                load_dir(state_dict, store.path(rel), group, strict=True)
+            raise VerificationError("; ".join(problems[:3]))
+        read = load_dir(state_dict, store.path(rel), group, memory=own.mapped() if own is not None else None)
+
+        def verify():
+            found = own.result()[1] if own is not None else []
+            if found:
+                raise VerificationError("; ".join(found[:3]))
+
+        run_agreed(verify, group, f"verify {store.url_of(rel)}")
+        return read
 
     def _load_pulled(self, state_dict: dict, pulled: Pulled, group) -> int:
         """Load a pull of this node (every rank of it): from memory as the bytes arrive, when
