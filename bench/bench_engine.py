@@ -547,7 +547,8 @@ def machine() -> dict:
     except (IndexError, ValueError):
         mem = "RAM unknown"
     cpu = sh("grep -m1 'model name' /proc/cpuinfo").split(":", 1)[-1].strip()
-    return {"nproc": sh("nproc"), "mem": mem, "cpu": cpu, "kernel": platform.release(),
+    # not `nproc`: it reports OMP_NUM_THREADS (1 under the benches' OMP_NUM_THREADS=1)
+    return {"nproc": len(os.sched_getaffinity(0)), "mem": mem, "cpu": cpu, "kernel": platform.release(),
             "python": platform.python_version(), "torch": torch.__version__, "host": socket.gethostname()}
 
 
@@ -607,7 +608,7 @@ def record(s, bd, m, dfout, args, r0, r1, cmd, elapsed):
              f"torch threads per rank = {args['threads']}; measured saves = {args['saves']}, "
              f"write reps = {args['write_reps']} (order {r0['write_order']}), "
              f"replication reps = {args['repl_reps']} (order {r0['repl_order']}); elapsed {elapsed:.0f} s.\n",
-             f"Machine: `nproc` = {m['nproc']}; {m['mem']}; CPU: {m['cpu']}; kernel {m['kernel']}; "
+             f"Machine: {m['nproc']} CPUs; {m['mem']}; CPU: {m['cpu']}; kernel {m['kernel']}; "
              f"Python {m['python']}; torch {m['torch']}.  \nBench dir filesystem (`df -hT`):\n",
              "```\n" + dfout + "\n```\n",
              md_table(HEAD, result_rows(s)) + "\n"]

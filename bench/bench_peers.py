@@ -34,8 +34,10 @@ across repetitions):
 2. restore after losing node 1 and its disk: rank 1's node-local dir is deleted and the page
    cache of every file dropped (fsync + ``POSIX_FADV_DONTNEED``); timed from a barrier until both
    ranks hold the state (new manager/engine included, process start-up excluded), tierckpt
-   against NVRx (same run, ABBA) and lm-resiliency's disk restart path and RAM path (side run;
-   the ratios there are memcpy-normalised as in 1). tierckpt restores in place into
+   against NVRx and lm-resiliency's disk restart path in the same run, ABBA (each repetition
+   of that path is a side-venv run of ``peers_lmr.py --phases disk`` started between the main
+   run's restores, its ranks idle meanwhile: ``LmrDisk``), and against lm-resiliency's RAM
+   path (side run, memcpy-normalised as in 1). tierckpt restores in place into
    preallocated tensors; the peers return new tensors (their copy into a model is not timed).
 3. host RSS growth (self + child processes, ``VmRSS``) from after ``--warmup`` saves (again
    after the restores, which replace tierckpt's engine) to after ``--rss-saves`` more saves,
@@ -78,6 +80,7 @@ from peers_common import (abba, assert_bitwise, drop_page_cache, make_state, med
 MiB = 1 << 20
 PEERS_PY = os.path.join(REPO, ".venv-peers", "bin", "python")
 TARGETS = {"delta_memcpy": 1.05, "delta_lmr": 0.95, "restore_nvrx": 0.8, "restore_lmr_disk": 0.8}
+LMR_DISK = "lm-resiliency disk path (side venv)"
 ADAPTATIONS = [
     "tierckpt: persistent tier off (tiers=('local',), replication_factor=2)",
     "DCP process+async staging: DefaultStager(use_pinned_memory=False, use_shared_memory=True, "
@@ -291,6 +294,40 @@ class Nvrx:
         pass
 
 
+class LmrDisk:
+    """lm-resiliency's disk restart path, one repetition per :meth:`restore_after_loss`: rank 0
+    runs ``bench/peers_lmr.py --phases disk --restore-reps 1`` in the side venv (its own two
+    ranks, the same state and page-cache drop) while this run's ranks wait idle, so that path
+    takes its turn in the main run's ABBA restore order, in the same minutes as tierckpt's.
+    ``cmd``: the side run's command line without ``--out``."""
+
+    def __init__(self, rank: int, base: str, cmd: list[str], timeout: float):
+        self.rank, self.base, self.cmd, self.timeout = rank, base, cmd, timeout
+        self.n = 0
+        self.flush_s: list[float] = []
+
+    def restore_after_loss(self, expected, barrier, step):
+        barrier()
+        done = os.path.join(self.base, f"lmr-disk-{self.n}.done")
+        out = os.path.join(self.base, f"lmr-disk-{self.n}.json")
+        self.n += 1
+        dt = 0.0
+        if self.rank == 0:
+            try:
+                subprocess.run(self.cmd + ["--out", out], check=True, timeout=self.timeout)
+                with open(out) as f:
+                    r = json.load(f)
+                dt = r["disk_restore_s"][0]
+                self.flush_s.append(r["flush_s"][0])
+            finally:
+                open(done, "w").close()
+        else:  # wait without a collective (no CPU spent while the side run measures)
+            while not os.path.exists(done):
+                time.sleep(0.05)
+        barrier()
+        return dt
+
+
 # ---------------------------------------------------------------------------------------------
 def peers_rank(rank: int, world: int, args: dict) -> dict:
     """Rank side of the main-venv measurement; returns the samples (slower rank of each)."""
@@ -328,8 +365,11 @@ def peers_rank(rank: int, world: int, args: dict) -> dict:
         systems["tierckpt (RAM local root)"] = Tier(rank, base, "tierckpt-ram", local_base=args["local_root_base"])
     systems.update({"DCP sync": Dcp(rank, base, "sync"), "DCP async (thread)": Dcp(rank, base, "thread"),
                     "DCP process+async staging": Dcp(rank, base, "process"), "NVRx local": Nvrx(rank, base)})
-    if args["systems"]:
+    if args["systems"] is not None:  # `--systems` alone: tierckpt only
         systems = {k: v for k, v in systems.items() if k in args["systems"] or k.startswith("tierckpt")}
+    restorers = {n: s for n, s in systems.items() if hasattr(s, "restore_after_loss")}
+    if args["lmr_disk_cmd"]:
+        restorers[LMR_DISK] = LmrDisk(rank, base, args["lmr_disk_cmd"], args["timeout"])
     out: dict = {"state_bytes": state_bytes(sd), "n_tensors": len(sd), "systems": list(systems)}
     step = 1
 
@@ -361,19 +401,21 @@ def peers_rank(rank: int, world: int, args: dict) -> dict:
     out.update(delta_s=delta, memcpy_s=mems)
 
     # 2. restore after losing node 1 and its disk, ABBA over the systems that have one
-    rnames = [n for n in systems if hasattr(systems[n], "restore_after_loss")]
-    restore: dict = {n: [] for n in rnames}
-    for order in abba(rnames, args["restore_reps"]):
+    restore: dict = {n: [] for n in restorers}
+    for order in abba(list(restorers), args["restore_reps"]):
         for name in order:
-            save(name)
+            if name in systems:
+                save(name)
             expected = snapshot(sd)
             saved = step - 1
             settle()
-            restore[name].append(gmax(systems[name].restore_after_loss(expected, dist.barrier, saved)))
+            restore[name].append(gmax(restorers[name].restore_after_loss(expected, dist.barrier, saved)))
             settle()
             if rank == 0:
                 print(f"[bench-peers] restore {name}: {restore[name][-1]:.3f} s (bitwise equal)", flush=True)
     out["restore_s"] = restore
+    if LMR_DISK in restorers:
+        out["lmr_flush_s"] = restorers[LMR_DISK].flush_s
 
     # 3. host RSS growth over rss_saves saves (NVRx's synchronous saves are left out: too slow)
     rss: dict = {}
@@ -398,17 +440,32 @@ def peers_rank(rank: int, world: int, args: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # driver side
-def run_lmr(a, mib: float, base: str) -> dict:
-    """Run bench/peers_lmr.py in the side venv; its JSON result, or ``{"skipped": reason}``."""
+def lmr_skipped(a) -> str | None:
+    """Why lm-resiliency is left out of this run (None: it runs)."""
     if a.skip_lmr:
-        return {"skipped": "--skip-lmr"}
+        return "--skip-lmr"
     if not os.path.exists(a.peers_python):
-        return {"skipped": f"side venv absent ({os.path.relpath(a.peers_python, REPO)}; "
-                           f"create it with scripts/setup_venv_peers.sh or `make bench-peers`)"}
+        return (f"side venv absent ({os.path.relpath(a.peers_python, REPO)}; "
+                f"create it with scripts/setup_venv_peers.sh or `make bench-peers`)")
+    return None
+
+
+def lmr_cmd(a, mib: float, base: str, phases: str, restore_reps: int) -> list[str]:
+    """The side run's command line (``--out`` not included)."""
+    return [a.peers_python, os.path.join(HERE, "peers_lmr.py"), "--mib", str(mib), "--saves", str(a.saves),
+            "--warmup", str(a.warmup), "--restore-reps", str(restore_reps), "--rss-saves", str(a.rss_saves),
+            "--threads", str(a.threads), "--dir", base, "--timeout", str(a.timeout), "--phases", phases]
+
+
+def run_lmr(a, mib: float, base: str) -> dict:
+    """Run bench/peers_lmr.py in the side venv for everything but the disk restart path (which
+    the main run interleaves with its restores, :class:`LmrDisk`); its JSON result, or
+    ``{"skipped": reason}``."""
+    why = lmr_skipped(a)
+    if why:
+        return {"skipped": why}
     out = os.path.join(base, f"lmr-{mib:g}.json")
-    cmd = [a.peers_python, os.path.join(HERE, "peers_lmr.py"), "--mib", str(mib), "--saves", str(a.saves),
-           "--warmup", str(a.warmup), "--restore-reps", str(a.restore_reps), "--rss-saves", str(a.rss_saves),
-           "--threads", str(a.threads), "--dir", base, "--out", out, "--timeout", str(a.timeout)]
+    cmd = lmr_cmd(a, mib, base, "capture,ram,rss", a.restore_reps) + ["--out", out]
     subprocess.run(cmd, check=True, timeout=a.timeout + 60)
     with open(out) as f:
         return json.load(f)
@@ -423,13 +480,14 @@ def summarise(r: dict, lmr: dict) -> dict:
                "rss": dict(r["rss_growth_bytes"]), "lmr": None}
     s["delta_ratio"] = {n: v / mem for n, v in s["delta"].items()}
     s["raw"] = {"delta_s": r["delta_s"], "memcpy_s": r["memcpy_s"], "restore_s": r["restore_s"],
-                "lmr": {k: lmr[k] for k in ("capture_s", "replication_s", "memcpy_s", "ram_restore_s",
-                                            "disk_restore_s", "flush_s") if k in lmr}}
+                "lmr": {k: lmr[k] for k in ("capture_s", "replication_s", "memcpy_s", "ram_restore_s")
+                        if k in lmr} | {"flush_s": r.get("lmr_flush_s", [])}}
     if "skipped" not in lmr:
         lm = med(lmr["memcpy_s"])
         s["lmr"] = {"memcpy": lm, "capture": med(lmr["capture_s"]), "replication": med(lmr["replication_s"]),
-                    "ram": med(lmr["ram_restore_s"]), "disk": med(lmr["disk_restore_s"]), "flush": med(lmr["flush_s"]),
-                    "rss": lmr["rss_growth_bytes"], "versions": lmr.get("versions", {})}
+                    "ram": med(lmr["ram_restore_s"]), "disk": s["restore"].pop(LMR_DISK),
+                    "flush": med(r["lmr_flush_s"]), "rss": lmr["rss_growth_bytes"],
+                    "versions": lmr.get("versions", {})}
         s["lmr"]["capture_ratio"] = s["lmr"]["capture"] / lm
     else:
         s["lmr_skipped"] = lmr["skipped"]
@@ -463,7 +521,7 @@ def rows(s: dict) -> tuple[list[str], list[list[str]], list[list[str]]]:
     if lm:
         r1.append(f"{ms(lm['capture'])} (capture; replication {ms(lm['replication'])} after)")
         r1r.append(f"{lm['capture_ratio']:.2f} (its memcpy {ms(lm['memcpy'])})")
-        r2.append(f"disk path {lm['disk']:.3f} s (flush before: {lm['flush']:.3f} s); "
+        r2.append(f"disk path {lm['disk']:.3f} s (same run, ABBA; flush before: {lm['flush']:.3f} s); "
                   f"RAM path, processes alive {lm['ram']:.3f} s")
         r3.append(f"{lm['rss'] / MiB:.1f} MiB")
     meas = [r1, r1r, r2, r3]
@@ -478,10 +536,10 @@ def rows(s: dict) -> tuple[list[str], list[list[str]], list[list[str]]]:
         x = tr / lm["capture_ratio"]
         targ.append(["δ_tierckpt ÷ lm-resiliency capture (memcpy-normalised)", f"{x:.2f}",
                      f"≤ {TARGETS['delta_lmr']}", _pf(x <= TARGETS["delta_lmr"])])
-        rt = s["restore"]["tierckpt"] / s["memcpy"]
-        x = rt / (lm["disk"] / lm["memcpy"])
-        targ.append(["restore tierckpt ÷ lm-resiliency disk path (memcpy-normalised)", f"{x:.2f}",
+        x = s["restore"]["tierckpt"] / lm["disk"]  # same run, interleaved: no normalisation
+        targ.append(["restore tierckpt ÷ lm-resiliency disk path (same run, ABBA)", f"{x:.2f}",
                      f"≤ {TARGETS['restore_lmr_disk']}", _pf(x <= TARGETS["restore_lmr_disk"])])
+        rt = s["restore"]["tierckpt"] / s["memcpy"]
         x = rt / (lm["ram"] / lm["memcpy"])
         targ.append(["(info) restore tierckpt ÷ lm-resiliency RAM path (memcpy-normalised)", f"{x:.2f}", "—", "—"])
         ram = "tierckpt (RAM local root)"
@@ -527,15 +585,17 @@ def record(summaries, m, args, cmd, elapsed, dfout, load0) -> None:
     when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     parts = [f"\n## bench-peers {when}\n\n",
              f"Command (from the repo root): `{cmd}`  \n",
-             f"Machine: `nproc` = {m['nproc']}; {m['mem']}; CPU: {m['cpu']}; kernel {m['kernel']}; "
+             f"Machine: {m['nproc']} CPUs; {m['mem']}; CPU: {m['cpu']}; kernel {m['kernel']}; "
              f"Python {m['python']}; torch {m['torch']}.  \n",
              f"Load average: {load0} at the start, {os.getloadavg()} at the end; elapsed {elapsed:.0f} s.  \n",
              f"Method: 2 gloo ranks = 2 nodes, 324 tensors per rank (4 large fp32 = 3/4 of the bytes, 280 "
              f"small fp32, 40 int64 scalars); saves {args.saves} per system (ABBA order, {args.warmup} warm-up), "
              f"restore repetitions {args.restore_reps} (ABBA; node 1's dir deleted, page cache of every file "
              f"dropped, timed until both ranks hold the state, checked bitwise), RSS growth over "
-             f"{args.rss_saves} saves; medians of the slower rank. Ratios against lm-resiliency (side venv, "
-             f"separate run) are normalised by the memcpy measured in each run. See bench/bench_peers.py.  \n",
+             f"{args.rss_saves} saves; medians of the slower rank. lm-resiliency runs in a side venv: its disk "
+             f"restart path interleaved with the main run's restores (same run, ABBA, not normalised); its "
+             f"capture and RAM path in a separate run, normalised by the memcpy measured in each run. "
+             f"See bench/bench_peers.py.  \n",
              "CPU adaptations: " + "; ".join(ADAPTATIONS) + ".\n\nBench dir filesystem:\n\n```\n" + dfout + "\n```\n"]
     for s in summaries:
         head, meas, targ = rows(s)
@@ -559,8 +619,8 @@ def main(argv=None) -> int:
     ap.add_argument("--restore-reps", type=int, default=5, help="restores per system (default 5)")
     ap.add_argument("--rss-saves", type=int, default=50, help="saves for the RSS growth (default 50)")
     ap.add_argument("--systems", nargs="*", default=None,
-                    help="only these peers (tierckpt always runs): 'DCP sync', 'DCP async (thread)', "
-                         "'DCP process+async staging', 'NVRx local'")
+                    help="only these peers (tierckpt always runs; none given: tierckpt alone): 'DCP sync', "
+                         "'DCP async (thread)', 'DCP process+async staging', 'NVRx local'")
     ap.add_argument("--local-root-base", default=None,
                     help="also run tierckpt with its local root under this dir (e.g. /dev/shm)")
     ap.add_argument("--peers-python", default=PEERS_PY, help="side venv interpreter for lm-resiliency")
@@ -571,6 +631,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the summaries to this JSON file")
     ap.add_argument("--timeout", type=float, default=3000, help="per run, seconds (default 3000)")
     a = ap.parse_args(argv)
+    peers = ["DCP sync", "DCP async (thread)", "DCP process+async staging", "NVRx local"]
+    if a.systems and not set(a.systems) <= set(peers):
+        ap.error(f"--systems {a.systems}: allowed systems are {peers}")
     cmd = " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO)
                                             else sys.executable, os.path.relpath(os.path.abspath(__file__), REPO)]
                    + (sys.argv[1:] if argv is None else list(argv)))
@@ -585,8 +648,10 @@ def main(argv=None) -> int:
             print(f"[bench-peers] {mib:g} MiB per rank: lm-resiliency (side venv) first, then the main run",
                   flush=True)
             lmr = run_lmr(a, mib, base)
+            disk_cmd = None if lmr_skipped(a) else lmr_cmd(a, mib, base, "disk", 1)
             args = dict(mib=mib, saves=a.saves, warmup=a.warmup, restore_reps=a.restore_reps, rss_saves=a.rss_saves,
-                        threads=a.threads, base=base, local_root_base=ram_base, systems=a.systems)
+                        threads=a.threads, base=base, local_root_base=ram_base, systems=a.systems,
+                        lmr_disk_cmd=disk_cmd, timeout=a.timeout)
             r0, _r1 = run_ranks(args, timeout=a.timeout, target=peers_rank)
             summaries.append(summarise(r0, lmr))
     finally:

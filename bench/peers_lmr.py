@@ -21,6 +21,9 @@ Measured per rank, results written as JSON to ``--out`` (slower rank of every sa
   ``copy_to``, which copies every flushed step of own and peer shards), both ranks build a new
   manager with the same ``run_id`` and ``load(mode="latest")`` from disk;
 - host RSS growth over ``--rss-saves`` captures (each followed by ``finalize_replication()``).
+``--phases`` runs a subset (``capture,ram,rss,disk``): bench_peers.py runs ``--phases disk
+--restore-reps 1`` between its own restores, so that the disk restart path and tierckpt's
+restore are measured interleaved (ABBA) in the same minutes, and the rest once, apart.
 Every restore is checked bitwise against the saved state.
 """
 
@@ -40,6 +43,7 @@ if HERE not in sys.path:
 from peers_common import abba, assert_bitwise, drop_page_cache, make_state, mutate, rss_bytes, snapshot, state_bytes  # noqa: E402
 
 RUN_ID = "tierckpt-bench-peers"
+PHASES = ("capture", "ram", "rss", "disk")
 
 
 def lmr_rank(rank: int, world: int, args: dict) -> dict:
@@ -94,11 +98,12 @@ def lmr_rank(rank: int, world: int, args: dict) -> dict:
         step += 1
         return gmax(d), gmax(r)
 
+    phases = set(args["phases"])
     memcpy()
     for _ in range(args["warmup"]):
         capture()
     caps, reps, mems = [], [], []
-    for order in abba(["memcpy", "capture"], args["saves"]):
+    for order in abba(["memcpy", "capture"], args["saves"] if "capture" in phases else 0):
         for what in order:
             if what == "memcpy":
                 mems.append(memcpy())
@@ -107,13 +112,13 @@ def lmr_rank(rank: int, world: int, args: dict) -> dict:
                 caps.append(d)
                 reps.append(r)
     out.update(capture_s=caps, replication_s=reps, memcpy_s=mems)
-    if rank == 0:
+    if rank == 0 and caps:
         print(f"[peers-lmr] {args['mib']:g} MiB: capture {[round(x, 3) for x in caps]} s, "
               f"memcpy {[round(x, 3) for x in mems]} s", flush=True)
 
     # RAM recovery with processes alive (its in-memory slots)
     ram = []
-    for _ in range(args["restore_reps"]):
+    for _ in range(args["restore_reps"] if "ram" in phases else 0):
         capture()
         expected = snapshot(sd)
         saved_step = step - 1
@@ -131,14 +136,15 @@ def lmr_rank(rank: int, world: int, args: dict) -> dict:
     out["ram_restore_s"] = ram
 
     # host RSS growth over rss_saves captures
-    rss0 = rss_bytes()
-    for _ in range(args["rss_saves"]):
-        capture()
-    out["rss_growth_bytes"] = gmax(float(rss_bytes() - rss0))
+    if "rss" in phases:
+        rss0 = rss_bytes()
+        for _ in range(args["rss_saves"]):
+            capture()
+        out["rss_growth_bytes"] = gmax(float(rss_bytes() - rss0))
 
     # disk restart path after losing node 1 and its disk
     disk, flush = [], []
-    for _ in range(args["restore_reps"]):
+    for _ in range(args["restore_reps"] if "disk" in phases else 0):
         capture()
         capture()  # own_previous/peer_previous hold a step too, as in training
         expected = snapshot(sd)
@@ -183,7 +189,7 @@ def lmr_rank(rank: int, world: int, args: dict) -> dict:
         shutil.rmtree(node_dir(rank), ignore_errors=True)
         dist.barrier()
     out.update(disk_restore_s=disk, flush_s=flush)
-    if rank == 0:
+    if rank == 0 and (ram or disk):
         print(f"[peers-lmr] RAM recovery {[round(x, 3) for x in ram]} s, disk restart path "
               f"{[round(x, 3) for x in disk]} s (bitwise equal)", flush=True)
     mgr.close()
@@ -198,14 +204,19 @@ def main(argv=None) -> int:
     ap.add_argument("--restore-reps", type=int, default=3)
     ap.add_argument("--rss-saves", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--phases", default=",".join(PHASES),
+                    help=f"comma-separated subset of {','.join(PHASES)} (default: all)")
     ap.add_argument("--dir", required=True, help="parent directory for the node-local folders")
     ap.add_argument("--out", required=True, help="JSON result file")
     ap.add_argument("--timeout", type=float, default=1500)
     a = ap.parse_args(argv)
+    phases = [x for x in a.phases.split(",") if x]
+    if not phases or not set(phases) <= set(PHASES):
+        ap.error(f"--phases {a.phases!r}: allowed phases are {','.join(PHASES)}")
     from bench_engine import run_ranks
 
     args = dict(mib=a.mib, saves=a.saves, warmup=a.warmup, restore_reps=a.restore_reps,
-                rss_saves=a.rss_saves, threads=a.threads, base=a.dir)
+                rss_saves=a.rss_saves, threads=a.threads, base=a.dir, phases=phases)
     try:
         r0, _r1 = run_ranks(args, timeout=a.timeout, target=lmr_rank)
     finally:

@@ -95,6 +95,32 @@ def test_lmr_driver_side_venv(tmp_path):
     for k in ("capture_s", "replication_s", "ram_restore_s", "disk_restore_s", "flush_s"):
         assert len(r[k]) >= 1 and all(0 < x < 60 for x in r[k]), k
     assert not (tmp_path / "lmr").exists()
+    # the disk restart path alone, one repetition (what the main run interleaves with its restores)
+    subprocess.run([bp.PEERS_PY, os.path.join(REPO, "bench", "peers_lmr.py"), "--mib", "4", "--restore-reps", "1",
+                    "--phases", "disk", "--dir", str(tmp_path), "--out", str(out), "--timeout", "300"],
+                   check=True, timeout=360)
+    r = json.loads(out.read_text())
+    assert len(r["disk_restore_s"]) == len(r["flush_s"]) == 1 and 0 < r["disk_restore_s"][0] < 60
+    assert r["capture_s"] == r["ram_restore_s"] == [] and "rss_growth_bytes" not in r
+    bad = subprocess.run([bp.PEERS_PY, os.path.join(REPO, "bench", "peers_lmr.py"), "--mib", "4", "--phases", "disk,x",
+                          "--dir", str(tmp_path), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--phases" in bad.stderr
+
+
+@pytest.mark.skipif(not os.path.exists(bp.PEERS_PY),
+                    reason="side venv .venv-peers absent (scripts/setup_venv_peers.sh or `make bench-peers` creates it)")
+def test_bench_interleaves_the_lmr_disk_path_with_the_restores(tmp_path):
+    out = tmp_path / "s.json"
+    rc = bp.main(["--mib-per-rank", "4", "--saves", "1", "--warmup", "1", "--restore-reps", "2", "--rss-saves", "1",
+                  "--systems", "--dir", str(tmp_path), "--json", str(out), "--timeout", "300"])
+    assert rc == 0
+    (s,) = json.loads(out.read_text())
+    # ABBA over tierckpt and the side-venv disk path: two samples each, in the same run
+    assert len(s["raw"]["restore_s"]["tierckpt"]) == len(s["raw"]["restore_s"][bp.LMR_DISK]) == 2
+    assert set(s["restore"]) == {"tierckpt"} and 0 < s["lmr"]["disk"] < 60 and 0 < s["lmr"]["flush"] < 60
+    targ = {t[0]: t for t in bp.rows(s)[2]}
+    x = targ["restore tierckpt ÷ lm-resiliency disk path (same run, ABBA)"]
+    assert float(x[1]) == pytest.approx(s["restore"]["tierckpt"] / s["lmr"]["disk"], abs=0.006)
 
 
 def test_probe_memory_prints_every_method_and_refuses_bad_sizes():
