@@ -37,7 +37,10 @@ across repetitions):
    against NVRx and lm-resiliency's disk restart path in the same run, ABBA (each repetition
    of that path is a side-venv run of ``peers_lmr.py --phases disk`` started between the main
    run's restores, its ranks idle meanwhile: ``LmrDisk``), and against lm-resiliency's RAM
-   path (side run, memcpy-normalised as in 1). tierckpt restores in place into
+   path (side run, memcpy-normalised as in 1). The same ABBA order has a baseline, the *disk
+   floor* (``DiskFloor``): node 0 reading, cold, its own copy and node 1's replica, the bytes
+   every system must read from that disk; each restore is also printed ÷ that floor.
+   tierckpt restores in place into
    preallocated tensors; the peers return new tensors (their copy into a model is not timed).
 3. host RSS growth (self + child processes, ``VmRSS``) from after ``--warmup`` saves (again
    after the restores, which replace tierckpt's engine) to after ``--rss-saves`` more saves,
@@ -81,6 +84,7 @@ MiB = 1 << 20
 PEERS_PY = os.path.join(REPO, ".venv-peers", "bin", "python")
 TARGETS = {"delta_memcpy": 1.05, "delta_lmr": 0.95, "restore_nvrx": 0.8, "restore_lmr_disk": 0.8}
 LMR_DISK = "lm-resiliency disk path (side venv)"
+DISK_FLOOR = "disk floor"
 ADAPTATIONS = [
     "tierckpt: persistent tier off (tiers=('local',), replication_factor=2)",
     "DCP process+async staging: DefaultStager(use_pinned_memory=False, use_shared_memory=True, "
@@ -328,6 +332,65 @@ class LmrDisk:
         return dt
 
 
+class DiskFloor:
+    """The disk's part of a node-loss restore, as a baseline: node 0 reads, cold, the bytes any
+    system must read from its disk when node 1 and its disk are lost (its own copy of the
+    newest step and node 1's replica of it: tierckpt's files, the same bytes as every peer's)
+    — both directories at once, each file mapped after a readahead hint and touched page by
+    page; node 1 idle. No system can restore faster than this on this disk."""
+
+    def __init__(self, rank: int, tier: Tier):
+        self.rank, self.tier = rank, tier
+
+    def restore_after_loss(self, expected, barrier, step):
+        import threading
+
+        root = os.path.join(self.tier.dir, "node-0")
+        newest = max(int(n.split("-")[1]) for n in os.listdir(os.path.join(root, "local")) if n.startswith("step-"))
+        dirs = [os.path.join(root, "local", f"step-{newest}"), os.path.join(root, "replicas", "node-1", f"step-{newest}")]
+        barrier()
+        if self.rank == 0:
+            drop_page_cache(self.tier.dir)
+        barrier()
+        t0 = time.perf_counter()
+        if self.rank == 0:
+            threads = [threading.Thread(target=_read_dir, args=(d,)) for d in dirs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        dt = time.perf_counter() - t0
+        barrier()
+        return dt if self.rank == 0 else 0.0
+
+
+def _read_dir(d: str) -> int:
+    """Read every file of ``d`` through a read-only mapping after ``POSIX_FADV_WILLNEED`` (how
+    tierckpt's restore reads), one byte per page; returns the bytes read."""
+    import mmap
+
+    import numpy as np
+
+    n = 0
+    for f in sorted(os.listdir(d)):
+        fd = os.open(os.path.join(d, f), os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if not size:
+                continue
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+                view = np.frombuffer(m, dtype=np.uint8)
+                int(view[:: mmap.PAGESIZE].sum())
+                del view
+            n += size
+        finally:
+            os.close(fd)
+    if not n:
+        raise RuntimeError(f"disk floor: nothing to read in {d}")
+    return n
+
+
 # ---------------------------------------------------------------------------------------------
 def peers_rank(rank: int, world: int, args: dict) -> dict:
     """Rank side of the main-venv measurement; returns the samples (slower rank of each)."""
@@ -370,6 +433,7 @@ def peers_rank(rank: int, world: int, args: dict) -> dict:
     restorers = {n: s for n, s in systems.items() if hasattr(s, "restore_after_loss")}
     if args["lmr_disk_cmd"]:
         restorers[LMR_DISK] = LmrDisk(rank, base, args["lmr_disk_cmd"], args["timeout"])
+    restorers[DISK_FLOOR] = DiskFloor(rank, systems["tierckpt"])
     out: dict = {"state_bytes": state_bytes(sd), "n_tensors": len(sd), "systems": list(systems)}
     step = 1
 
@@ -478,6 +542,7 @@ def summarise(r: dict, lmr: dict) -> dict:
                "delta": {n: med(v) for n, v in r["delta_s"].items()},
                "restore": {n: med(v) for n, v in r["restore_s"].items()},
                "rss": dict(r["rss_growth_bytes"]), "lmr": None}
+    s["floor"] = s["restore"].pop(DISK_FLOOR, None)
     s["delta_ratio"] = {n: v / mem for n, v in s["delta"].items()}
     s["raw"] = {"delta_s": r["delta_s"], "memcpy_s": r["memcpy_s"], "restore_s": r["restore_s"],
                 "lmr": {k: lmr[k] for k in ("capture_s", "replication_s", "memcpy_s", "ram_restore_s")
@@ -524,7 +589,13 @@ def rows(s: dict) -> tuple[list[str], list[list[str]], list[list[str]]]:
         r2.append(f"disk path {lm['disk']:.3f} s (same run, ABBA; flush before: {lm['flush']:.3f} s); "
                   f"RAM path, processes alive {lm['ram']:.3f} s")
         r3.append(f"{lm['rss'] / MiB:.1f} MiB")
-    meas = [r1, r1r, r2, r3]
+    meas = [r1, r1r, r2]
+    if s.get("floor"):
+        fl = s["floor"]
+        meas.append([f"2. ÷ disk floor (node 0 reads own copy + node 1's replica cold: {fl:.3f} s)"]
+                    + [col(lambda n: "—" if "RAM" in n else f"{s['restore'][n] / fl:.2f}", n) for n in s["systems"]]
+                    + ([f"disk path {lm['disk'] / fl:.2f}"] if lm else []))
+    meas.append(r3)
     tr = s["delta_ratio"].get("tierckpt", float("nan"))
     targ = [["δ_tierckpt ÷ memcpy", f"{tr:.2f}", f"≤ {TARGETS['delta_memcpy']}", _pf(tr <= TARGETS["delta_memcpy"])]]
     if "NVRx local" in s["restore"]:

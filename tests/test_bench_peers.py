@@ -70,7 +70,7 @@ def test_bench_runs_end_to_end_main_venv(tmp_path):
     for name in s["systems"]:
         assert 0 < s["delta"][name] < 60 and math.isfinite(s["delta_ratio"][name])
     # the restores ran and passed the bitwise check inside the ranks (they raise otherwise)
-    assert set(s["restore"]) == {"tierckpt", "NVRx local"}
+    assert set(s["restore"]) == {"tierckpt", "NVRx local"} and 0 < s["floor"] < 60
     assert all(0 < v < 60 for v in s["restore"].values())
     assert set(s["rss"]) == {"tierckpt", "DCP sync", "DCP async (thread)", "DCP process+async staging"}
     assert s["lmr"] is None and s["lmr_skipped"] == "--skip-lmr"

@@ -11,7 +11,11 @@
   and the node restored from the next source (persistent), bitwise;
 - a receiving rank whose load needs a file it does not hold in memory (2 ranks per node under
   FSDP: DCP wrote each replicated item into one rank's file; or, forced, ``.metadata``) makes
-  the node fall back, agreed, to committing the pull and loading from disk — same state.
+  the node fall back, agreed, to committing the pull and loading from disk — same state;
+- a node restoring its own copy loads from the mappings while the checksums run (the load
+  starts before the hash), and a flipped bit in its data voids the copy on every rank — loaded
+  while checked, or (``restore_memory_bytes = 0``) checked first and never decoded — and the
+  node is restored from its replica, bitwise.
 """
 
 from __future__ import annotations

@@ -318,8 +318,9 @@ class Restorer:
     def _attempt(self, state_dict: dict, s: int, sources: dict[int, Source], todo: set[int]):
         """Run one round; returns (global rank, NodeOutcome for this node) or None.
 
-        A node restoring its own copy reads and checksums its share into memory on a helper
-        thread (:class:`~tierckpt.io.memory_read.OwnRead`) while the round's sends run; a node
+        A node restoring its own copy maps and checksums its share on a helper thread
+        (:class:`~tierckpt.io.memory_read.OwnRead`) while the round's sends run, and loads from
+        the mappings meanwhile (:meth:`_load_own`); a node
         served by a replica loads the pulled bytes from memory as they arrive (written to disk
         and committed later: :meth:`commit_pending`)."""
         pulled = self._pull(s, sources, todo)  # first: its sends queue their disk reads ahead of ours
