@@ -31,20 +31,22 @@ across repetitions):
 1. blocking time δ ÷ one memcpy (``dst.copy_(src)`` into preallocated tensors) of the same state,
    a memcpy sample taken before each save. The cross-run ratio against lm-resiliency compares
    memcpy-normalised values: (δ_tierckpt / memcpy_main) / (capture_lmr / memcpy_side).
-2. restore after losing node 1 and its disk: rank 1's node-local dir is deleted and the page
-   cache of every file dropped (fsync + ``POSIX_FADV_DONTNEED``); timed from a barrier until both
-   ranks hold the state (new manager/engine included, process start-up excluded), tierckpt
-   against NVRx and lm-resiliency's disk restart path in the same run, ABBA (each repetition
-   of that path is a side-venv run of ``peers_lmr.py --phases disk`` started between the main
-   run's restores, its ranks idle meanwhile: ``LmrDisk``), and against lm-resiliency's RAM
-   path (side run, memcpy-normalised as in 1). The same ABBA order has a baseline, the *disk
-   floor* (``DiskFloor``): node 0 reading, cold, its own copy and node 1's replica, the bytes
-   every system must read from that disk; each restore is also printed ÷ that floor.
-   tierckpt restores in place into
-   preallocated tensors; the peers return new tensors (their copy into a model is not timed).
-3. host RSS growth (self + child processes, ``VmRSS``) from after ``--warmup`` saves (again
-   after the restores, which replace tierckpt's engine) to after ``--rss-saves`` more saves,
-   each waited to completion. NVRx is left out (its synchronous saves are too slow for 50).
+2. restore after losing node 1 and its disk, each repetition in fresh processes and a fresh
+   directory (a restart is a fresh process; nothing else holds memory or the disk meanwhile;
+   ``run_restores``): the system saves the state once (completed, replicated), rank 1's
+   node-local dir is deleted and the page cache of every file dropped (fsync +
+   ``POSIX_FADV_DONTNEED``); timed from a barrier until both ranks hold the state (new
+   manager/engine included, process start-up excluded). Repetitions in ABBA order over
+   tierckpt, NVRx and lm-resiliency's disk restart path (``peers_lmr.py --phases disk`` in
+   the side venv): the same run, no normalisation. Against lm-resiliency's RAM path (side
+   run, processes alive) memcpy-normalised as in 1. A baseline, the *disk floor*
+   (``disk_floor``, in each tierckpt repetition): node 0 reading, cold, its own copy and
+   node 1's replica, the bytes every system must read from that disk; each restore is also
+   printed ÷ that floor. tierckpt restores in place into preallocated tensors; the peers
+   return new tensors (their copy into a model is not timed).
+3. host RSS growth (self + child processes, ``VmRSS``) from after ``--warmup`` more saves to
+   after ``--rss-saves`` more saves, each waited to completion. NVRx is left out (its
+   synchronous saves are too slow for 50).
 Every restore is compared bitwise with the saved state (``AssertionError`` otherwise).
 
 Targets (PASS/MISS printed, never an exit status): δ ≤ 1.05× memcpy and ≤ 0.95× lm-resiliency's
@@ -84,7 +86,7 @@ MiB = 1 << 20
 PEERS_PY = os.path.join(REPO, ".venv-peers", "bin", "python")
 TARGETS = {"delta_memcpy": 1.05, "delta_lmr": 0.95, "restore_nvrx": 0.8, "restore_lmr_disk": 0.8}
 LMR_DISK = "lm-resiliency disk path (side venv)"
-DISK_FLOOR = "disk floor"
+RAM_TIER = "tierckpt (RAM local root)"
 ADAPTATIONS = [
     "tierckpt: persistent tier off (tiers=('local',), replication_factor=2)",
     "DCP process+async staging: DefaultStager(use_pinned_memory=False, use_shared_memory=True, "
@@ -298,70 +300,32 @@ class Nvrx:
         pass
 
 
-class LmrDisk:
-    """lm-resiliency's disk restart path, one repetition per :meth:`restore_after_loss`: rank 0
-    runs ``bench/peers_lmr.py --phases disk --restore-reps 1`` in the side venv (its own two
-    ranks, the same state and page-cache drop) while this run's ranks wait idle, so that path
-    takes its turn in the main run's ABBA restore order, in the same minutes as tierckpt's.
-    ``cmd``: the side run's command line without ``--out``."""
-
-    def __init__(self, rank: int, base: str, cmd: list[str], timeout: float):
-        self.rank, self.base, self.cmd, self.timeout = rank, base, cmd, timeout
-        self.n = 0
-        self.flush_s: list[float] = []
-
-    def restore_after_loss(self, expected, barrier, step):
-        barrier()
-        done = os.path.join(self.base, f"lmr-disk-{self.n}.done")
-        out = os.path.join(self.base, f"lmr-disk-{self.n}.json")
-        self.n += 1
-        dt = 0.0
-        if self.rank == 0:
-            try:
-                subprocess.run(self.cmd + ["--out", out], check=True, timeout=self.timeout)
-                with open(out) as f:
-                    r = json.load(f)
-                dt = r["disk_restore_s"][0]
-                self.flush_s.append(r["flush_s"][0])
-            finally:
-                open(done, "w").close()
-        else:  # wait without a collective (no CPU spent while the side run measures)
-            while not os.path.exists(done):
-                time.sleep(0.05)
-        barrier()
-        return dt
-
-
-class DiskFloor:
+def disk_floor(rank: int, tier_dir: str, barrier) -> float:
     """The disk's part of a node-loss restore, as a baseline: node 0 reads, cold, the bytes any
     system must read from its disk when node 1 and its disk are lost (its own copy of the
-    newest step and node 1's replica of it: tierckpt's files, the same bytes as every peer's)
-    — both directories at once, each file mapped after a readahead hint and touched page by
-    page; node 1 idle. No system can restore faster than this on this disk."""
+    newest step and node 1's replica of it: tierckpt's files under ``tier_dir``, as many bytes
+    as every peer's) — both directories at once, each file mapped after a readahead hint and
+    touched page by page; node 1 idle. No system restores faster than this on this disk.
+    Returns seconds on rank 0, 0.0 elsewhere."""
+    import threading
 
-    def __init__(self, rank: int, tier: Tier):
-        self.rank, self.tier = rank, tier
-
-    def restore_after_loss(self, expected, barrier, step):
-        import threading
-
-        root = os.path.join(self.tier.dir, "node-0")
-        newest = max(int(n.split("-")[1]) for n in os.listdir(os.path.join(root, "local")) if n.startswith("step-"))
-        dirs = [os.path.join(root, "local", f"step-{newest}"), os.path.join(root, "replicas", "node-1", f"step-{newest}")]
-        barrier()
-        if self.rank == 0:
-            drop_page_cache(self.tier.dir)
-        barrier()
-        t0 = time.perf_counter()
-        if self.rank == 0:
-            threads = [threading.Thread(target=_read_dir, args=(d,)) for d in dirs]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        dt = time.perf_counter() - t0
-        barrier()
-        return dt if self.rank == 0 else 0.0
+    root = os.path.join(tier_dir, "node-0")
+    newest = max(int(n.split("-")[1]) for n in os.listdir(os.path.join(root, "local")) if n.startswith("step-"))
+    dirs = [os.path.join(root, "local", f"step-{newest}"), os.path.join(root, "replicas", "node-1", f"step-{newest}")]
+    barrier()
+    if rank == 0:
+        drop_page_cache(tier_dir)
+    barrier()
+    t0 = time.perf_counter()
+    if rank == 0:
+        threads = [threading.Thread(target=_read_dir, args=(d,)) for d in dirs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    dt = time.perf_counter() - t0
+    barrier()
+    return dt if rank == 0 else 0.0
 
 
 def _read_dir(d: str) -> int:
@@ -402,6 +366,8 @@ def peers_rank(rank: int, world: int, args: dict) -> dict:
 
     warnings.filterwarnings("ignore")
     logging.getLogger("nvidia_resiliency_ext").setLevel(logging.ERROR)
+    if args.get("restore_one"):
+        return restore_once(rank, args)
     base = args["base"]
 
     def gmax(x: float) -> float:
@@ -425,15 +391,11 @@ def peers_rank(rank: int, world: int, args: dict) -> dict:
 
     systems: dict = {"tierckpt": Tier(rank, base, "tierckpt")}
     if args["local_root_base"]:
-        systems["tierckpt (RAM local root)"] = Tier(rank, base, "tierckpt-ram", local_base=args["local_root_base"])
+        systems[RAM_TIER] = Tier(rank, base, "tierckpt-ram", local_base=args["local_root_base"])
     systems.update({"DCP sync": Dcp(rank, base, "sync"), "DCP async (thread)": Dcp(rank, base, "thread"),
                     "DCP process+async staging": Dcp(rank, base, "process"), "NVRx local": Nvrx(rank, base)})
     if args["systems"] is not None:  # `--systems` alone: tierckpt only
         systems = {k: v for k, v in systems.items() if k in args["systems"] or k.startswith("tierckpt")}
-    restorers = {n: s for n, s in systems.items() if hasattr(s, "restore_after_loss")}
-    if args["lmr_disk_cmd"]:
-        restorers[LMR_DISK] = LmrDisk(rank, base, args["lmr_disk_cmd"], args["timeout"])
-    restorers[DISK_FLOOR] = DiskFloor(rank, systems["tierckpt"])
     out: dict = {"state_bytes": state_bytes(sd), "n_tensors": len(sd), "systems": list(systems)}
     step = 1
 
@@ -464,28 +426,11 @@ def peers_rank(rank: int, world: int, args: dict) -> dict:
                   + ", ".join(f"{n} {delta[n][-1] * 1e3:.0f} ms" for n in order), flush=True)
     out.update(delta_s=delta, memcpy_s=mems)
 
-    # 2. restore after losing node 1 and its disk, ABBA over the systems that have one
-    restore: dict = {n: [] for n in restorers}
-    for order in abba(list(restorers), args["restore_reps"]):
-        for name in order:
-            if name in systems:
-                save(name)
-            expected = snapshot(sd)
-            saved = step - 1
-            settle()
-            restore[name].append(gmax(restorers[name].restore_after_loss(expected, dist.barrier, saved)))
-            settle()
-            if rank == 0:
-                print(f"[bench-peers] restore {name}: {restore[name][-1]:.3f} s (bitwise equal)", flush=True)
-    out["restore_s"] = restore
-    if LMR_DISK in restorers:
-        out["lmr_flush_s"] = restorers[LMR_DISK].flush_s
-
-    # 3. host RSS growth over rss_saves saves (NVRx's synchronous saves are left out: too slow)
+    # 3. host RSS growth over rss_saves saves (NVRx's synchronous saves are left out: too slow).
+    # (2., the restores, runs in fresh processes per repetition: restore_once)
     rss: dict = {}
     for name in [n for n in systems if not n.startswith("NVRx")]:
-        # warm-up again: a restore above replaced tierckpt's engine, whose staging buffers are
-        # allocated by its first saves; the growth must count steady-state saves only
+        # warm-up again, each system right before its own count: steady-state saves only
         for _ in range(args["warmup"]):
             save(name)
         settle()
@@ -499,6 +444,45 @@ def peers_rank(rank: int, world: int, args: dict) -> dict:
     out["rss_growth_bytes"] = rss
     for s in systems.values():
         s.close()
+    return out
+
+
+def restore_once(rank: int, args: dict) -> dict:
+    """Rank side of one restore repetition, in fresh processes (a restart is one): system
+    ``args["restore_one"]`` saves the state once (completed, replicated), then node 1's root is
+    deleted, the page cache dropped and the restore timed (``restore_after_loss``, checked
+    bitwise); for tierckpt the disk floor (:func:`disk_floor`) is read first, from the same
+    files. Returns {"restore_s": slower rank's seconds[, "floor_s": seconds]}."""
+    import torch
+    import torch.distributed as dist
+
+    def gmax(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    name, base = args["restore_one"], args["base"]
+    if name == "tierckpt":
+        system = Tier(rank, base, "tierckpt")
+    elif name == RAM_TIER:
+        system = Tier(rank, base, "tierckpt-ram", local_base=args["local_root_base"])
+    elif name == "NVRx local":
+        system = Nvrx(rank, base)
+    else:
+        raise ValueError(f"restore_once: no restore for {name!r}")
+    sd = make_state(rank, args["mib"])
+    mutate(sd, 1)
+    dist.barrier()
+    system.capture(sd, 1)
+    system.complete()
+    expected = snapshot(sd)
+    os.sync()
+    dist.barrier()
+    out = {}
+    if name == "tierckpt":
+        out["floor_s"] = gmax(disk_floor(rank, system.dir, dist.barrier))
+    out["restore_s"] = gmax(system.restore_after_loss(expected, dist.barrier, 1))
+    system.close()
     return out
 
 
@@ -522,8 +506,8 @@ def lmr_cmd(a, mib: float, base: str, phases: str, restore_reps: int) -> list[st
 
 
 def run_lmr(a, mib: float, base: str) -> dict:
-    """Run bench/peers_lmr.py in the side venv for everything but the disk restart path (which
-    the main run interleaves with its restores, :class:`LmrDisk`); its JSON result, or
+    """Run bench/peers_lmr.py in the side venv for everything but the disk restart path (one
+    run per repetition in :func:`run_restores`' ABBA order); its JSON result, or
     ``{"skipped": reason}``."""
     why = lmr_skipped(a)
     if why:
@@ -535,6 +519,44 @@ def run_lmr(a, mib: float, base: str) -> dict:
         return json.load(f)
 
 
+def run_restores(a, mib: float, base: str, ram_base: str | None) -> dict:
+    """Measurement 2: restore repetitions in ABBA order over tierckpt (its RAM-root variant with
+    ``--local-root-base``), NVRx and lm-resiliency's disk restart path (side venv), each in
+    fresh processes and a fresh directory, one at a time (nothing else holds memory or the
+    disk meanwhile). Returns {"restore_s": {system: [s]}, "floor_s": [s], "lmr_flush_s": [s]}."""
+    names = ["tierckpt"] + ([RAM_TIER] if ram_base else [])
+    if a.systems is None or "NVRx local" in a.systems:
+        names.append("NVRx local")
+    if not lmr_skipped(a):
+        names.append(LMR_DISK)
+    out: dict = {"restore_s": {n: [] for n in names}, "floor_s": [], "lmr_flush_s": []}
+    for order in abba(names, a.restore_reps):
+        for name in order:
+            rep = tempfile.mkdtemp(prefix="restore-", dir=base)
+            ram_rep = tempfile.mkdtemp(prefix="restore-", dir=ram_base) if ram_base else None
+            try:
+                if name == LMR_DISK:
+                    js = os.path.join(rep, "lmr.json")
+                    subprocess.run(lmr_cmd(a, mib, rep, "disk", 1) + ["--out", js], check=True, timeout=a.timeout + 60)
+                    with open(js) as f:
+                        r = json.load(f)
+                    t = r["disk_restore_s"][0]
+                    out["lmr_flush_s"].append(r["flush_s"][0])
+                else:
+                    r, _ = run_ranks(dict(restore_one=name, mib=mib, base=rep, local_root_base=ram_rep,
+                                          threads=a.threads), timeout=a.timeout, target=peers_rank)
+                    t = r["restore_s"]
+                    out["floor_s"] += [r["floor_s"]] if "floor_s" in r else []
+            finally:
+                shutil.rmtree(rep, ignore_errors=True)
+                if ram_rep:
+                    shutil.rmtree(ram_rep, ignore_errors=True)
+            out["restore_s"][name].append(t)
+            print(f"[bench-peers] {mib:g} MiB restore {name}: {t:.3f} s (bitwise equal)"
+                  + (f"; disk floor {out['floor_s'][-1]:.3f} s" if name == "tierckpt" else ""), flush=True)
+    return out
+
+
 def summarise(r: dict, lmr: dict) -> dict:
     """Medians and ratios of one size (values in seconds / bytes)."""
     mem = med(r["memcpy_s"])
@@ -542,11 +564,11 @@ def summarise(r: dict, lmr: dict) -> dict:
                "delta": {n: med(v) for n, v in r["delta_s"].items()},
                "restore": {n: med(v) for n, v in r["restore_s"].items()},
                "rss": dict(r["rss_growth_bytes"]), "lmr": None}
-    s["floor"] = s["restore"].pop(DISK_FLOOR, None)
+    s["floor"] = med(r["floor_s"]) if r.get("floor_s") else None
     s["delta_ratio"] = {n: v / mem for n, v in s["delta"].items()}
     s["raw"] = {"delta_s": r["delta_s"], "memcpy_s": r["memcpy_s"], "restore_s": r["restore_s"],
                 "lmr": {k: lmr[k] for k in ("capture_s", "replication_s", "memcpy_s", "ram_restore_s")
-                        if k in lmr} | {"flush_s": r.get("lmr_flush_s", [])}}
+                        if k in lmr} | {"flush_s": r.get("lmr_flush_s", [])}, "floor_s": r.get("floor_s", [])}
     if "skipped" not in lmr:
         lm = med(lmr["memcpy_s"])
         s["lmr"] = {"memcpy": lm, "capture": med(lmr["capture_s"]), "replication": med(lmr["replication_s"]),
@@ -613,7 +635,7 @@ def rows(s: dict) -> tuple[list[str], list[list[str]], list[list[str]]]:
         rt = s["restore"]["tierckpt"] / s["memcpy"]
         x = rt / (lm["ram"] / lm["memcpy"])
         targ.append(["(info) restore tierckpt ÷ lm-resiliency RAM path (memcpy-normalised)", f"{x:.2f}", "—", "—"])
-        ram = "tierckpt (RAM local root)"
+        ram = RAM_TIER
         if ram in s["restore"]:
             x = (s["restore"][ram] / s["memcpy"]) / (lm["ram"] / lm["memcpy"])
             targ.append([f"(info) restore {ram}, node 1 lost ÷ lm-resiliency RAM path, processes alive "
@@ -664,7 +686,7 @@ def record(summaries, m, args, cmd, elapsed, dfout, load0) -> None:
              f"restore repetitions {args.restore_reps} (ABBA; node 1's dir deleted, page cache of every file "
              f"dropped, timed until both ranks hold the state, checked bitwise), RSS growth over "
              f"{args.rss_saves} saves; medians of the slower rank. lm-resiliency runs in a side venv: its disk "
-             f"restart path interleaved with the main run's restores (same run, ABBA, not normalised); its "
+             f"restart path in the restore ABBA order (each restore repetition in fresh processes; not normalised); its "
              f"capture and RAM path in a separate run, normalised by the memcpy measured in each run. "
              f"See bench/bench_peers.py.  \n",
              "CPU adaptations: " + "; ".join(ADAPTATIONS) + ".\n\nBench dir filesystem:\n\n```\n" + dfout + "\n```\n"]
@@ -719,11 +741,10 @@ def main(argv=None) -> int:
             print(f"[bench-peers] {mib:g} MiB per rank: lm-resiliency (side venv) first, then the main run",
                   flush=True)
             lmr = run_lmr(a, mib, base)
-            disk_cmd = None if lmr_skipped(a) else lmr_cmd(a, mib, base, "disk", 1)
-            args = dict(mib=mib, saves=a.saves, warmup=a.warmup, restore_reps=a.restore_reps, rss_saves=a.rss_saves,
-                        threads=a.threads, base=base, local_root_base=ram_base, systems=a.systems,
-                        lmr_disk_cmd=disk_cmd, timeout=a.timeout)
+            args = dict(mib=mib, saves=a.saves, warmup=a.warmup, rss_saves=a.rss_saves,
+                        threads=a.threads, base=base, local_root_base=ram_base, systems=a.systems)
             r0, _r1 = run_ranks(args, timeout=a.timeout, target=peers_rank)
+            r0.update(run_restores(a, mib, base, ram_base))
             summaries.append(summarise(r0, lmr))
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -22,8 +22,8 @@ Measured per rank, results written as JSON to ``--out`` (slower rank of every sa
   manager with the same ``run_id`` and ``load(mode="latest")`` from disk;
 - host RSS growth over ``--rss-saves`` captures (each followed by ``finalize_replication()``).
 ``--phases`` runs a subset (``capture,ram,rss,disk``): bench_peers.py runs ``--phases disk
---restore-reps 1`` between its own restores, so that the disk restart path and tierckpt's
-restore are measured interleaved (ABBA) in the same minutes, and the rest once, apart.
+--restore-reps 1`` once per repetition of its restore ABBA order (the disk restart path and
+tierckpt's restore in the same minutes), and the rest once, apart.
 Every restore is checked bitwise against the saved state.
 """
 

@@ -95,7 +95,7 @@ def test_lmr_driver_side_venv(tmp_path):
     for k in ("capture_s", "replication_s", "ram_restore_s", "disk_restore_s", "flush_s"):
         assert len(r[k]) >= 1 and all(0 < x < 60 for x in r[k]), k
     assert not (tmp_path / "lmr").exists()
-    # the disk restart path alone, one repetition (what the main run interleaves with its restores)
+    # the disk restart path alone, one repetition (one turn of the main run's restore ABBA order)
     subprocess.run([bp.PEERS_PY, os.path.join(REPO, "bench", "peers_lmr.py"), "--mib", "4", "--restore-reps", "1",
                     "--phases", "disk", "--dir", str(tmp_path), "--out", str(out), "--timeout", "300"],
                    check=True, timeout=360)
@@ -115,9 +115,12 @@ def test_bench_interleaves_the_lmr_disk_path_with_the_restores(tmp_path):
                   "--systems", "--dir", str(tmp_path), "--json", str(out), "--timeout", "300"])
     assert rc == 0
     (s,) = json.loads(out.read_text())
-    # ABBA over tierckpt and the side-venv disk path: two samples each, in the same run
-    assert len(s["raw"]["restore_s"]["tierckpt"]) == len(s["raw"]["restore_s"][bp.LMR_DISK]) == 2
+    # ABBA over tierckpt and the side-venv disk path: two samples each, in the same run, and a
+    # disk floor read in each tierckpt repetition
+    raw = s["raw"]
+    assert len(raw["restore_s"]["tierckpt"]) == len(raw["restore_s"][bp.LMR_DISK]) == len(raw["floor_s"]) == 2
     assert set(s["restore"]) == {"tierckpt"} and 0 < s["lmr"]["disk"] < 60 and 0 < s["lmr"]["flush"] < 60
+    assert 0 < s["floor"] < 60
     targ = {t[0]: t for t in bp.rows(s)[2]}
     x = targ["restore tierckpt ÷ lm-resiliency disk path (same run, ABBA)"]
     assert float(x[1]) == pytest.approx(s["restore"]["tierckpt"] / s["lmr"]["disk"], abs=0.006)
