@@ -38,6 +38,7 @@ from tierckpt.config import TierConfig, validate_tiers
 from tierckpt.dist.collectives import all_gather, broadcast_from_first
 from tierckpt.dist.topology import Groups, discover, new_groups
 from tierckpt.errors import ConfigError, TierFailedError
+from tierckpt.gcpause import collector_paused, paused
 from tierckpt.handle import SaveHandle
 from tierckpt.io import layout
 from tierckpt.history.journal import RunJournal
@@ -91,6 +92,7 @@ class TieredCheckpointer:
         RuntimeError: torch.distributed not initialised.
     """
 
+    @paused  # the restart's critical path, as restore()
     def __init__(self, config: TierConfig, *, node_id: int | None = None,
                  persistent_io: PersistentIO | None = None):
         self.cfg = cfg = config
@@ -237,6 +239,14 @@ class TieredCheckpointer:
         tiers = self._check_tiers(tiers)
         if not tiers:
             return SaveHandle(step, 0.0)
+        if wait_previous:  # a planned exit may wait long: the collector stays as it is
+            return self._save(step, state_dict, tiers, raise_failures, wait_previous)
+        with collector_paused():  # no collector pass inside δ (tierckpt/gcpause.py)
+            return self._save(step, state_dict, tiers, raise_failures, wait_previous)
+
+    def _save(self, step: int, state_dict: dict, tiers: tuple[str, ...], raise_failures: bool,
+              wait_previous: bool) -> SaveHandle:
+        """:meth:`save` once the tiers are checked (non-empty)."""
         t0 = time.perf_counter()
         state_dict = resolve_stateful(state_dict)  # once: the RAM-root check and staging read it
         defer = () if wait_previous else tuple(t for t in tiers if self.cfg.busy_policy(t) == "defer")
@@ -520,6 +530,7 @@ class TieredCheckpointer:
         return mine
 
     # -- restore -------------------------------------------------------------------------------
+    @paused  # no collector pass inside the restart's critical path (tierckpt/gcpause.py)
     def restore(self, state_dict: dict, step: int | None = None, *,
                 rollback: bool = False, sources: tuple[str, ...] | None = None) -> RestoreResult | None:
         """Load ``state_dict`` in place from the newest step every node can be served from.
