@@ -199,19 +199,24 @@ def test_a_file_missing_from_memory_falls_back_to_disk(saved, tmp_path):
     _check(out, rpn, fallback=True)
 
 
+def _flip_a_data_bit(step_dir: str) -> None:
+    """Flip one bit in the middle of the first data file of ``step_dir``: in a tensor's data,
+    not in a record header."""
+    victim = os.path.join(step_dir, sorted(f for f in os.listdir(step_dir) if f.endswith(".distcp"))[0])
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
 def test_a_replica_corrupt_in_its_data_is_loaded_then_refused_and_the_next_source_used(tmp_path):
     # the pulled bytes are loaded while they arrive; the checksum settles after the load, and a
     # mismatch voids it: the node is restored from the persistent tier, bitwise
     base = str(tmp_path)
     run_world(scenarios.phase_train_and_save, 2, base, 1, K, EXTRA)
     shutil.rmtree(os.path.join(base, "nvme", "node-1"))
-    rep = os.path.join(base, "nvme", "node-0", "replicas", "node-1", f"step-{K}")
-    victim = os.path.join(rep, sorted(f for f in os.listdir(rep) if f.endswith(".distcp"))[0])
-    with open(victim, "r+b") as f:  # one bit in the middle of the data, not in a record header
-        f.seek(os.path.getsize(victim) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x01]))
+    _flip_a_data_bit(os.path.join(base, "nvme", "node-0", "replicas", "node-1", f"step-{K}"))
     out = run_world(scenarios.phase_restore_and_check, 2, base, 1, K, EXTRA)[0].value
     assert out["sources"] == {0: ("own-local", 0), 1: ("persistent", None)}, out
     assert any(f[:3] == (1, "peer-replica", 0) and "checksum mismatch" in f[4] for f in out["failures"]), out
@@ -250,13 +255,7 @@ def test_an_own_copy_corrupt_in_its_data_is_refused_and_the_replica_used(tmp_pat
     base = str(tmp_path)
     kw = {"tiers": ("local",)} | ({} if memory_bytes is None else {"restore_memory_bytes": memory_bytes})
     run_world(scenarios.phase_train_and_save, 2, base, 1, K, EXTRA, kw)
-    own = os.path.join(base, "nvme", "node-0", "local", f"step-{K}")
-    victim = os.path.join(own, sorted(f for f in os.listdir(own) if f.endswith(".distcp"))[0])
-    with open(victim, "r+b") as f:  # one bit in the middle of the data, not in a record header
-        f.seek(os.path.getsize(victim) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x01]))
+    _flip_a_data_bit(os.path.join(base, "nvme", "node-0", "local", f"step-{K}"))
     out = run_world(scenarios.phase_restore_and_check, 2, base, 1, K, EXTRA, kw)[0].value
     assert out["sources"] == {0: ("peer-replica", 1), 1: ("own-local", 1)}, out
     assert [f[:4] for f in out["failures"]] == [(0, "own-local", 0, K)], out
