@@ -319,13 +319,23 @@ def disk_floor(rank: int, tier_dir: str, barrier) -> float:
         drop_page_cache(tier_dir)
     barrier()
     t0 = time.perf_counter()
+    errors: list[BaseException] = []
+
+    def read(d: str) -> None:
+        try:
+            _read_dir(d)
+        except BaseException as e:  # re-raised below: a floor that read nothing is no floor
+            errors.append(e)
+
     if rank == 0:
-        threads = [threading.Thread(target=_read_dir, args=(d,)) for d in dirs]
+        threads = [threading.Thread(target=read, args=(d,)) for d in dirs]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
     dt = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
     barrier()
     return dt if rank == 0 else 0.0
 

@@ -111,3 +111,36 @@ def phase_own_load_overlaps_check(rank, world, base, rpn, k, extra_steps, cfg_kw
     memory_read.check_share = checking
     out = phase_restore_and_check(rank, world, base, rpn, k, extra_steps, cfg_kw)
     return {**out, "load_before_check": seen}
+
+
+def phase_own_copy_read_two_ways(rank, world, base, rpn, k, extra_steps, cfg_kw=None, disk_error=False):
+    """:func:`~tests.scenarios.phase_restore_and_check` where local rank 1 of every node does not
+    read its share of the own copy ahead (checksummed from disk before its load, as a share
+    above ``restore_memory_bytes`` is) while local rank 0 does; ``disk_error``: node 0's local
+    rank 1 gets an I/O error while checksumming. Adds ``reads``: how many times DCP's file
+    reader ran ``read_data`` on this rank (0 for a copy refused before decoding)."""
+    from tests.scenarios import phase_restore_and_check
+    from tierckpt.io import dcp_io
+    from tierckpt.restore import restorer
+
+    if rank % rpn == 1:
+        class NotReadAhead(restorer.OwnRead):
+            def __init__(self, *a, **kw):
+                self.started = False
+
+        restorer.OwnRead = NotReadAhead
+        if disk_error and rank // rpn == 0:
+            def unreadable(*a, **kw):
+                raise OSError(5, "Input/output error")
+
+            restorer.verify_split = unreadable
+    reads = [0]
+    read_data = dcp_io.CountingFileSystemReader.read_data
+
+    def counting(self, plan, planner):
+        reads[0] += 1
+        return read_data(self, plan, planner)
+
+    dcp_io.CountingFileSystemReader.read_data = counting
+    out = phase_restore_and_check(rank, world, base, rpn, k, extra_steps, cfg_kw)
+    return {**out, "reads": reads[0]}

@@ -15,7 +15,9 @@
 - a node restoring its own copy loads from the mappings while the checksums run (the load
   starts before the hash), and a flipped bit in its data voids the copy on every rank — loaded
   while checked, or (``restore_memory_bytes = 0``) checked first and never decoded — and the
-  node is restored from its replica, bitwise.
+  node is restored from its replica, bitwise; with 2 ranks per node reading their shares the
+  two ways, a bad share on either or an I/O error while checking one voids the copy on both
+  ranks through the same collectives (no hang).
 """
 
 from __future__ import annotations
@@ -199,10 +201,11 @@ def test_a_file_missing_from_memory_falls_back_to_disk(saved, tmp_path):
     _check(out, rpn, fallback=True)
 
 
-def _flip_a_data_bit(step_dir: str) -> None:
-    """Flip one bit in the middle of the first data file of ``step_dir``: in a tensor's data,
-    not in a record header."""
-    victim = os.path.join(step_dir, sorted(f for f in os.listdir(step_dir) if f.endswith(".distcp"))[0])
+def _flip_a_data_bit(step_dir: str, name: str | None = None) -> None:
+    """Flip one bit in the middle of data file ``name`` of ``step_dir`` (default: the first):
+    in a tensor's data, not in a record header."""
+    name = name or sorted(f for f in os.listdir(step_dir) if f.endswith(".distcp"))[0]
+    victim = os.path.join(step_dir, name)
     with open(victim, "r+b") as f:
         f.seek(os.path.getsize(victim) // 2)
         b = f.read(1)
@@ -237,26 +240,59 @@ def test_decode_record_templates_never_mix_up_records():
 
 
 # -- a node restoring its own copy ---------------------------------------------------------------
-def test_own_copy_is_loaded_while_its_checksums_run(tmp_path):
+def _copy(saved, tmp_path) -> str:
+    base = str(tmp_path / "run")
+    shutil.copytree(saved[0], base)
+    return base
+
+
+@pytest.mark.parametrize("saved", [1], indirect=True, ids=["2nodes-x1rank"])
+def test_own_copy_is_loaded_while_its_checksums_run(saved, tmp_path):
     # one pass over the disk: the load decodes from the mappings the checksum thread reads
-    base = str(tmp_path)
-    run_world(scenarios.phase_train_and_save, 2, base, 1, K, EXTRA, {"tiers": ("local",)})
+    base = _copy(saved, tmp_path)
     out = run_world(scenarios_memory.phase_own_load_overlaps_check, 2, base, 1, K, EXTRA, {"tiers": ("local",)})
     for r in out:
         assert r.value["sources"] == {0: ("own-local", 0), 1: ("own-local", 1)}, r.value
         assert r.value["load_before_check"] == [True], r.value
 
 
+@pytest.mark.parametrize("saved", [1], indirect=True, ids=["2nodes-x1rank"])
 @pytest.mark.parametrize("memory_bytes", [None, 0], ids=["loaded-while-checked", "checked-first"])
-def test_an_own_copy_corrupt_in_its_data_is_refused_and_the_replica_used(tmp_path, memory_bytes):
+def test_an_own_copy_corrupt_in_its_data_is_refused_and_the_replica_used(saved, tmp_path, memory_bytes):
     # loaded from its mappings while the checksums run (or, with restore_memory_bytes = 0,
     # checked from disk first and never decoded): a flipped bit voids node 0's own copy on
     # every rank, and node 0 is restored from its replica on node 1, bitwise
-    base = str(tmp_path)
+    base = _copy(saved, tmp_path)
     kw = {"tiers": ("local",)} | ({} if memory_bytes is None else {"restore_memory_bytes": memory_bytes})
-    run_world(scenarios.phase_train_and_save, 2, base, 1, K, EXTRA, kw)
     _flip_a_data_bit(os.path.join(base, "nvme", "node-0", "local", f"step-{K}"))
-    out = run_world(scenarios.phase_restore_and_check, 2, base, 1, K, EXTRA, kw)[0].value
+    out = run_world(scenarios_memory.phase_own_copy_read_two_ways, 2, base, 1, K, EXTRA, kw)[0].value
     assert out["sources"] == {0: ("peer-replica", 1), 1: ("own-local", 1)}, out
     assert [f[:4] for f in out["failures"]] == [(0, "own-local", 0, K)], out
     assert "VerificationError" in out["failures"][0][4] and "xxh3_64" in out["failures"][0][4], out
+    # node 0 decoded its own copy (then refused it) only where it was loaded while checked;
+    # then the replica, once
+    assert out["reads"] == (2 if memory_bytes is None else 1), out
+
+
+@pytest.mark.parametrize("saved", [2], indirect=True, ids=["2nodes-x2ranks"])
+@pytest.mark.parametrize("case", ["bad-share-read-ahead", "bad-share-checked-first", "disk-error-checked-first"])
+def test_ranks_of_a_node_reading_their_own_copy_differently_agree(saved, tmp_path, case):
+    # 2 nodes x 2 ranks; on each node local rank 0 reads its share ahead (loaded while
+    # checked), local rank 1 checksums from disk first (a share above restore_memory_bytes).
+    # A bad share on either rank, or an I/O error on rank 1, voids node 0's own copy on both of
+    # its ranks through the same collectives (no hang), and node 0 is restored from node 1
+    base = _copy(saved, tmp_path)
+    kw = {"tiers": ("local",)}
+    own = os.path.join(base, "nvme", "node-0", "local", f"step-{K}")
+    if case != "disk-error-checked-first":
+        victim = 0 if case == "bad-share-read-ahead" else 1
+        files = sorted(f for f in os.listdir(own) if f.endswith(".distcp") and rank_of_file(f) == victim)
+        _flip_a_data_bit(own, files[0])
+    out = run_world(scenarios_memory.phase_own_copy_read_two_ways, 4, base, 2, K, EXTRA, kw,
+                    case == "disk-error-checked-first", timeout=240)
+    for r in out:
+        v = r.value
+        assert v["sources"] == {0: ("peer-replica", 1), 1: ("own-local", 1)}, v
+        assert [f[:4] for f in v["failures"]] == [(0, "own-local", 0, K)], v
+        why = "Input/output error" if case == "disk-error-checked-first" else "xxh3_64"
+        assert why in v["failures"][0][4], v

@@ -560,7 +560,10 @@ class TieredCheckpointer:
         Returns:
             RestoreResult, or None if no committed checkpoint exists (fresh start).
         Raises:
-            NoCheckpointError: checkpoints exist but none could be restored.
+            NoCheckpointError: checkpoints exist but none could be restored. ``state_dict``
+                may then hold values of a source that failed its checks (pulled and own copies
+                are loaded while their checksums run, and count only once they match): do not
+                train from it (both adapters let the error end the job).
             ValueError: ``rollback`` without ``step``, or an unknown source kind.
         """
         if rollback and step is None:

@@ -361,3 +361,9 @@ class OwnRead:
             if self._error is not None:
                 raise self._error
         return self._out
+
+    def join(self) -> None:
+        """Wait for the reader thread to end; never raises (:meth:`result` reports its error,
+        once the restore has agreed on it, this is only the cleanup)."""
+        if self.started:
+            self._thread.join()

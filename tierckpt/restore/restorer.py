@@ -36,7 +36,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from tierckpt.dist.collectives import FAILURES, all_gather, gather_leaders, gather_reduced, run_agreed
+from tierckpt.dist.collectives import FAILURES, agree, all_gather, gather_leaders, gather_reduced, run_agreed
 from tierckpt.dist.topology import Groups, Topology
 from tierckpt.errors import NoCheckpointError, VerificationError
 from tierckpt.history import lineage
@@ -331,7 +331,7 @@ class Restorer:
             return self._load_node(state_dict, s, sources, todo, pulled, own)
         finally:
             if own is not None:
-                own.result()  # never leave the reader running into the next round
+                own.join()  # never leave the reader running into the next round
             pulled.join_sends()  # a node sending a replica loaded its own state meanwhile
             pulled.memory = {}  # the pulled bytes are in the state now (or of no use)
 
@@ -405,14 +405,12 @@ class Restorer:
         out.seconds = time.perf_counter() - t0
         self._persistent_bytes += out.persistent_bytes
         # the node's ranks agree on ok (DCP and run_agreed already raised on all of them)
-        parts = all_gather((out.ok, out.bytes, out.persistent_bytes, out.error), self.groups.node)
+        parts = all_gather((out.ok, out.bytes, out.persistent_bytes), self.groups.node)
         out.bytes = sum(p[1] for p in parts)
         out.persistent_bytes = sum(p[2] for p in parts)
         if not all(p[0] for p in parts):
             out.ok = False
-            # the cause, where one rank found it (the others' loads failed with it)
-            found = [p[3] for p in parts if p[3] and p[3].startswith(VerificationError.__name__)]
-            out.error = (found or [out.error or "another rank of the node failed"])[0]
+            out.error = out.error or "another rank of the node failed"
         return (topo.rank, out)
 
     def _load_own(self, state_dict: dict, store, rel: str, group, own: OwnRead | None) -> int:
@@ -420,24 +418,35 @@ class Restorer:
         with an :class:`~tierckpt.io.memory_read.OwnRead`, from its mappings while their
         checksums run, the copy agreed intact only afterwards (one pass over the disk: the
         load does not wait for the hash); without one, this rank's share is checksummed from
-        disk first and a copy found bad is not decoded (the load fails on every rank of the
-        node). Every rank runs the same collectives in the same order (DCP's load, then the
-        agreement), whichever way it read. Returns bytes read; raises VerificationError or
-        what the load raises (→ next source)."""
+        disk first and a copy found bad is not decoded on any rank (this rank's load fails
+        in DCP's metadata step, which fails it on every rank of the node). Whatever happens
+        on whichever rank, every rank runs the same collectives in the same order — DCP's
+        load, then one agreement — so a failure on one rank alone (a disk error while
+        hashing, a ``Stateful`` refusing its state after DCP's last collective) cannot leave
+        the node's ranks in different collectives. Returns bytes read; raises
+        :class:`~tierckpt.dist.collectives.PeerFailure` naming the cause on every rank of the
+        node when any rank failed (→ next source)."""
         topo = self.topo
-        problems = [] if own is not None else verify_split(store, rel, topo.local_rank, topo.ranks_per_node)
-        if problems:  # nothing in memory, strict: reading .metadata fails the load on every rank
-            with contextlib.suppress(*FAILURES):
-                load_dir(state_dict, store.path(rel), group, strict=True)
-            raise VerificationError("; ".join(problems[:3]))
-        read = load_dir(state_dict, store.path(rel), group, memory=own.mapped() if own is not None else None)
-
-        def verify():
+        problems: list[str] = []
+        if own is None:
+            try:
+                problems = verify_split(store, rel, topo.local_rank, topo.ranks_per_node)
+            except FAILURES as e:
+                problems = [f"{store.url_of(rel)}: unreadable ({type(e).__name__}: {e})"]
+        err: BaseException | None = None
+        read = 0
+        try:
+            if problems:  # nothing in memory, strict: reading .metadata fails the load on every rank
+                with contextlib.suppress(*FAILURES):
+                    load_dir(state_dict, store.path(rel), group, strict=True)
+                raise VerificationError("; ".join(problems[:3]))
+            read = load_dir(state_dict, store.path(rel), group, memory=own.mapped() if own is not None else None)
             found = own.result()[1] if own is not None else []
             if found:
                 raise VerificationError("; ".join(found[:3]))
-
-        run_agreed(verify, group, f"verify {store.url_of(rel)}")
+        except FAILURES as e:  # exchanged by agree(), raised on every rank
+            err = e
+        agree(err, group, f"load and verify {store.url_of(rel)}")
         return read
 
     def _load_pulled(self, state_dict: dict, pulled: Pulled, group) -> int:
