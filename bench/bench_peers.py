@@ -44,8 +44,9 @@ across repetitions):
    cache dropped, its own copy and node 1's replica, the bytes every system must read from
    that disk; each restore is also printed ÷ that floor. (A second read of a file comes
    faster than its first on this VM, the host caching below the guest: the floor is the
-   disk at its best, and no restore reads files another measurement read before.) tierckpt restores in place into preallocated tensors; the peers
-   return new tensors (their copy into a model is not timed).
+   disk at its best, and no restore reads files another measurement read before.) tierckpt
+   restores in place into preallocated tensors; the peers return new tensors (their copy into
+   a model is not timed).
 3. host RSS growth (self + child processes, ``VmRSS``) from after ``--warmup`` more saves to
    after ``--rss-saves`` more saves, each waited to completion. NVRx is left out (its
    synchronous saves are too slow for 50).
@@ -81,7 +82,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from bench_engine import REPO, RESULTS_MD, disk, machine, md_table, run_ranks  # noqa: E402
-from peers_common import (abba, assert_bitwise, drop_page_cache, make_state, med, mutate,  # noqa: E402
+from peers_common import (abba, assert_bitwise, drop_page_cache, gmax, make_state, med, mutate,  # noqa: E402
                           rss_bytes, snapshot, state_bytes)
 
 MiB = 1 << 20
@@ -303,8 +304,8 @@ class Nvrx:
 
 
 def disk_floor(rank: int, tier_dir: str, barrier) -> float:
-    """The disk's part of a node-loss restore, as a baseline: node 0 reads, cold, the bytes any
-    system must read from its disk when node 1 and its disk are lost (its own copy of the
+    """The disk's part of a node-loss restore, as a baseline: node 0 reads, page cache dropped,
+    the bytes any system must read from its disk when node 1 and its disk are lost (its own copy of the
     newest step and node 1's replica of it: tierckpt's files under ``tier_dir``, as many bytes
     as every peer's) — both directories at once, each file mapped after a readahead hint and
     touched page by page; node 1 idle. No system restores faster than this on this disk.
@@ -334,9 +335,9 @@ def disk_floor(rank: int, tier_dir: str, barrier) -> float:
         for t in threads:
             t.join()
     dt = time.perf_counter() - t0
+    barrier()
     if errors:
         raise errors[0]
-    barrier()
     return dt if rank == 0 else 0.0
 
 
@@ -381,11 +382,6 @@ def peers_rank(rank: int, world: int, args: dict) -> dict:
     if args.get("restore_one"):
         return restore_once(rank, args)
     base = args["base"]
-
-    def gmax(x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
 
     def settle():
         os.sync()
@@ -467,13 +463,7 @@ def restore_once(rank: int, args: dict) -> dict:
     same files (a first read after the write is slower on this VM's disk than later ones:
     every system's restore must be the first read of its files). Returns {"restore_s":
     slower rank's seconds[, "floor_s": seconds]}."""
-    import torch
     import torch.distributed as dist
-
-    def gmax(x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
 
     name, base = args["restore_one"], args["base"]
     if name == "tierckpt":

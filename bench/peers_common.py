@@ -184,3 +184,14 @@ def med(xs) -> float:
     """Median, NaN for an empty list."""
     xs = list(xs)
     return statistics.median(xs) if xs else float("nan")
+
+
+def gmax(x: float) -> float:
+    """``x`` (seconds, bytes) reduced to its maximum over the default process group: the slower
+    rank's value, the same on every rank (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())

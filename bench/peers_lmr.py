@@ -40,7 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from peers_common import abba, assert_bitwise, drop_page_cache, make_state, mutate, rss_bytes, snapshot, state_bytes  # noqa: E402
+from peers_common import (abba, assert_bitwise, drop_page_cache, gmax, make_state, mutate, rss_bytes,  # noqa: E402
+                          snapshot, state_bytes)
 
 RUN_ID = "tierckpt-bench-peers"
 PHASES = ("capture", "ram", "rss", "disk")
@@ -54,11 +55,6 @@ def lmr_rank(rank: int, world: int, args: dict) -> dict:
     from lm_resiliency.checkpointing.disk import DiskSerializer, atomic_copy_file
 
     base = os.path.join(args["base"], "lmr")
-
-    def gmax(x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
 
     def node_dir(r: int) -> str:
         return os.path.join(base, f"node-{r}")

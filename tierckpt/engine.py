@@ -22,6 +22,7 @@ orchestration of named steps; each step lives in its wing (docs/architecture.md)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -239,9 +240,8 @@ class TieredCheckpointer:
         tiers = self._check_tiers(tiers)
         if not tiers:
             return SaveHandle(step, 0.0)
-        if wait_previous:  # a planned exit may wait long: the collector stays as it is
-            return self._save(step, state_dict, tiers, raise_failures, wait_previous)
-        with collector_paused():  # no collector pass inside δ (tierckpt/gcpause.py)
+        # no collector pass inside δ (tierckpt/gcpause.py); a planned exit may wait long: left as is
+        with contextlib.nullcontext() if wait_previous else collector_paused():
             return self._save(step, state_dict, tiers, raise_failures, wait_previous)
 
     def _save(self, step: int, state_dict: dict, tiers: tuple[str, ...], raise_failures: bool,

@@ -292,16 +292,20 @@ def check_share(step_rel: str, entries: list[manifest.FileEntry], mapped: dict[s
     return problems
 
 
-def read_verified(store: Store, step_rel: str, entries: list[manifest.FileEntry]
+def read_verified(store: Store, step_rel: str, entries: list[manifest.FileEntry],
+                  on_mapped: Callable[[dict[str, torch.Tensor]], None] | None = None
                   ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Map ``entries`` of a committed step of a local ``store`` into memory and checksum them:
     a verification and the load's read in one pass (the load then decodes from the mapping).
+    ``on_mapped``: called with a copy of {file path: mapping} once mapped, before the checksums.
 
     Returns:
         ({file path: uint8 tensor of its bytes} of the intact files, problems as
         :func:`~tierckpt.io.manifest.verify_files` words them ([] = every file intact)).
     """
     out, problems = map_share(store, step_rel, entries)
+    if on_mapped is not None:
+        on_mapped(dict(out))
     problems.update(check_share(step_rel, entries, out))
     return out, [problems[e.path] for e in entries if e.path in problems]
 
@@ -336,15 +340,15 @@ class OwnRead:
 
     def _run(self, store: Store, step_rel: str, share: list[manifest.FileEntry]) -> None:
         try:
-            out, problems = map_share(store, step_rel, share)
-            self._mapped = dict(out)
-            self._ready.set()
-            problems.update(check_share(step_rel, share, out))
-            self._out = (out, [problems[e.path] for e in share if e.path in problems])
+            self._out = read_verified(store, step_rel, share, on_mapped=self._publish)
         except BaseException as e:  # re-raised in result(), on the restoring thread
             self._error = e
         finally:
             self._ready.set()
+
+    def _publish(self, mapped: dict[str, torch.Tensor]) -> None:
+        self._mapped = mapped
+        self._ready.set()
 
     def mapped(self) -> dict[str, torch.Tensor]:
         """{file path: uint8 tensor} of the share's files present with their manifest size,
