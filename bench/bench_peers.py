@@ -40,11 +40,13 @@ across repetitions):
    tierckpt, NVRx and lm-resiliency's disk restart path (``peers_lmr.py --phases disk`` in
    the side venv): the same run, no normalisation. Against lm-resiliency's RAM path (side
    run, processes alive) memcpy-normalised as in 1. A baseline, the *disk floor*
-   (``disk_floor``, in each tierckpt repetition, after its restore): node 0 reading, page
-   cache dropped, its own copy and node 1's replica, the bytes every system must read from
-   that disk; each restore is also printed ÷ that floor. (A second read of a file comes
-   faster than its first on this VM, the host caching below the guest: the floor is the
-   disk at its best, and no restore reads files another measurement read before.) tierckpt
+   (``disk_floor``), is one more "system" in the same ABBA order: tierckpt saves as for its
+   restore, the page cache is dropped, and node 0 reads its own copy and node 1's replica —
+   the bytes every system must read from that disk — and nothing else; each restore is also
+   printed ÷ that floor. Every floor and every restore is the first read of files just
+   written (on this VM a second read of a file comes faster than its first, the host caching
+   below the guest, and a read right after another system's heavy writes is slowed by their
+   writeback: the floor read after a restore measured 1.2× the restore at 1 GiB). tierckpt
    restores in place into preallocated tensors; the peers return new tensors (their copy into
    a model is not timed).
 3. host RSS growth (self + child processes, ``VmRSS``) from after ``--warmup`` more saves to
@@ -89,6 +91,7 @@ MiB = 1 << 20
 PEERS_PY = os.path.join(REPO, ".venv-peers", "bin", "python")
 TARGETS = {"delta_memcpy": 1.05, "delta_lmr": 0.95, "restore_nvrx": 0.8, "restore_lmr_disk": 0.8}
 LMR_DISK = "lm-resiliency disk path (side venv)"
+FLOOR = "disk floor"
 RAM_TIER = "tierckpt (RAM local root)"
 ADAPTATIONS = [
     "tierckpt: persistent tier off (tiers=('local',), replication_factor=2)",
@@ -308,7 +311,7 @@ def disk_floor(rank: int, tier_dir: str, barrier) -> float:
     the bytes any system must read from its disk when node 1 and its disk are lost (its own copy of the
     newest step and node 1's replica of it: tierckpt's files under ``tier_dir``, as many bytes
     as every peer's) — both directories at once, each file mapped after a readahead hint and
-    touched page by page; node 1 idle. No system restores faster than this on this disk.
+    touched page by page; node 1 idle. Called on files just written (see :func:`restore_once`).
     Returns seconds on rank 0, 0.0 elsewhere."""
     import threading
 
@@ -459,14 +462,13 @@ def restore_once(rank: int, args: dict) -> dict:
     """Rank side of one restore repetition, in fresh processes (a restart is one): system
     ``args["restore_one"]`` saves the state once (completed, replicated), then node 1's root is
     deleted, the page cache dropped and the restore timed (``restore_after_loss``, checked
-    bitwise); for tierckpt the disk floor (:func:`disk_floor`) is read afterwards, from the
-    same files (a first read after the write is slower on this VM's disk than later ones:
-    every system's restore must be the first read of its files). Returns {"restore_s":
-    slower rank's seconds[, "floor_s": seconds]}."""
+    bitwise). For :data:`FLOOR`, tierckpt saves the same way and :func:`disk_floor` reads
+    its files instead of a restore (the first read after the write, as every restore is).
+    Returns {"restore_s": slower rank's seconds} ({"floor_s": ...} for the floor)."""
     import torch.distributed as dist
 
     name, base = args["restore_one"], args["base"]
-    if name == "tierckpt":
+    if name in ("tierckpt", FLOOR):
         system = Tier(rank, base, "tierckpt")
     elif name == RAM_TIER:
         system = Tier(rank, base, "tierckpt-ram", local_base=args["local_root_base"])
@@ -482,9 +484,10 @@ def restore_once(rank: int, args: dict) -> dict:
     expected = snapshot(sd)
     os.sync()
     dist.barrier()
-    out = {"restore_s": gmax(system.restore_after_loss(expected, dist.barrier, 1))}
-    if name == "tierckpt":  # after the restore: every system's restore is the first read of its files
-        out["floor_s"] = gmax(disk_floor(rank, system.dir, dist.barrier))
+    if name == FLOOR:
+        out = {"floor_s": gmax(disk_floor(rank, system.dir, dist.barrier))}
+    else:
+        out = {"restore_s": gmax(system.restore_after_loss(expected, dist.barrier, 1))}
     system.close()
     return out
 
@@ -524,15 +527,16 @@ def run_lmr(a, mib: float, base: str) -> dict:
 
 def run_restores(a, mib: float, base: str, ram_base: str | None) -> dict:
     """Measurement 2: restore repetitions in ABBA order over tierckpt (its RAM-root variant with
-    ``--local-root-base``), NVRx and lm-resiliency's disk restart path (side venv), each in
-    fresh processes and a fresh directory, one at a time (nothing else holds memory or the
-    disk meanwhile). Returns {"restore_s": {system: [s]}, "floor_s": [s], "lmr_flush_s": [s]}."""
-    names = ["tierckpt"] + ([RAM_TIER] if ram_base else [])
+    ``--local-root-base``), NVRx, lm-resiliency's disk restart path (side venv) and the disk
+    floor, each in fresh processes and a fresh directory, one at a time (nothing else holds
+    memory or the disk meanwhile). Returns {"restore_s": {system: [s]}, "floor_s": [s],
+    "lmr_flush_s": [s]}."""
+    names = ["tierckpt", FLOOR] + ([RAM_TIER] if ram_base else [])
     if a.systems is None or "NVRx local" in a.systems:
         names.append("NVRx local")
     if not lmr_skipped(a):
         names.append(LMR_DISK)
-    out: dict = {"restore_s": {n: [] for n in names}, "floor_s": [], "lmr_flush_s": []}
+    out: dict = {"restore_s": {n: [] for n in names if n != FLOOR}, "floor_s": [], "lmr_flush_s": []}
     for order in abba(names, a.restore_reps):
         for name in order:
             rep = tempfile.mkdtemp(prefix="restore-", dir=base)
@@ -548,15 +552,14 @@ def run_restores(a, mib: float, base: str, ram_base: str | None) -> dict:
                 else:
                     r, _ = run_ranks(dict(restore_one=name, mib=mib, base=rep, local_root_base=ram_rep,
                                           threads=a.threads), timeout=a.timeout, target=peers_rank)
-                    t = r["restore_s"]
-                    out["floor_s"] += [r["floor_s"]] if "floor_s" in r else []
+                    t = r["floor_s"] if name == FLOOR else r["restore_s"]
             finally:
                 shutil.rmtree(rep, ignore_errors=True)
                 if ram_rep:
                     shutil.rmtree(ram_rep, ignore_errors=True)
-            out["restore_s"][name].append(t)
-            print(f"[bench-peers] {mib:g} MiB restore {name}: {t:.3f} s (bitwise equal)"
-                  + (f"; disk floor {out['floor_s'][-1]:.3f} s" if name == "tierckpt" else ""), flush=True)
+            (out["floor_s"] if name == FLOOR else out["restore_s"][name]).append(t)
+            print(f"[bench-peers] {mib:g} MiB " + (f"disk floor: {t:.3f} s" if name == FLOOR else
+                                                 f"restore {name}: {t:.3f} s (bitwise equal)"), flush=True)
     return out
 
 
