@@ -692,7 +692,8 @@ def record(summaries, m, args, cmd, elapsed, dfout, load0) -> None:
              f"restore repetitions {args.restore_reps} (ABBA; node 1's dir deleted, page cache of every file "
              f"dropped, timed until both ranks hold the state, checked bitwise), RSS growth over "
              f"{args.rss_saves} saves; medians of the slower rank. lm-resiliency runs in a side venv: its disk "
-             f"restart path in the restore ABBA order (each restore repetition in fresh processes; not normalised); its "
+             f"restart path in the restore ABBA order (each restore repetition in fresh processes; not normalised; "
+             f"the disk floor is one more repetition in that order); its "
              f"capture and RAM path in a separate run, normalised by the memcpy measured in each run. "
              f"See bench/bench_peers.py.  \n",
              "CPU adaptations: " + "; ".join(ADAPTATIONS) + ".\n\nBench dir filesystem:\n\n```\n" + dfout + "\n```\n"]
