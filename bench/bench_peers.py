@@ -103,7 +103,9 @@ ADAPTATIONS = [
     ".cuda() staging removed from GroupWrapper.isend/irecv_state_dict; torch.cuda.synchronize no-op; "
     "sync saves only (δ = the whole save)",
     "lm-resiliency: pin_memory=False; driven from its Python API on spawned gloo ranks (its torchrun "
-    "entry point is broken); disk path copies only the newest rank-1.pt to node 1 (cheaper than copy_to)",
+    "entry point is broken); disk path: the newest rank-1.pt moves from node 0 to node 1 over the ranks' "
+    "gloo group (64 MiB messages, fsynced + renamed as its atomic_copy_file does; lm-resiliency leaves that "
+    "move to the operator) — only that file, cheaper than its copy_to",
 ]
 
 
