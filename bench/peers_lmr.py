@@ -82,7 +82,8 @@ def send_file(path, dst: int, step: int) -> int:
 
 def recv_file(src: int, dest_of) -> int:
     """Receive what :func:`send_file` sends from rank ``src`` into ``dest_of(step)`` (a Path):
-    written to a temporary file beside it, fsynced, renamed. Returns the step."""
+    written to a temporary file beside it, fsynced, renamed, the directory fsynced. Returns the
+    step."""
     import torch
     import torch.distributed as dist
 
@@ -102,11 +103,19 @@ def recv_file(src: int, dest_of) -> int:
     with open(tmp, "wb", buffering=0) as f:
         for k, (_off, n) in enumerate(chunks):
             works[k].wait()
-            f.write(memoryview(bufs[k % 2][:n].numpy()))
+            view = memoryview(bufs[k % 2][:n].numpy())
+            done = 0
+            while done < n:  # a raw write may be short
+                done += f.write(view[done:]) or 0
             if k + 2 < len(chunks):
                 works.append(post(k + 2))
         os.fsync(f.fileno())
     os.replace(tmp, dest)
+    fd = os.open(dest.parent, os.O_RDONLY)  # the rename, durable (atomic_copy_file does the same)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return step
 
 
