@@ -45,8 +45,8 @@ across repetitions):
    the bytes every system must read from that disk — and nothing else; each restore is also
    printed ÷ that floor. Every floor and every restore is the first read of files just
    written (on this VM a second read of a file comes faster than its first, the host caching
-   below the guest, and a read right after another system's heavy writes is slowed by their
-   writeback: the floor read after a restore measured 1.2× the restore at 1 GiB). tierckpt
+   below the guest; read right after a restore and its background writes instead, the floor
+   took 1.28× that restore's time at 1 GiB, though the guest had synced). tierckpt
    restores in place into preallocated tensors; the peers return new tensors (their copy into
    a model is not timed).
 3. host RSS growth (self + child processes, ``VmRSS``) from after ``--warmup`` more saves to
@@ -103,9 +103,7 @@ ADAPTATIONS = [
     ".cuda() staging removed from GroupWrapper.isend/irecv_state_dict; torch.cuda.synchronize no-op; "
     "sync saves only (δ = the whole save)",
     "lm-resiliency: pin_memory=False; driven from its Python API on spawned gloo ranks (its torchrun "
-    "entry point is broken); disk path: the newest rank-1.pt moves from node 0 to node 1 over the ranks' "
-    "gloo group (64 MiB messages, fsynced + renamed as its atomic_copy_file does; lm-resiliency leaves that "
-    "move to the operator) — only that file, cheaper than its copy_to",
+    "entry point is broken); disk path copies only the newest rank-1.pt to node 1 (cheaper than copy_to)",
 ]
 
 

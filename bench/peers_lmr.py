@@ -16,14 +16,10 @@ Measured per rank, results written as JSON to ``--out`` (slower rank of every sa
 - RAM recovery, processes alive: ``load(mode="latest")`` from its in-memory slots;
 - disk restart path after losing node 1 and its disk: ``flush_for_restart()`` on both ranks
   (what its SIGTERM handler writes: own + peer slots; untimed, reported), managers closed,
-  node 1's disk folder deleted, page cache of every file dropped; timed: the newest flushed
-  ``rank-1.pt`` moves from node 0 to node 1's new folder over the network (:func:`send_file` /
-  :func:`recv_file` over the ranks' gloo group, the one tierckpt's transfers use: 64 MiB
-  messages, two in flight, written to a temporary file, fsynced and renamed as lm-resiliency's
-  own ``atomic_copy_file`` does). lm-resiliency leaves that move to the operator (``copy_to`` a
-  destination path); only that file moves, which is cheaper than ``copy_to`` (every flushed
-  step of own and peer shards). Then both ranks build a new manager with the same ``run_id``
-  and ``load(mode="latest")`` from disk;
+  node 1's disk folder deleted, page cache of every file dropped; timed: rank 0 copies the
+  newest flushed ``rank-1.pt`` into node 1's new folder (only that file: cheaper than its
+  ``copy_to``, which copies every flushed step of own and peer shards), both ranks build a new
+  manager with the same ``run_id`` and ``load(mode="latest")`` from disk;
 - host RSS growth over ``--rss-saves`` captures (each followed by ``finalize_replication()``).
 ``--phases`` runs a subset (``capture,ram,rss,disk``): bench_peers.py runs ``--phases disk
 --restore-reps 1`` once per repetition of its restore ABBA order (the disk restart path and
@@ -51,80 +47,12 @@ RUN_ID = "tierckpt-bench-peers"
 PHASES = ("capture", "ram", "rss", "disk")
 
 
-CHUNK = 64 << 20  # bytes per message, as tierckpt's transfer_chunk_bytes default
-
-
-def send_file(path, dst: int, step: int) -> int:
-    """Send file ``path`` to rank ``dst`` over the default (gloo) group: ``[size, step]`` as int64,
-    then its bytes in :data:`CHUNK`-byte messages read with ``readinto``, two in flight.
-    Returns the bytes sent."""
-    import torch
-    import torch.distributed as dist
-
-    size = os.path.getsize(path)
-    dist.send(torch.tensor([size, step], dtype=torch.int64), dst)
-    bufs = [torch.empty(min(CHUNK, max(size, 1)), dtype=torch.uint8) for _ in range(2)]
-    pending: list = []
-    with open(path, "rb", buffering=0) as f:
-        for k, off in enumerate(range(0, size, CHUNK)):
-            n = min(CHUNK, size - off)
-            if len(pending) == 2:
-                pending.pop(0).wait()  # the send that used this buffer
-            b = bufs[k % 2][:n]
-            got = f.readinto(memoryview(b.numpy()))
-            if got != n:
-                raise OSError(f"{path}: short read ({got} of {n} bytes at {off})")
-            pending.append(dist.isend(b, dst))
-    for w in pending:
-        w.wait()
-    return size
-
-
-def recv_file(src: int, dest_of) -> int:
-    """Receive what :func:`send_file` sends from rank ``src`` into ``dest_of(step)`` (a Path):
-    written to a temporary file beside it, fsynced, renamed, the directory fsynced. Returns the
-    step."""
-    import torch
-    import torch.distributed as dist
-
-    head = torch.zeros(2, dtype=torch.int64)
-    dist.recv(head, src)
-    size, step = int(head[0]), int(head[1])
-    dest = dest_of(step)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".recv.tmp")
-    bufs = [torch.empty(min(CHUNK, max(size, 1)), dtype=torch.uint8) for _ in range(2)]
-    chunks = [(off, min(CHUNK, size - off)) for off in range(0, size, CHUNK)]
-
-    def post(k: int):
-        return dist.irecv(bufs[k % 2][: chunks[k][1]], src)
-
-    works = [post(k) for k in range(min(2, len(chunks)))]
-    with open(tmp, "wb", buffering=0) as f:
-        for k, (_off, n) in enumerate(chunks):
-            works[k].wait()
-            view = memoryview(bufs[k % 2][:n].numpy())
-            done = 0
-            while done < n:  # a raw write may be short
-                done += f.write(view[done:]) or 0
-            if k + 2 < len(chunks):
-                works.append(post(k + 2))
-        os.fsync(f.fileno())
-    os.replace(tmp, dest)
-    fd = os.open(dest.parent, os.O_RDONLY)  # the rename, durable (atomic_copy_file does the same)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return step
-
-
 def lmr_rank(rank: int, world: int, args: dict) -> dict:
     """One rank of the lm-resiliency measurement (see the module docstring)."""
     import torch
     import torch.distributed as dist
     from lm_resiliency.checkpointing import InMemoryCheckpointManager, InMemoryCkptConfig
-    from lm_resiliency.checkpointing.disk import DiskSerializer
+    from lm_resiliency.checkpointing.disk import DiskSerializer, atomic_copy_file
 
     base = os.path.join(args["base"], "lmr")
 
@@ -233,14 +161,15 @@ def lmr_rank(rank: int, world: int, args: dict) -> dict:
         dst_tensors = None
         dist.barrier()
         t0 = time.perf_counter()
-        if rank == 0:  # node 1's replacement gets its newest shard from node 0, over the network
+        if rank == 0:
             src_ns = DiskSerializer.namespace_folder(node_dir(0), RUN_ID, topo)
             steps = sorted(int(p.name.split("-", 1)[1]) for p in src_ns.glob("step-*")
                            if (p / "rank-1.pt").is_file())
-            send_file(src_ns / f"step-{steps[-1]}" / "rank-1.pt", 1, steps[-1])
-        else:
+            newest = f"step-{steps[-1]}"
             dst_ns = DiskSerializer.namespace_folder(node_dir(1), RUN_ID, topo)
-            recv_file(0, lambda st: dst_ns / f"step-{st}" / "rank-1.pt")
+            (dst_ns / newest).mkdir(parents=True, exist_ok=True)
+            atomic_copy_file(src_ns / newest / "rank-1.pt", dst_ns / newest / "rank-1.pt")
+        dist.barrier()  # node 1 cannot start loading before its file is there
         mgr = manager()
         res = mgr.load(mode="latest")
         dt = time.perf_counter() - t0
