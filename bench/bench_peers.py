@@ -103,7 +103,9 @@ ADAPTATIONS = [
     ".cuda() staging removed from GroupWrapper.isend/irecv_state_dict; torch.cuda.synchronize no-op; "
     "sync saves only (δ = the whole save)",
     "lm-resiliency: pin_memory=False; driven from its Python API on spawned gloo ranks (its torchrun "
-    "entry point is broken); disk path copies only the newest rank-1.pt to node 1 (cheaper than copy_to)",
+    "entry point is broken); disk path: its manager's load is collective and node 1's disk is empty, so node 0 "
+    "serves its flushed rank-1.pt with its TorchDistTransfer (gloo) while loading its own shard, node 1 "
+    "fetches and unflattens (peers_lmr.restart_after_loss)",
 ]
 
 
