@@ -105,7 +105,8 @@ ADAPTATIONS = [
     "lm-resiliency: pin_memory=False; driven from its Python API on spawned gloo ranks (its torchrun "
     "entry point is broken); disk path: its manager's load is collective and node 1's disk is empty, so node 0 "
     "serves its flushed rank-1.pt with its TorchDistTransfer (gloo) while loading its own shard, node 1 "
-    "fetches and unflattens (peers_lmr.restart_after_loss)",
+    "fetches into its preallocated tensors and unflattens (peers_lmr.restart_after_loss; the newest flushed "
+    "step, as load(mode='latest'), where its documented policy after losing a machine is RECOVERY_VERIFIED)",
 ]
 
 

@@ -47,7 +47,7 @@ RUN_ID = "tierckpt-bench-peers"
 PHASES = ("capture", "ram", "rss", "disk")
 
 
-def restart_after_loss(rank: int, node0_dir: str, topo: str) -> tuple[dict, int]:
+def restart_after_loss(rank: int, node0_dir: str, topo: str, transfer, targets: list | None) -> tuple[dict, int]:
     """Both ranks' state after node 1 and its disk are lost, by lm-resiliency's own parts.
 
     Its manager's ``load`` cannot serve this case: it is collective and takes the MIN step over
@@ -62,11 +62,20 @@ def restart_after_loss(rank: int, node0_dir: str, topo: str) -> tuple[dict, int]
       then calls ``serve`` with the tensors while a thread loads its own shard
       (``DiskSerializer.load(step)``; measured faster than loading it after serving, 0.40–0.45
       vs 0.45–0.52 s at 256 MiB per rank);
-    - node 1 allocates buffers from that metadata, calls ``fetch`` into them, then ``unflatten``.
+    - node 1 calls ``fetch`` into ``targets`` (its model's tensors, allocated before the restore
+      as tierckpt's restore targets are; ``fetch`` checks them against the sent manifest), then
+      ``unflatten``.
 
     Nothing reaches node 1's disk (its next ``flush_for_restart`` writes it). Integrity as the
     manager's default config (``verify_integrity=False``): the disk loads skip the CRC; the
-    transport's is always on.
+    transport's is always on. The newest flushed step is taken, as ``load(mode="latest")`` would;
+    lm-resiliency's documented policy after losing a machine is ``RECOVERY_VERIFIED``, which
+    without its SCOUT certification has no step and falls back to the durable checkpoint
+    (slower still). Its step agreement is skipped: with 2 ranks node 0's choice is that answer.
+
+    Args:
+        transfer: ``make_transfer("torch_dist", rank=rank)`` (the caller closes it, untimed).
+        targets: node 1's flat tensor list in the state's order (``flatten``); None on node 0.
 
     Returns:
         (this rank's state dict, the step restored).
@@ -76,52 +85,45 @@ def restart_after_loss(rank: int, node0_dir: str, topo: str) -> tuple[dict, int]
     import socket
     import threading
 
-    import torch
     import torch.distributed as dist
-    from lm_resiliency.checkpointing import TorchDistTransfer
     from lm_resiliency.checkpointing.disk import DiskSerializer
     from lm_resiliency.checkpointing.state_dict import unflatten
 
     host = socket.gethostname()
-    transfer = TorchDistTransfer(rank)
-    try:
-        if rank == 0:
-            disk = DiskSerializer(node0_dir, rank=0, run_id=RUN_ID, topology_id=topo, namespace=True)
-            steps = [s for s in disk.find_steps_on_disk(rank=1) if disk.has_rank(s, 0)]
-            if not steps:
-                dist.send_object_list([None, None], dst=1)
-                raise RuntimeError(f"lm-resiliency: no step with both shards under {node0_dir}")
-            step = steps[0]
-            meta1, tensors1 = disk.load(step, rank=1)
-            dist.send_object_list([step, meta1], dst=1)
-            own: dict = {}
+    if rank == 0:
+        disk = DiskSerializer(node0_dir, rank=0, run_id=RUN_ID, topology_id=topo, namespace=True)
+        steps = [s for s in disk.find_steps_on_disk(rank=1) if disk.has_rank(s, 0)]
+        if not steps:
+            dist.send_object_list([None, None], dst=1)
+            raise RuntimeError(f"lm-resiliency: no step with both shards under {node0_dir}")
+        step = steps[0]
+        meta1, tensors1 = disk.load(step, rank=1)
+        dist.send_object_list([step, meta1], dst=1)
+        own: dict = {}
 
-            def load_own():
-                try:
-                    own["loaded"] = disk.load(step)
-                except BaseException as e:  # re-raised below, on the rank's own thread
-                    own["error"] = e
-
-            worker = threading.Thread(target=load_own)
-            worker.start()
+        def load_own():
             try:
-                transfer.serve(tensors1, f"{RUN_ID}/step-{step}/rank-1", peer_rank=1, peer_host=host)
-            finally:
-                worker.join()
-            del tensors1
-            if "error" in own:
-                raise own["error"]
-            return unflatten(*own["loaded"]), step
-        msg: list = [None, None]
-        dist.recv_object_list(msg, src=0)
-        step, meta1 = msg
-        if step is None:
-            raise RuntimeError("lm-resiliency: node 0 holds no replica to serve")
-        buffers = [torch.empty(e.shape, dtype=e.dtype) for e in meta1.tensor_entries]
-        transfer.fetch(buffers, f"{RUN_ID}/step-{step}/rank-1", peer_rank=0, peer_host=host)
-        return unflatten(meta1, buffers), step
-    finally:
-        transfer.close()
+                own["loaded"] = disk.load(step)
+            except BaseException as e:  # re-raised below, on the rank's own thread
+                own["error"] = e
+
+        worker = threading.Thread(target=load_own)
+        worker.start()
+        try:
+            transfer.serve(tensors1, f"{RUN_ID}/step-{step}/rank-1", peer_rank=1, peer_host=host)
+        finally:
+            worker.join()
+        del tensors1
+        if "error" in own:
+            raise own["error"]
+        return unflatten(*own["loaded"]), step
+    msg: list = [None, None]
+    dist.recv_object_list(msg, src=0)
+    step, meta1 = msg
+    if step is None:
+        raise RuntimeError("lm-resiliency: node 0 holds no replica to serve")
+    transfer.fetch(targets, f"{RUN_ID}/step-{step}/rank-1", peer_rank=0, peer_host=host)
+    return unflatten(meta1, targets), step
 
 
 def lmr_rank(rank: int, world: int, args: dict) -> dict:
@@ -129,6 +131,8 @@ def lmr_rank(rank: int, world: int, args: dict) -> dict:
     import torch
     import torch.distributed as dist
     from lm_resiliency.checkpointing import InMemoryCheckpointManager, InMemoryCkptConfig
+    from lm_resiliency.checkpointing.state_dict import flatten
+    from lm_resiliency.manager_api import make_transfer
 
     base = os.path.join(args["base"], "lmr")
 
@@ -234,16 +238,20 @@ def lmr_rank(rank: int, world: int, args: dict) -> dict:
         dist.barrier()
         if rank == 0:
             drop_page_cache(base)
+        # node 1's model tensors exist (and are touched) before the restore, as tierckpt's targets
+        targets = flatten({k: torch.zeros_like(v) for k, v in expected.items()})[1] if rank == 1 else None
         dist.barrier()
         t0 = time.perf_counter()
         mgr = manager()
-        got, got_step = restart_after_loss(rank, node_dir(0), topo)
+        transfer = make_transfer("torch_dist", rank=rank)
+        got, got_step = restart_after_loss(rank, node_dir(0), topo, transfer, targets)
         dt = time.perf_counter() - t0
+        transfer.close()
         if got_step != saved_step:
             raise RuntimeError(f"lm-resiliency disk restart returned step {got_step}, expected {saved_step}")
         assert_bitwise(expected, got, f"lm-resiliency disk restart path (rank {rank})")
         disk.append(gmax(dt))
-        del got
+        del got, targets
         # next repetition starts from empty node-local folders (untimed)
         dist.barrier()
         shutil.rmtree(node_dir(rank), ignore_errors=True)
