@@ -47,8 +47,10 @@ across repetitions):
    written (on this VM a second read of a file comes faster than its first, the host caching
    below the guest; read right after a restore and its background writes instead, the floor
    took 1.28× that restore's time at 1 GiB, though the guest had synced). tierckpt
-   restores in place into preallocated tensors; the peers return new tensors (their copy into
-   a model is not timed).
+   restores in place into preallocated tensors. NVRx, and lm-resiliency's node 0, return new
+   tensors (their copy into a model is not timed); lm-resiliency's node 1 fetches into
+   preallocated tensors (its transport receives into its own buffers and copies into them,
+   timed).
 3. host RSS growth (self + child processes, ``VmRSS``) from after ``--warmup`` more saves to
    after ``--rss-saves`` more saves, each waited to completion. NVRx is left out (its
    synchronous saves are too slow for 50).

@@ -53,15 +53,15 @@ def restart_after_loss(rank: int, node0_dir: str, topo: str, transfer, targets: 
     Its manager's ``load`` cannot serve this case: it is collective and takes the MIN step over
     the ranks' disks, and node 1's disk is empty. lm-resiliency's answer is its shard transport,
     ``TorchDistTransfer`` (gloo send/recv of the flat tensor list on a dedicated pair group,
-    64 MiB chunks, CRC-32 checked on arrival, the caller coordinating both endpoints), whose
-    result "plugs straight into" ``unflatten``. This is that coordination:
+    64 MiB chunks, CRC-32 computed before sending and checked on arrival, the caller coordinating
+    both endpoints), whose result "plugs straight into" ``unflatten``. This is that coordination:
 
     - node 0 reads the newest step that holds both shards from its flushed folder
       (``DiskSerializer.load(step, rank=1)``: the replica its ``flush_for_restart`` wrote), sends
-      the step and the shard's ``FlatStateDictMetadata`` to node 1 (one pickled gloo message),
+      the step and the shard's ``FlatStateDictMetadata`` to node 1 (one ``send_object_list``),
       then calls ``serve`` with the tensors while a thread loads its own shard
-      (``DiskSerializer.load(step)``; measured faster than loading it after serving, 0.40–0.45
-      vs 0.45–0.52 s at 256 MiB per rank);
+      (``DiskSerializer.load(step)``; measured faster, unrecorded, than loading it after serving,
+      0.40–0.45 vs 0.45–0.52 s at 256 MiB per rank);
     - node 1 calls ``fetch`` into ``targets`` (its model's tensors, allocated before the restore
       as tierckpt's restore targets are; ``fetch`` checks them against the sent manifest), then
       ``unflatten``.
