@@ -80,6 +80,25 @@ def test_bench_runs_end_to_end_main_venv(tmp_path):
     assert [t[0] for t in targ] == ["δ_tierckpt ÷ memcpy", "restore tierckpt ÷ NVRx local"]
     assert all(t[-1] in ("PASS", "MISS") for t in targ)
     assert [p for p in os.listdir(tmp_path) if p.startswith("tierckpt-peers-")] == []
+    # --record's text: the memory state at the start and end, and this run's target table
+    md = tmp_path / "RESULTS.md"
+    orig, bp.RESULTS_MD = bp.RESULTS_MD, str(md)
+    try:
+        args = bp.argparse.Namespace(saves=1, warmup=1, restore_reps=1, rss_saves=1)
+        bp.record([s], bp.machine(), args, "bench/bench_peers.py …", 1.0, "df", (0.0, 0.0, 0.0),
+                  "MemFree 1.0 GiB, Cached 2.0 GiB, MemAvailable 3.0 GiB")
+    finally:
+        bp.RESULTS_MD = orig
+    text = md.read_text()
+    assert "Memory: MemFree 1.0 GiB, Cached 2.0 GiB, MemAvailable 3.0 GiB at the start; MemFree " in text
+    assert "| restore tierckpt ÷ NVRx local |" in text
+
+
+def test_memory_state_reads_meminfo():
+    line = bp.memory_state()
+    parts = dict(p.rsplit(" ", 2)[:2] for p in line.split(", "))
+    assert set(parts) == {"MemFree", "Cached", "MemAvailable"}
+    assert all(float(v) >= 0 for v in parts.values())
 
 
 @pytest.mark.skipif(not os.path.exists(bp.PEERS_PY),
