@@ -70,8 +70,8 @@ def restart_after_loss(rank: int, node0_dir: str, topo: str, transfer, targets: 
     manager's default config (``verify_integrity=False``): the disk loads skip the CRC; the
     transport's is always on. The newest flushed step is taken, as ``load(mode="latest")`` would;
     lm-resiliency's documented policy after losing a machine is ``RECOVERY_VERIFIED``, which
-    without its SCOUT certification has no step and falls back to the durable checkpoint
-    (slower still). Its step agreement is skipped: with 2 ranks node 0's choice is that answer.
+    without its SCOUT certification has no step (the durable checkpoint then; not measured).
+    Its step agreement is skipped: with 2 ranks node 0's choice is that answer.
 
     Args:
         transfer: ``make_transfer("torch_dist", rank=rank)`` (the caller closes it, untimed).
