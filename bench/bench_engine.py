@@ -532,6 +532,16 @@ def breakdown_rows(r0: dict, r1: dict) -> dict[str, list[list[str]]]:
     return out
 
 
+def meminfo_kb() -> dict[str, int]:
+    """/proc/meminfo as {field: kB} (e.g. ``MemTotal``, ``MemFree``, ``Cached``); {} where it cannot
+    be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in f if ":" in ln)}
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
 def machine() -> dict:
     def sh(cmd):
         try:
@@ -541,11 +551,8 @@ def machine() -> dict:
 
     import torch
 
-    try:
-        kb = int(sh("grep MemTotal /proc/meminfo").split()[1])
-        mem = f"RAM {kb / (1 << 20):.1f} GiB (MemTotal {kb} kB)"
-    except (IndexError, ValueError):
-        mem = "RAM unknown"
+    kb = meminfo_kb().get("MemTotal")
+    mem = f"RAM {kb / (1 << 20):.1f} GiB (MemTotal {kb} kB)" if kb else "RAM unknown"
     cpu = sh("grep -m1 'model name' /proc/cpuinfo").split(":", 1)[-1].strip()
     # not `nproc`: it reports OMP_NUM_THREADS (1 under the benches' OMP_NUM_THREADS=1)
     return {"nproc": len(os.sched_getaffinity(0)), "mem": mem, "cpu": cpu, "kernel": platform.release(),

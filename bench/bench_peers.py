@@ -65,7 +65,8 @@ Usage::
         [--saves 10] [--restore-reps 5] [--rss-saves 50] [--peers-python .venv-peers/bin/python]
         [--skip-lmr] [--record]
 
-``--record`` appends machine, command, load average, memory state (free, page cache), method and tables to bench/RESULTS.md.
+``--record`` appends machine, command, load average, memory state (free, page cache), method and
+tables to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from bench_engine import REPO, RESULTS_MD, disk, machine, md_table, run_ranks  # noqa: E402
+from bench_engine import REPO, RESULTS_MD, disk, machine, md_table, meminfo_kb, run_ranks  # noqa: E402
 from peers_common import (abba, assert_bitwise, drop_page_cache, gmax, make_state, med, mutate,  # noqa: E402
                           rss_bytes, snapshot, state_bytes)
 
@@ -692,12 +693,11 @@ def memory_state() -> str:
     Recorded at the start and end of a run: with most memory held by the page cache, allocations
     on the restore path reclaim first (measured on this VM: 256 MiB restores 0.79–1.08 s with 15
     GiB cached and 7 GiB free, 0.28–0.51 s after dropping the cache)."""
-    try:
-        with open("/proc/meminfo") as f:
-            kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in f)}
-        return ", ".join(f"{k} {kb[k] / (1 << 20):.1f} GiB" for k in ("MemFree", "Cached", "MemAvailable"))
-    except (OSError, KeyError, ValueError, IndexError):
+    kb = meminfo_kb()
+    fields = ("MemFree", "Cached", "MemAvailable")
+    if not all(k in kb for k in fields):
         return "memory state unknown"
+    return ", ".join(f"{k} {kb[k] / (1 << 20):.1f} GiB" for k in fields)
 
 
 def record(summaries, m, args, cmd, elapsed, dfout, load0, mem0) -> None:

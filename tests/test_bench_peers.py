@@ -59,7 +59,7 @@ def test_abba_order():
     assert pc.abba(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
 
 
-def test_bench_runs_end_to_end_main_venv(tmp_path):
+def test_bench_runs_end_to_end_main_venv(tmp_path, monkeypatch):
     out = tmp_path / "s.json"
     rc = bp.main(["--mib-per-rank", "4", "--saves", "1", "--warmup", "1", "--restore-reps", "1",
                   "--rss-saves", "1", "--skip-lmr", "--dir", str(tmp_path), "--json", str(out), "--timeout", "300"])
@@ -82,13 +82,10 @@ def test_bench_runs_end_to_end_main_venv(tmp_path):
     assert [p for p in os.listdir(tmp_path) if p.startswith("tierckpt-peers-")] == []
     # --record's text: the memory state at the start and end, and this run's target table
     md = tmp_path / "RESULTS.md"
-    orig, bp.RESULTS_MD = bp.RESULTS_MD, str(md)
-    try:
-        args = bp.argparse.Namespace(saves=1, warmup=1, restore_reps=1, rss_saves=1)
-        bp.record([s], bp.machine(), args, "bench/bench_peers.py …", 1.0, "df", (0.0, 0.0, 0.0),
-                  "MemFree 1.0 GiB, Cached 2.0 GiB, MemAvailable 3.0 GiB")
-    finally:
-        bp.RESULTS_MD = orig
+    monkeypatch.setattr(bp, "RESULTS_MD", str(md))
+    args = bp.argparse.Namespace(saves=1, warmup=1, restore_reps=1, rss_saves=1)
+    bp.record([s], bp.machine(), args, "bench/bench_peers.py …", 1.0, "df", (0.0, 0.0, 0.0),
+              "MemFree 1.0 GiB, Cached 2.0 GiB, MemAvailable 3.0 GiB")
     text = md.read_text()
     assert "Memory: MemFree 1.0 GiB, Cached 2.0 GiB, MemAvailable 3.0 GiB at the start; MemFree " in text
     assert "| restore tierckpt ÷ NVRx local |" in text
