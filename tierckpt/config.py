@@ -25,6 +25,9 @@ from tierckpt.sched.mtbf import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT, prior_params
 TIERS = ("local", "persistent")
 """Tiers a save can target. Replication is part of the local tier (F>1), not a tier of its own."""
 
+CPU_STAGING_MODES = ("blocking", "overlapped")
+"""Values of ``TierConfig.cpu_staging``: how ``save()`` copies a state's CPU tensors."""
+
 BUSY_TIER_POLICIES = ("defer", "wait")
 """Values of ``TierConfig.busy_tier_policy``: what a save does with a tier whose previous save
 still runs."""
@@ -253,6 +256,14 @@ class TierConfig(_KnownFields):
             and loaded from disk; a larger pull, or one whose buffers the allocator refuses
             (logged), is committed to disk before it is loaded.
         staging_buffers: host copies of the state kept for overlapping saves (>=1).
+        cpu_staging: how ``save()`` copies CPU tensors into a staging buffer. ``"blocking"``
+            (default): inside ``save()``; the caller may modify the state at once.
+            ``"overlapped"``: from the second save of a state on, tensors of at least 1 MiB are
+            copied by a background thread while forward and backward run, and the trainer calls
+            ``wait_for_staging()`` before its next in-place write (installed for every
+            ``torch.optim`` optimizer as a global step pre-hook); a copy that raced a write is
+            detected through the tensors' version counters and fails that step's save
+            (:mod:`tierckpt.io.overlap`). CUDA tensors are always staged this way.
         collective_timeout_s: timeout of the engine's own gloo groups (seconds).
         local_wait_timeout_s: longest a local-tier save waits for the previous one (seconds; 0 =
             no limit). When the previous local save is still running on some rank after this
@@ -312,6 +323,7 @@ class TierConfig(_KnownFields):
     transfer_chunk_bytes: int = 64 << 20
     restore_memory_bytes: int = 32 << 30
     staging_buffers: int = 2
+    cpu_staging: str = "blocking"
     collective_timeout_s: float = 600.0
     local_wait_timeout_s: float = 300.0  # MAX_WAIT_S at most
     busy_tier_policy: str | Mapping[str, str] = "defer"
@@ -410,6 +422,9 @@ class TierConfig(_KnownFields):
                               f"must be an integer >= 0 (0 = real topology), got {self.simulated_ranks_per_node!r}")
         if not isinstance(self.staging_buffers, int) or self.staging_buffers < 1:
             raise ConfigError("staging_buffers", f"must be an integer >= 1, got {self.staging_buffers!r}")
+        if self.cpu_staging not in CPU_STAGING_MODES:
+            raise ConfigError("cpu_staging", f"must be {' or '.join(repr(m) for m in CPU_STAGING_MODES)}, "
+                              f"got {self.cpu_staging!r}")
         if not (isinstance(self.collective_timeout_s, (int, float)) and self.collective_timeout_s > 0):
             raise ConfigError(
                 "collective_timeout_s", f"must be a positive number of seconds, got {self.collective_timeout_s!r}"

@@ -33,6 +33,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierckpt import startup
 from tierckpt.config import TierConfig, validate_tiers
@@ -139,7 +140,14 @@ class TieredCheckpointer:
         self._raised: set[tuple[str, int]] = set()  # failed records already raised (warn_only policy)
         self._saved_any = False
         self._closed = False
-        self.pool = StagingPool(cfg.staging_buffers)
+        self.pool = StagingPool(cfg.staging_buffers, overlapped=cfg.cpu_staging == "overlapped")
+        # overlapped staging: every torch.optim optimizer waits for the copies before it writes
+        # the parameters and its states (tierckpt/io/overlap.py)
+        self._optimizer_hook = None
+        if cfg.cpu_staging == "overlapped":
+            pool = self.pool
+            self._optimizer_hook = register_optimizer_step_pre_hook(
+                lambda _opt, _args, _kwargs: pool.wait_for_staging() and None)
         # the RAM-root fit check runs once, at the first local save (tiers/ram.py); a root
         # found too small turns the local tier off for this run (the reason is kept here)
         self._ram_checked = False
@@ -210,11 +218,15 @@ class TieredCheckpointer:
 
         Collective: every rank calls it with the same ``step`` and ``tiers``. The bytes
         written are the values at the time of the call. A state of CPU tensors is copied
-        before this returns, so the caller may modify it immediately. A state holding CUDA
-        tensors (with CUDA available) only has its device→host copies into pinned buffers
-        enqueued on a side stream (:mod:`tierckpt.io.staging`): the caller may run forward and
-        backward at once but must call :meth:`wait_for_staging` before it next modifies a saved
-        tensor in place (the optimizer step), as with DCP's ``async_with_pinned_mem``.
+        before this returns (``cpu_staging = "blocking"``, the default), so the caller may
+        modify it immediately. A state holding CUDA tensors (with CUDA available) only has its
+        device→host copies into pinned buffers enqueued on a side stream
+        (:mod:`tierckpt.io.staging`), and with ``cpu_staging = "overlapped"`` a CPU state's
+        large tensors are copied by a background thread (:mod:`tierckpt.io.overlap`): the
+        caller may run forward and backward at once but must call :meth:`wait_for_staging`
+        before it next modifies a saved tensor in place (the optimizer step; a
+        ``torch.optim`` optimizer does it on its own when overlapped), as with DCP's
+        ``async_with_pinned_mem``.
 
         Args:
             step: training step (>= 0).
@@ -248,6 +260,7 @@ class TieredCheckpointer:
               wait_previous: bool) -> SaveHandle:
         """:meth:`save` once the tiers are checked (non-empty)."""
         t0 = time.perf_counter()
+        self.pool.wait_for_staging()  # the previous save's copies: part of this δ if still running
         state_dict = resolve_stateful(state_dict)  # once: the RAM-root check and staging read it
         defer = () if wait_previous else tuple(t for t in tiers if self.cfg.busy_policy(t) == "defer")
         answer = self.busy.begin(defer, step)  # the agreement travels while we copy
@@ -363,11 +376,15 @@ class TieredCheckpointer:
         return tuple(t for t in tiers if t != "local")
 
     def wait_for_staging(self) -> float:
-        """Block until the device→host copies of every save are complete (not collective).
+        """Block until the staging copies of every save are complete (not collective).
 
-        Needed only for CUDA states (see :meth:`save`): call it before modifying a saved tensor
-        in place after ``save()`` returned (torchtitan: ``maybe_wait_for_staging()`` before
-        ``optimizers.step()``). A CPU state was copied inside ``save()``: returns at once.
+        Needed for CUDA states and with ``cpu_staging = "overlapped"`` (see :meth:`save`): call
+        it before modifying a saved tensor in place after ``save()`` returned (torchtitan:
+        ``maybe_wait_for_staging()`` before ``optimizers.step()``; overlapped, every
+        ``torch.optim`` optimizer's step calls it through a global step pre-hook). A blocking
+        CPU stage was copied inside ``save()``: returns at once. Overlapped copies are checked
+        here for in-place writes since ``save()`` (:mod:`tierckpt.io.overlap`): a copy that
+        raced one fails its step's save.
 
         Returns:
             seconds waited.
@@ -497,6 +514,7 @@ class TieredCheckpointer:
         Raises:
             TierFailedError: with ``raise_failures``, as described.
         """
+        self.pool.wait_for_staging()  # the trainer waits: its overlapped copies are sealed now
         out = self.jobs.wait(self.cfg.tiers if tiers is None else validate_tiers(tiers), step, bounded)
         if raise_failures:
             for rec in self.unraised_failures():
@@ -741,6 +759,9 @@ class TieredCheckpointer:
         except OSError as e:
             ledger_error = e
             log.error("tierckpt: could not write the ledger's run_end: %s", e)
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
         if not stuck:  # a stuck job may still read its staged buffers: leak them rather than free
             self.pool.close()
         self._closed = True

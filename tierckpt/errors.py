@@ -40,3 +40,10 @@ class TierFailedError(TierckptError, RuntimeError):
         super().__init__(f"tierckpt: the {tier} tier's save of step {step} failed: {cause or 'unknown error'} "
                          f"(step {step} is not a durable {tier} step of this run; earlier committed steps are "
                          f"intact; add {tier!r} to warn_only to let training continue without it)")
+
+
+class StagingError(TierckptError, RuntimeError):
+    """A staged copy is not a snapshot of the state at ``save()`` (``cpu_staging =
+    "overlapped"``: a saved tensor was modified in place before the background copy was waited
+    for, or the copy failed). The save of that step fails on every tier it was staged for;
+    committed steps are untouched."""

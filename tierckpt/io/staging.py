@@ -39,20 +39,27 @@ Each CUDA source tensor is ``record_stream``-ed on the side stream, so the cachi
 does not hand its memory to another tensor before the copy ran, even when the caller drops its
 state dict right after ``save()``.
 
-A state with no CUDA tensor (``"sync"``) is copied exactly as before: synchronously, in
-``save()``; :meth:`StagingSlot.wait_copied` and ``wait_for_staging`` return at once.
+A state with no CUDA tensor (``"sync"``) is copied synchronously, in ``save()``, by default;
+:meth:`StagingSlot.wait_copied` and ``wait_for_staging`` then return at once. With
+``StagingPool(overlapped=True)`` (``TierConfig.cpu_staging = "overlapped"``) the large tensors
+of a state whose copy plan is known (second save on) are copied by a background thread instead,
+under the same wait contract as CUDA staging, with in-place writes detected
+(:mod:`tierckpt.io.overlap`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from typing import Any, Iterator
 
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
+
+from tierckpt.io.overlap import OVERLAP_MIN_BYTES, Copier, PendingCopy, versions
 
 SYNC, CUDA_ASYNC = "sync", "cuda-async"
 # values a staged copy may share with the live state (never mutated in place)
@@ -129,13 +136,19 @@ class StagingSlot:
         self._stream: Any = None  # the side stream, made on first use
         self._cuda_stager: Any = None  # StateDictStager with pinned buffers, made on first use
         self._plan: _CopyPlan | None = None  # how to refill the last "sync" staged copy
+        self._pending: PendingCopy | None = None  # the background copy of the last overlapped stage
 
     def stage(self, state_dict: dict[str, Any], users: int) -> dict[str, Any]:
         """Copy ``state_dict`` into this slot's host buffers; ``users`` jobs will release it.
 
-        ``"sync"``: the copy is complete on return. ``"cuda-async"``: the copies are enqueued;
-        readers call :meth:`wait_copied` first and the trainer calls
-        :meth:`StagingPool.wait_for_staging` before modifying a saved tensor in place."""
+        ``"sync"``: the copy is complete on return, except in an overlapped pool, where the
+        tensors of at least :data:`~tierckpt.io.overlap.OVERLAP_MIN_BYTES` may still be copying.
+        ``"cuda-async"``: the copies are enqueued. Either way readers call :meth:`check_intact`
+        first and the trainer calls :meth:`StagingPool.wait_for_staging` before modifying a
+        saved tensor in place."""
+        if self._pending is not None:  # the buffers are about to be overwritten
+            self._pending.done.wait()
+            self._pending = None
         self.refs = users
         self.mode = staging_mode(state_dict)
         if self.mode == CUDA_ASYNC:
@@ -143,8 +156,12 @@ class StagingSlot:
         self._event = None
         sig, leaves = _walk(state_dict)
         plan = self._plan
-        if plan is not None and plan.sig == sig and plan.refill(leaves):
-            return plan.staged
+        if plan is not None and plan.sig == sig:
+            deferred = plan.refill(leaves, OVERLAP_MIN_BYTES if self.pool.overlapped else None)
+            if deferred is not None:
+                if deferred[0]:
+                    self._defer(*deferred)
+                return plan.staged
         staged = self.stager.stage(state_dict)
         assert isinstance(staged, dict)  # a synchronous stager returns the copy, never a Future
         if torch.cuda.is_available():
@@ -171,16 +188,49 @@ class StagingSlot:
         self._event = event
         return staged
 
+    def _defer(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], watched: list[torch.Tensor]) -> None:
+        """Hand ``dsts[i].copy_(srcs[i])`` to the pool's copy thread, guarded by the version
+        counters of ``watched`` (synchronously when one has none)."""
+        vs = versions(watched)
+        if vs is None:
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)
+            return
+        self._pending = PendingCopy(dsts, srcs, watched, vs)
+        self.pool._copier.submit(self._pending)
+
     def wait_copied(self) -> None:
-        """Block until this slot's staged copy is complete (no-op after a ``"sync"`` stage)."""
+        """Block until this slot's staged copy is complete (no-op after a blocking stage)."""
         ev = self._event
         if ev is not None:
             ev.synchronize()
+        p = self._pending
+        if p is not None:
+            p.done.wait()
+
+    def check_intact(self) -> None:
+        """Wait for the staged copy; for an overlapped stage, check it is a snapshot of the
+        state at ``save()``. Tier jobs call it before reading the copy and before committing.
+
+        Raises:
+            StagingError: see :meth:`tierckpt.io.overlap.PendingCopy.check`.
+        """
+        self.wait_copied()
+        p = self._pending
+        if p is not None:
+            p.check()
+
+    def seal(self) -> None:
+        """Trainer side of an overlapped stage (:meth:`tierckpt.io.overlap.PendingCopy.seal`)."""
+        p = self._pending
+        if p is not None:
+            p.seal()
 
     def copied(self) -> bool:
         """Whether the staged copy is complete (never blocks)."""
         ev = self._event
-        return ev is None or bool(ev.query())
+        p = self._pending
+        return (ev is None or bool(ev.query())) and (p is None or p.done.is_set())
 
     def release(self) -> None:
         """Called once by each job that read the staged copy."""
@@ -200,9 +250,12 @@ class StagingSlot:
 
 
 class StagingPool:
-    """``n`` reusable staging buffer sets (``n`` = ``TierConfig.staging_buffers``)."""
+    """``n`` reusable staging buffer sets (``n`` = ``TierConfig.staging_buffers``);
+    ``overlapped``: CPU tensors are copied in the background (``TierConfig.cpu_staging``)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, overlapped: bool = False):
+        self.overlapped = overlapped
+        self._copier = Copier()
         self._cv = threading.Condition()
         self._slots = [StagingSlot(self, i) for i in range(n)]
         self._free = list(self._slots)
@@ -225,22 +278,26 @@ class StagingPool:
             return self._free.pop(0) if self._free else None
 
     def wait_for_staging(self) -> float:
-        """Block until every slot's enqueued device→host copy is complete; returns the seconds
-        waited (0.0 on the ``"sync"`` path, where ``stage`` already copied)."""
+        """Block until every slot's enqueued device→host copy and background host copy is
+        complete, and seal the overlapped ones (trainer thread, before it modifies a saved
+        tensor in place); returns the seconds waited (0.0 after blocking stages)."""
         t0 = time.perf_counter()
         for s in self._slots:
             s.wait_copied()
+            s.seal()
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        """Free every slot's host buffers."""
+        """Free every slot's host buffers and stop the copy thread."""
         for s in self._slots:
-            s.wait_copied()  # never free pinned buffers a copy is still writing
+            s.wait_copied()  # never free buffers a copy is still writing
             s.close()
+        self._copier.close()
 
 
 def _walk(obj: Any) -> tuple[list, list]:
-    """Flatten a state dict: (signature, leaves). The signature lists each container's kind and
+    """Flatten a state dict: (signature, leaves). The signature lists each container's kind (dict
+    and OrderedDict, as ``get_state_dict`` returns, alike) and
     keys or length and each leaf's kind (tensors: type, dtype, shape, device, DTensor spec), in
     walk order; ``leaves`` are the leaf values in the same order."""
     sig: list = []
@@ -249,7 +306,7 @@ def _walk(obj: Any) -> tuple[list, list]:
     while stack:
         x = stack.pop()
         t = type(x)
-        if t is dict:
+        if t is dict or t is OrderedDict:
             keys = tuple(x)
             sig.append(("d", keys))
             stack.extend(x[k] for k in reversed(keys))
@@ -312,21 +369,33 @@ class _CopyPlan:
             return None
         return cls(sig, staged, dsts, tensor_pos, setters)
 
-    def refill(self, leaves: list) -> bool:
-        """Copy ``leaves`` (same signature as the plan's) into the staged copy. False, with
-        nothing changed, when a value inside a tuple differs (a tuple cannot be set in place:
-        the caller restages everything)."""
+    def refill(self, leaves: list, defer_min_bytes: int | None = None) -> tuple[list, list, list] | None:
+        """Copy ``leaves`` (same signature as the plan's) into the staged copy, except the
+        tensors of at least ``defer_min_bytes`` bytes (None: none deferred), returned as
+        ``(dsts, srcs, watched)`` for the caller to copy: ``srcs`` the local tensors to read,
+        ``watched`` the leaves themselves, whose version counters in-place writes move (a
+        DTensor's, not its local tensor's: DTensor runs the local op below autograd). None,
+        with nothing changed, when a value inside a tuple differs (a tuple cannot be set in
+        place: the caller restages everything)."""
         for parent, key, i in self.setters:
             if parent is None and key != leaves[i]:
-                return False
+                return None
         for parent, key, i in self.setters:
             if parent is not None:  # atomic values (build() refuses others): shared, never mutated
                 parent[key] = leaves[i]
-        srcs = [leaves[i] for i in self.tensor_pos]
-        srcs = [x._local_tensor if isinstance(x, DTensor) else x for x in srcs]
-        with torch.no_grad():
-            torch._foreach_copy_(self.dsts, srcs)
-        return True
+        watched = [leaves[i] for i in self.tensor_pos]
+        srcs = [x._local_tensor if isinstance(x, DTensor) else x for x in watched]
+        dsts = self.dsts
+        if defer_min_bytes is None:
+            now, later = (dsts, srcs), ([], [], [])
+        else:
+            big = [d.nbytes >= defer_min_bytes for d in dsts]
+            now = ([d for d, b in zip(dsts, big) if not b], [x for x, b in zip(srcs, big) if not b])
+            later = tuple([x for x, b in zip(xs, big) if b] for xs in (dsts, srcs, watched))
+        if now[0]:
+            with torch.no_grad():
+                torch._foreach_copy_(*now)
+        return later
 
 
 def _containers(sig: list) -> list:
@@ -342,7 +411,7 @@ def _setters(staged: dict, n: int) -> list[tuple[Any, Any, int]] | None:
     while stack:
         parent, key, x = stack.pop()
         t = type(x)
-        if t is dict:
+        if t is dict or t is OrderedDict:
             stack.extend((x, k, x[k]) for k in reversed(tuple(x)))
         elif t is list:
             stack.extend((x, j, x[j]) for j in reversed(range(len(x))))

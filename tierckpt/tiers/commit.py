@@ -38,7 +38,7 @@ def written_entries(store: Store, rel: str, mine: dict[str, tuple[int, str]], in
 
 def save_step(store: Store, rel: str, write: Callable[[], dict[str, tuple[int, str]]], group, *,
               index: int, count: int, leader: bool, label: str, mark_in_progress: bool = False,
-              **manifest_fields) -> int:
+              before_commit: Callable[[], None] | None = None, **manifest_fields) -> int:
     """Write and commit one step directory ``rel`` of ``store``; collective over ``group``.
 
     Args:
@@ -49,6 +49,9 @@ def save_step(store: Store, rel: str, write: Callable[[], dict[str, tuple[int, s
         label: names the step in agreement errors (``"local step 7"``).
         mark_in_progress: write :data:`tierckpt.io.layout.INPROGRESS` at prepare time (shared
             roots, so ``tierckpt ls`` shows a save in flight).
+        before_commit: run on every rank in the agreed checksum phase, after the write; raising
+            leaves the step uncommitted on every rank (overlapped staging's snapshot check,
+            :meth:`tierckpt.io.staging.StagingSlot.check_intact`).
         manifest_fields: recorded in the manifest (:func:`tierckpt.io.manifest.commit`).
 
     Returns:
@@ -67,8 +70,12 @@ def save_step(store: Store, rel: str, write: Callable[[], dict[str, tuple[int, s
 
     run_agreed(prepare, group, f"{label}: prepare")
     mine = write() or {}
-    entries = run_agreed(lambda: written_entries(store, rel, mine, index, count, group), group,
-                         f"{label}: checksum")
+    def checksum():
+        if before_commit is not None:
+            before_commit()
+        return written_entries(store, rel, mine, index, count, group)
+
+    entries = run_agreed(checksum, group, f"{label}: checksum")
     gathered = [e for part in all_gather(entries, group) for e in part]
 
     def do_commit():

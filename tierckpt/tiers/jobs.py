@@ -313,8 +313,8 @@ class TierJobs:
         self._local_phase = "save"
         try:
             try:
-                slot.wait_copied()  # CUDA staging: the device→host copies may still be running
-                nbytes = self.local.save(staged, step)
+                slot.wait_copied()  # CUDA or overlapped staging: the copies may still be running
+                nbytes = self.local.save(staged, step, before_commit=slot.check_intact)
             except FAILURES as e:  # degrade: the persistent tier and training go on
                 ok, error = False, describe_failure(e, self.local.store)
                 if self.topo.is_node_leader:  # the failure is agreed over the node: say it once per node
@@ -364,8 +364,9 @@ class TierJobs:
         self.in_use.hold(key)
         ok, error, nbytes = True, None, 0
         try:
-            slot.wait_copied()  # CUDA staging: the device→host copies may still be running
-            nbytes = self.persistent.save(staged, step, self.groups.persistent_world)
+            slot.wait_copied()  # CUDA or overlapped staging: the copies may still be running
+            nbytes = self.persistent.save(staged, step, self.groups.persistent_world,
+                                          before_commit=slot.check_intact)
         except FAILURES as e:
             ok, error = False, describe_failure(e, self.persistent.store)
             if self.topo.rank == 0:  # agreed over all ranks: say it once

@@ -90,8 +90,9 @@ class LocalTier:
         self.adopt_unlabelled = False  # steps recording no lineage are this job's (lineage.ensure)
 
     # -- save ---------------------------------------------------------------------------------
-    def save(self, staged: dict, step: int) -> int:
-        """Write and commit ``local/step-<step>`` (collective over the node group).
+    def save(self, staged: dict, step: int, before_commit: Callable[[], None] | None = None) -> int:
+        """Write and commit ``local/step-<step>`` (collective over the node group);
+        ``before_commit`` as in :func:`tierckpt.tiers.commit.save_step`.
 
         Returns:
             bytes of the node's committed step (the same on every rank of the node).
@@ -111,7 +112,7 @@ class LocalTier:
         return save_step(self.store, rel, write, self.group, index=topo.local_rank, count=topo.ranks_per_node,
                          leader=topo.is_node_leader, label=f"local step {step}", tier="local", step=step,
                          node=topo.node, ranks=topo.local_ranks, world_size=topo.world_size, nodes=topo.nodes,
-                         lineage=self.lineage)
+                         lineage=self.lineage, before_commit=before_commit)
 
     # -- inventory -----------------------------------------------------------------------------
     def survey(self) -> tuple[list[Copy], list[tuple[str, str | None]]]:

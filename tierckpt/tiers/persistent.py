@@ -12,6 +12,7 @@ own planner and adds ``common.pt``/``metadata.json``).
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -114,8 +115,9 @@ class PersistentTier:
         self.io = io or PersistentIO()
         self.lineage = lineage
 
-    def save(self, staged: dict, step: int, group) -> int:
-        """Write and commit ``step-<step>`` (collective over ``group``, all ranks of the job).
+    def save(self, staged: dict, step: int, group, before_commit: Callable[[], None] | None = None) -> int:
+        """Write and commit ``step-<step>`` (collective over ``group``, all ranks of the job);
+        ``before_commit`` as in :func:`tierckpt.tiers.commit.save_step`.
 
         Returns:
             bytes of the committed step (same on every rank).
@@ -127,7 +129,7 @@ class PersistentTier:
         return save_step(self.store, rel, lambda: self._write(staged, rel, group), group,
                          index=rank, count=world, leader=rank == 0, label=f"persistent step {step}",
                          mark_in_progress=True, tier="persistent", step=step, world_size=world,
-                         lineage=self.lineage)
+                         lineage=self.lineage, before_commit=before_commit)
 
     def _write(self, staged: dict, rel: str, group) -> Digests:
         url = self.store.url_of(rel)
