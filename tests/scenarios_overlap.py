@@ -19,7 +19,7 @@ def _pendings(eng):
 
 def phase_overlapped_training(rank, world, base, racing_step):
     """Train and save every step with overlapped staging (every tensor deferred: the test
-    model's tensors are all below the 1 MiB default), the optimizer step waiting through the
+    model's tensors are all below the 64 KiB default), the optimizer step waiting through the
     global hook; at ``racing_step`` the copy thread is held back and the trainer writes the
     parameters in place right after ``save()`` without waiting. Then a fresh engine restores.
     Returns what the test asserts."""

@@ -62,10 +62,14 @@ def test_abba_order():
 def test_bench_runs_end_to_end_main_venv(tmp_path, monkeypatch):
     out = tmp_path / "s.json"
     rc = bp.main(["--mib-per-rank", "4", "--saves", "1", "--warmup", "1", "--restore-reps", "1",
-                  "--rss-saves", "1", "--skip-lmr", "--dir", str(tmp_path), "--json", str(out), "--timeout", "300"])
+                  "--rss-saves", "1", "--skip-lmr", "--dir", str(tmp_path), "--json", str(out), "--timeout", "300",
+                  "--overlap-window-ms", "200"])
     assert rc == 0
     (s,) = json.loads(out.read_text())
-    assert s["systems"] == ["tierckpt", "DCP sync", "DCP async (thread)", "DCP process+async staging", "NVRx local"]
+    assert s["systems"] == ["tierckpt", bp.OVERLAP, "DCP sync", "DCP async (thread)", "DCP process+async staging",
+                            "NVRx local"]
+    # the modelled forward/backward is not blocking time: δ is save() plus the wait after it
+    assert all(d < 0.2 for d in s["raw"]["delta_s"][bp.OVERLAP])
     assert 3.9 < s["mib"] <= 4.0
     for name in s["systems"]:
         assert 0 < s["delta"][name] < 60 and math.isfinite(s["delta_ratio"][name])
@@ -73,22 +77,25 @@ def test_bench_runs_end_to_end_main_venv(tmp_path, monkeypatch):
     # the disk floor is its own repetition, not a restore
     assert set(s["restore"]) == {"tierckpt", "NVRx local"} and 0 < s["floor"] < 60 and len(s["raw"]["floor_s"]) == 1
     assert all(0 < v < 60 for v in s["restore"].values())
-    assert set(s["rss"]) == {"tierckpt", "DCP sync", "DCP async (thread)", "DCP process+async staging"}
+    assert set(s["rss"]) == {"tierckpt", bp.OVERLAP, "DCP sync", "DCP async (thread)", "DCP process+async staging"}
     assert s["lmr"] is None and s["lmr_skipped"] == "--skip-lmr"
     head, meas, targ = bp.rows(s)
     assert head[1:] == s["systems"]
-    assert [t[0] for t in targ] == ["δ_tierckpt ÷ memcpy", "restore tierckpt ÷ NVRx local"]
+    assert [t[0] for t in targ] == ["δ tierckpt ÷ memcpy", f"δ {bp.OVERLAP} ÷ memcpy", "restore tierckpt ÷ NVRx local"]
     assert all(t[-1] in ("PASS", "MISS") for t in targ)
     assert [p for p in os.listdir(tmp_path) if p.startswith("tierckpt-peers-")] == []
     # --record's text: the memory state at the start and end, and this run's target table
     md = tmp_path / "RESULTS.md"
     monkeypatch.setattr(bp, "RESULTS_MD", str(md))
-    args = bp.argparse.Namespace(saves=1, warmup=1, restore_reps=1, rss_saves=1)
+    args = bp.argparse.Namespace(saves=1, warmup=1, restore_reps=1, rss_saves=1, overlap_window_ms=200.0)
     bp.record([s], bp.machine(), args, "bench/bench_peers.py …", 1.0, "df", (0.0, 0.0, 0.0),
               "MemFree 1.0 GiB, Cached 2.0 GiB, MemAvailable 3.0 GiB")
     text = md.read_text()
     assert "Memory: MemFree 1.0 GiB, Cached 2.0 GiB, MemAvailable 3.0 GiB at the start; MemFree " in text
     assert "| restore tierckpt ÷ NVRx local |" in text
+    assert f"{bp.OVERLAP}: δ = save() + the wait_for_staging() after a modelled forward/backward of 200 ms" in text
+    with pytest.raises(SystemExit):
+        bp.main(["--overlap-window-ms", "-1"])
 
 
 def test_memory_state_reads_meminfo():

@@ -258,7 +258,8 @@ class TierConfig(_KnownFields):
         staging_buffers: host copies of the state kept for overlapping saves (>=1).
         cpu_staging: how ``save()`` copies CPU tensors into a staging buffer. ``"blocking"``
             (default): inside ``save()``; the caller may modify the state at once.
-            ``"overlapped"``: from the second save of a state on, tensors of at least 1 MiB are
+            ``"overlapped"``: once a staging buffer has held a state of the same structure (from
+            the second save into each buffer on), tensors of at least 64 KiB are
             copied by a background thread while forward and backward run, and the trainer calls
             ``wait_for_staging()`` before its next in-place write (installed for every
             ``torch.optim`` optimizer as a global step pre-hook); a copy that raced a write is

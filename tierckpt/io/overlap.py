@@ -42,8 +42,8 @@ import torch
 
 from tierckpt.errors import StagingError
 
-OVERLAP_MIN_BYTES = 1 << 20
-"""Tensors at least this large (bytes) are copied in the background; smaller ones inside
+OVERLAP_MIN_BYTES = 64 << 10
+"""Tensors at least this large (bytes) are copied in the background (64 KiB); smaller ones inside
 ``save()`` (their per-tensor cost is overhead, not bandwidth, and they include the buffers some
 models update in place during forward)."""
 
