@@ -127,6 +127,12 @@ class TieredCheckpointManager(CheckpointManager):
         rank, and the ledger records the deferral) or "wait" (the persistent tier waits for it,
         the local tier at most local_wait_timeout_s). The last step and a preemption always wait."""
 
+        cpu_staging: str = "blocking"
+        """How a save copies CPU tensors: "blocking" (inside save()) or "overlapped" (tensors of
+        64 KiB and more copied by a background thread during the next forward/backward;
+        torchtitan's maybe_wait_for_staging() before optimizers.step() waits for it; a write
+        that raced the copy fails that step's save). CUDA tensors are always overlapped."""
+
         restart_prior_s: float = 0.0
         """Restart + restore time R (seconds) the adaptive scheduler assumes until it has seen a
         restore (0 = 300 s). Set it to the launcher's requeue latency plus a restore."""
@@ -172,6 +178,9 @@ class TieredCheckpointManager(CheckpointManager):
                     or not 0 <= self.local_wait_timeout_s < float("inf"):
                 raise ConfigError("checkpoint.local_wait_timeout_s",
                                   f"must be seconds >= 0 (0 = no limit), got {self.local_wait_timeout_s!r}")
+            if self.cpu_staging not in ("blocking", "overlapped"):
+                raise ConfigError("checkpoint.cpu_staging",
+                                  f"must be 'blocking' or 'overlapped', got {self.cpu_staging!r}")
             if self.busy_tier_policy not in ("defer", "wait"):
                 raise ConfigError("checkpoint.busy_tier_policy",
                                   f"must be 'defer' or 'wait', got {self.busy_tier_policy!r}")
@@ -374,9 +383,10 @@ class TieredCheckpointManager(CheckpointManager):
         return True
 
     def _maybe_wait_for_staging(self) -> None:
-        """Wait for the device→host copies of the last save (CUDA states are staged on a side
-        stream into pinned buffers, :meth:`tierckpt.TieredCheckpointer.wait_for_staging`);
-        torchtitan calls this right before ``optimizers.step()``. CPU states: returns at once."""
+        """Wait for the staging copies of the last save (CUDA states are staged on a side
+        stream into pinned buffers; CPU states by a background thread with ``cpu_staging =
+        "overlapped"``: :meth:`tierckpt.TieredCheckpointer.wait_for_staging`); torchtitan
+        calls this right before ``optimizers.step()``. Blocking CPU staging: returns at once."""
         if self.engine is not None:
             self.engine.wait_for_staging()
 

@@ -20,14 +20,14 @@ REL = 1e-5  # relative tolerance of losses after a resharding load (float summat
 
 
 def _tiers(base: str, *, local: str | None = "nvme", persistent: str = "pfs", factor: int = 2,
-           intervals=None, rpn: int = 1, tiers: tuple[str, ...] | None = None):
+           intervals=None, rpn: int = 1, tiers: tuple[str, ...] | None = None, **cfg_kw):
     from mcore_plugin.strategies import MegatronTiers
     from tierckpt.config import TierConfig
 
     # saves back to back, each expected to happen: the blocking policy (deferral is tested in
     # tests/test_engine_defer.py)
     kw = dict(persistent_root=os.path.join(base, persistent), job_id="mcore", simulated_ranks_per_node=rpn,
-              intervals=intervals, keep_latest_k={"local": 3, "persistent": 3}, busy_tier_policy="wait")
+              intervals=intervals, keep_latest_k={"local": 3, "persistent": 3}, busy_tier_policy="wait", **cfg_kw)
     if local is None:
         cfg = TierConfig(tiers=("persistent",), replication_factor=1, **kw)
     else:
@@ -390,5 +390,35 @@ def phase_local_manager_resume_point(rank: int, world: int, base: str) -> dict:
         out["missing"] = None
     except NoCheckpointError as e:
         out["missing"] = str(e)
+    t.close()
+    return out
+
+
+def phase_overlapped_staging(rank: int, world: int, base: str) -> dict:
+    """``cpu_staging = "overlapped"`` under megatron-core's DistributedOptimizer (TP1 × DP2):
+    train 5 iterations, saving the local tier (dp_reshardable) after each (the engine's global
+    step pre-hook runs inside every inner optimizer step); ``deferred`` records the bytes left
+    to the copy thread by each save. Iteration 3 restores bitwise into a fresh model from its
+    own local copy. Returns the facts the test asserts."""
+    from tests.scenarios import assert_bitwise
+
+    M.setup(tp=1)
+    model, opt = M.build(seed=0)
+    tiers = _tiers(base, cpu_staging="overlapped")
+    snaps, deferred = {}, []
+    for s in range(1, 6):
+        M.train_step(model, opt, s)
+        tiers.save(s, M.state_dict_fn(model, opt, s)("dp_reshardable", False), tiers=["local"])
+        snaps[s] = M.snapshot(model, opt)
+        deferred.append(sum(sl._pending.nbytes for sl in tiers.engine.pool._slots
+                            if sl._pending is not None and not sl._pending.sealed))
+    tiers.wait()
+    ok = {s: tiers.outcome(s, ["local"])["local"] for s in range(1, 6)}
+    tiers.close()
+    t = _tiers(base, cpu_staging="overlapped")
+    m, o, sd = _restore_into_fresh(t, seed=40, step=3)
+    assert_bitwise(snaps[3], M.snapshot(m, o), "iteration 3")
+    out = {"ok": ok, "deferred": deferred, "iteration": sd["iteration"], "sources": _sources(t),
+           "torch_optimizers": all(isinstance(o.optimizer, torch.optim.Optimizer) for o in M.inner_optimizers(opt))}
     t.close()
     return out

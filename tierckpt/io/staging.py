@@ -49,6 +49,7 @@ under the same wait contract as CUDA staging, with in-place writes detected
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -60,6 +61,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from tierckpt.io.overlap import OVERLAP_MIN_BYTES, Copier, PendingCopy, versions
+
+log = logging.getLogger(__name__)
 
 SYNC, CUDA_ASYNC = "sync", "cuda-async"
 # values a staged copy may share with the live state (never mutated in place)
@@ -198,6 +201,11 @@ class StagingSlot:
             return
         self._pending = PendingCopy(dsts, srcs, watched, vs)
         self.pool._copier.submit(self._pending)
+        if not self.pool.announced:  # once per pool: the mode is on and what it defers
+            self.pool.announced = True
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                log.info("tierckpt: overlapped staging: %d tensors (%.1f MiB) per save copied in the background, "
+                         "waited for before the optimizer step", len(dsts), self._pending.nbytes / 2**20)
 
     def wait_copied(self) -> None:
         """Block until this slot's staged copy is complete (no-op after a blocking stage)."""
@@ -255,6 +263,7 @@ class StagingPool:
 
     def __init__(self, n: int, overlapped: bool = False):
         self.overlapped = overlapped
+        self.announced = False  # the first background copy was logged
         self._copier = Copier()
         self._cv = threading.Condition()
         self._slots = [StagingSlot(self, i) for i in range(n)]
