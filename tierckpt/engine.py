@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Iterable
@@ -144,10 +145,16 @@ class TieredCheckpointer:
         # overlapped staging: every torch.optim optimizer waits for the copies before it writes
         # the parameters and its states (tierckpt/io/overlap.py)
         self._optimizer_hook = None
+        self._unbooked_wait_s = 0.0  # the trainer's waits for overlapped copies since the last save
         if cfg.cpu_staging == "overlapped":
-            pool = self.pool
-            self._optimizer_hook = register_optimizer_step_pre_hook(
-                lambda _opt, _args, _kwargs: pool.wait_for_staging() and None)
+            me = weakref.ref(self)  # an engine never closed must not live on in torch's hook table
+
+            def before_step(_opt, _args, _kwargs) -> None:
+                eng = me()
+                if eng is not None and not eng._closed:
+                    eng.wait_for_staging()
+
+            self._optimizer_hook = register_optimizer_step_pre_hook(before_step)
         # the RAM-root fit check runs once, at the first local save (tiers/ram.py); a root
         # found too small turns the local tier off for this run (the reason is kept here)
         self._ram_checked = False
@@ -238,7 +245,8 @@ class TieredCheckpointer:
             wait_previous: a planned exit (the run's last save): every tier waits for its
                 previous save as with ``busy_tier_policy = "wait"`` and is never deferred.
         Returns:
-            :class:`~tierckpt.handle.SaveHandle`: ``blocking_s`` (δ, seconds) and one future per
+            :class:`~tierckpt.handle.SaveHandle`: ``blocking_s`` (δ, seconds; including the
+            trainer's :meth:`wait_for_staging` time since the previous save) and one future per
             started tier resolving to its :class:`~tierckpt.records.CheckpointRecord`; in
             ``skipped`` the tiers deferred (``busy_tier_policy`` "defer": the previous save of
             the tier still runs on some rank; record ``deferred``, ``running_step``) or skipped
@@ -261,6 +269,9 @@ class TieredCheckpointer:
         """:meth:`save` once the tiers are checked (non-empty)."""
         t0 = time.perf_counter()
         self.pool.wait_for_staging()  # the previous save's copies: part of this δ if still running
+        # the trainer's waits for the previous save's copies stall training too: booked here
+        carried, self._unbooked_wait_s = self._unbooked_wait_s, 0.0
+        t0 -= carried
         state_dict = resolve_stateful(state_dict)  # once: the RAM-root check and staging read it
         defer = () if wait_previous else tuple(t for t in tiers if self.cfg.busy_policy(t) == "defer")
         answer = self.busy.begin(defer, step)  # the agreement travels while we copy
@@ -387,9 +398,11 @@ class TieredCheckpointer:
         raced one fails its step's save.
 
         Returns:
-            seconds waited.
+            seconds waited (added to the next save's δ: the adaptive scheduler sees the stall).
         """
-        return self.pool.wait_for_staging()
+        waited = self.pool.wait_for_staging()
+        self._unbooked_wait_s += waited
+        return waited
 
     def _early_stage(self, state_dict: dict):
         """(slot, staged) of a copy made before the tiers are decided, when a staging slot is free
