@@ -477,10 +477,10 @@ def phase_retention_anchor(rank, world, base, factor):
                              node_id=rank)
     original = LocalTier.save
 
-    def dying(self, staged, step):
+    def dying(self, staged, step, **kw):
         if rank == 1 and step >= 3:
             raise OSError(5, "Input/output error (injected)")
-        return original(self, staged, step)
+        return original(self, staged, step, **kw)
 
     LocalTier.save = dying
     model, opt = build(seed=0)
@@ -522,11 +522,11 @@ def phase_hung_local_disk(rank, world, base, limit):
     eng = TieredCheckpointer(make_config(base, local_wait_timeout_s=limit), node_id=rank)
     original = LocalTier.save
 
-    def stuck(self, staged, step):
+    def stuck(self, staged, step, **kw):
         if rank == 1 and step in (2, 6):
             while not os.path.exists(release(step)):
                 _time.sleep(0.05)
-        return original(self, staged, step)
+        return original(self, staged, step, **kw)
 
     LocalTier.save = stuck
     model, opt = build(seed=0)
@@ -624,7 +624,7 @@ def phase_hung_local_exit(rank, world, base, limit):
 
     eng = TieredCheckpointer(make_config(base, replication_factor=1, local_wait_timeout_s=limit), node_id=rank)
 
-    def forever(self, staged, step):
+    def forever(self, staged, step, **kw):
         while True:
             _time.sleep(0.05)
 

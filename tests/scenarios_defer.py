@@ -25,10 +25,10 @@ def _slow(cls, slow_step: int, delay: float, only_rank: int | None, rank: int):
     original for the caller to put back."""
     original = cls.save
 
-    def slow(self, staged, step, *a):
+    def slow(self, staged, step, *a, **kw):
         if step == slow_step and (only_rank is None or rank == only_rank):
             time.sleep(delay)
-        return original(self, staged, step, *a)
+        return original(self, staged, step, *a, **kw)
 
     cls.save = slow
     return original

@@ -116,11 +116,11 @@ def phase_restore_while_local_hangs(rank, world, base, limit):
     eng = TieredCheckpointer(make_config(base, local_wait_timeout_s=limit), node_id=rank)
     original = LocalTier.save
 
-    def stuck(self, staged, step):
+    def stuck(self, staged, step, **kw):
         if rank == 1 and step == 3:
             while not os.path.exists(release):
                 time.sleep(0.05)
-        return original(self, staged, step)
+        return original(self, staged, step, **kw)
 
     LocalTier.save = stuck
     model, opt = build(seed=0)

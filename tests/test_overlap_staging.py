@@ -105,16 +105,107 @@ def test_restaging_a_slot_waits_for_its_previous_copy(held_copier):
     sd = _state(4.0)
     slot, staged = _stage_twice(pool, sd)
     slot.release()  # e.g. every tier deferred: the slot is free while its copy is pending
-    t = threading.Timer(0.2, held_copier.set)
-    t.start()
     slot = pool.acquire()
+    out = {}
+    t = threading.Thread(target=lambda: out.update(staged=slot.stage(_state(9.0), users=1)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()  # a new stage into the same buffers waits for the pending copy
+    held_copier.set()
+    t.join(30)
     pool.wait_for_staging()
-    sd["big"].fill_(9.0)
-    staged2 = slot.stage(sd, users=1)  # must not race the first copy into the same buffers
-    pool.wait_for_staging()
-    assert torch.equal(staged2["big"], torch.full((2 * BIG,), 9.0))
+    assert torch.equal(out["staged"]["big"], torch.full((2 * BIG,), 9.0))
     slot.release()
     pool.close()
+
+
+def test_a_written_tensor_is_copied_inside_stage_from_then_on(held_copier):
+    pool = StagingPool(1, overlapped=True)
+    sd = {"a": torch.full((2 * BIG,), 1.0), "b": torch.full((2 * BIG,), 2.0)}
+    slot, _ = _stage_twice(pool, sd)
+    assert slot._pending.names == ["a", "b"]
+    sd["b"].add_(1.0)  # a buffer the model writes between save() and the optimizer step
+    held_copier.set()
+    with pytest.raises(StagingError, match=r"\(b\) were modified in place.*copied inside save\(\) from the next"):
+        slot.check_intact()
+    slot.release()
+    slot = pool.acquire()
+    staged = slot.stage(sd, users=1)
+    assert slot._pending.names == ["a"]  # "b" was copied inside stage()
+    sd["b"].add_(1.0)
+    slot.check_intact()
+    assert torch.equal(staged["b"], torch.full((2 * BIG,), 3.0))
+    slot.release()
+    pool.close()
+
+
+def test_a_failed_copy_fails_the_check(monkeypatch):
+    pool = StagingPool(1, overlapped=True)
+    sd = _state(7.0)
+    slot = pool.acquire()
+    slot.stage(sd, users=1)
+    slot.release()
+
+    def broken(dsts, srcs):
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(overlap.torch, "_foreach_copy_", broken)
+    slot = pool.acquire()
+    with pytest.raises(RuntimeError, match="injected"):  # the small tensors are copied inside stage()
+        slot.stage(sd, users=1)
+    monkeypatch.undo()
+    slot.release()
+    pool.close()
+    # only the background copy fails: the small tensors copy, the large one raises in the thread
+    pool = StagingPool(1, overlapped=True)
+    slot, _ = _stage_twice(pool, {"big": torch.full((2 * BIG,), 1.0)})
+    pool.wait_for_staging()  # that copy ran as usual before the copy thread's run is replaced
+    slot.release()
+    gate = threading.Event()
+    run = overlap.PendingCopy.run
+
+    def failing_run(self):
+        gate.wait(30)
+        with monkeypatch.context() as m:
+            m.setattr(overlap.torch, "_foreach_copy_", broken)
+            run(self)
+
+    monkeypatch.setattr(overlap.PendingCopy, "run", failing_run)
+    slot = pool.acquire()
+    slot.stage({"big": torch.full((2 * BIG,), 2.0)}, users=1)
+    gate.set()
+    with pytest.raises(StagingError, match="staging copy failed: RuntimeError: injected copy failure"):
+        slot.check_intact()
+    slot.release()
+    pool.close()
+
+
+def test_dtensor_writes_through_the_local_tensor_are_seen(held_copier):
+    # DTensor in-place ops move the DTensor's counter; a write through to_local() only the
+    # local tensor's: both are watched
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.harness import free_port
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    w = distribute_tensor(torch.full((2 * BIG,), 1.0), mesh, [Shard(0)])
+    pool = StagingPool(1, overlapped=True)
+    slot, _ = _stage_twice(pool, {"w": w})
+    w.to_local().add_(1.0)
+    held_copier.set()
+    try:
+        with pytest.raises(StagingError, match=r"\(w\) were modified"):
+            slot.check_intact()
+        slot.release()
+        pool.close()
+    finally:
+        if owned:
+            dist.destroy_process_group()  # the other tests of this process expect none
 
 
 def test_inference_tensors_are_copied_inside_stage():
@@ -154,11 +245,20 @@ def test_overlapped_training_restores_the_last_intact_step(tmp_path):
         assert not r["copied_at_return"]  # save() did not wait for the held copy ...
         save_delta, waited, recorded = r["booked"]
         # ... but its δ (handle and every tier's record) includes the trainer's wait for the
-        # previous save's slow copy
-        assert waited > 0.3 and save_delta >= waited and all(x >= waited for x in recorded), r["booked"]
-        assert r["save_s"] < 0.4
+        # previous save's held copy
+        assert waited > 0.35 and save_delta >= waited and all(x >= waited for x in recorded), r["booked"]
         for tier, (ok, error) in r["racing"].items():
             assert not ok and "StagingError" in error and "modified in place" in error, (tier, error)
         assert racing not in r["committed"]["local"] and racing not in r["committed"]["persistent"]
         assert racing - 1 in r["committed"]["local"] and racing - 1 in r["committed"]["persistent"]
         assert r["hooks_after_close"] == 0
+
+
+def test_a_race_on_one_rank_fails_in_agreed_phases(tmp_path):
+    out = [r.value for r in run_world(so.phase_one_rank_races, 2, str(tmp_path), timeout=240)]
+    # the agreed records: step 4 is on no tier of every node ...
+    assert [r["outcome"] for r in out] == [{"local": False, "persistent": False}] * 2
+    # ... node 0's own copy was intact and committed, node 1's was refused
+    assert 4 in out[0]["committed"]["local"] and 4 not in out[1]["committed"]["local"]
+    assert all(4 not in r["committed"]["persistent"] for r in out)
+    assert [r["restored"] for r in out] == [3, 3]

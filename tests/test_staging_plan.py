@@ -124,3 +124,26 @@ def test_resolve_stateful_resolves_only_stateful_values():
     out = resolve_stateful({"app": App(), "t": t, "d": {"x": 1}, "n": 4, "s": "a"})
     assert torch.equal(out["app"]["w"], torch.ones(2))
     assert out["t"] is t and out["d"] == {"x": 1} and out["n"] == 4 and out["s"] == "a"
+
+
+def test_ordered_dicts_take_the_plan_and_keep_their_keys_and_order():
+    # nn.Module.state_dict() and get_state_dict return OrderedDicts: same plan as plain dicts
+    from collections import OrderedDict
+
+    slot = StagingPool(1).acquire()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    live = {"model": model.state_dict(), "step": 1}
+    assert type(live["model"]) is OrderedDict
+    first = _stage(slot, live)
+    assert _same(first, live)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    second = _stage(slot, {"model": model.state_dict(), "step": 2})
+    assert second is first, "an OrderedDict state is refilled, not deep-copied again"
+    assert list(second["model"]) == list(model.state_dict()) and second["step"] == 2
+    assert _same(second["model"], model.state_dict())
+    # a key renamed in the OrderedDict: a different structure, the full copy again
+    renamed = OrderedDict((("x." + k), v) for k, v in model.state_dict().items())
+    third = _stage(slot, {"model": renamed, "step": 3})
+    assert third is not first and list(third["model"]) == list(renamed) and _same(third["model"], renamed)

@@ -264,7 +264,8 @@ class TierConfig(_KnownFields):
             ``wait_for_staging()`` before its next in-place write (installed for every
             ``torch.optim`` optimizer as a global step pre-hook); a copy that raced a write is
             detected through the tensors' version counters and fails that step's save
-            (:mod:`tierckpt.io.overlap`). CUDA tensors are always staged this way.
+            (:mod:`tierckpt.io.overlap`). CUDA tensors are always copied asynchronously (a side
+            stream, the same wait, no version checks).
         collective_timeout_s: timeout of the engine's own gloo groups (seconds).
         local_wait_timeout_s: longest a local-tier save waits for the previous one (seconds; 0 =
             no limit). When the previous local save is still running on some rank after this

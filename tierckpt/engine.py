@@ -155,6 +155,7 @@ class TieredCheckpointer:
                     eng.wait_for_staging()
 
             self._optimizer_hook = register_optimizer_step_pre_hook(before_step)
+            weakref.finalize(self, self._optimizer_hook.remove)  # also without close()
         # the RAM-root fit check runs once, at the first local save (tiers/ram.py); a root
         # found too small turns the local tier off for this run (the reason is kept here)
         self._ram_checked = False
@@ -270,7 +271,8 @@ class TieredCheckpointer:
         t0 = time.perf_counter()
         self.pool.wait_for_staging()  # the previous save's copies: part of this δ if still running
         # the trainer's waits for the previous save's copies stall training too: booked here
-        carried, self._unbooked_wait_s = self._unbooked_wait_s, 0.0
+        with self._lock:
+            carried, self._unbooked_wait_s = self._unbooked_wait_s, 0.0
         t0 -= carried
         state_dict = resolve_stateful(state_dict)  # once: the RAM-root check and staging read it
         defer = () if wait_previous else tuple(t for t in tiers if self.cfg.busy_policy(t) == "defer")
@@ -401,12 +403,14 @@ class TieredCheckpointer:
             seconds waited (added to the next save's δ: the adaptive scheduler sees the stall).
         """
         waited = self.pool.wait_for_staging()
-        self._unbooked_wait_s += waited
+        with self._lock:  # the hook may fire in another thread's optimizer
+            self._unbooked_wait_s += waited
         return waited
 
     def _early_stage(self, state_dict: dict):
         """(slot, staged) of a copy made before the tiers are decided, when a staging slot is free
-        right now and the state is on the host (the copy is then complete on return), else None.
+        right now and the state is on the host (the copy is then complete on return, or queued
+        with ``cpu_staging = "overlapped"``), else None.
         It overlaps the busy-tier agreement (one all-reduce, 0.5–8 ms measured under load on
         this machine's 2 cores) with the copy; a save whose every tier is then deferred
         discards it (:meth:`_drop`), a copy of the same cost as any save's."""

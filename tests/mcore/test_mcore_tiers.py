@@ -109,5 +109,5 @@ def test_overlapped_staging_config_under_the_distributed_optimizer(tmp_path):
         v = r.value
         assert v["ok"] == {s: True for s in range(1, 6)}, v["ok"]
         assert v["deferred"] == [0] * 5, v["deferred"]
-        assert v["torch_optimizers"]  # the global step pre-hook applies to them
+        assert v["hook_calls"] >= 5  # the global step pre-hook ran in every optimizer step
         assert v["iteration"] == 3 and v["sources"] == {0: "own-local", 1: "own-local"}, v

@@ -1,8 +1,8 @@
 """Overlapped host staging of CPU tensors (``TierConfig.cpu_staging = "overlapped"``).
 
-The blocking copy of a CPU state is one memcpy of the state inside ``save()``. Forward and
-backward only *read* the parameters and optimizer states, so that copy can run while they run,
-as long as it is complete before the optimizer step writes them (lazy asynchronous
+The blocking copy of a CPU state is one memcpy of the state inside ``save()``. In most models
+forward and backward only *read* the parameters and optimizer states, so that copy can run
+while they run, as long as it is complete before the optimizer step writes them (lazy asynchronous
 checkpointing: Maurya et al., "DataStates-LLM: Lazy Asynchronous Checkpointing for Large
 Language Models", HPDC 2024; on CUDA the same contract as DCP's async staging and
 torchtitan's ``async_with_pinned_mem``). ``save()`` then copies only the small tensors
@@ -14,21 +14,24 @@ The trainer's side of the contract is a wait before the next in-place update
 (:meth:`tierckpt.TieredCheckpointer.wait_for_staging`); the engine installs it as a global
 ``torch.optim`` step pre-hook, so every ``torch.optim.Optimizer`` waits on its own.
 
-A copy that raced a write is never committed. Each deferred source's autograd version counter
-(``Tensor._version``, bumped by every in-place op) is read when the copy is queued and
-compared
+Racing writes are detected through autograd version counters (``Tensor._version``, bumped by
+every in-place op): each deferred source's (a DTensor's and its local tensor's) is read when
+the copy is queued and compared
 
 - right after the copy (:meth:`PendingCopy.run`): a write that finished meanwhile;
 - when the trainer waits (:meth:`PendingCopy.seal`, training thread, before the optimizer
   step): a write still running when the copy ended has finished by then;
-- before each tier commits (:meth:`PendingCopy.check`), if the trainer has not waited yet.
+- in agreed phases before each tier writes and before it commits (:meth:`PendingCopy.check`),
+  if the trainer has not waited yet.
 
-Any difference fails the save of that step on every tier (:class:`~tierckpt.errors.StagingError`,
-recorded like any failed save; committed steps are untouched). Not seen: a write through
-``tensor.data`` (a separate version counter; torch's optimizers write the parameters
-themselves), a write by another library into the same memory outside torch's ops, and an
-in-place op the trainer starts without waiting that is still running both when the copy ends
-and when a tier commits (the version moves when an op returns). Such trainers keep the default
+A difference fails that step's persistent save and the writing node's local save
+(:class:`~tierckpt.errors.StagingError` naming the tensors, recorded like any failed save;
+committed steps are untouched), and the pool copies those tensors inside ``save()`` from then
+on. Not seen: a write through ``tensor.data`` (a separate version counter; torch's optimizers
+write the parameters themselves), a parameter aliased into another buffer and written through
+it, a write by another library into the same memory outside torch's ops, and an in-place op
+the trainer starts without waiting that is still running both when the copy ends and when a
+tier commits (the version moves when an op returns). Such trainers keep the default
 ``cpu_staging = "blocking"``.
 """
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -62,31 +66,50 @@ class PendingCopy:
 
     Shapes: ``dsts`` and ``srcs`` are equal-length lists of CPU tensors of equal shape and
     dtype; ``watched[i]`` is the state's value whose local tensor ``srcs[i]`` is (the tensor
-    itself, or its DTensor: a DTensor's in-place ops move the DTensor's version counter, not
-    the local tensor's), ``start_versions`` their version counters when the copy was queued.
+    itself, or its DTensor: a DTensor's in-place ops move the DTensor's version counter, a
+    write through ``to_local()`` the local tensor's; both are compared); ``names[i]`` its key
+    path in the state dict (for messages); ``positions[i]`` its index in the slot's copy plan,
+    handed to ``learn`` when a write moved it (the plan then copies it inside ``save()``).
+    Build with :meth:`start`.
     """
 
     def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], watched: list[torch.Tensor],
-                 start_versions: list[int]):
-        self.dsts, self.srcs, self.watched, self.start = dsts, srcs, watched, start_versions
+                 start_versions: list[int], names: list[str], positions: list[int],
+                 learn: Callable[[list[int]], None] | None = None):
+        self.dsts, self.srcs, self.watched, self.start_versions = dsts, srcs, watched, start_versions
+        self.names, self.positions, self._learn = names, positions, learn
         self.nbytes = sum(d.nbytes for d in dsts)
         self.done = threading.Event()
         self.error: str | None = None
         self.sealed = False
         self._lock = threading.Lock()
 
+    @classmethod
+    def start(cls, dsts: list[torch.Tensor], srcs: list[torch.Tensor], watched: list[torch.Tensor],
+              names: list[str], positions: list[int],
+              learn: Callable[[list[int]], None] | None = None) -> "PendingCopy | None":
+        """A copy guarded by the current version counters of ``watched`` and ``srcs``, or None
+        when a tensor has none (the caller copies inside ``save()``)."""
+        vs = versions(list(watched) + list(srcs))
+        return None if vs is None else cls(dsts, srcs, watched, vs, names, positions, learn)
+
     def _moved(self, when: str) -> None:
-        """Set ``error`` when a source's version moved since the copy was queued."""
-        watched = self.watched
-        if watched is None or self.error is not None:
+        """Set ``error`` when a version moved since the copy was queued."""
+        watched, srcs = self.watched, self.srcs
+        if watched is None or srcs is None or self.error is not None:
             return
-        moved = [i for i, (s, v) in enumerate(zip(watched, self.start)) if s._version != v]
-        if moved:
-            s = watched[moved[0]]
-            self.error = (f"{len(moved)} saved tensor(s) (first: shape {tuple(s.shape)}, {s.dtype}) were modified "
-                          f"in place {when}, before the overlapped staging copy was waited for: call "
-                          "wait_for_staging() before the optimizer step (installed for torch.optim optimizers), "
-                          "or set cpu_staging = \"blocking\"")
+        n = len(watched)
+        now = versions(list(watched) + list(srcs)) or []
+        moved = sorted({i % n for i, (a, b) in enumerate(zip(now, self.start_versions)) if a != b})
+        if not moved:
+            return
+        shown = ", ".join(self.names[i] for i in moved[:3]) + (", ..." if len(moved) > 3 else "")
+        self.error = (f"{len(moved)} saved tensor(s) ({shown}) were modified in place {when}, before the "
+                      "overlapped staging copy was waited for: call wait_for_staging() before the optimizer "
+                      "step (installed for torch.optim optimizers), or set cpu_staging = \"blocking\"; "
+                      "these tensors are copied inside save() from the next save on")
+        if self._learn is not None:
+            self._learn([self.positions[i] for i in moved])
 
     def run(self) -> None:
         """The copy (copy thread). Never raises: the outcome is ``error``."""
@@ -113,7 +136,7 @@ class PendingCopy:
         return waited
 
     def check(self) -> None:
-        """Tier side, before reading the staged copy and before committing it: wait for the
+        """Tier side, before writing the staged copy and before committing it: wait for the
         copy; raise when it is not a snapshot of the state at ``save()``.
 
         Raises:

@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from tierckpt.io.overlap import OVERLAP_MIN_BYTES, Copier, PendingCopy, versions
+from tierckpt.io.overlap import OVERLAP_MIN_BYTES, Copier, PendingCopy
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +160,10 @@ class StagingSlot:
         sig, leaves = _walk(state_dict)
         plan = self._plan
         if plan is not None and plan.sig == sig:
-            deferred = plan.refill(leaves, OVERLAP_MIN_BYTES if self.pool.overlapped else None)
+            deferred = plan.refill(leaves, OVERLAP_MIN_BYTES if self.pool.overlapped else None, self.pool.inline)
             if deferred is not None:
                 if deferred[0]:
-                    self._defer(*deferred)
+                    self._defer(plan, *deferred)
                 return plan.staged
         staged = self.stager.stage(state_dict)
         assert isinstance(staged, dict)  # a synchronous stager returns the copy, never a Future
@@ -191,15 +191,17 @@ class StagingSlot:
         self._event = event
         return staged
 
-    def _defer(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], watched: list[torch.Tensor]) -> None:
+    def _defer(self, plan: "_CopyPlan", dsts: list[torch.Tensor], srcs: list[torch.Tensor],
+               watched: list[torch.Tensor], positions: list[int]) -> None:
         """Hand ``dsts[i].copy_(srcs[i])`` to the pool's copy thread, guarded by the version
-        counters of ``watched`` (synchronously when one has none)."""
-        vs = versions(watched)
-        if vs is None:
+        counters of ``watched`` and ``srcs`` (synchronously when a tensor has none)."""
+        pending = PendingCopy.start(dsts, srcs, watched, [plan.names[j] for j in positions], positions,
+                                    self.pool.learn)
+        if pending is None:
             with torch.no_grad():
                 torch._foreach_copy_(dsts, srcs)
             return
-        self._pending = PendingCopy(dsts, srcs, watched, vs)
+        self._pending = pending
         self.pool._copier.submit(self._pending)
         if not self.pool.announced:  # once per pool: the mode is on and what it defers
             self.pool.announced = True
@@ -264,6 +266,9 @@ class StagingPool:
     def __init__(self, n: int, overlapped: bool = False):
         self.overlapped = overlapped
         self.announced = False  # the first background copy was logged
+        # copy-plan positions of tensors found written between save() and the wait: copied
+        # inside save() from then on (same structure, same positions in every slot's plan)
+        self.inline: set[int] = set()
         self._copier = Copier()
         self._cv = threading.Condition()
         self._slots = [StagingSlot(self, i) for i in range(n)]
@@ -280,6 +285,11 @@ class StagingPool:
                 raise TimeoutError("no staging buffer freed in time")
             # Prefer the slot used least recently so a just-released slot's buffers stay warm.
             return self._free.pop(0)
+
+    def learn(self, positions: list[int]) -> None:
+        """Copy the tensors at these copy-plan positions inside ``save()`` from now on (they
+        were written in place before the trainer waited)."""
+        self.inline.update(positions)
 
     def try_acquire(self) -> StagingSlot | None:
         """A free slot now, or None (never waits)."""
@@ -344,8 +354,9 @@ class _CopyPlan:
     """
 
     def __init__(self, sig: list, staged: dict, dsts: list[torch.Tensor], tensor_pos: list[int],
-                 setters: list[tuple[Any, Any, int]]):
+                 setters: list[tuple[Any, Any, int]], names: list[str] | None = None):
         self.sig, self.staged, self.dsts = sig, staged, dsts
+        self.names = names or [f"tensor {j}" for j in range(len(dsts))]  # key path of each dst
         self.tensor_pos = tensor_pos  # positions in the leaves list of the tensors, in ``dsts`` order
         self.setters = setters  # (staged container, key, leaf position) of every non-tensor leaf
 
@@ -376,16 +387,19 @@ class _CopyPlan:
         if any(type(leaves[i]) not in _ATOMIC for _, _, i in setters):
             # an object leaf (e.g. a framework object holding tensors) needs DCP's deep copy
             return None
-        return cls(sig, staged, dsts, tensor_pos, setters)
+        paths = _paths(staged)
+        return cls(sig, staged, dsts, tensor_pos, setters, [paths[i] for i in tensor_pos])
 
-    def refill(self, leaves: list, defer_min_bytes: int | None = None) -> tuple[list, list, list] | None:
+    def refill(self, leaves: list, defer_min_bytes: int | None = None,
+               inline: set[int] | frozenset[int] = frozenset()) -> tuple[list, list, list, list] | None:
         """Copy ``leaves`` (same signature as the plan's) into the staged copy, except the
-        tensors of at least ``defer_min_bytes`` bytes (None: none deferred), returned as
-        ``(dsts, srcs, watched)`` for the caller to copy: ``srcs`` the local tensors to read,
-        ``watched`` the leaves themselves, whose version counters in-place writes move (a
-        DTensor's, not its local tensor's: DTensor runs the local op below autograd). None,
-        with nothing changed, when a value inside a tuple differs (a tuple cannot be set in
-        place: the caller restages everything)."""
+        tensors of at least ``defer_min_bytes`` bytes (None: none deferred) whose position is
+        not in ``inline``, returned as ``(dsts, srcs, watched, positions)`` for the caller to
+        copy: ``srcs`` the local tensors to read, ``watched`` the leaves themselves (a
+        DTensor's in-place ops move the DTensor's version counter, not its local tensor's:
+        DTensor runs the local op below autograd), ``positions`` their indices in ``dsts``.
+        None, with nothing changed, when a value inside a tuple differs (a tuple cannot be set
+        in place: the caller restages everything)."""
         for parent, key, i in self.setters:
             if parent is None and key != leaves[i]:
                 return None
@@ -396,15 +410,32 @@ class _CopyPlan:
         srcs = [x._local_tensor if isinstance(x, DTensor) else x for x in watched]
         dsts = self.dsts
         if defer_min_bytes is None:
-            now, later = (dsts, srcs), ([], [], [])
+            now, later = (dsts, srcs), ([], [], [], [])
         else:
-            big = [d.nbytes >= defer_min_bytes for d in dsts]
+            big = [d.nbytes >= defer_min_bytes and j not in inline for j, d in enumerate(dsts)]
             now = ([d for d, b in zip(dsts, big) if not b], [x for x, b in zip(srcs, big) if not b])
-            later = tuple([x for x, b in zip(xs, big) if b] for xs in (dsts, srcs, watched))
+            later = tuple([x for x, b in zip(xs, big) if b] for xs in (dsts, srcs, watched, range(len(dsts))))
         if now[0]:
             with torch.no_grad():
                 torch._foreach_copy_(*now)
         return later
+
+
+def _paths(obj: Any) -> list[str]:
+    """Key path (``"optim.state.w.exp_avg"``, list items by index) of every leaf of a state
+    dict, in :func:`_walk` order."""
+    out: list[str] = []
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, x = stack.pop()
+        t = type(x)
+        if t is dict or t is OrderedDict:
+            stack.extend((f"{path}.{k}" if path else str(k), x[k]) for k in reversed(tuple(x)))
+        elif t is list or t is tuple:
+            stack.extend((f"{path}.{j}" if path else str(j), x[j]) for j in reversed(range(len(x))))
+        else:
+            out.append(path)
+    return out
 
 
 def _containers(sig: list) -> list:

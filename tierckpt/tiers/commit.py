@@ -49,9 +49,10 @@ def save_step(store: Store, rel: str, write: Callable[[], dict[str, tuple[int, s
         label: names the step in agreement errors (``"local step 7"``).
         mark_in_progress: write :data:`tierckpt.io.layout.INPROGRESS` at prepare time (shared
             roots, so ``tierckpt ls`` shows a save in flight).
-        before_commit: run on every rank in the agreed checksum phase, after the write; raising
-            leaves the step uncommitted on every rank (overlapped staging's snapshot check,
-            :meth:`tierckpt.io.staging.StagingSlot.check_intact`).
+        before_commit: run on every rank in an agreed phase of its own before the write and
+            again after it (overlapped staging's snapshot check,
+            :meth:`tierckpt.io.staging.StagingSlot.check_intact`); raising on any rank leaves
+            the step unwritten or uncommitted on every rank of ``group``.
         manifest_fields: recorded in the manifest (:func:`tierckpt.io.manifest.commit`).
 
     Returns:
@@ -68,14 +69,14 @@ def save_step(store: Store, rel: str, write: Callable[[], dict[str, tuple[int, s
                 with store.open(f"{rel}/{layout.INPROGRESS}", "wb") as f:
                     f.write(b"tierckpt persistent save in progress\n")
 
+    if before_commit is not None:  # a copy already known to be torn is not written
+        run_agreed(before_commit, group, f"{label}: staged copy")
     run_agreed(prepare, group, f"{label}: prepare")
     mine = write() or {}
-    def checksum():
-        if before_commit is not None:
-            before_commit()
-        return written_entries(store, rel, mine, index, count, group)
-
-    entries = run_agreed(checksum, group, f"{label}: checksum")
+    if before_commit is not None:  # its own phase: a rank that fails it must not skip a collective
+        run_agreed(before_commit, group, f"{label}: staged copy")
+    entries = run_agreed(lambda: written_entries(store, rel, mine, index, count, group), group,
+                         f"{label}: checksum")
     gathered = [e for part in all_gather(entries, group) for e in part]
 
     def do_commit():

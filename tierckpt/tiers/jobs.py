@@ -304,6 +304,11 @@ class TierJobs:
         self._on_record(tier, step, rec, group)
         return rec
 
+    def _snapshot_check(self, slot: StagingSlot):
+        """The overlapped copy's check for the tier's agreed phases (same on every rank: decided
+        by the config, since one rank's state may stage blocking while another's overlaps)."""
+        return slot.check_intact if self.cfg.cpu_staging == "overlapped" else None
+
     def _local_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> CheckpointRecord:
         assert self.local is not None  # submitted only when the local tier is configured
         t0 = time.perf_counter()
@@ -314,7 +319,7 @@ class TierJobs:
         try:
             try:
                 slot.wait_copied()  # CUDA or overlapped staging: the copies may still be running
-                nbytes = self.local.save(staged, step, before_commit=slot.check_intact)
+                nbytes = self.local.save(staged, step, before_commit=self._snapshot_check(slot))
             except FAILURES as e:  # degrade: the persistent tier and training go on
                 ok, error = False, describe_failure(e, self.local.store)
                 if self.topo.is_node_leader:  # the failure is agreed over the node: say it once per node
@@ -366,7 +371,7 @@ class TierJobs:
         try:
             slot.wait_copied()  # CUDA or overlapped staging: the copies may still be running
             nbytes = self.persistent.save(staged, step, self.groups.persistent_world,
-                                          before_commit=slot.check_intact)
+                                          before_commit=self._snapshot_check(slot))
         except FAILURES as e:
             ok, error = False, describe_failure(e, self.persistent.store)
             if self.topo.rank == 0:  # agreed over all ranks: say it once
