@@ -41,6 +41,19 @@ def _gated_copies():
     return arm, restore
 
 
+def _restart(base, cfg_kw, rank, expected):
+    """A fresh engine and model (other seed, one step trained) restore; the state must equal
+    ``expected`` bitwise. Returns (engine, RestoreResult); the caller closes the engine."""
+    eng = TieredCheckpointer(make_config(base, **cfg_kw), node_id=rank)
+    model, opt = build(seed=123)
+    train_step(model, opt, 999, rank)
+    sd = app_state(model, opt)
+    res = eng.restore(sd)
+    apply_state(model, opt, sd)
+    assert_bitwise(snapshot(model, opt), expected)
+    return eng, res
+
+
 def phase_overlapped_training(rank, world, base, racing_step):
     """Train and save every step with overlapped staging (every tensor deferred: the test
     model's tensors are all below the 64 KiB default), the optimizer step waiting through the
@@ -81,13 +94,7 @@ def phase_overlapped_training(rank, world, base, racing_step):
     eng.close()
     hooks_after_close = len(_global_optimizer_pre_hooks)
 
-    eng = TieredCheckpointer(make_config(base, **cfg_kw), node_id=rank)
-    model, opt = build(seed=123)
-    train_step(model, opt, 999, rank)
-    sd = app_state(model, opt)
-    res = eng.restore(sd)
-    apply_state(model, opt, sd)
-    assert_bitwise(snapshot(model, opt), snaps[racing_step - 1])
+    eng, res = _restart(base, cfg_kw, rank, snaps[racing_step - 1])
     committed = eng.committed_steps()
     eng.close()
     return {"restored": res.step, "kind": {n: o.source.kind for n, o in res.sources.items()},
@@ -125,12 +132,6 @@ def phase_one_rank_races(rank, world, base):
     outcome = {t: f.result().ok for t, f in h.futures.items()}
     committed = eng.committed_steps()
     eng.close()
-    eng = TieredCheckpointer(make_config(base, **cfg_kw), node_id=rank)
-    model, opt = build(seed=123)
-    train_step(model, opt, 999, rank)
-    sd = app_state(model, opt)
-    res = eng.restore(sd)
-    apply_state(model, opt, sd)
-    assert_bitwise(snapshot(model, opt), snaps[3])
+    eng, res = _restart(base, cfg_kw, rank, snaps[3])
     eng.close()
     return {"outcome": outcome, "committed": committed, "restored": res.step}
