@@ -354,9 +354,9 @@ class _CopyPlan:
     """
 
     def __init__(self, sig: list, staged: dict, dsts: list[torch.Tensor], tensor_pos: list[int],
-                 setters: list[tuple[Any, Any, int]], names: list[str] | None = None):
+                 setters: list[tuple[Any, Any, int]], names: list[str]):
         self.sig, self.staged, self.dsts = sig, staged, dsts
-        self.names = names or [f"tensor {j}" for j in range(len(dsts))]  # key path of each dst
+        self.names = names  # key path of each dst (messages)
         self.tensor_pos = tensor_pos  # positions in the leaves list of the tensors, in ``dsts`` order
         self.setters = setters  # (staged container, key, leaf position) of every non-tensor leaf
 
