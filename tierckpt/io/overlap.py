@@ -76,7 +76,10 @@ class PendingCopy:
     def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], watched: list[torch.Tensor],
                  start_versions: list[int], names: list[str], positions: list[int],
                  learn: Callable[[list[int]], None] | None = None):
-        self.dsts, self.srcs, self.watched, self.start_versions = dsts, srcs, watched, start_versions
+        self.dsts, self.start_versions = dsts, start_versions
+        # the live tensors, dropped (None) once sealed
+        self.srcs: list[torch.Tensor] | None = srcs
+        self.watched: list[torch.Tensor] | None = watched
         self.names, self.positions, self._learn = names, positions, learn
         self.nbytes = sum(d.nbytes for d in dsts)
         self.done = threading.Event()
@@ -114,8 +117,10 @@ class PendingCopy:
     def run(self) -> None:
         """The copy (copy thread). Never raises: the outcome is ``error``."""
         try:
+            srcs = self.srcs
+            assert srcs is not None  # sealing drops them only after the copy ran (seal waits for done)
             with torch.no_grad():
-                torch._foreach_copy_(self.dsts, self.srcs)
+                torch._foreach_copy_(self.dsts, srcs)
             with self._lock:
                 self._moved("while they were being copied")
         except Exception as e:  # a failed copy is a failed save, never a dead copy thread

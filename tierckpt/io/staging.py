@@ -409,12 +409,16 @@ class _CopyPlan:
         watched = [leaves[i] for i in self.tensor_pos]
         srcs = [x._local_tensor if isinstance(x, DTensor) else x for x in watched]
         dsts = self.dsts
+        later: tuple[list, list, list, list] = ([], [], [], [])
         if defer_min_bytes is None:
-            now, later = (dsts, srcs), ([], [], [], [])
+            now = (dsts, srcs)
         else:
             big = [d.nbytes >= defer_min_bytes and j not in inline for j, d in enumerate(dsts)]
             now = ([d for d, b in zip(dsts, big) if not b], [x for x, b in zip(srcs, big) if not b])
-            later = tuple([x for x, b in zip(xs, big) if b] for xs in (dsts, srcs, watched, range(len(dsts))))
+            for j, b in enumerate(big):
+                if b:
+                    for out, x in zip(later, (dsts[j], srcs[j], watched[j], j)):
+                        out.append(x)
         if now[0]:
             with torch.no_grad():
                 torch._foreach_copy_(*now)
