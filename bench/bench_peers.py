@@ -63,6 +63,10 @@ across repetitions):
 3. host RSS growth (self + child processes, ``VmRSS``) from after ``--warmup`` more saves to
    after ``--rss-saves`` more saves, each waited to completion. NVRx is left out (its
    synchronous saves are too slow for 50).
+4. the training time one save costs a CPU-bound trainer (:mod:`peers_stepcost`: steps of
+   ``--overlap-window-ms`` of matmuls + the wait for staging + an in-place update of the whole
+   state; run time minus as many undisturbed steps, the save's background work included), for
+   tierckpt (both modes) and DCP process+async staging, ÷ memcpy.
 Every restore is compared bitwise with the saved state (``AssertionError`` otherwise).
 
 Targets (PASS/MISS printed, never an exit status): δ ≤ 1.05× memcpy and ≤ 0.95× lm-resiliency's
@@ -72,7 +76,7 @@ Usage::
 
     .venv/bin/python bench/bench_peers.py [--mib-per-rank 256 1024] [--local-root-base /dev/shm]
         [--saves 10] [--restore-reps 5] [--rss-saves 50] [--peers-python .venv-peers/bin/python]
-        [--skip-lmr] [--record]
+        [--cpu-steps 8] [--cpu-reps 6] [--skip-lmr] [--record]
 
 ``--record`` appends machine, command, load average, memory state (free, page cache), method and
 tables to bench/RESULTS.md.
@@ -96,6 +100,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from bench_engine import REPO, RESULTS_MD, disk, machine, md_table, meminfo_kb, run_ranks  # noqa: E402
+from peers_stepcost import step_cost  # noqa: E402
 from peers_common import (abba, assert_bitwise, drop_page_cache, gmax, make_state, med, mutate,  # noqa: E402
                           rss_bytes, snapshot, state_bytes)
 
@@ -189,15 +194,28 @@ class Tier:
                               cpu_staging="blocking" if window_s is None else "overlapped")
         self._cls = TieredCheckpointer
         self.eng = TieredCheckpointer(self.cfg, node_id=rank)
+        self.handle = None
+
+    def begin(self, sd, step):
+        """The save call."""
+        self.handle = self.eng.save(step, sd, tiers=["local"])
+
+    def before_update(self):
+        """The optimizer step's wait (a no-op when staging is blocking)."""
+        self.eng.wait_for_staging()
+
+    def busy(self) -> bool:
+        """The last save's background work (write, replica) still runs here."""
+        return self.handle is not None and not self.handle.done()
 
     def capture(self, sd, step):
         t0 = time.perf_counter()
-        self.eng.save(step, sd, tiers=["local"])
+        self.begin(sd, step)
         d = time.perf_counter() - t0
         if self.window_s is not None:  # overlapped: forward/backward, then the optimizer step's wait
             time.sleep(self.window_s)
             t1 = time.perf_counter()
-            self.eng.wait_for_staging()
+            self.before_update()
             d += time.perf_counter() - t1
         return d
 
@@ -237,6 +255,7 @@ class Dcp:
         self.rank, self.mode, self.window_s = rank, mode, window_s
         self.dir = os.path.join(base, f"dcp-{mode}")
         self.fut = None
+        self.staging = None
         self.prev: str | None = None
         self.stager = None
         if mode == "process":
@@ -245,13 +264,12 @@ class Dcp:
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
                                                        use_async_staging=True, use_non_blocking_copy=False))
 
-    def capture(self, sd, step):
+    def begin(self, sd, step):
+        """The save call: ``dcp.save`` (sync) or ``dcp.async_save`` (thread, process)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         path = os.path.join(self.dir, f"step-{step}")
-        held = 0.0  # the modelled forward/backward: not blocking time
-        t0 = time.perf_counter()
         if self.mode == "sync":
             dcp.save(sd, checkpoint_id=path)
         elif self.mode == "thread":
@@ -259,15 +277,28 @@ class Dcp:
         else:
             resp = dcp.async_save(sd, checkpoint_id=path, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                                   async_stager=self.stager)
-            if self.window_s:  # forward/backward; torchtitan waits right before optimizers.step()
-                w0 = time.perf_counter()
-                time.sleep(self.window_s)
-                held = time.perf_counter() - w0
-            resp.staging_completion.result()
-            self.fut = resp.upload_completion
-        dt = time.perf_counter() - t0 - held
+            self.staging, self.fut = resp.staging_completion, resp.upload_completion
         self.cur = path
-        return dt
+
+    def before_update(self):
+        """torchtitan's ``maybe_wait_for_staging()`` before ``optimizers.step()``."""
+        if self.staging is not None:
+            self.staging.result()
+            self.staging = None
+
+    def busy(self) -> bool:
+        return self.fut is not None and not self.fut.done()
+
+    def capture(self, sd, step):
+        t0 = time.perf_counter()
+        self.begin(sd, step)
+        held = 0.0  # the modelled forward/backward: not blocking time
+        if self.window_s and self.staging is not None:
+            w0 = time.perf_counter()
+            time.sleep(self.window_s)
+            held = time.perf_counter() - w0
+        self.before_update()
+        return time.perf_counter() - t0 - held
 
     def complete(self):
         import torch.distributed as dist
@@ -469,6 +500,17 @@ def peers_rank(rank: int, world: int, args: dict) -> dict:
                   + ", ".join(f"{n} {delta[n][-1] * 1e3:.0f} ms" for n in order), flush=True)
     out.update(delta_s=delta, memcpy_s=mems)
 
+    # 4. the cost of one save to a CPU-bound trainer (bench/peers_stepcost.py)
+    cpu_names = [n for n in ("tierckpt", OVERLAP, "DCP process+async staging") if n in systems]
+    if args["cpu_steps"]:
+        out["stepcost"] = step_cost(systems, cpu_names, sd, reps=args["cpu_reps"], steps=args["cpu_steps"],
+                                    window_s=args["overlap_window_ms"] / 1e3, barrier=dist.barrier,
+                                    first_step=step)
+        step += args["cpu_reps"] * len(cpu_names) + 1
+        if rank == 0:
+            print("[bench-peers] CPU-bound step cost: " + ", ".join(
+                f"{n} {med(v) * 1e3:.0f} ms" for n, v in out["stepcost"]["cost_s"].items()), flush=True)
+
     # 3. host RSS growth over rss_saves saves (NVRx's synchronous saves are left out: too slow).
     # (2., the restores, runs in fresh processes per repetition: restore_once)
     rss: dict = {}
@@ -604,10 +646,17 @@ def summarise(r: dict, lmr: dict) -> dict:
                "restore": {n: med(v) for n, v in r["restore_s"].items()},
                "rss": dict(r["rss_growth_bytes"]), "lmr": None, "window_ms": r.get("overlap_window_ms")}
     s["floor"] = med(r["floor_s"]) if r.get("floor_s") else None
+    sc = r.get("stepcost")
+    if sc:
+        s["stepcost"] = {"cost": {n: med(v) for n, v in sc["cost_s"].items()},
+                         "base_step": med([x for v in sc["base_step_s"].values() for x in v]),
+                         "steps": {n: med(v) for n, v in sc["steps"].items()},
+                         "tail": {n: med(v) for n, v in sc["tail_s"].items()}}
     s["delta_ratio"] = {n: v / mem for n, v in s["delta"].items()}
     s["raw"] = {"delta_s": r["delta_s"], "memcpy_s": r["memcpy_s"], "restore_s": r["restore_s"],
                 "lmr": {k: lmr[k] for k in ("capture_s", "replication_s", "memcpy_s", "ram_restore_s")
-                        if k in lmr} | {"flush_s": r.get("lmr_flush_s", [])}, "floor_s": r.get("floor_s", [])}
+                        if k in lmr} | {"flush_s": r.get("lmr_flush_s", [])}, "floor_s": r.get("floor_s", []),
+                "stepcost": sc}
     if "skipped" not in lmr:
         lm = med(lmr["memcpy_s"])
         s["lmr"] = {"memcpy": lm, "capture": med(lmr["capture_s"]), "replication": med(lmr["replication_s"]),
@@ -657,6 +706,15 @@ def rows(s: dict) -> tuple[list[str], list[list[str]], list[list[str]]]:
                     + [col(lambda n: "—" if "RAM" in n else f"{s['restore'][n] / fl:.2f}", n) for n in s["systems"]]
                     + ([f"disk path {lm['disk'] / fl:.2f}"] if lm else []))
     meas.append(r3)
+    sc = s.get("stepcost")
+    if sc:
+        meas.append([f"4. CPU-bound trainer: training time one save costs (step {ms(sc['base_step'])} "
+                     f"without a save)"]
+                    + [col(lambda n: f"{ms(sc['cost'][n])} over {sc['steps'][n]:g} steps "
+                                     f"(tail {ms(sc['tail'][n])})", n) for n in s["systems"]]
+                    + (["—"] if lm else []))
+        meas.append(["4. ÷ memcpy"] + [col(lambda n: f"{sc['cost'][n] / s['memcpy']:.2f}", n)
+                                       for n in s["systems"]] + (["—"] if lm else []))
     targ = []
     # the overlapped δ holds only given idle host time to copy in: the condition is in the label
     label = {"tierckpt": "tierckpt", OVERLAP: f"tierckpt (overlapped, {s.get('window_ms') or 0:g} ms idle host)"}
@@ -750,11 +808,15 @@ def record(summaries, m, args, cmd, elapsed, dfout, load0, mem0) -> None:
              f"forward/backward of {args.overlap_window_ms:g} ms (host thread asleep); "
              f"restore repetitions {args.restore_reps} (ABBA; node 1's dir deleted, page cache of every file "
              f"dropped, timed until both ranks hold the state, checked bitwise), RSS growth over "
-             f"{args.rss_saves} saves; medians of the slower rank. lm-resiliency runs in a side venv: its disk "
-             f"restart path in the restore ABBA order (each restore repetition in fresh processes; not normalised; "
-             f"the disk floor is one more repetition in that order); its "
-             f"capture and RAM path in a separate run, normalised by the memcpy measured in each run. "
-             f"See bench/bench_peers.py.  \n",
+             f"{args.rss_saves} saves; "
+             + (f"CPU-bound step cost: at least {args.cpu_steps} steps of {args.overlap_window_ms:g} ms of matmuls, "
+                f"the wait for staging and an in-place add over the state, with one save at the first and until "
+                f"its background work is done, minus as many steps without a save ({args.cpu_reps} samples, ABBA); "
+                if args.cpu_steps else "") + "medians of the slower rank. lm-resiliency runs in a side venv: its disk "
+             "restart path in the restore ABBA order (each restore repetition in fresh processes; not normalised; "
+             "the disk floor is one more repetition in that order); its "
+             "capture and RAM path in a separate run, normalised by the memcpy measured in each run. "
+             "See bench/bench_peers.py.  \n",
              "CPU adaptations: " + "; ".join(ADAPTATIONS) + ".\n\nBench dir filesystem:\n\n```\n" + dfout + "\n```\n"]
     for s in summaries:
         head, meas, targ = rows(s)
@@ -785,6 +847,10 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap-window-ms", type=float, default=250.0,
                     help="modelled forward+backward between an overlapped save and the optimizer step's "
                          "wait_for_staging(), ms (default 250; 0 = nothing to overlap with)")
+    ap.add_argument("--cpu-steps", type=int, default=8,
+                    help="measurement 4, a CPU-bound trainer: at least this many steps of --overlap-window-ms "
+                         "of matmuls per sample (default 8; 0 skips it)")
+    ap.add_argument("--cpu-reps", type=int, default=6, help="measurement 4: samples per system (default 6)")
     ap.add_argument("--peers-python", default=PEERS_PY, help="side venv interpreter for lm-resiliency")
     ap.add_argument("--skip-lmr", action="store_true", help="leave lm-resiliency out")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
@@ -795,6 +861,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not a.overlap_window_ms >= 0:
         ap.error(f"--overlap-window-ms must be >= 0, got {a.overlap_window_ms}")
+    if a.cpu_steps < 0 or a.cpu_reps < 1:
+        ap.error(f"--cpu-steps must be >= 0 and --cpu-reps >= 1, got {a.cpu_steps} and {a.cpu_reps}")
+    if a.cpu_steps and not a.overlap_window_ms > 0:
+        ap.error("--cpu-steps needs --overlap-window-ms > 0 (the modelled forward/backward per step); "
+                 "pass --cpu-steps 0 to skip measurement 4")
     peers = ["DCP sync", "DCP async (thread)", "DCP process+async staging", "NVRx local"]
     if a.systems and not set(a.systems) <= set(peers):
         ap.error(f"--systems {a.systems}: allowed systems are {peers}")
@@ -814,7 +885,7 @@ def main(argv=None) -> int:
             lmr = run_lmr(a, mib, base)
             args = dict(mib=mib, saves=a.saves, warmup=a.warmup, rss_saves=a.rss_saves,
                         threads=a.threads, base=base, local_root_base=ram_base, systems=a.systems,
-                        overlap_window_ms=a.overlap_window_ms)
+                        overlap_window_ms=a.overlap_window_ms, cpu_steps=a.cpu_steps, cpu_reps=a.cpu_reps)
             r0, _r1 = run_ranks(args, timeout=a.timeout, target=peers_rank)
             r0.update(run_restores(a, mib, base, ram_base))
             summaries.append(summarise(r0, lmr))

@@ -64,7 +64,7 @@ def test_bench_runs_end_to_end_main_venv(tmp_path, monkeypatch):
     # 2 warm-up saves: each staging buffer builds its copy plan, the measured save overlaps
     rc = bp.main(["--mib-per-rank", "4", "--saves", "1", "--warmup", "2", "--restore-reps", "1",
                   "--rss-saves", "1", "--skip-lmr", "--dir", str(tmp_path), "--json", str(out), "--timeout", "300",
-                  "--overlap-window-ms", "200"])
+                  "--overlap-window-ms", "200", "--cpu-steps", "2", "--cpu-reps", "1"])
     assert rc == 0
     (s,) = json.loads(out.read_text())
     assert s["systems"] == ["tierckpt", bp.OVERLAP, "DCP sync", "DCP async (thread)", "DCP process+async staging",
@@ -80,8 +80,15 @@ def test_bench_runs_end_to_end_main_venv(tmp_path, monkeypatch):
     assert all(0 < v < 60 for v in s["restore"].values())
     assert set(s["rss"]) == {"tierckpt", bp.OVERLAP, "DCP sync", "DCP async (thread)", "DCP process+async staging"}
     assert s["lmr"] is None and s["lmr_skipped"] == "--skip-lmr"
+    # measurement 4 ran for tierckpt, its overlapped mode and DCP's process executor
+    sc = s["stepcost"]
+    assert set(sc["cost"]) == {"tierckpt", bp.OVERLAP, "DCP process+async staging"}
+    assert all(n >= 2 for n in sc["steps"].values()) and 0 < sc["base_step"] < 60
+    assert all(math.isfinite(v) for v in sc["cost"].values())
     head, meas, targ = bp.rows(s)
     assert head[1:] == s["systems"]
+    assert all(len(r) == len(head) for r in meas)
+    assert [r[0] for r in meas][-1] == "4. ÷ memcpy" and meas[-1][head.index("DCP sync")] == "—"
     assert [t[0] for t in targ] == ["δ tierckpt ÷ memcpy", "δ tierckpt (overlapped, 200 ms idle host) ÷ memcpy",
                                     "restore tierckpt ÷ NVRx local"]
     assert all(t[-1] in ("PASS", "MISS") for t in targ)
@@ -89,16 +96,59 @@ def test_bench_runs_end_to_end_main_venv(tmp_path, monkeypatch):
     # --record's text: the memory state at the start and end, and this run's target table
     md = tmp_path / "RESULTS.md"
     monkeypatch.setattr(bp, "RESULTS_MD", str(md))
-    args = bp.argparse.Namespace(saves=1, warmup=1, restore_reps=1, rss_saves=1, overlap_window_ms=200.0)
+    args = bp.argparse.Namespace(saves=1, warmup=1, restore_reps=1, rss_saves=1, overlap_window_ms=200.0,
+                                 cpu_steps=2, cpu_reps=1)
     bp.record([s], bp.machine(), args, "bench/bench_peers.py …", 1.0, "df", (0.0, 0.0, 0.0),
               "MemFree 1.0 GiB, Cached 2.0 GiB, MemAvailable 3.0 GiB")
     text = md.read_text()
     assert "Memory: MemFree 1.0 GiB, Cached 2.0 GiB, MemAvailable 3.0 GiB at the start; MemFree " in text
-    assert "| restore tierckpt ÷ NVRx local |" in text
+    assert "| restore tierckpt ÷ NVRx local |" in text and "| 4. ÷ memcpy |" in text
+    assert "CPU-bound step cost: at least 2 steps of 200 ms of matmuls" in text
     assert (f"{bp.OVERLAP} and DCP process+async staging: δ = the call + the wait for staging after a modelled "
             "forward/backward of 200 ms") in text
-    with pytest.raises(SystemExit):
-        bp.main(["--overlap-window-ms", "-1"])
+    for bad in (["--overlap-window-ms", "-1"], ["--cpu-steps", "-1"], ["--cpu-reps", "0"],
+                ["--overlap-window-ms", "0"]):  # measurement 4 needs a forward/backward to model
+        with pytest.raises(SystemExit):
+            bp.main(bad)
+
+
+class _Fake:
+    """A system for step_cost: ``stall_s`` held at its first wait, background busy for
+    ``busy_steps`` of the trainer's steps."""
+
+    def __init__(self, stall_s=0.0, busy_steps=0):
+        self.stall_s, self.busy_steps, self.waits = stall_s, busy_steps, 0
+
+    def begin(self, sd, step):
+        self.waits = 0
+
+    def before_update(self):
+        if self.waits == 0 and self.stall_s:
+            import time
+
+            time.sleep(self.stall_s)
+        self.waits += 1
+
+    def busy(self):
+        return self.waits < self.busy_steps
+
+    def complete(self):
+        pass
+
+
+def test_step_cost_counts_the_stall_and_runs_until_the_background_is_done(monkeypatch):
+    from bench import peers_stepcost as ps
+
+    monkeypatch.setattr(ps, "gmax", lambda x: x)  # one process: the slower rank is this one
+    sd = pc.make_state(0, 1)
+    systems = {"free": _Fake(), "stall": _Fake(stall_s=0.15), "long": _Fake(busy_steps=6)}
+    out = ps.step_cost(systems, list(systems), sd, reps=2, steps=3, window_s=0.01, barrier=lambda: None,
+                       first_step=1)
+    cost = {n: pc.med(v) for n, v in out["cost_s"].items()}
+    assert 0.1 < cost["stall"] < 0.4, cost
+    assert abs(cost["free"]) < 0.08 and abs(cost["long"]) < 0.08, cost
+    assert out["steps"] == {"free": [3, 3], "stall": [3, 3], "long": [6, 6]}
+    assert out["matmuls_per_step"] >= 1
 
 
 def test_memory_state_reads_meminfo():
