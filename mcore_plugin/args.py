@@ -145,6 +145,11 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "save finished on every rank, recorded in the ledger) or wait (the local tier "
                         "waits at most --ckpt-plugin-local-wait-timeout). Megatron's persistent path "
                         "always waits: Megatron records every save it starts as its latest checkpoint.")
+    g.add_argument("--ckpt-plugin-cpu-staging", choices=("blocking", "overlapped"), default=None,
+                   help="How a save copies CPU tensors (a CPU run, or optimizer states in host memory): "
+                        "blocking (default; inside the save) or overlapped (ShardedTensors of 64 KiB and more "
+                        "copied in the background during the next forward/backward; the optimizer step waits "
+                        "for them; a write that races the copy fails that save). CUDA tensors are unaffected.")
     g.add_argument("--ckpt-plugin-persistent-keep",
                    type=_nonneg_int("--ckpt-plugin-persistent-keep", "0 keeps all"),
                    default=None, metavar="K", help="Committed persistent steps kept (default 3).")
@@ -204,6 +209,8 @@ class PluginSettings:
         warn_only: tiers whose failed saves only warn (``TierConfig.warn_only``).
         busy_tier_policy: ``"defer"`` or ``"wait"`` (``TierConfig.busy_tier_policy``; None =
             the engine's default, defer).
+        cpu_staging: ``"blocking"`` or ``"overlapped"`` (``TierConfig.cpu_staging``; None = the
+            engine's default, blocking).
     """
 
     tiers: tuple[str, ...]
@@ -221,6 +228,7 @@ class PluginSettings:
     local_wait_timeout_s: float | None = None
     warn_only: tuple[str, ...] = ("local",)
     busy_tier_policy: str | None = None
+    cpu_staging: str | None = None
 
 
 # id(args) -> (weak reference to args, settings); Namespace is not hashable (it defines __eq__)
@@ -335,6 +343,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout,
         warn_only=tuple(getattr(args, "ckpt_plugin_warn_only", None) or ("local",)),
         busy_tier_policy=getattr(args, "ckpt_plugin_busy_tier_policy", None),
+        cpu_staging=getattr(args, "ckpt_plugin_cpu_staging", None),
     )
     tier_config_from_args(args, settings)  # the engine's own bounds, with the flag names users typed
     _set_settings(args, settings)
@@ -509,6 +518,7 @@ _FIELD_TO_FLAG = {
     "local_wait_timeout_s": "--ckpt-plugin-local-wait-timeout",
     "warn_only": "--ckpt-plugin-warn-only",
     "busy_tier_policy": "--ckpt-plugin-busy-tier-policy",
+    "cpu_staging": "--ckpt-plugin-cpu-staging",
     "min_steps": "--ckpt-plugin-min-interval",
     "max_steps": "--ckpt-plugin-max-interval",
     "gpu_mtbf_s": "--ckpt-plugin-gpu-mtbf-hours",
@@ -545,6 +555,8 @@ def tier_config_from_args(args: argparse.Namespace, settings: PluginSettings | N
     extra: dict = {} if settings.local_wait_timeout_s is None else {"local_wait_timeout_s": settings.local_wait_timeout_s}
     if settings.busy_tier_policy is not None:
         extra["busy_tier_policy"] = settings.busy_tier_policy
+    if settings.cpu_staging is not None:
+        extra["cpu_staging"] = settings.cpu_staging
     try:
         return TierConfig(
             **extra,

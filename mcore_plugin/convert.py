@@ -184,6 +184,65 @@ class Staged:
     def load_state_dict(self, state_dict) -> None:  # pragma: no cover - Stateful protocol
         raise RuntimeError("a staged save payload is never loaded")
 
+    # The engine's copy plan (tierckpt.io.copy_plan.TensorHolder): from the second save of the
+    # same sharded layout on, the engine refills its staged copy of this object instead of
+    # DCP's deep copy of every ShardedTensor (and may copy the large ones in the background
+    # with cpu_staging = "overlapped").
+    def _leaves(self) -> list[tuple[str, object]]:
+        out: list[tuple[str, object]] = []
+        stack: list[tuple[str, object]] = [("", self.sharded)]
+        while stack:
+            path, x = stack.pop()
+            if isinstance(x, dict):
+                stack.extend((f"{path}.{k}" if path else str(k), x[k]) for k in reversed(list(x)))
+            elif isinstance(x, list):
+                stack.extend((f"{path}.{j}" if path else str(j), x[j]) for j in reversed(range(len(x))))
+            else:
+                out.append((path, x))
+        return out
+
+    def staging_key(self):
+        """Every ShardedTensor's metadata (all dataclass fields but ``data``; its dtype, shape,
+        device) and every ShardedObject's key, offsets and replica id, by path, plus the parallel
+        layout; None when the sharded part holds anything else (DCP's deep copy then)."""
+        key = []
+        for path, x in self._leaves():
+            if type(x) is ShardedTensor and isinstance(x.data, torch.Tensor):
+                key.append((path, x.data.dtype, x.data.shape, x.data.device,
+                            tuple(getattr(x, f) for f in _sharded_tensor_fields())))
+            elif type(x) is ShardedObject:
+                key.append((path, x.key, x.global_shape, x.global_offset, x.replica_id))
+            else:
+                return None
+        return tuple(key), self.layout
+
+    def staging_tensors(self) -> dict[str, torch.Tensor]:
+        """The ``data`` of every ShardedTensor, by path in the sharded state dict."""
+        return {path: x.data for path, x in self._leaves() if type(x) is ShardedTensor}
+
+    def staging_refresh(self, live: "Staged") -> None:
+        """Take over ``live``'s common state, layout and ShardedObject data (deep copies: the
+        trainer may change them after the save returns); the ShardedTensors' metadata is equal
+        by key and their data is refilled by the engine."""
+        self.common = copy.deepcopy(live.common)
+        self.layout = copy.deepcopy(live.layout)
+        for (_, mine), (_, theirs) in zip(self._leaves(), live._leaves()):
+            if type(mine) is ShardedObject:
+                mine.data = copy.deepcopy(theirs.data)
+
+
+_ST_FIELDS: tuple[str, ...] = ()
+
+
+def _sharded_tensor_fields() -> tuple[str, ...]:
+    """ShardedTensor's dataclass fields but ``data`` (they differ between megatron-core versions)."""
+    global _ST_FIELDS
+    if not _ST_FIELDS:
+        import dataclasses
+
+        _ST_FIELDS = tuple(f.name for f in dataclasses.fields(ShardedTensor) if f.name != "data")
+    return _ST_FIELDS
+
 
 class Payload:
     """Top-level value handed to ``TieredCheckpointer.save``; the engine resolves it (Stateful)

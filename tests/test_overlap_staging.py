@@ -262,3 +262,19 @@ def test_a_race_on_one_rank_fails_in_agreed_phases(tmp_path):
     assert 4 in out[0]["committed"]["local"] and 4 not in out[1]["committed"]["local"]
     assert all(4 not in r["committed"]["persistent"] for r in out)
     assert [r["restored"] for r in out] == [3, 3]
+
+
+def test_holder_tensors_are_deferred_and_named_in_a_race(held_copier):
+    from tests.test_staging_plan import _Holder
+
+    pool = StagingPool(1, overlapped=True)
+    sd = {"payload": _Holder({"decoder.w": torch.full((2 * BIG,), 1.0), "decoder.norm": torch.ones(8)}, {})}
+    slot, staged = _stage_twice(pool, sd)
+    assert slot._pending is not None and slot._pending.nbytes == 2 * BIG * 4  # the large one only
+    sd["payload"].tensors["decoder.w"].add_(1.0)  # written before the trainer waited
+    held_copier.set()
+    with pytest.raises(StagingError, match=r"payload\.decoder\.w"):
+        slot.check_intact()
+    slot.release()
+    pool.close()
+    assert pool.inline  # copied inside stage() from then on

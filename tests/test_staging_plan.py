@@ -1,4 +1,4 @@
-"""The staging slot's copy plan (tierckpt/io/staging.py): from the second save of one structure on, a slot refills its
+"""The staging slot's copy plan (tierckpt/io/copy_plan.py): from the second save of one structure on, a slot refills its
 last staged copy instead of deep-copying through DCP's stager. Every case asserts the staged
 values equal the live ones at the time of the call and stay isolated from later changes."""
 
@@ -147,3 +147,59 @@ def test_ordered_dicts_take_the_plan_and_keep_their_keys_and_order():
     renamed = OrderedDict((("x." + k), v) for k, v in model.state_dict().items())
     third = _stage(slot, {"model": renamed, "step": 3})
     assert third is not first and list(third["model"]) == list(renamed) and _same(third["model"], renamed)
+
+
+class _Holder:
+    """A TensorHolder: named tensors plus mutable metadata (as the Megatron payload's
+    ShardedTensor/ShardedObject objects and common state)."""
+
+    def __init__(self, tensors: dict, meta: dict, layout: str = "tp1"):
+        self.tensors, self.meta, self.layout = tensors, meta, layout
+        self.refreshed = 0
+
+    def staging_key(self):
+        if self.layout is None:
+            return None
+        return self.layout, tuple((k, v.shape, v.dtype) for k, v in self.tensors.items())
+
+    def staging_tensors(self):
+        return self.tensors
+
+    def staging_refresh(self, live):
+        self.meta = dict(live.meta)
+        self.refreshed += 1
+
+
+def test_tensor_holders_take_the_plan_and_refresh_their_metadata():
+    from tierckpt.io.copy_plan import TensorHolder
+
+    slot = StagingPool(1).acquire()
+    live = {"payload": _Holder({"w": torch.arange(6.0), "b": torch.ones(2, dtype=torch.bfloat16)},
+                               {"iteration": 1}), "step": 1}
+    assert isinstance(live["payload"], TensorHolder)
+    first = _stage(slot, live)
+    held = first["payload"]
+    assert held is not live["payload"] and held.meta == {"iteration": 1}  # DCP's deep copy
+    live["payload"].tensors["w"].mul_(-1)
+    live["payload"].meta["iteration"] = 2
+    live["step"] = 2
+    assert held.meta == {"iteration": 1} and held.tensors["w"][1].item() == 1.0
+    second = _stage(slot, live)
+    assert second is first and second["payload"] is held, "same key: the staged holder is refilled"
+    assert held.refreshed == 1 and held.meta == {"iteration": 2} and second["step"] == 2
+    assert torch.equal(held.tensors["w"], -torch.arange(6.0)) and held.tensors["b"].dtype == torch.bfloat16
+    assert held.tensors["w"].data_ptr() != live["payload"].tensors["w"].data_ptr()
+    live["payload"].meta["iteration"] = 3  # the refresh copied it: later changes stay live-side
+    assert held.meta == {"iteration": 2}
+
+
+def test_a_changed_holder_key_or_a_holder_without_one_takes_the_full_copy():
+    slot = StagingPool(1).acquire()
+    live = {"payload": _Holder({"w": torch.zeros(4)}, {})}
+    first = _stage(slot, live)
+    live["payload"].layout = "tp2"  # e.g. a parallel layout change: different write metadata
+    second = _stage(slot, live)
+    assert second is not first and second["payload"].layout == "tp2"
+    live["payload"].layout = None  # no key: never refilled
+    third = _stage(slot, live)
+    assert _stage(slot, live) is not third

@@ -398,10 +398,14 @@ def phase_overlapped_staging(rank: int, world: int, base: str) -> dict:
     """``cpu_staging = "overlapped"`` under megatron-core's DistributedOptimizer (TP1 × DP2):
     train 5 iterations, saving the local tier (dp_reshardable) after each (the engine's global
     step pre-hook runs inside every inner optimizer step); ``deferred`` records the bytes left
-    to the copy thread by each save. Iteration 3 restores bitwise into a fresh model from its
-    own local copy. Returns the facts the test asserts."""
+    to the copy thread by each save (the payload's ShardedTensors take the copy plan from each
+    staging buffer's second save; the threshold is lowered to 1 KiB, the test model's tensors
+    being 4 KiB at most). Iteration 3 restores bitwise into a fresh model from its own local
+    copy. Returns the facts the test asserts."""
+    import tierckpt.io.staging as staging
     from tests.scenarios import assert_bitwise
 
+    staging.OVERLAP_MIN_BYTES = 1024
     M.setup(tp=1)
     model, opt = M.build(seed=0)
     tiers = _tiers(base, cpu_staging="overlapped")

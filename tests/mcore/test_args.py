@@ -76,14 +76,16 @@ def test_flags_are_in_the_parser_help():
                  "--ckpt-plugin-replication-factor", "--ckpt-plugin-local-interval",
                  "--ckpt-plugin-persistent-interval", "--ckpt-plugin-adaptive", "--ckpt-plugin-gpu-mtbf-hours",
                  "--ckpt-plugin-restart-prior", "--ckpt-plugin-min-interval", "--ckpt-plugin-local-wait-timeout", "--ckpt-plugin-max-interval", "--ckpt-plugin-local-keep",
-                 "--ckpt-plugin-persistent-keep", "--ckpt-plugin-job-id", "--ckpt-plugin-busy-tier-policy"):
+                 "--ckpt-plugin-persistent-keep", "--ckpt-plugin-job-id", "--ckpt-plugin-busy-tier-policy",
+                 "--ckpt-plugin-cpu-staging"):
         assert flag in text, flag
 
 
 def test_valid_flags_give_tier_config_and_drive_megatron_args():
     args = parse(GOOD + ["--ckpt-plugin-replication-factor", "3", "--ckpt-plugin-local-keep", "4",
                          "--ckpt-plugin-persistent-keep", "0", "--ckpt-plugin-job-id", "run7",
-                         "--ckpt-plugin-local-wait-timeout", "45", "--ckpt-plugin-busy-tier-policy", "wait"])
+                         "--ckpt-plugin-local-wait-timeout", "45", "--ckpt-plugin-busy-tier-policy", "wait",
+                         "--ckpt-plugin-cpu-staging", "overlapped"])
     s = validate_plugin_args(args)
     assert s.tiers == ("local", "persistent") and s.intervals == {"local": 10, "persistent": 100}
     # Megatron's own loop then calls the local path every 10 iterations, --save every 100
@@ -95,11 +97,12 @@ def test_valid_flags_give_tier_config_and_drive_megatron_args():
     assert cfg.keep_latest_k == {"local": 4, "persistent": 0} and cfg.job_id == "run7"
     assert cfg.intervals == {"local": 10, "persistent": 100} and cfg.adaptive == ()
     assert cfg.local_wait_timeout_s == 45.0
-    assert cfg.busy_tier_policy == {"local": "wait", "persistent": "wait"}
+    assert cfg.busy_tier_policy == {"local": "wait", "persistent": "wait"} and cfg.cpu_staging == "overlapped"
     plain = parse(GOOD)
     validate_plugin_args(plain)
     assert tier_config_from_args(plain).local_wait_timeout_s == 300.0  # the engine's default
     assert tier_config_from_args(plain).busy_tier_policy == {"local": "defer", "persistent": "defer"}
+    assert tier_config_from_args(plain).cpu_staging == "blocking"
 
 
 def test_megatron_local_flags_are_taken_over():
@@ -182,6 +185,7 @@ def test_invalid_combinations_name_the_flag(argv, option, words):
     (["--ckpt-plugin-restart-prior", "-5"], "--ckpt-plugin-restart-prior"),
     (["--ckpt-plugin-local-wait-timeout", "-1"], "--ckpt-plugin-local-wait-timeout"),
     (["--ckpt-plugin-adaptive", "replica"], "--ckpt-plugin-adaptive"),
+    (["--ckpt-plugin-cpu-staging", "async"], "--ckpt-plugin-cpu-staging"),
 ])
 def test_bad_values_are_parser_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:

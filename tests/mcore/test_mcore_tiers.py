@@ -13,8 +13,8 @@ Two gloo ranks on CPU, each a simulated node with its own local root, replicatio
 - ``tierckpt export-mcore`` writes what the Python API writes; bad input exits 2;
 - then, in a 1-rank process: DP2 → DP1 (persistent and exported) and TP2 → TP1.
 - ``test_overlapped_staging_config_under_the_distributed_optimizer``: with ``cpu_staging =
-  "overlapped"`` Megatron's payload is still copied inside ``save()``; saves commit and a
-  mid-run step restores bitwise.
+  "overlapped"`` Megatron's payload's large ShardedTensors are copied in the background
+  under the DistributedOptimizer; saves commit and a mid-run step restores bitwise.
 
 ``test_export_cli_without_megatron``: a clear error when megatron-core is missing.
 """
@@ -98,16 +98,17 @@ def test_local_manager_path_falls_back_past_a_corrupt_step_and_honours_an_explic
 
 def test_overlapped_staging_config_under_the_distributed_optimizer(tmp_path):
     """``cpu_staging = "overlapped"`` with megatron-core (``scenarios.phase_overlapped_staging``):
-    Megatron's staged payload (ShardedTensor objects) is outside the copy plan, so it is copied
-    inside ``save()`` as with blocking staging (nothing deferred); the engine's global optimizer
-    step pre-hook runs inside the DistributedOptimizer's step; every save commits and a mid-run
-    step restores bitwise."""
+    Megatron's staged payload takes the copy plan from each of the 2 staging buffers' second
+    save on, and its large ShardedTensors are then copied in the background (saves 3–5 defer
+    bytes); the engine's global optimizer step pre-hook runs inside the DistributedOptimizer's
+    step and no write races the copy; every save commits and a mid-run step restores
+    bitwise."""
     from tests.mcore import scenarios
 
     res = run_world(scenarios.phase_overlapped_staging, 2, str(tmp_path), timeout=420, env=ENV)
     for r in res:
         v = r.value
         assert v["ok"] == {s: True for s in range(1, 6)}, v["ok"]
-        assert v["deferred"] == [0] * 5, v["deferred"]
+        assert v["deferred"][:2] == [0, 0] and all(d > 0 for d in v["deferred"][2:]), v["deferred"]
         assert v["hook_calls"] >= 5  # the global step pre-hook ran in every optimizer step
         assert v["iteration"] == 3 and v["sources"] == {0: "own-local", 1: "own-local"}, v

@@ -8,13 +8,14 @@ later saves of the same state reuse the same host buffers (no host-memory growth
 per-save host allocations are a known source of RSS growth in async checkpointing).
 
 From the second save of the same structure on, a slot skips DCP's per-object deep copy: it
-keeps the staged structure of its last save and a :class:`_CopyPlan` naming, leaf by leaf,
-where each live value goes, checks that the new state dict has the same structure (keys,
-container lengths, each tensor's type, dtype, shape and DTensor spec), and copies every
-tensor with one ``torch._foreach_copy_`` call (the per-tensor Python work of the deep copy was
-most of the blocking time above one memcpy of the state: bench/RESULTS.md). Any difference
-falls back to DCP's stager, which rebuilds the plan. CPU tensors only (plain tensors and
-DTensors' local tensors); CUDA states take the path below.
+keeps the staged structure of its last save and a :class:`~tierckpt.io.copy_plan.CopyPlan`
+naming, leaf by leaf, where each live value goes, checks that the new state dict has the same
+structure (keys, container lengths, each tensor's type, dtype, shape and DTensor spec, each
+:class:`~tierckpt.io.copy_plan.TensorHolder`'s key), and copies every tensor with one
+``torch._foreach_copy_`` call (the per-tensor Python work of the deep copy was most of the
+blocking time above one memcpy of the state: bench/RESULTS.md). Any difference falls back to
+DCP's stager, which rebuilds the plan. CPU tensors only (plain tensors, DTensors' local
+tensors, holders' tensors); CUDA states take the path below.
 
 A :class:`StagingPool` holds ``n`` such buffer sets. A set is busy from ``stage()`` until every
 tier job that reads it has called :meth:`StagingSlot.release`; :meth:`StagingPool.acquire`
@@ -52,7 +53,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Iterator
 
 import torch
@@ -60,14 +60,12 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from tierckpt.io.copy_plan import CopyPlan, walk
 from tierckpt.io.overlap import OVERLAP_MIN_BYTES, Copier, PendingCopy
 
 log = logging.getLogger(__name__)
 
 SYNC, CUDA_ASYNC = "sync", "cuda-async"
-# values a staged copy may share with the live state (never mutated in place)
-_ATOMIC = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the copy plan copies (not ShardedTensor &c.)
 
 
 # top-level value types that are never Stateful: skipped without the Protocol's isinstance
@@ -86,7 +84,6 @@ def _tensors(v: Any) -> Iterator[torch.Tensor]:
     """Every tensor holding data in a (nested dict/list/tuple) state: plain tensors, DTensors'
     local tensors, ShardedTensors' local shards."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor import DTensor
 
     stack = [v]
     while stack:
@@ -138,7 +135,7 @@ class StagingSlot:
         self._event: Any = None  # torch.cuda.Event behind the last enqueued copies (cuda-async)
         self._stream: Any = None  # the side stream, made on first use
         self._cuda_stager: Any = None  # StateDictStager with pinned buffers, made on first use
-        self._plan: _CopyPlan | None = None  # how to refill the last "sync" staged copy
+        self._plan: CopyPlan | None = None  # how to refill the last "sync" staged copy
         self._pending: PendingCopy | None = None  # the background copy of the last overlapped stage
 
     def stage(self, state_dict: dict[str, Any], users: int) -> dict[str, Any]:
@@ -157,7 +154,7 @@ class StagingSlot:
         if self.mode == CUDA_ASYNC:
             return self._stage_cuda(state_dict)
         self._event = None
-        sig, leaves = _walk(state_dict)
+        sig, leaves = walk(state_dict)
         plan = self._plan
         if plan is not None and plan.sig == sig:
             deferred = plan.refill(leaves, OVERLAP_MIN_BYTES if self.pool.overlapped else None, self.pool.inline)
@@ -169,7 +166,7 @@ class StagingSlot:
         assert isinstance(staged, dict)  # a synchronous stager returns the copy, never a Future
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self._plan = _CopyPlan.build(sig, leaves, staged)
+        self._plan = CopyPlan.build(sig, leaves, staged)
         return staged
 
     def _stage_cuda(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -191,7 +188,7 @@ class StagingSlot:
         self._event = event
         return staged
 
-    def _defer(self, plan: "_CopyPlan", dsts: list[torch.Tensor], srcs: list[torch.Tensor],
+    def _defer(self, plan: CopyPlan, dsts: list[torch.Tensor], srcs: list[torch.Tensor],
                watched: list[torch.Tensor], positions: list[int]) -> None:
         """Hand ``dsts[i].copy_(srcs[i])`` to the pool's copy thread, guarded by the version
         counters of ``watched`` and ``srcs`` (synchronously when a tensor has none)."""
@@ -312,155 +309,3 @@ class StagingPool:
             s.wait_copied()  # never free buffers a copy is still writing
             s.close()
         self._copier.close()
-
-
-def _walk(obj: Any) -> tuple[list, list]:
-    """Flatten a state dict: (signature, leaves). The signature lists each container's kind (dict
-    and OrderedDict, as ``get_state_dict`` returns, alike) and
-    keys or length and each leaf's kind (tensors: type, dtype, shape, device, DTensor spec), in
-    walk order; ``leaves`` are the leaf values in the same order."""
-    sig: list = []
-    leaves: list = []
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        t = type(x)
-        if t is dict or t is OrderedDict:
-            keys = tuple(x)
-            sig.append(("d", keys))
-            stack.extend(x[k] for k in reversed(keys))
-        elif t is list or t is tuple:
-            sig.append((t, len(x)))
-            stack.extend(reversed(x))
-        elif isinstance(x, DTensor):
-            sig.append((t, x._spec, x._local_tensor.device))
-            leaves.append(x)
-        elif t in _PLAIN:
-            sig.append((t, x.dtype, x.shape, x.device))
-            leaves.append(x)
-        else:
-            sig.append(t)
-            leaves.append(x)
-    return sig, leaves
-
-
-class _CopyPlan:
-    """Where each leaf of a state dict of one structure goes in a slot's staged copy.
-
-    ``staged`` is the structure DCP's stager built at the last full staging; its containers
-    are the slot's own (never the caller's), so refilling them in place is safe while the slot
-    is not in use. Only CPU tensors take the fast path: device tensors need the stager's pinned
-    buffers and stream handling.
-    """
-
-    def __init__(self, sig: list, staged: dict, dsts: list[torch.Tensor], tensor_pos: list[int],
-                 setters: list[tuple[Any, Any, int]], names: list[str]):
-        self.sig, self.staged, self.dsts = sig, staged, dsts
-        self.names = names  # key path of each dst (messages)
-        self.tensor_pos = tensor_pos  # positions in the leaves list of the tensors, in ``dsts`` order
-        self.setters = setters  # (staged container, key, leaf position) of every non-tensor leaf
-
-    @classmethod
-    def build(cls, sig: list, leaves: list, staged: dict) -> "_CopyPlan | None":
-        """The plan of ``staged`` (DCP's copy of a state dict whose walk gave ``sig``/``leaves``),
-        or None when the fast path cannot serve this structure (a device tensor, a tensor
-        subclass other than DTensor, an object leaf other than an immutable scalar, a
-        structure the stager changed)."""
-        ssig, sleaves = _walk(staged)
-        if len(sleaves) != len(leaves) or _containers(ssig) != _containers(sig):
-            return None
-        dsts, tensor_pos = [], []
-        for i, (live, st) in enumerate(zip(leaves, sleaves)):
-            if isinstance(live, torch.Tensor):
-                lt = live._local_tensor if isinstance(live, DTensor) else live
-                d = st._local_tensor if isinstance(st, DTensor) else st
-                if type(lt) not in _PLAIN or type(d) not in _PLAIN or lt.device.type != "cpu" \
-                        or d.device.type != "cpu" or d.shape != lt.shape or d.dtype != lt.dtype:
-                    return None
-                dsts.append(d)
-                tensor_pos.append(i)
-        setters = _setters(staged, len(leaves))
-        if setters is None:
-            return None
-        tensors = set(tensor_pos)
-        setters = [st for st in setters if st[2] not in tensors]
-        if any(type(leaves[i]) not in _ATOMIC for _, _, i in setters):
-            # an object leaf (e.g. a framework object holding tensors) needs DCP's deep copy
-            return None
-        paths = _paths(staged)
-        return cls(sig, staged, dsts, tensor_pos, setters, [paths[i] for i in tensor_pos])
-
-    def refill(self, leaves: list, defer_min_bytes: int | None = None,
-               inline: set[int] | frozenset[int] = frozenset()) -> tuple[list, list, list, list] | None:
-        """Copy ``leaves`` (same signature as the plan's) into the staged copy, except the
-        tensors of at least ``defer_min_bytes`` bytes (None: none deferred) whose position is
-        not in ``inline``, returned as ``(dsts, srcs, watched, positions)`` for the caller to
-        copy: ``srcs`` the local tensors to read, ``watched`` the leaves themselves (a
-        DTensor's in-place ops move the DTensor's version counter, not its local tensor's:
-        DTensor runs the local op below autograd), ``positions`` their indices in ``dsts``.
-        None, with nothing changed, when a value inside a tuple differs (a tuple cannot be set
-        in place: the caller restages everything)."""
-        for parent, key, i in self.setters:
-            if parent is None and key != leaves[i]:
-                return None
-        for parent, key, i in self.setters:
-            if parent is not None:  # atomic values (build() refuses others): shared, never mutated
-                parent[key] = leaves[i]
-        watched = [leaves[i] for i in self.tensor_pos]
-        srcs = [x._local_tensor if isinstance(x, DTensor) else x for x in watched]
-        dsts = self.dsts
-        later: tuple[list, list, list, list] = ([], [], [], [])
-        if defer_min_bytes is None:
-            now = (dsts, srcs)
-        else:
-            big = [d.nbytes >= defer_min_bytes and j not in inline for j, d in enumerate(dsts)]
-            now = ([d for d, b in zip(dsts, big) if not b], [x for x, b in zip(srcs, big) if not b])
-            for j, b in enumerate(big):
-                if b:
-                    for out, x in zip(later, (dsts[j], srcs[j], watched[j], j)):
-                        out.append(x)
-        if now[0]:
-            with torch.no_grad():
-                torch._foreach_copy_(*now)
-        return later
-
-
-def _paths(obj: Any) -> list[str]:
-    """Key path (``"optim.state.w.exp_avg"``, list items by index) of every leaf of a state
-    dict, in :func:`_walk` order."""
-    out: list[str] = []
-    stack: list[tuple[str, Any]] = [("", obj)]
-    while stack:
-        path, x = stack.pop()
-        t = type(x)
-        if t is dict or t is OrderedDict:
-            stack.extend((f"{path}.{k}" if path else str(k), x[k]) for k in reversed(tuple(x)))
-        elif t is list or t is tuple:
-            stack.extend((f"{path}.{j}" if path else str(j), x[j]) for j in reversed(range(len(x))))
-        else:
-            out.append(path)
-    return out
-
-
-def _containers(sig: list) -> list:
-    """The container entries of a :func:`_walk` signature (dict keys, list and tuple lengths)."""
-    return [k for k in sig if type(k) is tuple and (k[0] == "d" or k[0] is list or k[0] is tuple)]
-
-
-def _setters(staged: dict, n: int) -> list[tuple[Any, Any, int]] | None:
-    """(container, key, leaf position) for every leaf of ``staged`` in :func:`_walk` order; a leaf
-    inside a tuple gets (None, its current value, position): it can only be kept, not set."""
-    out: list[tuple[Any, Any, int]] = []
-    stack: list[tuple[Any, Any, Any]] = [(None, None, staged)]
-    while stack:
-        parent, key, x = stack.pop()
-        t = type(x)
-        if t is dict or t is OrderedDict:
-            stack.extend((x, k, x[k]) for k in reversed(tuple(x)))
-        elif t is list:
-            stack.extend((x, j, x[j]) for j in reversed(range(len(x))))
-        elif t is tuple:
-            stack.extend((None, x[j], x[j]) for j in reversed(range(len(x))))
-        else:
-            out.append((parent, key, len(out)))
-    return out if len(out) == n else None
