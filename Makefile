@@ -29,12 +29,16 @@ demo-elastic: venv
 bench: venv
 	$(VPY) bench/bench_engine.py
 	$(VPY) bench/bench_reshard.py
+	$(VPY) bench/bench_mcore_staging.py
 
 # on a GPU machine (one H200): δ of save() on CUDA state (pinned staging on a side stream) and restore,
-# 1 and 8 GiB per rank, vs DCP sync, DCP async_with_pinned_mem, NVRx local; last line: JSON summary.
+# 1 and 8 GiB per rank, vs DCP sync, DCP async_with_pinned_mem, NVRx local; last line: JSON summary;
+# then the Megatron payload's staging on CUDA (bench/bench_mcore_staging.py --device cuda).
 # No GPU: BENCH_ARGS=--cpu-dry-run checks the script on CPU at a tiny size.
 bench-gpu: venv
 	$(VPY) bench/bench_gpu.py $(BENCH_ARGS)
+	if $(VPY) -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then \
+	  $(VPY) bench/bench_mcore_staging.py --device cuda --mib 1024 8192; fi
 
 # in-cluster vs persistent resharded restore of the same step (4 → 3 nodes), ABBA
 # control-plane cost at 2-16 gloo processes, fits and extrapolation to 16k ranks (~5-10 min)

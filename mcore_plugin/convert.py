@@ -189,6 +189,11 @@ class Staged:
     # DCP's deep copy of every ShardedTensor (and may copy the large ones in the background
     # with cpu_staging = "overlapped").
     def _leaves(self) -> list[tuple[str, object]]:
+        # the sharded dict is not changed after construction: walked once (per save: key,
+        # tensors and refresh read it)
+        cached = self.__dict__.get("_leaves_cache")
+        if cached is not None:
+            return cached
         out: list[tuple[str, object]] = []
         stack: list[tuple[str, object]] = [("", self.sharded)]
         while stack:
@@ -199,6 +204,7 @@ class Staged:
                 stack.extend((f"{path}.{j}" if path else str(j), x[j]) for j in reversed(range(len(x))))
             else:
                 out.append((path, x))
+        self._leaves_cache = out
         return out
 
     def staging_key(self):
@@ -206,10 +212,10 @@ class Staged:
         device) and every ShardedObject's key, offsets and replica id, by path, plus the parallel
         layout; None when the sharded part holds anything else (DCP's deep copy then)."""
         key = []
+        meta = _sharded_tensor_meta()
         for path, x in self._leaves():
             if type(x) is ShardedTensor and isinstance(x.data, torch.Tensor):
-                key.append((path, x.data.dtype, x.data.shape, x.data.device,
-                            tuple(getattr(x, f) for f in _sharded_tensor_fields())))
+                key.append((path, x.data.dtype, x.data.shape, x.data.device, meta(x)))
             elif type(x) is ShardedObject:
                 key.append((path, x.key, x.global_shape, x.global_offset, x.replica_id))
             else:
@@ -231,17 +237,19 @@ class Staged:
                 mine.data = copy.deepcopy(theirs.data)
 
 
-_ST_FIELDS: tuple[str, ...] = ()
+_ST_META: Callable | None = None
 
 
-def _sharded_tensor_fields() -> tuple[str, ...]:
-    """ShardedTensor's dataclass fields but ``data`` (they differ between megatron-core versions)."""
-    global _ST_FIELDS
-    if not _ST_FIELDS:
+def _sharded_tensor_meta() -> Callable:
+    """A getter of a ShardedTensor's dataclass fields but ``data``, as a tuple (the fields
+    differ between megatron-core versions)."""
+    global _ST_META
+    if _ST_META is None:
         import dataclasses
+        import operator
 
-        _ST_FIELDS = tuple(f.name for f in dataclasses.fields(ShardedTensor) if f.name != "data")
-    return _ST_FIELDS
+        _ST_META = operator.attrgetter(*(f.name for f in dataclasses.fields(ShardedTensor) if f.name != "data"))
+    return _ST_META
 
 
 class Payload:

@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from tierckpt.io.copy_plan import CopyPlan, walk
+from tierckpt.io.copy_plan import CopyPlan, is_holder, walk
 from tierckpt.io.overlap import OVERLAP_MIN_BYTES, Copier, PendingCopy
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,8 @@ def resolve_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 def _tensors(v: Any) -> Iterator[torch.Tensor]:
     """Every tensor holding data in a (nested dict/list/tuple) state: plain tensors, DTensors'
-    local tensors, ShardedTensors' local shards."""
+    local tensors, ShardedTensors' local shards, :class:`~tierckpt.io.copy_plan.TensorHolder`
+    objects' tensors (the Megatron payload: on a GPU it takes the enqueued device→host path)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     stack = [v]
@@ -98,6 +99,8 @@ def _tensors(v: Any) -> Iterator[torch.Tensor]:
             yield from (sh.tensor for sh in x.local_shards())
         elif isinstance(x, torch.Tensor):
             yield x
+        elif is_holder(x):
+            stack.extend(x.staging_tensors().values())
 
 
 def staging_mode(state_dict: dict[str, Any], cuda_available: bool | None = None) -> str:
