@@ -17,10 +17,11 @@ Prints, per size, the median staging time of each path and ÷ one memcpy of the 
 - ``copy plan, overlapped``: ``cpu_staging = "overlapped"``: the time ``stage()`` holds the
   caller (the large tensors are copied afterwards, by a background thread).
 
-With ``--device cuda`` (``make bench-gpu``) the ShardedTensors live on the GPU: the payload
-takes the enqueued device→host path (pinned buffers, side stream) and the rows are the time
-``stage()`` holds the caller and the time until the copy is complete, ÷ one synchronous
-device→host copy of the tensors into preallocated pinned memory.
+With ``--device cuda`` (``make bench-gpu``) the ShardedTensors live on the GPU. The payload
+is then copied into pinned buffers inside ``stage()`` (DCP's stager, synchronised: Megatron's
+training loop calls no ``wait_for_staging()``, so the enqueued device→host path is not used
+for it); the rows are the time ``stage()`` holds the caller and the time until the copy is
+complete, ÷ one synchronous device→host copy of the tensors into preallocated pinned memory.
 
 Usage::
 

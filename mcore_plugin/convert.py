@@ -210,10 +210,14 @@ class Staged:
     def staging_key(self):
         """Every ShardedTensor's metadata (all dataclass fields but ``data``; its dtype, shape,
         device) and every ShardedObject's key, offsets and replica id, by path, plus the parallel
-        layout; None when the sharded part holds anything else (DCP's deep copy then)."""
+        layout; None when the sharded part holds anything else or two leaves share a path
+        (DCP's deep copy then)."""
+        leaves = self._leaves()
+        if len({path for path, _ in leaves}) != len(leaves):
+            return None  # two leaves under one dotted path (keys 0 and "0", "a.b" and a → b): unnamed
         key = []
         meta = _sharded_tensor_meta()
-        for path, x in self._leaves():
+        for path, x in leaves:
             if type(x) is ShardedTensor and isinstance(x.data, torch.Tensor):
                 key.append((path, x.data.dtype, x.data.shape, x.data.device, meta(x)))
             elif type(x) is ShardedObject:

@@ -36,3 +36,51 @@ def test_runs_and_the_payload_takes_the_plan(capsys):
 def test_bad_input_is_refused(argv):
     with pytest.raises(SystemExit):
         bms.main(argv)
+
+
+def _staged(sharded, common):
+    from mcore_plugin.convert import Staged
+
+    return Staged(sharded, common, None)
+
+
+def test_two_leaves_under_one_dotted_path_take_the_full_copy():
+    # keys 0 and "0" name the same dotted path: the plan could not tell their tensors apart
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from tierckpt.io.staging import StagingPool
+
+    x, y = torch.zeros(4), torch.zeros(4)
+
+    def mk():
+        return _staged({"opt": {0: ShardedTensor.from_rank_offsets("k0", x, replica_id=0),
+                                "0": ShardedTensor.from_rank_offsets("k1", y, replica_id=0)}}, {})
+
+    assert mk().staging_key() is None
+    slot = StagingPool(1).acquire()
+    slot.stage({"mcore": mk()}, users=1)
+    x.fill_(1)
+    y.fill_(2)
+    s2 = slot.stage({"mcore": mk()}, users=1)["mcore"].sharded["opt"]
+    assert torch.equal(s2[0].data, torch.ones(4)) and torch.equal(s2["0"].data, torch.full((4,), 2.0))
+
+
+def test_a_refresh_that_fails_falls_back_to_the_full_copy(caplog):
+    # copy.deepcopy refuses a non-leaf tensor that DCP's stager copies: every save still works
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from tierckpt.io.staging import StagingPool
+
+    w, p = torch.zeros(4), torch.ones(2, requires_grad=True)
+
+    def mk():
+        return _staged({"w": ShardedTensor.from_rank_offsets("w", w, replica_id=0)}, {"loss": p * 2})
+
+    pool = StagingPool(1)
+    slot = pool.acquire()
+    slot.stage({"mcore": mk()}, users=1)
+    for v in (1.0, 2.0):
+        w.fill_(v)
+        got = slot.stage({"mcore": mk()}, users=1)["mcore"]
+        assert torch.equal(got.sharded["w"].data, torch.full((4,), v)) and torch.equal(got.common["loss"], p * 2)
+    assert sum("copy plan failed" in r.message for r in caplog.records) == 1  # warned once per pool

@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from tierckpt.io.copy_plan import CopyPlan, is_holder, walk
+from tierckpt.io.copy_plan import CopyPlan, walk
 from tierckpt.io.overlap import OVERLAP_MIN_BYTES, Copier, PendingCopy
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,10 @@ def resolve_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 def _tensors(v: Any) -> Iterator[torch.Tensor]:
     """Every tensor holding data in a (nested dict/list/tuple) state: plain tensors, DTensors'
-    local tensors, ShardedTensors' local shards, :class:`~tierckpt.io.copy_plan.TensorHolder`
-    objects' tensors (the Megatron payload: on a GPU it takes the enqueued device→host path)."""
+    local tensors, ShardedTensors' local shards. Not the tensors inside objects, including
+    :class:`~tierckpt.io.copy_plan.TensorHolder` ones: a state whose CUDA tensors are all
+    inside objects (the Megatron payload) takes the synchronous path, its copy complete when
+    ``save()`` returns — Megatron's training loop calls no ``wait_for_staging()``."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     stack = [v]
@@ -99,8 +101,6 @@ def _tensors(v: Any) -> Iterator[torch.Tensor]:
             yield from (sh.tensor for sh in x.local_shards())
         elif isinstance(x, torch.Tensor):
             yield x
-        elif is_holder(x):
-            stack.extend(x.staging_tensors().values())
 
 
 def staging_mode(state_dict: dict[str, Any], cuda_available: bool | None = None) -> str:
@@ -157,20 +157,39 @@ class StagingSlot:
         if self.mode == CUDA_ASYNC:
             return self._stage_cuda(state_dict)
         self._event = None
-        sig, leaves = walk(state_dict)
-        plan = self._plan
-        if plan is not None and plan.sig == sig:
-            deferred = plan.refill(leaves, OVERLAP_MIN_BYTES if self.pool.overlapped else None, self.pool.inline)
-            if deferred is not None:
-                if deferred[0]:
-                    self._defer(plan, *deferred)
-                return plan.staged
+        sig: list | None = None
+        try:
+            sig, leaves = walk(state_dict)
+            plan = self._plan
+            if plan is not None and plan.sig == sig:
+                deferred = plan.refill(leaves, OVERLAP_MIN_BYTES if self.pool.overlapped else None,
+                                       self.pool.inline)
+                if deferred is not None:
+                    if deferred[0]:
+                        self._defer(plan, *deferred)
+                    return plan.staged
+        except Exception as e:  # noqa: BLE001 - a holder's key or refresh failed: DCP's full copy below
+            self._plan_failed(e)
+            sig = None
         staged = self.stager.stage(state_dict)
         assert isinstance(staged, dict)  # a synchronous stager returns the copy, never a Future
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self._plan = CopyPlan.build(sig, leaves, staged)
+        try:
+            self._plan = None if sig is None else CopyPlan.build(sig, leaves, staged)
+        except Exception as e:  # noqa: BLE001 - no plan: DCP's full copy every save, as before it
+            self._plan_failed(e)
         return staged
+
+    def _plan_failed(self, e: Exception) -> None:
+        """Drop the copy plan after ``e`` (raised by a :class:`~tierckpt.io.copy_plan.TensorHolder`
+        or the walk); this save takes DCP's full copy. Warned once per pool: the saves stay
+        correct, but pay the full copy's time."""
+        self._plan = None
+        if not self.pool.plan_warned:
+            self.pool.plan_warned = True
+            log.warning("tierckpt: staging copy plan failed (%s: %s); this state is deep-copied by DCP's "
+                        "stager on every such save instead", type(e).__name__, e)
 
     def _stage_cuda(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed.checkpoint._state_dict_stager import StateDictStager
@@ -266,6 +285,7 @@ class StagingPool:
     def __init__(self, n: int, overlapped: bool = False):
         self.overlapped = overlapped
         self.announced = False  # the first background copy was logged
+        self.plan_warned = False  # a failed copy plan was logged
         # copy-plan positions of tensors found written between save() and the wait: copied
         # inside save() from then on (same structure, same positions in every slot's plan)
         self.inline: set[int] = set()
