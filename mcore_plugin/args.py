@@ -146,7 +146,7 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "waits at most --ckpt-plugin-local-wait-timeout). Megatron's persistent path "
                         "always waits: Megatron records every save it starts as its latest checkpoint.")
     g.add_argument("--ckpt-plugin-cpu-staging", choices=("blocking", "overlapped"), default=None,
-                   help="How a save copies CPU tensors (a CPU run, or optimizer states in host memory): "
+                   help="How a save copies a state held in host memory (a CPU run): "
                         "blocking (default; inside the save) or overlapped (ShardedTensors of 64 KiB and more "
                         "copied in the background during the next forward/backward; the optimizer step waits "
                         "for them; a write that races the copy fails that save). CUDA tensors are unaffected.")
