@@ -158,19 +158,19 @@ class StagingSlot:
             return self._stage_cuda(state_dict)
         self._event = None
         sig: list | None = None
+        plan, deferred = self._plan, None
         try:
             sig, leaves = walk(state_dict)
-            plan = self._plan
             if plan is not None and plan.sig == sig:
                 deferred = plan.refill(leaves, OVERLAP_MIN_BYTES if self.pool.overlapped else None,
                                        self.pool.inline)
-                if deferred is not None:
-                    if deferred[0]:
-                        self._defer(plan, *deferred)
-                    return plan.staged
         except Exception as e:  # noqa: BLE001 - a holder's key or refresh failed: DCP's full copy below
             self._plan_failed(e)
-            sig = None
+            sig, deferred = None, None
+        if plan is not None and deferred is not None:
+            if deferred[0]:
+                self._defer(plan, *deferred)
+            return plan.staged
         staged = self.stager.stage(state_dict)
         assert isinstance(staged, dict)  # a synchronous stager returns the copy, never a Future
         if torch.cuda.is_available():
