@@ -44,8 +44,6 @@ if HERE not in sys.path:
 def megatron_payload(mib: float, device: str = "cpu"):
     """``(Staged payload, plain {key: tensor} of the same tensors)`` of about ``mib`` MiB, the
     tensors on ``device``."""
-    import argparse as ap
-
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from peers_common import make_state
@@ -60,7 +58,7 @@ def megatron_payload(mib: float, device: str = "cpu"):
             sharded[name] = ShardedObject(f"obj.{name}", [int(v)] * 4, (1,), (0,), replica_id=0)
         else:  # rank 0 of a DP group of 8 holding the first of 8 chunks of the global tensor
             sharded[name] = ShardedTensor.from_rank_offsets(f"w.{name}", v, (0, 0, 8), replica_id=0)
-    common = {"iteration": 100, "args": ap.Namespace(lr=1e-4, seq_length=4096, micro_batch_size=1),
+    common = {"iteration": 100, "args": argparse.Namespace(lr=1e-4, seq_length=4096, micro_batch_size=1),
               "rng_state": [{"random_rng_state": list(range(625)), "torch_rng_state": torch.get_rng_state()}],
               "checkpoint_version": 3.0}
     return Staged(sharded, common, None), {k: v for k, v in sd.items() if v.dim() > 0}

@@ -506,7 +506,7 @@ def peers_rank(rank: int, world: int, args: dict) -> dict:
         out["stepcost"] = step_cost(systems, cpu_names, sd, reps=args["cpu_reps"], steps=args["cpu_steps"],
                                     window_s=args["overlap_window_ms"] / 1e3, barrier=dist.barrier,
                                     first_step=step)
-        step += args["cpu_reps"] * len(cpu_names) + 1
+        step = out["stepcost"]["next_step"]
         if rank == 0:
             print("[bench-peers] CPU-bound step cost: " + ", ".join(
                 f"{n} {med(v) * 1e3:.0f} ms" for n, v in out["stepcost"]["cost_s"].items()), flush=True)

@@ -73,7 +73,8 @@ def step_cost(systems: dict, names: list[str], sd: dict, *, reps: int, steps: in
         first_step: the first checkpoint step number to use.
     Returns:
         ``{"cost_s": {name: [s]}, "base_step_s": {name: [s]}, "steps": {name: [n]},
-        "tail_s": {name: [s]}, "matmuls_per_step": int}`` — the slower rank's value per sample.
+        "tail_s": {name: [s]}, "matmuls_per_step": int, "next_step": int}`` — the slower rank's
+        value per sample; ``next_step`` is the first checkpoint step number not used.
     """
     import torch
 
@@ -111,4 +112,5 @@ def step_cost(systems: dict, names: list[str], sd: dict, *, reps: int, steps: in
             out["base_step_s"][name].append(gmax(b))
             out["steps"][name].append(int(gmax(float(n))))
             out["tail_s"][name].append(gmax(tail))
+    out["next_step"] = step
     return out

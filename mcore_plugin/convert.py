@@ -205,6 +205,8 @@ class Staged:
             else:
                 out.append((path, x))
         self._leaves_cache = out
+        # two leaves under one dotted path (keys 0 and "0", "a.b" and a → b) cannot be named apart
+        self._paths_unique = len({path for path, _ in out}) == len(out)
         return out
 
     def staging_key(self):
@@ -213,8 +215,8 @@ class Staged:
         layout; None when the sharded part holds anything else or two leaves share a path
         (DCP's deep copy then)."""
         leaves = self._leaves()
-        if len({path for path, _ in leaves}) != len(leaves):
-            return None  # two leaves under one dotted path (keys 0 and "0", "a.b" and a → b): unnamed
+        if not self._paths_unique:
+            return None
         key = []
         meta = _sharded_tensor_meta()
         for path, x in leaves:

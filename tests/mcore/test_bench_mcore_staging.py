@@ -79,8 +79,9 @@ def test_a_refresh_that_fails_falls_back_to_the_full_copy(caplog):
     pool = StagingPool(1)
     slot = pool.acquire()
     slot.stage({"mcore": mk()}, users=1)
-    for v in (1.0, 2.0):
+    for v in (1.0, 2.0, 3.0):
         w.fill_(v)
         got = slot.stage({"mcore": mk()}, users=1)["mcore"]
         assert torch.equal(got.sharded["w"].data, torch.full((4,), v)) and torch.equal(got.common["loss"], p * 2)
+        assert slot._plan is None  # not rebuilt for a structure whose refresh failed
     assert sum("copy plan failed" in r.message for r in caplog.records) == 1  # warned once per pool

@@ -139,6 +139,7 @@ class StagingSlot:
         self._stream: Any = None  # the side stream, made on first use
         self._cuda_stager: Any = None  # StateDictStager with pinned buffers, made on first use
         self._plan: CopyPlan | None = None  # how to refill the last "sync" staged copy
+        self._refused: list | None = None  # the structure whose plan raised: full copies only
         self._pending: PendingCopy | None = None  # the background copy of the last overlapped stage
 
     def stage(self, state_dict: dict[str, Any], users: int) -> dict[str, Any]:
@@ -166,6 +167,7 @@ class StagingSlot:
                                        self.pool.inline)
         except Exception as e:  # noqa: BLE001 - a holder's key or refresh failed: DCP's full copy below
             self._plan_failed(e)
+            self._refused = sig  # a plan for this structure would fail again: none is built for it
             sig, deferred = None, None
         if plan is not None and deferred is not None:
             if deferred[0]:
@@ -176,7 +178,7 @@ class StagingSlot:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         try:
-            self._plan = None if sig is None else CopyPlan.build(sig, leaves, staged)
+            self._plan = None if sig is None or sig == self._refused else CopyPlan.build(sig, leaves, staged)
         except Exception as e:  # noqa: BLE001 - no plan: DCP's full copy every save, as before it
             self._plan_failed(e)
         return staged
