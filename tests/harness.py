@@ -113,6 +113,9 @@ def run_world(fn, world: int, *args, timeout: float = 240, env: dict | None = No
             if err is None:
                 returned.add(rank)
         if all(not p.is_alive() for p in procs):
+            # every rank may be gone before the loop saw the killed one (a survivor's collective
+            # fails as soon as its peer's socket closes)
+            killed = any((p.exitcode or 0) < 0 and not _aborted_at_exit(r, p, returned) for r, p in enumerate(procs))
             break
         if any(p.exitcode is not None and p.exitcode < 0 and not _aborted_at_exit(r, p, returned)
                for r, p in enumerate(procs)):

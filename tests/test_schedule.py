@@ -677,3 +677,18 @@ def test_decision_metrics_for_metric_writers():
     assert m["tierckpt/local/tau_steps"] == 5.0 and m["tierckpt/local/mtbf_s"] == 80.0  # newest wins
     assert m["tierckpt/persistent/tau_steps"] == 0.0 and m["tierckpt/persistent/delta_s"] == 60.0
     assert all(isinstance(v, float) for v in m.values())
+
+
+def test_every_rank_drains_decisions_in_rank_0s_order(monkeypatch):
+    """Both tiers' threads share decisions; a rank may receive the second share first. The
+    trainer's metric writers on every rank still get rank 0's order."""
+    from tierckpt.sched import driver
+
+    d = driver.ScheduleDriver(cadence=None, rank=1, ledger=None, journal=None)
+    arriving = [({"local": 4}, [(2, {"tier": "local", "tau_steps": 4})]),
+                ({"local": 5}, [(0, {"tier": "local", "tau_steps": 5}), (1, {"tier": "persistent", "tau_steps": 9})])]
+    monkeypatch.setattr(driver, "broadcast_from_first", lambda obj, group: arriving.pop(0))
+    assert d.share(None, "checkpoint") == {"local": 4}
+    assert d.share(None, "checkpoint") == {"local": 5}
+    assert [(r["tier"], r["tau_steps"]) for r in d.drain()] == [("local", 5), ("persistent", 9), ("local", 4)]
+    assert d.drain() == []

@@ -31,7 +31,11 @@ class ScheduleDriver:
         self._lock = threading.Lock()
         # every rank: each decision that changed (ledger ``schedule`` records), for the trainer's
         # metric writers, which may live on another rank than the scheduler (Megatron: the last)
-        self._log: list[dict] = []
+        # as (rank 0's sequence number, record): both tiers' threads share decisions, and a
+        # rank receives them in whatever order its threads run; drain() returns rank 0's order
+        self._log: list[tuple[int, dict]] = []
+        self._seq = 0  # rank 0: next sequence number (under _propose_lock)
+        self._propose_lock = threading.Lock()
         self._pending: dict[str, dict | None] = {}  # tier -> proposal made after its last save
 
     def due(self, step: int, ready=()) -> list[str]:
@@ -45,10 +49,11 @@ class ScheduleDriver:
         return self.cadence.deferred
 
     def drain(self) -> list[dict]:
-        """Decisions (ledger ``schedule`` lines) made since the last call."""
+        """Decisions (ledger ``schedule`` lines) made since the last call, in the order rank 0
+        made them (the same list on every rank once the same shares arrived)."""
         with self._lock:
-            recs, self._log[:] = list(self._log), []
-        return recs
+            recs, self._log[:] = sorted(self._log, key=lambda x: x[0]), []
+        return [r for _, r in recs]
 
     def share(self, group, trigger: str, *, refresh_ledger: bool = False, step: int | None = None):
         """Rank 0 proposes τ per adaptive tier; everyone receives it (collective on ``group``).
@@ -78,11 +83,13 @@ class ScheduleDriver:
             return None, []
         prop, decisions = got
         recs = []
-        for t, d in self.cadence.changed(decisions).items():
-            recs.append(self.journal.schedule(d, trigger, step))
-            log.info("tierckpt schedule (%s): %s every %s steps (tau %.1fs, delta %.3fs, M %.0fs, "
-                     "R %.1fs, p %.2f; %s)", trigger, t, d.tau_steps, d.tau_s or float("nan"),
-                     d.delta, d.M, d.R, d.p, d.reason)
+        with self._propose_lock:  # numbered in the order the decisions were taken
+            for t, d in self.cadence.changed(decisions).items():
+                recs.append((self._seq, self.journal.schedule(d, trigger, step)))
+                self._seq += 1
+                log.info("tierckpt schedule (%s): %s every %s steps (tau %.1fs, delta %.3fs, M %.0fs, "
+                         "R %.1fs, p %.2f; %s)", trigger, t, d.tau_steps, d.tau_s or float("nan"),
+                         d.delta, d.M, d.R, d.p, d.reason)
         return prop, recs
 
     def before_save(self, tier: str) -> None:
