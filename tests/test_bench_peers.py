@@ -213,3 +213,22 @@ def test_probe_memory_prints_every_method_and_refuses_bad_sizes():
     assert all(float(v[0]) > 0 and float(v[1]) > 0 for v in rows.values()), r.stdout
     bad = subprocess.run(cmd + ["--mib", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--mib" in bad.stderr
+
+
+def test_probe_save_cpu_counts_the_local_write_and_refuses_bad_variants(tmp_path):
+    """bench/probe_save_cpu.py (CPU seconds of one save, by thread): the local tier's writer
+    thread is charged CPU time and the raw samples hold one entry per measured save; an unknown
+    variant is refused with the option and the allowed values named."""
+    import json
+
+    cmd = [sys.executable, os.path.join(REPO, "bench", "probe_save_cpu.py")]
+    out = tmp_path / "probe.json"
+    r = subprocess.run(cmd + ["--mib", "4", "--saves", "1", "--variants", "local", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "== local: 4 MiB per rank, 1 saves" in r.stdout and "machine CPU" in r.stdout, r.stdout
+    ranks = json.loads(out.read_text())["local"]
+    assert len(ranks) == 2 and all(len(x["samples"]) == 1 for x in ranks)
+    assert all(x["samples"][0]["threads"].get("tierckpt-local", 0.0) > 0 for x in ranks), ranks
+    bad = subprocess.run(cmd + ["--variants", "nvme"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--variants" in bad.stderr and "replica, local, shm" in bad.stderr, bad.stderr
