@@ -7,8 +7,9 @@ counts that work in CPU seconds on an otherwise idle machine: 2 gloo ranks as 2 
 peers' state (``--mib`` MiB per rank), ``--saves`` saves per variant after 2 warm-ups, each
 waited for until its handle resolves (replica committed). Per save it reads
 
-- each rank's threads from ``/proc/self/task/*/stat`` (user + system, by Python thread name;
-  threads Python does not know by their kernel ``comm``);
+- each rank's process from ``/proc/self/stat`` and its threads from ``/proc/self/task/*/stat``
+  (user + system, by Python thread name; threads Python does not know by their kernel
+  ``comm``; threads that started and ended inside the save as one remainder line);
 - the machine's ``/proc/stat`` (user, system, softirq, iowait), whose remainder over both
   ranks' processes is kernel work (page-cache writeback, loopback networking) and anything
   else that ran.
@@ -59,6 +60,14 @@ def _threads() -> dict[str, float]:
     return out
 
 
+def _process() -> float:
+    """CPU seconds (user + system) of this process, threads that have ended included."""
+    with open("/proc/self/stat") as f:
+        stat = f.read()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
 def _machine() -> dict[str, float]:
     """Machine-wide CPU seconds from /proc/stat's first line, by kind."""
     with open("/proc/stat") as f:
@@ -86,14 +95,18 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
     for i in range(args["saves"] + 2):
         mutate(sd, i)
         dist.barrier()
-        m0, t0, w0 = _machine(), _threads(), time.perf_counter()
+        m0, p0, t0, w0 = _machine(), _process(), _threads(), time.perf_counter()
         h = eng.save(i, sd, tiers=["local"])
         h.wait()
         dist.barrier()
         wall = time.perf_counter() - w0
-        m1, t1 = _machine(), _threads()
+        m1, p1, t1 = _machine(), _process(), _threads()
         if i >= 2:
-            samples.append({"wall": wall, "threads": {k: t1[k] - t0.get(k, 0.0) for k in t1},
+            threads = {k: t1[k] - t0.get(k, 0.0) for k in t1}
+            # threads started and ended within the save (replication's sender) are only in the
+            # process total
+            threads["(threads ended during the save)"] = max(0.0, (p1 - p0) - sum(threads.values()))
+            samples.append({"wall": wall, "process": p1 - p0, "threads": threads,
                             "machine": {k: m1[k] - m0[k] for k in m1}})
     eng.close()
     return {"samples": samples}
@@ -125,7 +138,7 @@ def main(argv=None) -> int:
             per = []
             for j in range(a.saves):
                 r0, r1 = res[0]["samples"][j], res[1]["samples"][j]
-                procs = [sum(r["threads"].values()) for r in (r0, r1)]
+                procs = [r["process"] for r in (r0, r1)]
                 mach = r0["machine"]
                 per.append({"wall": max(r0["wall"], r1["wall"]), "procs": procs, "machine": sum(mach.values()) -
                             mach["iowait"] - mach["steal"], "kinds": mach,

@@ -82,6 +82,11 @@ def _aborted_at_exit(rank: int, p, returned: set[int]) -> bool:
     return rank in returned and p.exitcode == -signal.SIGABRT
 
 
+def _killed(procs, returned: set[int]) -> bool:
+    """Whether a rank died by a signal (other than the harmless abort at exit)."""
+    return any((p.exitcode or 0) < 0 and not _aborted_at_exit(r, p, returned) for r, p in enumerate(procs))
+
+
 def run_world(fn, world: int, *args, timeout: float = 240, env: dict | None = None,
               allow_killed: bool = False) -> list[RankResult]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return their results.
@@ -115,10 +120,9 @@ def run_world(fn, world: int, *args, timeout: float = 240, env: dict | None = No
         if all(not p.is_alive() for p in procs):
             # every rank may be gone before the loop saw the killed one (a survivor's collective
             # fails as soon as its peer's socket closes)
-            killed = any((p.exitcode or 0) < 0 and not _aborted_at_exit(r, p, returned) for r, p in enumerate(procs))
+            killed = _killed(procs, returned)
             break
-        if any(p.exitcode is not None and p.exitcode < 0 and not _aborted_at_exit(r, p, returned)
-               for r, p in enumerate(procs)):
+        if _killed(procs, returned):
             killed = True
             time.sleep(0.5)
             for p in procs:

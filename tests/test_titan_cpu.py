@@ -87,6 +87,9 @@ def test_cpu_compat_noop_with_accelerator_and_idempotent():
         import torchtitan.distributed.utils as du, torchtitan.components.metrics as m
         assert du.device_type == "cpu" and m.device_module is tu.device_module
         assert hasattr(dist, "set_timeout")
+        import torchtitan.models.common.attention as attention
+        from torch.nn.attention.flex_attention import create_block_mask as eager_block_mask
+        assert attention._compiled_create_block_mask is eager_block_mask  # no torch.compile per launch
 
         # Eager flex attention on CPU now has a backward, and it is the right one.
         import torch.nn.functional as F
