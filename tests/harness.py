@@ -20,6 +20,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TITAN_TOML = os.path.join(ROOT, "configs", "titan_demo.toml")
+# The torchtitan workflow tests compare runs of one config with each other (resumed against
+# uninterrupted, restored against saved), never with fixed numbers, so they train a shorter
+# sequence than the demo's 256 tokens: a CPU step takes ~0.75 s instead of ~2 s (eager
+# FlexAttention's backward dominates). tests/test_titan_cpu.py keeps the demo's own numbers.
+TITAN_TEST_ARGS = ("--training.seq_len", "64")
+
+
+def titan_train_cmd(nproc: int = 2) -> list[str]:
+    """``torchrun --nproc-per-node nproc`` (a free port) of ``python -m titan_plugin.train`` on
+    configs/titan_demo.toml with :data:`TITAN_TEST_ARGS`; append ``--section.key value``
+    overrides."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+            str(free_port()), "-m", "titan_plugin.train", "--toml", TITAN_TOML, *TITAN_TEST_ARGS]
+
+
 @dataclass
 class RankResult:
     rank: int

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -14,10 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train(tmp, steps, *extra, check=True, persistent=None):
-    from tests.harness import free_port
+    from tests.harness import titan_train_cmd
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "-m", "titan_plugin.train", "--toml", os.path.join(ROOT, "configs", "titan_demo.toml"),
+    cmd = [*titan_train_cmd(),
            "--dump_folder", os.path.join(tmp, "run"), "--checkpoint.local_root", os.path.join(tmp, "nvme", "node-{node}"),
            "--training.steps", str(steps), "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", "3", "--checkpoint.interval", "3", *extra]
     if persistent:
@@ -75,10 +73,9 @@ def test_warn_only_persistent_failure_exits_zero_but_run_end_is_not_clean(tmp_pa
 
 
 def _cmd(tmp, dump, steps, *extra):
-    from tests.harness import free_port
+    from tests.harness import titan_train_cmd
 
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(free_port()), "-m", "titan_plugin.train", "--toml", os.path.join(ROOT, "configs", "titan_demo.toml"),
+    return [*titan_train_cmd(),
             "--dump_folder", os.path.join(tmp, dump), "--checkpoint.local_root", os.path.join(tmp, "nvme", "node-{node}"),
             "--training.steps", str(steps), "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", "3", "--checkpoint.interval", "6", *extra]
 

@@ -19,7 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-from tests.harness import load_demo_launcher  # noqa: E402
+from tests.harness import TITAN_TEST_ARGS, load_demo_launcher  # noqa: E402
 
 
 def _launcher():
@@ -47,7 +47,8 @@ def test_demo_short(tmp_path):
     ld = _launcher()
     out = tmp_path / "demo"
     out.mkdir()
-    params = ld.DemoParams(steps=12, kill_after=6, local_interval=3, persistent_interval=6, timeout=300)
+    params = ld.DemoParams(steps=12, kill_after=6, local_interval=3, persistent_interval=6, timeout=300,
+                           extra=list(TITAN_TEST_ARGS))
     try:
         report = ld.run_demo(str(out), params)
     except ld.DemoError as e:

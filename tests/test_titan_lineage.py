@@ -10,7 +10,6 @@ import glob
 import json
 import os
 import subprocess
-import sys
 
 from titan_plugin.metrics import read_losses
 from tierckpt.history import lineage
@@ -22,10 +21,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train(tmp, exp, steps):
-    from tests.harness import free_port
+    from tests.harness import titan_train_cmd
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "-m", "titan_plugin.train", "--toml", os.path.join(ROOT, "configs", "titan_demo.toml"),
+    cmd = [*titan_train_cmd(),
            "--dump_folder", os.path.join(tmp, exp), "--checkpoint.local_root", os.path.join(tmp, "nvme", "node-{node}"),
            "--training.steps", str(steps), "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", "3", "--checkpoint.interval", "6",
            # a learning rate that does not depend on training.steps: a run extended from 4 to 6

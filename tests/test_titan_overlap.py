@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train(tmp, dump, steps, *extra):
-    from tests.harness import free_port
+    from tests.harness import titan_train_cmd
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "-m", "titan_plugin.train", "--toml", os.path.join(ROOT, "configs", "titan_demo.toml"),
+    cmd = [*titan_train_cmd(),
            "--dump_folder", os.path.join(tmp, dump), "--checkpoint.local_root", os.path.join(tmp, dump + "-nvme", "node-{node}"),
            "--training.steps", str(steps), "--checkpoint.busy_tier_policy", "wait", *extra]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -126,7 +126,7 @@ import pytest  # noqa: E402
 
 
 
-from tests.harness import load_demo_launcher  # noqa: E402
+from tests.harness import TITAN_TEST_ARGS, load_demo_launcher  # noqa: E402
 
 
 def _launcher():
@@ -144,7 +144,7 @@ def test_resume_2_to_1_ranks_resharded_in_cluster_then_persistent(tmp_path):
         pytest.skip("runs the CPU demo config (gloo, simulated nodes); the CPU patches are never applied on an accelerator machine")
     ld = _launcher()
     dump, logs = tmp_path / "run", tmp_path / "logs"
-    common = ["--dump_folder", str(dump), "--training.steps", str(K),
+    common = [*TITAN_TEST_ARGS, "--dump_folder", str(dump), "--training.steps", str(K),
               "--checkpoint.enable", "true", "--checkpoint.interval", str(K),
               "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", str(K), "--checkpoint.last_save_model_only", "false",
               "--checkpoint.local_root", str(tmp_path / "nvme" / "{job}" / "node-{node}"),
@@ -222,7 +222,7 @@ def test_resume_in_cluster_on_more_nodes_or_fewer_ranks_per_node(tmp_path, befor
     (w0, rpn0), (w1, rpn1) = before, after
     ld = _launcher()
     dump, logs = tmp_path / "run", tmp_path / "logs"
-    common = ["--dump_folder", str(dump), "--training.steps", str(K),
+    common = [*TITAN_TEST_ARGS, "--dump_folder", str(dump), "--training.steps", str(K),
               "--checkpoint.enable", "true", "--checkpoint.interval", str(K),
               "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", str(K), "--checkpoint.last_save_model_only", "false",
               "--checkpoint.local_root", str(tmp_path / "nvme" / "{job}" / "node-{node}"),
