@@ -794,7 +794,9 @@ def memory_state() -> str:
     return ", ".join(f"{k} {kb[k] / (1 << 20):.1f} GiB" for k in fields)
 
 
-def record(summaries, m, args, cmd, elapsed, dfout, load0, mem0) -> None:
+def record(summaries, m, args, cmd, elapsed, dfout, load0, mem0, failed: str | None = None) -> None:
+    """Append this run to bench/RESULTS.md; ``failed``: why the sizes after the last summary were
+    not measured (a run stopped by an error), written under the command line."""
     when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     parts = [f"\n## bench-peers {when}\n\n",
              f"Command (from the repo root): `{cmd}`  \n",
@@ -802,6 +804,8 @@ def record(summaries, m, args, cmd, elapsed, dfout, load0, mem0) -> None:
              f"Python {m['python']}; torch {m['torch']}.  \n",
              f"Load average: {load0} at the start, {os.getloadavg()} at the end; elapsed {elapsed:.0f} s.  \n",
              f"Memory: {mem0} at the start; {memory_state()} at the end.  \n",
+             *([f"**Incomplete**: only {', '.join('%g' % x['mib'] for x in summaries)} MiB measured; the next size "
+                f"failed ({failed}).  \n"] if failed else []),
              f"Method: 2 gloo ranks = 2 nodes, 324 tensors per rank (4 large fp32 = 3/4 of the bytes, 280 "
              f"small fp32, 40 int64 scalars); saves {args.saves} per system (ABBA order, {args.warmup} warm-up); "
              f"{OVERLAP} and DCP process+async staging: δ = the call + the wait for staging after a modelled "
@@ -878,6 +882,7 @@ def main(argv=None) -> int:
     base = tempfile.mkdtemp(prefix="tierckpt-peers-", dir=a.dir)
     ram_base = tempfile.mkdtemp(prefix="tierckpt-peers-", dir=a.local_root_base) if a.local_root_base else None
     dfout = disk(base)
+    failed = None
     try:
         for mib in a.mib_per_rank:
             print(f"[bench-peers] {mib:g} MiB per rank: lm-resiliency (side venv) first, then the main run",
@@ -889,6 +894,12 @@ def main(argv=None) -> int:
             r0, _r1 = run_ranks(args, timeout=a.timeout, target=peers_rank)
             r0.update(run_restores(a, mib, base, ram_base))
             summaries.append(summarise(r0, lmr))
+    except Exception as e:  # noqa: BLE001 - the sizes already measured are still printed and recorded
+        if not summaries:
+            raise
+        failed = f"{type(e).__name__}: {e}"
+        print(f"[bench-peers] the {mib:g} MiB run failed ({failed}); printing and recording the sizes "
+              "measured before it", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
         if ram_base:
@@ -900,8 +911,8 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump(summaries, f, indent=1)
     if a.record:
-        record(summaries, m, a, cmd, elapsed, dfout, load0, mem0)
-    return 0
+        record(summaries, m, a, cmd, elapsed, dfout, load0, mem0, failed)
+    return 0 if failed is None else 1
 
 
 if __name__ == "__main__":

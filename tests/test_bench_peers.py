@@ -110,6 +110,39 @@ def test_bench_runs_end_to_end_main_venv(tmp_path, monkeypatch):
                 ["--overlap-window-ms", "0"]):  # measurement 4 needs a forward/backward to model
         with pytest.raises(SystemExit):
             bp.main(bad)
+    assert "Incomplete" not in text
+    bp.record([s], bp.machine(), args, "bench/bench_peers.py …", 1.0, "df", (0.0, 0.0, 0.0), "MemFree 1.0 GiB",
+              failed="RuntimeError: ranks did not report")
+    assert ("**Incomplete**: only 4 MiB measured; the next size failed (RuntimeError: ranks did not report)."
+            in md.read_text().split("\n## bench-peers")[-1])
+
+
+def test_a_failed_size_keeps_the_sizes_measured_before_it(tmp_path, monkeypatch):
+    """A later size that fails (an OOM kill at 1 GiB) neither loses nor hides the earlier sizes:
+    they are printed, written to --json and recorded, and the exit status is 1; a first size
+    that fails raises as before."""
+    done: list = []
+    recorded: list = []
+
+    def ranks(args, timeout, target):
+        if args["mib"] > 100:
+            raise RuntimeError("ranks did not report (exit codes [-9, -9])")
+        return {"mib": args["mib"]}, None
+
+    monkeypatch.setattr(bp, "run_lmr", lambda a, mib, base: {"skipped": "test"})
+    monkeypatch.setattr(bp, "run_ranks", ranks)
+    monkeypatch.setattr(bp, "run_restores", lambda a, mib, base, ram: {})
+    monkeypatch.setattr(bp, "summarise", lambda r0, lmr: {"mib": r0["mib"]})
+    monkeypatch.setattr(bp, "print_rich", lambda summaries, *a: done.append(list(summaries)))
+    monkeypatch.setattr(bp, "record", lambda summaries, *a: recorded.append((list(summaries), a[-1])))
+    out = tmp_path / "s.json"
+    rc = bp.main(["--mib-per-rank", "4", "1024", "--skip-lmr", "--dir", str(tmp_path), "--json", str(out), "--record"])
+    assert rc == 1
+    assert done == [[{"mib": 4.0}]] and json.loads(out.read_text()) == [{"mib": 4.0}]
+    assert recorded == [([{"mib": 4.0}], "RuntimeError: ranks did not report (exit codes [-9, -9])")]
+    assert [p for p in os.listdir(tmp_path) if p.startswith("tierckpt-peers-")] == []
+    with pytest.raises(RuntimeError, match="did not report"):
+        bp.main(["--mib-per-rank", "1024", "4", "--skip-lmr", "--dir", str(tmp_path)])
 
 
 class _Fake:
