@@ -804,7 +804,7 @@ def record(summaries, m, args, cmd, elapsed, dfout, load0, mem0, failed: str | N
              f"Python {m['python']}; torch {m['torch']}.  \n",
              f"Load average: {load0} at the start, {os.getloadavg()} at the end; elapsed {elapsed:.0f} s.  \n",
              f"Memory: {mem0} at the start; {memory_state()} at the end.  \n",
-             *([f"**Incomplete**: only {', '.join('%g' % x['mib'] for x in summaries)} MiB measured; the next size "
+             *([f"**Incomplete**: only {', '.join('%.0f' % x['mib'] for x in summaries)} MiB measured; the next size "
                 f"failed ({failed}).  \n"] if failed else []),
              f"Method: 2 gloo ranks = 2 nodes, 324 tensors per rank (4 large fp32 = 3/4 of the bytes, 280 "
              f"small fp32, 40 int64 scalars); saves {args.saves} per system (ABBA order, {args.warmup} warm-up); "
