@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 import warnings
@@ -33,8 +34,6 @@ def titan_train_cmd(nproc: int = 2) -> list[str]:
     """``torchrun --nproc-per-node nproc`` (a free port) of ``python -m titan_plugin.train`` on
     configs/titan_demo.toml with :data:`TITAN_TEST_ARGS`; append ``--section.key value``
     overrides."""
-    import sys
-
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
             str(free_port()), "-m", "titan_plugin.train", "--toml", TITAN_TOML, *TITAN_TEST_ARGS]
 
