@@ -46,7 +46,8 @@ from tierckpt.handle import SaveHandle
 from tierckpt.io import layout
 from tierckpt.history.journal import RunJournal
 from tierckpt.history.ledger import Ledger
-from tierckpt.history.rollback import RollbackTracker
+from tierckpt.history.rollback import EXPLICIT, FALLBACK, RollbackTracker
+from tierckpt.history.timeline import Timeline
 from tierckpt.io.staging import StagingPool, resolve_stateful
 from tierckpt.io.storage import Store
 from tierckpt.preemption import Preempted, PreemptionWatch
@@ -119,6 +120,9 @@ class TieredCheckpointer:
         startup.check_shared(pstore, run_id, topo.rank, world)
         if self.local is not None:
             startup.purge_other_lineages(self.local, topo, self.in_use, self.lineage, adopt=adopt, created=created)
+        # every copy a save writes records its identity; the generation orders this run's saves
+        # after every copy it could see (never by wall clocks: tierckpt/history/timeline.py)
+        self.timeline = Timeline(run_id, startup.agree_generation(self.local, self.persistent, topo, world))
         self.ledger = Ledger(pstore, enabled=topo.rank == 0, run_id=run_id, job=cfg.resolved_job_id())
         self.journal = RunJournal(self.ledger)
         self.journal.run_start(topo, cfg.tiers, self.lineage)
@@ -309,7 +313,7 @@ class TieredCheckpointer:
         if self.schedule is not None:
             self.schedule.saved(tiers, step)
         self._saved_any = True
-        futures = self.jobs.submit(tiers, staged, step, blocked - t_skip, t_wait, slot)
+        futures = self.jobs.submit(tiers, staged, step, blocked - t_skip, t_wait, slot, self.timeline.next())
         return SaveHandle(step, blocked, futures, skipped=skipped)
 
     def _check_tiers(self, tiers: Iterable[str] | None) -> tuple[str, ...]:
@@ -549,20 +553,9 @@ class TieredCheckpointer:
             if tier == "persistent" and rec.ok:
                 self.persistent_committed.append(step)
         if rec.ok and self.rollback.armed:
-            self.rollback.finish(tier, step, self._own_steps)
+            self.rollback.finish(tier, step)
         if self.schedule is not None:
             self.schedule.after_record(tier, step, rec, group)
-
-    def _own_steps(self) -> dict[str, set[int]]:
-        """This run's own steps per tier, committed or being written: a rollback never
-        supersedes them (a failed save's number is not excluded: an old-timeline copy under it
-        must still go, and copies this run committed are protected by their marker's time)."""
-        with self._lock:
-            mine = {t: {r["step"] for r in self.history if r.get("tier") == t and r.get("ok")}
-                    for t in ("local", "persistent")}
-        for t, s in list(self.jobs.pending_step.items()):
-            mine[t].add(s)
-        return mine
 
     # -- restore -------------------------------------------------------------------------------
     @paused  # no collector pass inside the restart's critical path (tierckpt/gcpause.py)
@@ -616,8 +609,12 @@ class TieredCheckpointer:
         if res is None:
             return None
         self.journal.restore(res)
-        if rollback:
-            self.rollback.arm(res.step, self.restorer.last_inventory, time.time())
+        if rollback or step is None:
+            # a training run from an older save starts a new timeline: by name, or because the
+            # newest save could not be served (a fallback); saves passed over are superseded at
+            # this run's first commit (tierckpt/history/rollback.py)
+            self.rollback.arm(res.step, self.restorer.last_inventory, res.save_id, self.timeline.run,
+                              EXPLICIT if rollback else FALLBACK)
         with self._lock:  # every node's copy of res.step sits on some node's local disk
             self.local_anchor = res.step if all(o.source.kind != PERSISTENT for o in res.sources.values()) else None
         if self.schedule is not None:
@@ -680,7 +677,7 @@ class TieredCheckpointer:
             return self.journal.redundancy(res.step, ok=False, missing=range(topo.nodes), reason=(
                 f"resharded restore: the node-local copies of step {res.step} are in the layout of the job that saved "
                 f"it ({res.resharded['from']}); copies of this job's layout come back at the next local save"))
-        pairs, missing = missing_replicas(self.restorer.last_inventory, res.step, topo.nodes, topo.jump, topo.factor,
+        pairs, missing = missing_replicas(self.restorer.last_inventory.view(res.step, res.save_id), res.step, topo.nodes, topo.jump, topo.factor,
                                           self.restorer.last_bad)
         if stuck:
             missing, pairs = sorted(set(missing) | {n for n, _ in pairs}), {}
@@ -762,7 +759,9 @@ class TieredCheckpointer:
         self.preemption.close()
         stuck = self._finish_jobs()
         failed = self.unraised_failures()
-        durable = max(self.persistent_committed) if self.persistent_committed else None
+        # the newest persistent step of this run that still exists (global rank 0 writes run_end)
+        durable = (self.persistent.newest_still_committed(self.persistent_committed) if self.topo.rank == 0 else
+                   max(self.persistent_committed, default=None))
         not_durable = self._saved_any and "persistent" in self.cfg.tiers and durable is None
         if not_durable:
             if self.topo.rank == 0:

@@ -381,15 +381,17 @@ class RestoreRecord(LedgerRecord):
         missing: chunks an in-cluster read found in no usable node-local copy, which is why it
             fell back (``"rank r: <key>: chunk offsets=… sizes=…: k of n elements in-cluster"``);
             written only when not empty.
+        save_id: the save every node's state came from (:mod:`tierckpt.history.timeline`);
+            written only when the copies record one.
     """
 
     KIND: ClassVar[str] = "restore"
     _READERS = {"step": _count, "seconds": _seconds, "attempts": _count, "persistent_bytes": _count,
                 "bytes": _count, "sources": _dict_or_list, "failures": _list, "model_only": _bool,
-                "checksummed": _bool, "resharded": _dict_or_list, "missing": _list}
+                "checksummed": _bool, "resharded": _dict_or_list, "missing": _list, "save_id": _str}
     _READ_DEFAULTS = {"step": None}
     _OMIT_FALSY = ("model_only", "resharded", "missing")
-    _OMIT_NONE = ("checksummed",)
+    _OMIT_NONE = ("checksummed", "save_id")
 
     step: int
     seconds: float | None = None
@@ -402,6 +404,7 @@ class RestoreRecord(LedgerRecord):
     checksummed: bool | None = None
     resharded: dict | list | None = None
     missing: list[str] = field(default_factory=list)
+    save_id: str | None = None
 
     def source_kinds(self) -> list:
         """Each node's source kind, from the current and the older ``sources`` layouts
@@ -468,16 +471,23 @@ class RollbackRecord(LedgerRecord):
         trigger: ``{"tier", "step"}`` of the commit that ran it.
         superseded: copies superseded over the job (``persistent/<s>``, ``local node-<n>/<s>``,
             ``replica node-<src>@node-<holder>/<s>``).
+        cause: ``"fallback"`` when a restore could not serve the newest save; not written (None)
+            for a rollback by name.
+        save_id: the save restored (:mod:`tierckpt.history.timeline`); None when it records none.
     """
 
     KIND: ClassVar[str] = "rollback"
-    _READERS = {"from_step": _count, "to_step": _count, "trigger": _dict, "superseded": _list}
-    _READ_DEFAULTS = {"from_step": None, "to_step": None}
+    _READERS = {"from_step": _count, "to_step": _count, "trigger": _dict, "superseded": _list, "cause": _str,
+                "save_id": _str}
+    _READ_DEFAULTS = {"from_step": None, "to_step": None, "cause": None, "save_id": None}
+    _OMIT_NONE = ("save_id", "cause")
 
     from_step: int
     to_step: int
     trigger: dict = field(default_factory=dict)
     superseded: list[str] = field(default_factory=list)
+    cause: str | None = None
+    save_id: str | None = None
 
 
 @dataclass(frozen=True)

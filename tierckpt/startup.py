@@ -143,3 +143,24 @@ def _probe_writable(root: str) -> None:
     with open(probe, "wb") as f:
         f.write(b"x")
     os.remove(probe)
+
+
+def agree_generation(local: LocalTier | None, persistent, topo: Topology, group) -> int:
+    """The generation of this run's saves (:mod:`tierckpt.history.timeline`): one more than the
+    highest generation any committed copy records — the node-local roots (each node leader lists
+    its own) and the persistent tier (global rank 0) — the same on every rank (collective over
+    ``group``, all ranks). A root that cannot be listed counts as holding nothing: its copies are
+    then ordered by their own generation, which this run's saves may tie but never trail (a tie
+    is broken by the save id, the same way on every rank)."""
+    newest = -1
+    if local is not None and topo.is_node_leader:
+        try:
+            newest = max((c.order[0] for c in local.survey()[0]), default=-1)
+        except OSError as e:
+            log.warning("tierckpt: could not list %s for the save generation: %s", local.store.url, e)
+    if topo.rank == 0 and persistent is not None:
+        try:
+            newest = max([newest, *(order[0] for _, order in persistent.committed_saves().values())])
+        except (OSError, ValueError) as e:
+            log.warning("tierckpt: could not list the persistent tier for the save generation: %s", e)
+    return int(gather_reduced(newest, group, max)) + 1

@@ -113,7 +113,7 @@ class RunJournal:
                               "seconds": o.seconds} for n, o in res.sources.items()},
             failures=[{"node": f.node, "source": f.source.kind, "holder": f.source.holder,
                        "step": f.step, "error": f.error} for f in res.failures],
-            resharded=res.resharded, missing=list(res.missing),
+            resharded=res.resharded, missing=list(res.missing), save_id=getattr(res, "save_id", None),
         ))
 
     def schedule(self, decision, trigger: str, at_step: int | None) -> dict:
@@ -121,11 +121,13 @@ class RunJournal:
         returns the line (for the trainer's metric writers)."""
         return self.ledger.append(ScheduleRecord.of(decision, trigger, at_step))
 
-    def rollback(self, rb, tier: str, step: int, exclude: dict[str, set[int]]) -> None:
+    def rollback(self, rb, tier: str, step: int) -> None:
         """Append the ``rollback`` record of ``rb`` (a :class:`tierckpt.history.rollback.PendingRollback`)
-        run at the commit of ``tier`` step ``step``; ``exclude``: this run's own steps."""
+        run at the commit of ``tier`` step ``step``."""
         self.ledger.append(RollbackRecord(from_step=rb.from_step, to_step=rb.to_step,
-                                          trigger={"tier": tier, "step": step}, superseded=rb.planned(exclude)))
+                                          trigger={"tier": tier, "step": step}, superseded=rb.planned(),
+                                          cause=None if rb.cause == "rollback" else rb.cause,
+                                          save_id=rb.keep))
 
     def preemption(self, step: int, signal: str, committed: dict[str, bool], seconds: float,
                    earlier_failures: list[str]) -> None:

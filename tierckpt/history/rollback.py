@@ -1,13 +1,23 @@
-"""Explicit rollback of a training run to an older committed step.
+"""Rollbacks and fallbacks: a run that resumes from an older save starts a new timeline.
 
 ``TieredCheckpointer.restore(state, step=N)`` alone is read-only: an evaluation or any other
 load-only run never rewrites history. A *training* run that names an older step (torchtitan
 ``checkpoint.load_step``, Megatron ``--ckpt-step``) asks for a rollback by name
-(``restore(state, step=N, rollback=True)``). The committed steps newer than N that the restore
-saw stay resume points until this run commits its first step of any tier; only then are they
-superseded (commit marker renamed ``tierckpt.committed.superseded``, data kept), so a crash
-before the new timeline's first commit loses nothing, and after it neither a restart nor
-retention can prefer the abandoned timeline over the new one.
+(``restore(state, step=N, rollback=True)``). A restore without a step that could not serve the
+newest save (a corrupt or missing copy made it fall back) starts a new timeline too: the newer
+saves it passed over, and the other saves' copies of the restored step number, belong to a
+timeline this run abandons.
+
+Either way the copies passed over stay resume points until this run commits its first step of
+any tier; only then are they superseded (commit marker renamed
+``tierckpt.committed.superseded``, data kept), so a crash before the new timeline's first commit
+loses nothing, and after it neither a restart nor retention can prefer the abandoned timeline
+over the new one (retention counts committed steps only: a corrupt newest step can no longer
+make it delete the step just committed).
+
+What is superseded is decided by save identity (:mod:`tierckpt.history.timeline`), never by
+comparing the wall clocks of different hosts: a copy is left alone when its manifest names a
+save of this run (a step number this run wrote again) or the save restored.
 
 Each node leader supersedes the copies in its own local root (its steps and the replicas it
 holds), global rank 0 the persistent tier: no collective, so it can run on whichever tier's
@@ -16,92 +26,105 @@ background thread records the first commit.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
-from typing import Callable
 
+from tierckpt.history.timeline import of_manifest, run_of
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 from tierckpt.restore import Inventory
 
 log = logging.getLogger(__name__)
 
+EXPLICIT, FALLBACK = "rollback", "fallback"
+
 
 class PendingRollback:
-    """A rollback to ``to_step`` armed by a restore, executed at this run's first commit.
+    """A new timeline from ``to_step`` (save ``keep``) armed by a restore, executed at this run's
+    first commit.
 
     Args:
         to_step: the step restored.
         inv: the inventory the restore planned from (every node's view, all-gathered).
-        armed_at: ``time.time()`` of this process at the restore; a marker committed after it
-            belongs to this run's new timeline and is never superseded.
+        keep: the save restored (its copies of ``to_step`` stay).
+        run: this run's id: copies recording a save of this run are never superseded.
+        cause: :data:`EXPLICIT` (a rollback by name) or :data:`FALLBACK` (a restore that could
+            not serve the newest save).
 
     Attributes:
         from_step: the newest committed step at the restore (the abandoned timeline's head).
+        copies: {holder node: [(step, directory relative to its local root)]} of node-local
+            copies passed over; ``persistent``: persistent steps passed over.
     """
 
-    def __init__(self, to_step: int, inv: Inventory, armed_at: float):
-        self.to_step = to_step
-        self.armed_at = armed_at
-        self.local = {n: sorted(s for s in steps if s > to_step) for n, steps in inv.local.items()}
-        self.replicas = {src: {h: sorted(s for s in steps if s > to_step) for h, steps in by_h.items()}
-                         for src, by_h in inv.replicas.items()}
-        self.persistent = sorted(s for s in inv.persistent if s > to_step)
+    def __init__(self, to_step: int, inv: Inventory, keep: str | None, run: str, cause: str = EXPLICIT):
+        self.to_step, self.keep, self.run, self.cause = to_step, keep, run, cause
+        ids = {(h, rel): sid for s, by_save in inv.saves.items() for sid, by_node in by_save.items()
+               for by_h in by_node.values() for h, rel in by_h.items()}
+        dirs = {s: set(d) for s, d in inv.dirs.items()}
+        if not any(dirs.values()):  # an inventory made of local/replicas sets only (no directories)
+            for n, steps in inv.local.items():
+                for s in steps:
+                    dirs.setdefault(s, set()).add((n, layout.local_step(s)))
+            for src, by_h in inv.replicas.items():
+                for h, steps in by_h.items():
+                    for s in steps:
+                        dirs.setdefault(s, set()).add((h, layout.replica_step(src, s)))
+        self.copies: dict[int, list[tuple[int, str]]] = {}
+        for s in sorted(dirs):
+            for h, rel in sorted(dirs[s]):
+                if self._passed_over(s, ids.get((h, rel), keep)):
+                    self.copies.setdefault(h, []).append((s, rel))
+        self.persistent = sorted(s for s in inv.persistent if self._passed_over(s, inv.persistent_ids.get(s, keep)))
         newer = [s for s in inv.all_steps() if s > to_step]
         self.from_step = max(newer) if newer else to_step
 
+    def _passed_over(self, step: int, save_id: str | None) -> bool:
+        """A copy of ``step`` written by ``save_id`` belongs to a timeline this run abandons."""
+        if run_of(save_id) == self.run and save_id is not None:
+            return False
+        return step > self.to_step or (step == self.to_step and save_id != self.keep)
+
     @property
     def empty(self) -> bool:
-        """Nothing newer than ``to_step`` was committed anywhere."""
-        return self.from_step == self.to_step
+        """Nothing to supersede: the restore served the newest save."""
+        return not self.persistent and not any(self.copies.values())
 
-    def planned(self, exclude: dict[str, set[int]]) -> list[str]:
-        """Every copy this rollback supersedes over the whole job, as ``persistent/<s>``,
-        ``local node-<n>/<s>``, ``replica node-<src>@node-<holder>/<s>``; steps this run wrote
-        itself (``exclude``: {"local" | "persistent": steps}) left out."""
-        out = [f"persistent/{s}" for s in self.persistent if s not in exclude.get("persistent", ())]
-        for n in sorted(self.local):
-            out += [f"local node-{n}/{s}" for s in self.local[n] if s not in exclude.get("local", ())]
-        for src in sorted(self.replicas):
-            for h in sorted(self.replicas[src]):
-                out += [f"replica node-{src}@node-{h}/{s}" for s in self.replicas[src][h]
-                        if s not in exclude.get("local", ())]
+    def planned(self) -> list[str]:
+        """Every copy this timeline passes over, as ``persistent/<s>``, ``local node-<n>/<s>``,
+        ``replica node-<src>@node-<holder>/<s>``."""
+        out = [f"persistent/{s}" for s in self.persistent]
+        for h in sorted(self.copies):
+            out += [_label(h, rel, s) for s, rel in self.copies[h]]
         return out
 
-    def execute(self, *, node: int, local_store: Store | None, persistent_store: Store | None,
-                exclude: dict[str, set[int]]) -> list[str]:
+    def execute(self, *, node: int, local_store: Store | None, persistent_store: Store | None) -> list[str]:
         """Supersede this process's share: ``local_store`` (the node leader's local root, else
-        None) and ``persistent_store`` (global rank 0's, else None). Returns what it renamed.
+        None) and ``persistent_store`` (global rank 0's, else None). A copy is superseded only
+        when its manifest, read now, still names a save passed over (a directory this run wrote
+        again under the same step number is left). Returns what it renamed.
 
         Raises:
             OSError: a store cannot be read or a marker cannot be renamed.
         """
-        done = []
-        jobs: list[tuple[Store, str, str]] = []
+        jobs: list[tuple[Store, int, str, str]] = []
         if local_store is not None:
-            jobs += [(local_store, layout.local_step(s), f"local node-{node}/{s}")
-                     for s in self.local.get(node, ()) if s not in exclude.get("local", ())]
-            for src, by_h in sorted(self.replicas.items()):
-                jobs += [(local_store, layout.replica_step(src, s), f"replica node-{src}@node-{node}/{s}")
-                         for s in by_h.get(node, ()) if s not in exclude.get("local", ())]
+            jobs += [(local_store, s, rel, _label(node, rel, s)) for s, rel in self.copies.get(node, ())]
         if persistent_store is not None:
-            jobs += [(persistent_store, layout.persistent_step(s), f"persistent/{s}")
-                     for s in self.persistent if s not in exclude.get("persistent", ())]
-        for store, rel, label in jobs:
-            if _committed_before(store, rel, self.armed_at) and manifest.supersede(store, rel):
+            jobs += [(persistent_store, s, layout.persistent_step(s), f"persistent/{s}") for s in self.persistent]
+        done = []
+        for store, s, rel, label in jobs:
+            doc = manifest.read_committed(store, rel)
+            if doc is not None and self._passed_over(s, of_manifest(doc)[0]) and manifest.supersede(store, rel):
                 done.append(label)
         return done
 
 
-def _committed_before(store: Store, rel: str, t: float) -> bool:
-    """``rel`` is still committed by a marker written before ``t`` (not a copy this run wrote
-    again under the same step number)."""
-    try:
-        marker = json.loads(store.read_bytes(f"{rel}/{layout.MARKER}"))
-    except (FileNotFoundError, NotADirectoryError, ValueError):
-        return False
-    return isinstance(marker, dict) and float(marker.get("committed_at", 0.0)) < t
+def _label(holder: int, rel: str, step: int) -> str:
+    """``local node-<holder>/<step>`` or ``replica node-<src>@node-<holder>/<step>``."""
+    parts = rel.split("/")
+    src = layout.parse_node(parts[1]) if len(parts) > 2 and parts[0] == "replicas" else None
+    return f"local node-{holder}/{step}" if src is None else f"replica node-{src}@node-{holder}/{step}"
 
 
 class RollbackTracker:
@@ -131,30 +154,33 @@ class RollbackTracker:
         """A rollback waits for this run's first commit."""
         return self._pending is not None
 
-    def arm(self, step: int, inv: Inventory, now: float) -> None:
-        """Remember the steps newer than ``step`` in ``inv`` (the restore's inventory)."""
-        rb = PendingRollback(step, inv, now)
+    def arm(self, step: int, inv: Inventory, keep: str | None, run: str, cause: str = EXPLICIT) -> None:
+        """Remember the copies ``inv`` (the restore's inventory) holds of saves newer than the
+        restored one (``step``, save ``keep``) and of other saves under ``step``; ``run``: this
+        run's id; ``cause``: :data:`EXPLICIT` or :data:`FALLBACK`. Nothing to remember: nothing
+        armed."""
+        rb = PendingRollback(step, inv, keep, run, cause)
         if rb.empty:
             return
         with self._lock:
             self._pending = rb
-        log.warning("tierckpt: rollback to step %d armed: the newer steps up to %d stay resume points "
-                    "until this run commits its first step, then they are superseded", step, rb.from_step)
+        why = "rollback" if cause == EXPLICIT else "fallback (the newest save could not be restored)"
+        log.warning("tierckpt: %s to step %d armed: %d newer or other saves' copies (up to step %d) stay resume "
+                    "points until this run commits its first step, then they are superseded", why, step,
+                    len(rb.planned()), rb.from_step)
 
-    def finish(self, tier: str, step: int, mine: Callable[[], dict[str, set[int]]]) -> None:
+    def finish(self, tier: str, step: int) -> None:
         """Run the armed rollback once, at this run's first committed step (``tier``, ``step``).
-        ``mine()`` gives this run's own steps per tier (committed or being written), never
-        superseded. Holding the lock to the end keeps the other tier's thread (its retention)
-        waiting until the abandoned steps no longer count as the newest. Never raises (runs on
-        a tier's thread): failures are warnings."""
+        Holding the lock to the end keeps the other tier's thread (its retention) waiting until
+        the abandoned steps no longer count as the newest. Never raises (runs on a tier's
+        thread): failures are warnings."""
         with self._lock:
             rb = self._pending
             if rb is None:
                 return
-            exclude = mine()
             try:
                 gone = rb.execute(node=self.node, local_store=self.local_store,
-                                  persistent_store=self.persistent_store, exclude=exclude)
+                                  persistent_store=self.persistent_store)
                 if gone:
                     log.warning("tierckpt: rolled back from step %d to %d at this run's first commit (%s step %d); "
                                 "superseded (marker renamed *.superseded): %s", rb.from_step, rb.to_step, tier, step,
@@ -164,7 +190,7 @@ class RollbackTracker:
             except Exception as e:
                 log.warning("tierckpt: rollback to step %d: could not supersede newer steps: %s", rb.to_step, e)
             try:
-                self.journal.rollback(rb, tier, step, exclude)
+                self.journal.rollback(rb, tier, step)
             except Exception as e:
                 log.warning("tierckpt: rollback to step %d: could not record it: %s", rb.to_step, e)
             self._pending = None

@@ -13,9 +13,11 @@ Sources of one step, in preference order:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from tierckpt.dist.topology import peers
+from tierckpt.history.timeline import LEGACY_ORDER, sort_key
 from tierckpt.io import layout
 
 OWN, REPLICA, CLUSTER, PERSISTENT = "own-local", "peer-replica", "in-cluster", "persistent"
@@ -47,6 +49,13 @@ class Inventory:
             job is stuck in it): they hold no listed copy and receive no pull.
         dirs: {step: {(holder node, directory)}} of every committed copy, also the ones
             ``copies`` does not name (a second copy of the same node on one holder).
+        saves: {step: {save id: {saved node: {holder node: directory}}}}: ``copies`` split by
+            the save that wrote each copy (:mod:`tierckpt.history.timeline`; ``None``: copies that
+            record no identity). Empty for an inventory built from ``local``/``replicas`` only:
+            every copy then counts as one save.
+        orders: {save id: (generation, seq)} of every save in ``saves`` or ``persistent_ids``.
+        persistent_ids: {persistent step: save id of its copy}.
+        save_shapes: {(step, save id): (nodes, world size)} of the job that made that save.
     """
 
     local: dict[int, set[int]] = field(default_factory=dict)
@@ -56,6 +65,10 @@ class Inventory:
     shapes: dict[int, tuple[int, int]] = field(default_factory=dict)
     unavailable: set[int] = field(default_factory=set)
     dirs: dict[int, set[tuple[int, str]]] = field(default_factory=dict)
+    saves: dict[int, dict[str | None, dict[int, dict[int, str]]]] = field(default_factory=dict)
+    orders: dict[str | None, tuple[int, int]] = field(default_factory=dict)
+    persistent_ids: dict[int, str | None] = field(default_factory=dict)
+    save_shapes: dict[tuple[int, str | None], tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.copies:
@@ -67,6 +80,57 @@ class Inventory:
             for h, steps in by_holder.items():
                 for s in steps:
                     self.copies.setdefault(s, {}).setdefault(m, {})[h] = layout.replica_step(m, s)
+
+    def add_copy(self, step: int, node: int, holder: int, rel: str, save_id: str | None = None,
+                 order: tuple[int, int] = LEGACY_ORDER, shape: tuple[int, int] | None = None) -> None:
+        """Record one committed node-local copy of saved node ``node``'s ``step``, held by
+        ``holder`` under ``rel``, written by save ``save_id`` (``order``; ``shape``: (nodes,
+        world size) of the job that saved it)."""
+        self.copies.setdefault(step, {}).setdefault(node, {}).setdefault(holder, rel)
+        self.saves.setdefault(step, {}).setdefault(save_id, {}).setdefault(node, {}).setdefault(holder, rel)
+        self.orders.setdefault(save_id, tuple(order))  # type: ignore[arg-type]
+        if shape is not None:
+            self.shapes.setdefault(step, shape)
+            self.save_shapes.setdefault((step, save_id), shape)
+
+    def add_persistent(self, step: int, save_id: str | None = None, order: tuple[int, int] = LEGACY_ORDER) -> None:
+        """Record the committed persistent copy of ``step`` (written by save ``save_id``)."""
+        self.persistent.add(step)
+        self.persistent_ids[step] = save_id
+        self.orders.setdefault(save_id, tuple(order))  # type: ignore[arg-type]
+
+    def save_ids(self, step: int) -> list[str | None]:
+        """The saves that hold copies of ``step``, newest first (by agreed order, never by
+        time); ``[None]`` for an inventory without save identities."""
+        ids = set(self.saves.get(step, {}))
+        if step in self.persistent:
+            ids.add(self.persistent_ids.get(step))
+        if not ids:
+            return [None]
+        return sorted(ids, key=lambda i: sort_key(i, self.orders.get(i, LEGACY_ORDER)), reverse=True)
+
+    def newest_save(self) -> tuple[int, str | None] | None:
+        """(step, save id) of the newest save holding any committed copy, None when empty."""
+        steps = self.all_steps()
+        if not steps:
+            return None
+        s = max(steps)
+        return s, self.save_ids(s)[0]
+
+    def view(self, step: int, save_id: str | None) -> Inventory:
+        """This inventory with only the copies of ``step`` that save ``save_id`` wrote (the
+        other steps unchanged): what a plan that combines copies of one save may use."""
+        if step not in self.saves and step not in self.persistent_ids:
+            return self  # no identities recorded for this step: one save, as before
+        persistent = set(self.persistent)
+        if self.persistent_ids.get(step, None) != save_id:
+            persistent.discard(step)
+        shapes = dict(self.shapes)
+        shape = self.save_shapes.get((step, save_id))
+        if shape is not None:
+            shapes[step] = shape
+        return dataclasses.replace(self, copies={**self.copies, step: self.saves.get(step, {}).get(save_id, {})},
+                                   persistent=persistent, shapes=shapes)
 
     def all_steps(self) -> set[int]:
         """Every step committed anywhere (any tier, any node)."""
@@ -111,16 +175,30 @@ def cluster_viable(inv: Inventory, step: int, bad: set) -> bool:
 KINDS = (OWN, REPLICA, CLUSTER, PERSISTENT)
 
 
-def plan_restore(inv: Inventory, nodes: int, bad: set, step: int | None = None,
-                 world_size: int | None = None, kinds: tuple[str, ...] = KINDS
-                 ) -> tuple[int, dict[int, Source]] | None:
-    """Newest step (or exactly ``step``) that every node can be served from.
+@dataclass(frozen=True)
+class Choice:
+    """What :func:`choose` picked: ``step``, ``sources`` ({node: Source}), ``save_id`` (the one
+    save every source holds a copy of) and ``view`` (the inventory restricted to that save's
+    copies of ``step``: the holders a restore reads from)."""
 
-    A step saved by a job of the same shape is planned per node (own-local > peer-replica >
-    persistent). When the shape differs, or some node has no per-node source left (e.g. a
-    parallelism change at the same world size made every per-node source fail its coverage
-    check), every node reads it in-cluster; else (or once that failed) every node reads the
-    persistent tier.
+    step: int
+    sources: dict[int, Source]
+    save_id: str | None
+    view: Inventory
+
+
+def choose(inv: Inventory, nodes: int, bad: set, step: int | None = None,
+           world_size: int | None = None, kinds: tuple[str, ...] = KINDS) -> Choice | None:
+    """Newest save (of exactly ``step`` when given) that every node can be served from, using
+    only copies of that one save.
+
+    Steps are tried newest first and, within a step, the saves holding copies of it newest first
+    by agreed order (:mod:`tierckpt.history.timeline`): copies of two saves under one step number
+    (a fallback's new timeline next to the old one's leftovers) are never combined. A save of the
+    same shape as this job is planned per node (own-local > peer-replica > persistent). When the
+    shape differs, or some node has no per-node source left (e.g. a parallelism change at the
+    same world size made every per-node source fail its coverage check), every node reads it
+    in-cluster; else (or once that failed) every node reads the persistent tier.
 
     Args:
         inv: what the cluster holds.
@@ -132,24 +210,44 @@ def plan_restore(inv: Inventory, nodes: int, bad: set, step: int | None = None,
         world_size: ranks of this job (None: shapes are not compared, per-node plans only).
         kinds: the source kinds the plan may use (default: all of :data:`KINDS`).
     Returns:
-        (step, {node: Source}) or None when no step is servable.
+        the :class:`Choice`, or None when no save is servable.
+    Raises:
+        ValueError: an unknown source kind.
     """
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown restore source kind(s) {sorted(unknown)}; allowed: {list(KINDS)}")
     candidates = [step] if step is not None else sorted(inv.all_steps(), reverse=True)
     for s in candidates:
-        if not inv.resharded(s, nodes, world_size):
-            per_node = {n: [x for x in sources_for(inv, n, s, bad) if x.kind in kinds] for n in range(nodes)}
-            if all(per_node.values()):
-                return s, {n: srcs[0] for n, srcs in per_node.items()}
-        if CLUSTER in kinds and world_size is not None and cluster_viable(inv, s, bad):
-            return s, {n: Source(CLUSTER, None) for n in range(nodes)}
-        if PERSISTENT in kinds and s in inv.persistent and all((n, PERSISTENT, None, s) not in bad
-                                                               for n in range(nodes)):
-            return s, {n: Source(PERSISTENT, None) for n in range(nodes)}
+        for sid in inv.save_ids(s):
+            v = inv.view(s, sid)
+            sources = _plan_one(v, s, nodes, bad, world_size, kinds)
+            if sources is not None:
+                return Choice(s, sources, sid, v)
     return None
 
+
+def _plan_one(v: Inventory, s: int, nodes: int, bad: set, world_size: int | None,
+              kinds: tuple[str, ...]) -> dict[int, Source] | None:
+    """Sources of every node for step ``s`` of the one-save view ``v``, None if not servable."""
+    if not v.resharded(s, nodes, world_size):
+        per_node = {n: [x for x in sources_for(v, n, s, bad) if x.kind in kinds] for n in range(nodes)}
+        if all(per_node.values()):
+            return {n: srcs[0] for n, srcs in per_node.items()}
+    if CLUSTER in kinds and world_size is not None and cluster_viable(v, s, bad):
+        return {n: Source(CLUSTER, None) for n in range(nodes)}
+    if PERSISTENT in kinds and s in v.persistent and all((n, PERSISTENT, None, s) not in bad for n in range(nodes)):
+        return {n: Source(PERSISTENT, None) for n in range(nodes)}
+    return None
+
+
+def plan_restore(inv: Inventory, nodes: int, bad: set, step: int | None = None,
+                 world_size: int | None = None, kinds: tuple[str, ...] = KINDS
+                 ) -> tuple[int, dict[int, Source]] | None:
+    """:func:`choose` as ``(step, {node: Source})``, or None when no step is servable (the
+    holders of the chosen save: ``choose(...).view``)."""
+    c = choose(inv, nodes, bad, step, world_size, kinds)
+    return None if c is None else (c.step, c.sources)
 
 
 def missing_replicas(inv: Inventory, step: int, nodes: int, jump: int, factor: int, bad: set | frozenset = frozenset()

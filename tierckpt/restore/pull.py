@@ -41,6 +41,7 @@ class Pulled:
 
     Attributes:
         step: the step pulled (-1: no pull in this attempt).
+        save_id: the save the pulled copy belongs to.
         intact: this node received a pull and every rank's share arrived with matching sizes
             and checksums (agreed over the node); set by :meth:`settle` (:func:`run_pulls`
             calls it unless the pull is still streaming into :attr:`memory`, when it stays
@@ -61,6 +62,7 @@ class Pulled:
     """
 
     step: int = -1
+    save_id: str | None = None
     intact: bool = False
     ok: bool = False
     error: str | None = None
@@ -256,12 +258,18 @@ def _clear(store: Store, rel: str) -> None:
         store.rmtree(rel)
 
 
-def record_pulls(inv: Inventory, s: int, received: list[tuple[int, tuple[int, str] | None]]) -> None:
-    """Update ``inv`` after the pulls of step ``s``: each ``(node, kept)`` of a node whose pull
-    is now its ``local/step-<s>`` (``kept`` as :attr:`Pulled.kept`). Every rank applies the same
-    all-gathered list, so later attempts plan from where the copies now are."""
+def record_pulls(inv: Inventory, s: int, received: list[tuple[int, tuple[int, str] | None]],
+                 save_id: str | None = None) -> None:
+    """Update ``inv`` after the pulls of step ``s`` of save ``save_id``: each ``(node, kept)`` of
+    a node whose pull is now its ``local/step-<s>`` (``kept`` as :attr:`Pulled.kept`; a kept copy
+    is of unknown save and serves no later plan). Every rank applies the same all-gathered list,
+    so later attempts plan from where the copies now are."""
     for h, kept in received:
         rel = layout.local_step(s)
+        for by_save in inv.saves.get(s, {}).values():  # local/step-<s> now holds only the pull
+            by_save.get(h, {}).pop(h, None)
+        if s in inv.saves:
+            inv.saves[s].setdefault(save_id, {}).setdefault(h, {})[h] = rel
         inv.copies.setdefault(s, {}).setdefault(h, {})[h] = rel
         inv.local.setdefault(h, set()).add(s)
         inv.dirs.setdefault(s, set()).add((h, rel))

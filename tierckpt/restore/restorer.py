@@ -3,7 +3,7 @@
 1. Every node leader lists the committed copies of its local root (own steps and the replicas
    it holds, each by the node its manifest names, with the saved job's shape); global rank 0
    lists the persistent tier. The lists are all-gathered (:class:`~tierckpt.restore.plan.Inventory`).
-2. :func:`~tierckpt.restore.plan.plan_restore` picks the newest step every node can be served
+2. :func:`~tierckpt.restore.plan.choose` picks the newest save every node can be served
    from: for a step saved by a job of this shape, per node the first usable source in the order
    own local > peer replica > persistent; for a step saved by a job of another shape (nodes
    lost for good, nodes added, another rank count), an in-cluster resharded read, else the
@@ -51,7 +51,7 @@ from tierckpt.restore.plan import (
     REPLICA,
     Inventory,
     Source,
-    plan_restore,
+    choose,
 )
 from tierckpt.io.memory_read import OwnRead
 from tierckpt.restore.pull import Pulled, commit_pull, plan_pulls, record_pulls, run_pulls
@@ -74,6 +74,13 @@ class NodeOutcome:
     bytes: int = 0
     seconds: float = 0.0
     persistent_bytes: int = 0
+    save_id: str | None = None  # the save loaded (set once ok)
+
+
+def _holds(loaded: dict[int, NodeOutcome], node: int, step: int, save_id: str | None) -> bool:
+    """Whether ``node`` already loaded ``step`` of save ``save_id`` in an earlier round."""
+    o = loaded.get(node)
+    return o is not None and o.step == step and o.save_id == save_id
 
 
 @dataclass
@@ -91,6 +98,8 @@ class RestoreResult:
             a job of another shape, else None.
         missing: chunks an in-cluster attempt found in no usable copy (why it fell back), as
             ``"rank r: <key>: chunk offsets=… sizes=…: k of n elements in-cluster"``.
+        save_id: the save every node's state came from (:mod:`tierckpt.history.timeline`;
+            None: copies that record no identity).
     """
 
     step: int
@@ -101,6 +110,7 @@ class RestoreResult:
     persistent_bytes_read: int
     resharded: dict | None = None
     missing: list[str] = field(default_factory=list)
+    save_id: str | None = None
 
     def source_of(self, node: int) -> str:
         """Source kind node ``node`` was restored from (own-local | peer-replica | persistent)."""
@@ -120,6 +130,8 @@ class Restorer:
         self.pending: list[Pulled] = []  # pulls received, loaded, not yet committed
         self._foreign_logged: set = set()  # (node, rel, lineage) already reported
         self.last_inventory = Inventory()  # what the last restore planned from (pulls included)
+        self.view = self.last_inventory  # the copies of the save the current attempt reads
+        self.view_save: str | None = None
         self.last_bad: set = set()  # the sources the last restore found bad
 
     # -- inventory -----------------------------------------------------------------------------
@@ -134,35 +146,38 @@ class Restorer:
         if self.topo.is_node_leader and self.local is not None and self.topo.node not in unavailable:
             try:
                 copies, other = self.local.survey()
-                mine = (self.topo.node, [(c.step, c.node, c.rel, c.nodes, c.world_size, c.replica_of) for c in copies],
-                        other)
+                mine = (self.topo.node, [(c.step, c.node, c.rel, c.nodes, c.world_size, c.replica_of, c.save_id,
+                                          c.order) for c in copies], other)
             except OSError as e:  # a dead local disk: this node simply has nothing local
                 log.warning("tierckpt restore: cannot list node %d's local root: %s", self.topo.node, e)
         pers = None
         if self.topo.rank == 0 and self.persistent is not None:
             try:
-                pers = self.persistent.committed_steps()
+                pers = self.persistent.committed_saves()
             except (OSError, ValueError) as e:
                 log.warning("tierckpt restore: cannot list the persistent tier: %s", e)
         # only node leaders list (rank 0, a leader, adds the persistent steps): leaders exchange
         gathered = gather_leaders((mine, pers), self.groups.local_world, self.topo.is_node_leader)
-        inv = Inventory(persistent=set(gathered[0][1] or []), unavailable=set(unavailable))
+        inv = Inventory(unavailable=set(unavailable))
+        for ps, (psid, porder) in (gathered[0][1] or {}).items():
+            inv.add_persistent(ps, psid, porder)
         foreign = []
         for m, _ in gathered:
             if m is None:
                 continue
             holder, copies, other = m
             inv.local.setdefault(holder, set())
-            for step, node, rel, nodes, world, replica_of in copies:
+            for step, node, rel, nodes, world, replica_of, sid, order in copies:
                 if replica_of is None:
                     inv.local[holder].add(step)
                 else:
                     inv.replicas.setdefault(replica_of, {}).setdefault(holder, set()).add(step)
+                shape = (nodes, world) if nodes is not None and world is not None else None
                 if node >= 0:
-                    inv.copies.setdefault(step, {}).setdefault(node, {}).setdefault(holder, rel)
+                    inv.add_copy(step, node, holder, rel, sid, order, shape)
+                elif shape is not None:
+                    inv.shapes.setdefault(step, shape)
                 inv.dirs.setdefault(step, set()).add((holder, rel))
-                if nodes is not None and world is not None:
-                    inv.shapes.setdefault(step, (nodes, world))
             foreign += [(holder, rel, lid) for rel, lid in other]
         new = [f for f in foreign if f not in self._foreign_logged]
         if new and self.topo.rank == 0:
@@ -218,21 +233,25 @@ class Restorer:
         failures: list[NodeOutcome] = []
         missing: list[str] = []
         copies = sum(len(by_h) for by_node in inv.copies.values() for by_h in by_node.values())
-        max_attempts = 2 + 4 * (len(inv.all_steps()) * (topo.factor + 1)) + copies
+        copies += sum(len(by_h) for by_save in inv.saves.values() for by_node in by_save.values()
+                      for by_h in by_node.values())
+        saves = sum(len(inv.save_ids(s)) for s in inv.all_steps())
+        max_attempts = 2 + 4 * (saves * (topo.factor + 1)) + copies
         for attempt in range(1, max_attempts + 1):
             self.commit_pending()  # the previous round's pulls, before this round plans from them
-            choice = plan_restore(inv, topo.nodes, bad, step, world_size=topo.world_size, kinds=kinds)
+            choice = choose(inv, topo.nodes, bad, step, world_size=topo.world_size, kinds=kinds)
             if choice is None:
                 raise NoCheckpointError(_no_checkpoint_message(step, inv, failures))
-            s, sources = choice
+            s, sources, sid = choice.step, choice.sources, choice.save_id
+            self.view, self.view_save = choice.view, sid  # only copies of one save are read, never two runs' mixed
             cluster = all(src.kind == CLUSTER for src in sources.values())
-            todo = {n for n in range(topo.nodes) if cluster or n not in loaded or loaded[n].step != s}
+            todo = {n for n in range(topo.nodes) if cluster or not _holds(loaded, n, s, sid)}
             if topo.rank == 0:
-                log.info("tierckpt restore attempt %d: step %d, sources %s", attempt, s,
+                log.info("tierckpt restore attempt %d: step %d (save %s), sources %s", attempt, s, sid,
                          "in-cluster (resharded read of the node-local copies)" if cluster else
                          {n: (sources[n].kind, sources[n].holder) for n in sorted(todo)})
             if cluster:
-                outcome, cl = self._cluster_attempt(state_dict, s, inv, bad)
+                outcome, cl = self._cluster_attempt(state_dict, s, choice.view, bad)
                 if not cl.ok:
                     bad |= {(m, CLUSTER, h, s) for m, h in cl.bad} or {(ALL_NODES, CLUSTER, None, s)}
                     missing = cl.missing or missing
@@ -241,26 +260,29 @@ class Restorer:
                                     "; ".join(cl.missing[:5]), " …" if len(cl.missing) > 5 else "")
             else:
                 outcome = self._attempt(state_dict, s, sources, todo)
-            self._collect(outcome, loaded, failures, bad)
-            if all(n in loaded and loaded[n].step == s for n in range(topo.nodes)):
+            self._collect(outcome, loaded, failures, bad, sid)
+            if all(_holds(loaded, n, s, sid) for n in range(topo.nodes)):
                 pbytes = gather_reduced(self._persistent_bytes, self.groups.local_world, sum)
                 res = RestoreResult(step=s, sources=dict(sorted(loaded.items())), attempts=attempt,
                                     failures=failures, seconds=time.perf_counter() - t0,
-                                    persistent_bytes_read=pbytes, resharded=self._reshape(inv, s),
-                                    missing=missing)
+                                    persistent_bytes_read=pbytes, resharded=self._reshape(choice.view, s),
+                                    missing=missing, save_id=sid)
                 _log_result(res, topo)
                 return res
         self.commit_pending()
         raise NoCheckpointError(f"restore did not converge after {max_attempts} attempts")
 
-    def _collect(self, outcome, loaded: dict[int, NodeOutcome], failures: list[NodeOutcome], bad: set) -> None:
-        """All-gather one attempt's node outcomes into ``loaded`` / ``failures`` / ``bad``."""
+    def _collect(self, outcome, loaded: dict[int, NodeOutcome], failures: list[NodeOutcome], bad: set,
+                 save_id: str | None) -> None:
+        """All-gather one attempt's node outcomes (of save ``save_id``) into ``loaded`` /
+        ``failures`` / ``bad``."""
         # a node's ranks agreed on its outcome already (over the node group): leaders exchange
         for o in gather_leaders(outcome, self.groups.local_world, self.topo.is_node_leader):
             if o is None or not self.topo.is_leader_rank(o[0]):
                 continue
             no = o[1]
             if no.ok:
+                no.save_id = save_id
                 loaded[no.node] = no
                 continue
             failures.append(no)
@@ -325,6 +347,7 @@ class Restorer:
         and committed later: :meth:`commit_pending`)."""
         pulled = self._pull(s, sources, todo)  # first: its sends queue their disk reads ahead of ours
         if pulled.step >= 0:
+            pulled.save_id = self.view_save
             self.pending.append(pulled)
         own = self._own_read(s, sources, todo)
         try:
@@ -340,7 +363,7 @@ class Restorer:
         node = self.topo.node
         if node not in todo or sources[node].kind != OWN or self.memory_bytes <= 0:
             return None
-        rel = self.last_inventory.holders(node, s).get(node, layout.local_step(s))
+        rel = self.view.holders(node, s).get(node, layout.local_step(s))
         own = OwnRead(self._local().store, rel, self.topo.local_rank, self.topo.ranks_per_node, self.memory_bytes)
         return own if own.started else None
 
@@ -358,7 +381,7 @@ class Restorer:
             out.seconds = time.perf_counter() - t0
             return (topo.rank, out)
         if src.kind == OWN:  # local/step-N, or a copy of itself a remapped disk holds as a replica
-            key_rel = self.last_inventory.holders(node, s).get(node, layout.local_step(s))
+            key_rel = self.view.holders(node, s).get(node, layout.local_step(s))
         else:
             key_rel = layout.local_step(s) if src.kind != PERSISTENT else layout.persistent_step(s)
         key = ("persistent:" if src.kind == PERSISTENT else "local:") + key_rel
@@ -480,7 +503,7 @@ class Restorer:
     def _pull(self, s: int, sources: dict[int, Source], todo: set[int]) -> Pulled:
         """Receive this round's pulls (collective over the restore's groups when any exist);
         the commit is :meth:`commit_pending`'s."""
-        pulls = plan_pulls(self.topo, self.last_inventory, s, sources, todo)
+        pulls = plan_pulls(self.topo, self.view, s, sources, todo)
         if not pulls:
             return Pulled()
         return run_pulls(self._local().store, self.topo, self.groups, self.in_use, self.chunk_bytes, pulls, s,
@@ -503,7 +526,7 @@ class Restorer:
                             pulled.error)
             mine = (self.topo.node, pulled.kept) if pulled.ok and self.topo.is_node_leader else None
             got = gather_leaders(mine, groups.local_world, self.topo.is_node_leader)
-            record_pulls(self.last_inventory, pulled.step, [m for m in got if m])
+            record_pulls(self.last_inventory, pulled.step, [m for m in got if m], pulled.save_id)
 
 
 def _no_checkpoint_message(step: int | None, inv: Inventory, failures: list[NodeOutcome]) -> str:

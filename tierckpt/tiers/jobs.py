@@ -25,6 +25,7 @@ from tierckpt.config import TierConfig
 from tierckpt.dist.collectives import FAILURES, all_gather, first_by_rank, gather_reduced, union
 from tierckpt.dist.topology import Groups, Topology
 from tierckpt.history.journal import RunJournal
+from tierckpt.history.timeline import SaveIdentity
 from tierckpt.io.staging import StagingSlot
 from tierckpt.io.storage import Store
 from tierckpt.records import CheckpointRecord, RedundancyRecord
@@ -81,16 +82,17 @@ class TierJobs:
 
     # -- trainer thread ------------------------------------------------------------------------
     def submit(self, tiers: Iterable[str], staged: dict, step: int, delta: float, t_wait: float,
-               slot: StagingSlot) -> dict[str, Future]:
+               slot: StagingSlot, identity: SaveIdentity | None = None) -> dict[str, Future]:
         """Start each tier's job on ``staged`` (held in ``slot`` until every job released it);
         returns ``{tier: Future → CheckpointRecord}``. ``delta``/``t_wait``: blocking and wait
-        seconds of this save, recorded with it."""
+        seconds of this save, recorded with it; ``identity``: the save every tier's copy records
+        (:mod:`tierckpt.history.timeline`)."""
         futures = {}
         for t in tiers:
             job = self._local_job if t == "local" else self._persistent_job
             self._window[t] = (time.monotonic(), None)
             futures[t] = self.pending[t] = _never_raising(
-                self.workers[t].submit(self._guard, job, t, staged, step, delta, t_wait, slot), t, step)
+                self.workers[t].submit(self._guard, job, t, staged, step, delta, t_wait, slot, identity), t, step)
             self._tail[t] = futures[t]
             self.pending_step[t] = step
         return futures
@@ -309,7 +311,8 @@ class TierJobs:
         by the config, since one rank's state may stage blocking while another's overlaps)."""
         return slot.check_intact if self.cfg.cpu_staging == "overlapped" else None
 
-    def _local_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> CheckpointRecord:
+    def _local_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot,
+                   identity: SaveIdentity | None = None) -> CheckpointRecord:
         assert self.local is not None  # submitted only when the local tier is configured
         t0 = time.perf_counter()
         key = f"local:local/step-{step}"
@@ -319,7 +322,7 @@ class TierJobs:
         try:
             try:
                 slot.wait_copied()  # CUDA or overlapped staging: the copies may still be running
-                nbytes = self.local.save(staged, step, before_commit=self._snapshot_check(slot))
+                nbytes = self.local.save(staged, step, before_commit=self._snapshot_check(slot), identity=identity)
             except FAILURES as e:  # degrade: the persistent tier and training go on
                 ok, error = False, describe_failure(e, self.local.store)
                 if self.topo.is_node_leader:  # the failure is agreed over the node: say it once per node
@@ -363,7 +366,8 @@ class TierJobs:
         except Exception as e:
             log.warning("tierckpt: local retention failed: %s", e)
 
-    def _persistent_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot) -> CheckpointRecord:
+    def _persistent_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot,
+                        identity: SaveIdentity | None = None) -> CheckpointRecord:
         t0 = time.perf_counter()
         key = f"persistent:step-{step}"
         self.in_use.hold(key)
@@ -371,7 +375,7 @@ class TierJobs:
         try:
             slot.wait_copied()  # CUDA or overlapped staging: the copies may still be running
             nbytes = self.persistent.save(staged, step, self.groups.persistent_world,
-                                          before_commit=self._snapshot_check(slot))
+                                          before_commit=self._snapshot_check(slot), identity=identity)
         except FAILURES as e:
             ok, error = False, describe_failure(e, self.persistent.store)
             if self.topo.rank == 0:  # agreed over all ranks: say it once

@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from tierckpt.dist.topology import Topology
 from tierckpt.history import lineage
+from tierckpt.history.timeline import LEGACY_ORDER, SaveIdentity, of_manifest
 from tierckpt.io import layout, manifest
 from tierckpt.io.dcp_io import (
     CountingFileSystemReader,
@@ -46,6 +47,8 @@ class Copy:
         nodes, world_size: node count and world size of the job that saved it (None when the
             manifest does not say).
         replica_of: the node of its ``replicas/node-m`` directory; None when it sits in ``local/``.
+        save_id, order: the identity of the save that wrote it (:mod:`tierckpt.history.timeline`;
+            None and ``LEGACY_ORDER`` for a copy that records none).
     """
 
     step: int
@@ -54,6 +57,8 @@ class Copy:
     nodes: int | None
     world_size: int | None
     replica_of: int | None
+    save_id: str | None = None
+    order: tuple[int, int] = LEGACY_ORDER
 
 
 def _node_id(v) -> int:
@@ -90,9 +95,11 @@ class LocalTier:
         self.adopt_unlabelled = False  # steps recording no lineage are this job's (lineage.ensure)
 
     # -- save ---------------------------------------------------------------------------------
-    def save(self, staged: dict, step: int, before_commit: Callable[[], None] | None = None) -> int:
+    def save(self, staged: dict, step: int, before_commit: Callable[[], None] | None = None,
+             identity: SaveIdentity | None = None) -> int:
         """Write and commit ``local/step-<step>`` (collective over the node group);
-        ``before_commit`` as in :func:`tierckpt.tiers.commit.save_step`.
+        ``before_commit`` as in :func:`tierckpt.tiers.commit.save_step`; ``identity``: the save
+        this copy belongs to, recorded in its manifest (None: none recorded).
 
         Returns:
             bytes of the node's committed step (the same on every rank of the node).
@@ -112,7 +119,8 @@ class LocalTier:
         return save_step(self.store, rel, write, self.group, index=topo.local_rank, count=topo.ranks_per_node,
                          leader=topo.is_node_leader, label=f"local step {step}", tier="local", step=step,
                          node=topo.node, ranks=topo.local_ranks, world_size=topo.world_size, nodes=topo.nodes,
-                         lineage=self.lineage, before_commit=before_commit)
+                         lineage=self.lineage, before_commit=before_commit,
+                         **(identity.manifest_fields() if identity is not None else {}))
 
     # -- inventory -----------------------------------------------------------------------------
     def survey(self) -> tuple[list[Copy], list[tuple[str, str | None]]]:
@@ -142,8 +150,10 @@ class LocalTier:
                     foreign.append((rel, lineage.of_manifest(doc)))
                     continue
                 owner = doc.get("node", n if n is not None else (self.topo.node if self.topo else None))
+                sid, order = of_manifest(doc)
                 copies.append(Copy(step=s, node=_node_id(owner), rel=rel, nodes=_int_or(doc.get("nodes")),
-                                   world_size=_int_or(doc.get("world_size")), replica_of=n))
+                                   world_size=_int_or(doc.get("world_size")), replica_of=n, save_id=sid,
+                                   order=order))
         return copies, foreign
 
     def scan(self) -> tuple[list[int], dict[int, list[int]], list[tuple[str, str | None]]]:

@@ -29,6 +29,7 @@ from tierckpt.io.dcp_io import (
     hashing_writer,
 )
 from tierckpt.io.planner import VerifyingLoadPlanner
+from tierckpt.history.timeline import SaveIdentity, of_manifest
 from tierckpt.io.storage import Store
 from tierckpt.tiers.commit import save_step
 
@@ -115,9 +116,11 @@ class PersistentTier:
         self.io = io or PersistentIO()
         self.lineage = lineage
 
-    def save(self, staged: dict, step: int, group, before_commit: Callable[[], None] | None = None) -> int:
+    def save(self, staged: dict, step: int, group, before_commit: Callable[[], None] | None = None,
+             identity: SaveIdentity | None = None) -> int:
         """Write and commit ``step-<step>`` (collective over ``group``, all ranks of the job);
-        ``before_commit`` as in :func:`tierckpt.tiers.commit.save_step`.
+        ``before_commit`` as in :func:`tierckpt.tiers.commit.save_step`; ``identity``: the save
+        this step belongs to, recorded in its manifest (None: none recorded).
 
         Returns:
             bytes of the committed step (same on every rank).
@@ -129,7 +132,8 @@ class PersistentTier:
         return save_step(self.store, rel, lambda: self._write(staged, rel, group), group,
                          index=rank, count=world, leader=rank == 0, label=f"persistent step {step}",
                          mark_in_progress=True, tier="persistent", step=step, world_size=world,
-                         lineage=self.lineage, before_commit=before_commit)
+                         lineage=self.lineage, before_commit=before_commit,
+                         **(identity.manifest_fields() if identity is not None else {}))
 
     def _write(self, staged: dict, rel: str, group) -> Digests:
         url = self.store.url_of(rel)
@@ -159,9 +163,26 @@ class PersistentTier:
 
     def committed_steps(self) -> list[int]:
         """Committed steps, ascending."""
-        out = []
+        return sorted(self.committed_saves())
+
+    def newest_still_committed(self, steps: list[int]) -> int | None:
+        """The newest of ``steps`` whose directory is still committed (each marker read, newest
+        first: retention or a rollback may have taken one out since it was committed); None when
+        none is. What a run's ``durable_step`` may name: a step that exists."""
+        for s in sorted(set(steps), reverse=True):
+            try:
+                if manifest.read_committed(self.store, layout.persistent_step(s)) is not None:
+                    return s
+            except OSError:
+                continue
+        return None
+
+    def committed_saves(self) -> dict[int, tuple[str | None, tuple[int, int]]]:
+        """{committed step: (save_id, order)} (:func:`tierckpt.history.timeline.of_manifest`)."""
+        out = {}
         for name in self.store.listdir(""):
             s = layout.parse_step(name)
-            if s is not None and manifest.read_committed(self.store, layout.persistent_step(s)):
-                out.append(s)
-        return sorted(out)
+            doc = manifest.read_committed(self.store, layout.persistent_step(s)) if s is not None else None
+            if s is not None and doc is not None:
+                out[s] = of_manifest(doc)
+        return out

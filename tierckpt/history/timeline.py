@@ -1,0 +1,113 @@
+"""Save identity: which ``save()`` call wrote a committed copy, and which save is newer.
+
+Every copy of one save — a node's own local step, each of its replicas, a pulled copy, the
+persistent step — records the same identity in its manifest (replicas and pulls keep the source
+manifest's bytes), so a restore combines only copies of one save (:func:`tierckpt.restore.plan.
+plan_restore`), and a rollback or a fallback tells this run's copies from an abandoned
+timeline's by identity, never by the wall clock of the host that wrote them
+(:mod:`tierckpt.history.rollback`).
+
+Identity fields of a manifest:
+
+- ``save_id``: ``"<run id>.<seq>"`` — the run id every rank of the job agreed at start (the
+  ledger's ``run_id``) and the number of the ``save()`` call in that run (every rank calls
+  ``save()`` collectively, so every rank counts the same). The tiers of one ``save()`` call
+  share it: a local and a persistent copy of step N from two different calls never combine.
+- ``save_order``: ``[generation, seq]``, the agreed order of saves. The generation of a run is
+  one more than the highest generation recorded by any committed copy the job could see when it
+  started (its node-local roots and the persistent tier, all-gathered), so a later run's saves
+  order after every save it could have restored, whatever the hosts' clocks say.
+
+Copies written before save identities existed record neither: they form one legacy save
+(identity ``None``, ordered before every identified save), which is how they were planned before.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+LEGACY_ORDER = (-1, -1)
+
+
+@dataclass(frozen=True)
+class SaveIdentity:
+    """One ``save()`` call's identity (see the module docstring).
+
+    Attributes:
+        run: the run id (12 hex characters, agreed at start).
+        generation: the run's generation (>= 0).
+        seq: the number of the ``save()`` call in this run (>= 0).
+    """
+
+    run: str
+    generation: int
+    seq: int
+
+    @property
+    def save_id(self) -> str:
+        """``"<run>.<seq>"``."""
+        return f"{self.run}.{self.seq}"
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """``(generation, seq)``: larger is newer."""
+        return (self.generation, self.seq)
+
+    def manifest_fields(self) -> dict:
+        """What a tier records in the manifest of a copy of this save."""
+        return {"save_id": self.save_id, "save_order": list(self.order)}
+
+
+def of_manifest(doc: dict | None) -> tuple[str | None, tuple[int, int]]:
+    """``(save_id, order)`` recorded by a manifest; ``(None, LEGACY_ORDER)`` when it records none
+    (a copy written before save identities) or an unreadable value."""
+    if not isinstance(doc, dict):
+        return None, LEGACY_ORDER
+    sid, order = doc.get("save_id"), doc.get("save_order")
+    if not isinstance(sid, str):
+        return None, LEGACY_ORDER
+    try:
+        gen, seq = (int(x) for x in order)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        return sid, LEGACY_ORDER
+    return sid, (gen, seq)
+
+
+def run_of(save_id: str | None) -> str | None:
+    """The run id part of a ``save_id`` (None for a legacy copy)."""
+    return None if save_id is None else save_id.rsplit(".", 1)[0]
+
+
+def sort_key(save_id: str | None, order: tuple[int, int]) -> tuple:
+    """Sort key of a save, newest last: its order, then its id (a tie only between runs that
+    could not see each other's copies; broken the same way on every rank)."""
+    return (tuple(order), save_id or "")
+
+
+class Timeline:
+    """The saves of this run: hands out one :class:`SaveIdentity` per ``save()`` call.
+
+    Args:
+        run: the run id agreed by every rank.
+        generation: one more than the newest generation any committed copy recorded at start
+            (:func:`tierckpt.startup.agree_generation`), the same on every rank.
+    """
+
+    def __init__(self, run: str, generation: int):
+        if generation < 0:
+            raise ValueError(f"generation must be >= 0, got {generation}")
+        self.run, self.generation = run, generation
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def next(self) -> SaveIdentity:
+        """The identity of the next ``save()`` call (every rank calls it once per call)."""
+        with self._lock:
+            ident = SaveIdentity(self.run, self.generation, self._seq)
+            self._seq += 1
+        return ident
+
+    def is_mine(self, save_id: str | None) -> bool:
+        """Whether a copy recording ``save_id`` was written by this run."""
+        return run_of(save_id) == self.run
