@@ -614,7 +614,7 @@ class TieredCheckpointer:
             # newest save could not be served (a fallback); saves passed over are superseded at
             # this run's first commit (tierckpt/history/rollback.py)
             self.rollback.arm(res.step, self.restorer.last_inventory, res.save_id, self.timeline.run,
-                              EXPLICIT if rollback else FALLBACK)
+                              self.timeline.next_seq, EXPLICIT if rollback else FALLBACK)
         with self._lock:  # every node's copy of res.step sits on some node's local disk
             self.local_anchor = res.step if all(o.source.kind != PERSISTENT for o in res.sources.values()) else None
         if self.schedule is not None:

@@ -16,8 +16,8 @@ over the new one (retention counts committed steps only: a corrupt newest step c
 make it delete the step just committed).
 
 What is superseded is decided by save identity (:mod:`tierckpt.history.timeline`), never by
-comparing the wall clocks of different hosts: a copy is left alone when its manifest names a
-save of this run (a step number this run wrote again) or the save restored.
+comparing the wall clocks of different hosts: a copy is left alone when its manifest names the
+save restored or a save this run made after the restore (a step number it wrote again).
 
 Each node leader supersedes the copies in its own local root (its steps and the replicas it
 holds), global rank 0 the persistent tier: no collective, so it can run on whichever tier's
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from tierckpt.history.timeline import of_manifest, run_of
+from tierckpt.history.timeline import of_manifest, run_of, seq_of
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 from tierckpt.restore import Inventory
@@ -47,7 +47,8 @@ class PendingRollback:
         to_step: the step restored.
         inv: the inventory the restore planned from (every node's view, all-gathered).
         keep: the save restored (its copies of ``to_step`` stay).
-        run: this run's id: copies recording a save of this run are never superseded.
+        run, first_seq: this run's id and the number of its first ``save()`` call after the
+            restore: copies of those saves (the new timeline) are never superseded.
         cause: :data:`EXPLICIT` (a rollback by name) or :data:`FALLBACK` (a restore that could
             not serve the newest save).
 
@@ -57,8 +58,9 @@ class PendingRollback:
             copies passed over; ``persistent``: persistent steps passed over.
     """
 
-    def __init__(self, to_step: int, inv: Inventory, keep: str | None, run: str, cause: str = EXPLICIT):
-        self.to_step, self.keep, self.run, self.cause = to_step, keep, run, cause
+    def __init__(self, to_step: int, inv: Inventory, keep: str | None, run: str, first_seq: int = 0,
+                 cause: str = EXPLICIT):
+        self.to_step, self.keep, self.run, self.first_seq, self.cause = to_step, keep, run, first_seq, cause
         ids = {(h, rel): sid for s, by_save in inv.saves.items() for sid, by_node in by_save.items()
                for by_h in by_node.values() for h, rel in by_h.items()}
         dirs = {s: set(d) for s, d in inv.dirs.items()}
@@ -81,7 +83,7 @@ class PendingRollback:
 
     def _passed_over(self, step: int, save_id: str | None) -> bool:
         """A copy of ``step`` written by ``save_id`` belongs to a timeline this run abandons."""
-        if run_of(save_id) == self.run and save_id is not None:
+        if save_id is not None and run_of(save_id) == self.run and seq_of(save_id) >= self.first_seq:
             return False
         return step > self.to_step or (step == self.to_step and save_id != self.keep)
 
@@ -154,16 +156,18 @@ class RollbackTracker:
         """A rollback waits for this run's first commit."""
         return self._pending is not None
 
-    def arm(self, step: int, inv: Inventory, keep: str | None, run: str, cause: str = EXPLICIT) -> None:
+    def arm(self, step: int, inv: Inventory, keep: str | None, run: str, first_seq: int,
+            cause: str = EXPLICIT) -> None:
         """Remember the copies ``inv`` (the restore's inventory) holds of saves newer than the
-        restored one (``step``, save ``keep``) and of other saves under ``step``; ``run``: this
-        run's id; ``cause``: :data:`EXPLICIT` or :data:`FALLBACK`. Nothing to remember: nothing
-        armed."""
-        rb = PendingRollback(step, inv, keep, run, cause)
+        restored one (``step``, save ``keep``) and of other saves under ``step``; ``run``,
+        ``first_seq``: this run's id and its next ``save()`` number; ``cause``: :data:`EXPLICIT`
+        or :data:`FALLBACK`. Nothing to remember: nothing armed (and an earlier armed one that
+        has not run yet is replaced: the newest restore decides the timeline)."""
+        rb = PendingRollback(step, inv, keep, run, first_seq, cause)
+        with self._lock:
+            self._pending = None if rb.empty else rb
         if rb.empty:
             return
-        with self._lock:
-            self._pending = rb
         why = "rollback" if cause == EXPLICIT else "fallback (the newest save could not be restored)"
         log.warning("tierckpt: %s to step %d armed: %d newer or other saves' copies (up to step %d) stay resume "
                     "points until this run commits its first step, then they are superseded", why, step,

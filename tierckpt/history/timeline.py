@@ -79,6 +79,14 @@ def run_of(save_id: str | None) -> str | None:
     return None if save_id is None else save_id.rsplit(".", 1)[0]
 
 
+def seq_of(save_id: str | None) -> int:
+    """The ``save()`` call number part of a ``save_id`` (-1 for a legacy or malformed id)."""
+    try:
+        return int(save_id.rsplit(".", 1)[1]) if save_id else -1
+    except (IndexError, ValueError):
+        return -1
+
+
 def sort_key(save_id: str | None, order: tuple[int, int]) -> tuple:
     """Sort key of a save, newest last: its order, then its id (a tie only between runs that
     could not see each other's copies; broken the same way on every rank)."""
@@ -107,6 +115,12 @@ class Timeline:
             ident = SaveIdentity(self.run, self.generation, self._seq)
             self._seq += 1
         return ident
+
+    @property
+    def next_seq(self) -> int:
+        """The number the next ``save()`` call of this run gets."""
+        with self._lock:
+            return self._seq
 
     def is_mine(self, save_id: str | None) -> bool:
         """Whether a copy recording ``save_id`` was written by this run."""
