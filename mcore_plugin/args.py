@@ -99,6 +99,9 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--non-persistent-local-ckpt-dir, taken as node-private.")
     g.add_argument("--ckpt-plugin-local-root-is-node-private", action="store_true", default=False,
                    help="The local root may omit {node}/{hostname}: each node's path is on its own disk.")
+    g.add_argument("--ckpt-plugin-local-permissions", default=None, metavar="SETTING", help=(
+        "Modes of all the plugin writes under the local root, whatever the umask: private (default; directories "
+        "0700, files 0600) or group (0750/0640, the group may read). --save follows the umask."))
     g.add_argument("--ckpt-plugin-replication-jump", type=_positive_int("--ckpt-plugin-replication-jump"),
                    default=None, metavar="J",
                    help="J, counted in nodes: node n's local checkpoint is copied to nodes n+J, n+2J, ... "
@@ -153,12 +156,10 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ckpt-plugin-persistent-keep",
                    type=_nonneg_int("--ckpt-plugin-persistent-keep", "0 keeps all"),
                    default=None, metavar="K", help="Committed persistent steps kept (default 3).")
-    g.add_argument("--ckpt-plugin-job-id", default=None, metavar="ID",
-                   help="Value of {job} in the local root; keep it stable across restarts "
-                        "(default: SLURM_JOB_ID, else 'job').")
-    g.add_argument("--ckpt-plugin-simulated-ranks-per-node",
+    g.add_argument("--ckpt-plugin-job-id", default=None, metavar="ID", help=(
+        "Value of {job} in the local root; keep it stable across restarts (default: SLURM_JOB_ID, else 'job')."))
+    g.add_argument("--ckpt-plugin-simulated-ranks-per-node", default=None, metavar="N",
                    type=_nonneg_int("--ckpt-plugin-simulated-ranks-per-node", "0 = real topology"),
-                   default=None, metavar="N",
                    help="Simulate nodes on one machine: node = rank // N (tests, demos).")
     return parser
 
@@ -211,6 +212,8 @@ class PluginSettings:
             the engine's default, defer).
         cpu_staging: ``"blocking"`` or ``"overlapped"`` (``TierConfig.cpu_staging``; None = the
             engine's default, blocking).
+        local_permissions: ``"private"`` or ``"group"`` (``TierConfig.local_permissions``; None =
+            the engine's default, private).
     """
 
     tiers: tuple[str, ...]
@@ -229,6 +232,7 @@ class PluginSettings:
     warn_only: tuple[str, ...] = ("local",)
     busy_tier_policy: str | None = None
     cpu_staging: str | None = None
+    local_permissions: str | None = None
 
 
 # id(args) -> (weak reference to args, settings); Namespace is not hashable (it defines __eq__)
@@ -343,7 +347,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout,
         warn_only=tuple(getattr(args, "ckpt_plugin_warn_only", None) or ("local",)),
         busy_tier_policy=getattr(args, "ckpt_plugin_busy_tier_policy", None),
-        cpu_staging=getattr(args, "ckpt_plugin_cpu_staging", None),
+        cpu_staging=getattr(args, "ckpt_plugin_cpu_staging", None), local_permissions=args.ckpt_plugin_local_permissions,
     )
     tier_config_from_args(args, settings)  # the engine's own bounds, with the flag names users typed
     _set_settings(args, settings)
@@ -474,6 +478,7 @@ def _local_tier(args: argparse.Namespace, tiers: tuple[str, ...], intervals: dic
         for flag, v in (("--ckpt-plugin-local-root", local_root),
                         ("--ckpt-plugin-local-keep", args.ckpt_plugin_local_keep),
                         ("--ckpt-plugin-local-wait-timeout", args.ckpt_plugin_local_wait_timeout),
+                        ("--ckpt-plugin-local-permissions", getattr(args, "ckpt_plugin_local_permissions", None)),
                         ("--ckpt-plugin-replication-jump", J), ("--ckpt-plugin-replication-factor", F)):
             if v is not None:
                 raise ConfigError(flag, "needs the local tier: add --ckpt-plugin-local-interval N "
@@ -519,6 +524,7 @@ _FIELD_TO_FLAG = {
     "warn_only": "--ckpt-plugin-warn-only",
     "busy_tier_policy": "--ckpt-plugin-busy-tier-policy",
     "cpu_staging": "--ckpt-plugin-cpu-staging",
+    "local_permissions": "--ckpt-plugin-local-permissions",
     "min_steps": "--ckpt-plugin-min-interval",
     "max_steps": "--ckpt-plugin-max-interval",
     "gpu_mtbf_s": "--ckpt-plugin-gpu-mtbf-hours",
@@ -557,6 +563,8 @@ def tier_config_from_args(args: argparse.Namespace, settings: PluginSettings | N
         extra["busy_tier_policy"] = settings.busy_tier_policy
     if settings.cpu_staging is not None:
         extra["cpu_staging"] = settings.cpu_staging
+    if settings.local_permissions is not None:
+        extra["local_permissions"] = settings.local_permissions
     try:
         return TierConfig(
             **extra,

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tierckpt.errors import ConfigError
+from tierckpt.io.perms import modes_of
 from tierckpt.preemption import signal_numbers
 from tierckpt.sched.mtbf import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT, prior_params
 
@@ -284,6 +285,11 @@ class TierConfig(_KnownFields):
             (``save(..., wait_previous=True)``, ``save_for_preemption``) always wait.
         local_root_is_node_private: the template may omit ``{node}`` because each node's path
             is on its own disk.
+        local_permissions: permission bits of everything tierckpt writes under a node-local
+            root (own steps, replicas, restore pulls, the root when tierckpt creates it),
+            set exactly whatever the umask: ``"private"`` (default; directories 0700, files
+            0600: the job's user only) or ``"group"`` (0750 / 0640: the user's group may read).
+            The persistent tier is not affected (the umask and default ACLs decide there).
         simulated_ranks_per_node: > 0 simulates nodes on one machine: node = rank // this
             (tests and demos); 0 derives nodes from the environment (torchrun, Slurm, hostname).
         intervals: ``{tier: steps}`` between saves, for :meth:`TieredCheckpointer.due`; for an
@@ -330,6 +336,7 @@ class TierConfig(_KnownFields):
     local_wait_timeout_s: float = 300.0  # MAX_WAIT_S at most
     busy_tier_policy: str | Mapping[str, str] = "defer"
     local_root_is_node_private: bool = False
+    local_permissions: str = "private"
     simulated_ranks_per_node: int = 0
     intervals: Mapping[str, int] | None = None
     adaptive: tuple[str, ...] = ()
@@ -355,6 +362,7 @@ class TierConfig(_KnownFields):
             raise ConfigError("tiers", f"at least one tier is required; allowed: {', '.join(TIERS)}")
         if "local" in self.tiers:
             _check_template(self.local_root, self.local_root_is_node_private)
+        modes_of(self.local_permissions)  # raises naming local_permissions and the allowed values
         if not self.persistent_root:
             raise ConfigError(
                 "persistent_root",

@@ -18,6 +18,8 @@ from tierckpt.dist.collectives import broadcast_from_first, first_by_rank, gathe
 from tierckpt.dist.topology import Topology
 from tierckpt.errors import ConfigError
 from tierckpt.history import lineage
+from tierckpt.io import layout, perms
+from tierckpt.io.perms import modes_of
 from tierckpt.io.storage import Store
 from tierckpt.tiers import ram, retention
 from tierckpt.tiers.local_tier import LocalTier
@@ -30,26 +32,47 @@ def open_local_tier(cfg: TierConfig, topo: Topology, node_group, in_use: retenti
     """The node's local tier (None when not configured) and this rank's problem with it.
 
     The node leader first removes torn steps and unfinished restore pulls of an earlier run
-    (e.g. a full disk must not stay full); every rank then checks the root is writable
-    (``local_root``)."""
+    (e.g. a full disk must not stay full) and sets tierckpt's directories there to
+    ``local_permissions`` (:func:`tighten_local`); every rank then checks the root is writable
+    (``local_root``), creating it with those modes."""
     if "local" not in cfg.tiers:
         return None, None
     root = cfg.local_root_for(topo.node, topo.hostname)
+    store = Store(root, modes_of(cfg.local_permissions))
     if topo.is_node_leader:
         try:
-            retention.purge_local(Store(root), 0, in_use)
-            retention.purge_incoming(Store(root))
+            retention.purge_local(store, 0, in_use)
+            retention.purge_incoming(store)
         except OSError as e:
             log.warning("tierckpt: could not clean torn steps under %s: %s", root, e)
+        tighten_local(store)
     err = None
     if topo.is_node_leader and ram.is_ram_root(root):
         log.info("tierckpt: node %d: local_root %s is in host memory (tmpfs): it survives a process "
                  "restart, not a reboot; its footprint is checked at the first local save", topo.node, root)
     try:
-        _probe_writable(root)
+        _probe_writable(store)
     except OSError as e:
         err = ConfigError("local_root", f"{root!r} (node {topo.node}) is not writable: {e}")
-    return LocalTier(Store(root), topo, node_group), err
+    return LocalTier(store, topo, node_group), err
+
+
+def tighten_local(store: Store) -> None:
+    """Set ``local/``, ``replicas/`` and each ``replicas/node-<m>/`` of a node-local root to the
+    store's directory mode when an earlier run (another ``local_permissions``, or a version
+    that followed the umask) left them otherwise; what lies inside is then out of others'
+    reach for ``"private"``. The root itself is left as it is when it already exists (an
+    operator may have made it). Never raises: a failure is a warning."""
+    if store.modes is None:
+        return
+    rels = ["local", "replicas"] + [f"replicas/{n}" for n in store.listdir("replicas")
+                                    if layout.parse_node(n) is not None]
+    for rel in rels:
+        try:
+            if perms.tighten(store.path(rel), store.modes.dir):
+                log.info("tierckpt: %s set to mode %04o (local_permissions)", store.path(rel), store.modes.dir)
+        except OSError as e:
+            log.warning("tierckpt: could not set the mode of %s: %s", store.path(rel), e)
 
 
 def open_persistent_root(cfg: TierConfig, rank: int) -> tuple[Store, tuple | None, ConfigError | None]:
@@ -137,12 +160,12 @@ def purge_other_lineages(local: LocalTier, topo: Topology, in_use: retention.InU
         log.warning("tierckpt: could not purge node-local steps of other lineages under %s: %s", local.store.url, e)
 
 
-def _probe_writable(root: str) -> None:
-    os.makedirs(root, exist_ok=True)
-    probe = os.path.join(root, f".tierckpt-probe-{os.getpid()}")
-    with open(probe, "wb") as f:
+def _probe_writable(store: Store) -> None:
+    store.makedirs("")  # a root tierckpt creates gets local_permissions
+    probe = f".tierckpt-probe-{os.getpid()}"
+    with store.open(probe, "wb") as f:
         f.write(b"x")
-    os.remove(probe)
+    store.remove(probe)
 
 
 def agree_generation(local: LocalTier | None, persistent, topo: Topology, group) -> int:

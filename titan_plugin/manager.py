@@ -94,6 +94,11 @@ class TieredCheckpointManager(CheckpointManager):
         local_keep_latest_k: int = 2
         """Committed local steps (and replicas per peer) kept per node; 0 keeps all."""
 
+        local_permissions: str = "private"
+        """Permissions of everything written under the node-local root, whatever the umask:
+        "private" (directories 0700, files 0600) or "group" (0750/0640, the user's group may
+        read). The persistent folder follows the umask."""
+
         replication_jump: int = 1
         """J: node n's replicas go to n+J, n+2J, … inside its clique (nvidia-resiliency-ext)."""
 
@@ -181,6 +186,9 @@ class TieredCheckpointManager(CheckpointManager):
             if self.cpu_staging not in ("blocking", "overlapped"):
                 raise ConfigError("checkpoint.cpu_staging",
                                   f"must be 'blocking' or 'overlapped', got {self.cpu_staging!r}")
+            if self.local_permissions not in ("private", "group"):
+                raise ConfigError("checkpoint.local_permissions",
+                                  f"must be 'private' (0700/0600) or 'group' (0750/0640), got {self.local_permissions!r}")
             if self.busy_tier_policy not in ("defer", "wait"):
                 raise ConfigError("checkpoint.busy_tier_policy",
                                   f"must be 'defer' or 'wait', got {self.busy_tier_policy!r}")

@@ -15,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from pathlib import Path
 
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.serialization import get_crc32_options, set_crc32_options
+
+from tierckpt.io import perms
+from tierckpt.io.perms import Modes
 
 _crc_lock = threading.Lock()
 _crc_users = 0
@@ -79,12 +81,27 @@ class _HashingStream:
 
 class HashingFileSystem(FileSystem):
     """DCP ``FileSystem`` that records ``digests[path] = (size, xxh3-64 hex)`` of each file it
-    writes (following renames, so ``.metadata.tmp`` → ``.metadata`` keeps its digest)."""
+    writes (following renames, so ``.metadata.tmp`` → ``.metadata`` keeps its digest).
 
-    def __init__(self):
+    Args:
+        modes: exact bits of the files and directories it creates (a node-local root's
+            ``local_permissions``): each file is created with them, never chmod-ed afterwards
+            from a wider mode. None: the umask's bits (the persistent tier).
+        top: highest directory that gets ``modes.dir`` when DCP creates it (the local root);
+            its missing parents keep the default mode.
+    """
+
+    def __init__(self, modes: Modes | None = None, top: str | None = None):
         super().__init__()
         self.digests: dict[str, tuple[int, str]] = {}
         self._lock = threading.Lock()
+        self.modes, self.top = modes, top
+
+    def mkdir(self, path) -> None:
+        if self.modes is None:
+            super().mkdir(path)
+        else:
+            perms.makedirs(str(path), self.modes.dir, self.top)
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
@@ -92,7 +109,7 @@ class HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as s:
                 yield s
             return
-        with Path(path).open(mode) as f:
+        with open(path, mode, opener=None if self.modes is None else perms.opener(self.modes.file)) as f:
             hs = _HashingStream(f)
             yield hs
         if hs.valid and "a" not in mode:
@@ -107,10 +124,11 @@ class HashingFileSystem(FileSystem):
                 self.digests[os.path.abspath(str(new_path))] = d
 
 
-def hashing_writer(path: str) -> FileSystemWriter:
-    """``FileSystemWriter`` (fsync on) whose ``fs.digests`` holds the checksums it wrote."""
+def hashing_writer(path: str, modes: Modes | None = None, top: str | None = None) -> FileSystemWriter:
+    """``FileSystemWriter`` (fsync on) whose ``fs.digests`` holds the checksums it wrote; its
+    files and directories get ``modes`` (see :class:`HashingFileSystem`)."""
     w = FileSystemWriter(path, sync_files=True, overwrite=True)
-    w.fs = HashingFileSystem()
+    w.fs = HashingFileSystem(modes, top)
     return w
 
 

@@ -4,6 +4,10 @@ The local tier and a persistent tier on a POSIX path need fsync for the commit p
 object stores have no fsync but make an object visible only once it is fully written, so the
 same protocol (data → manifest → marker) holds there too. Paths handed to a :class:`Store`
 are always relative, '/'-separated, so ``s3://`` URLs never go through ``os.path``.
+
+A node-local root's Store carries :class:`~tierckpt.io.perms.Modes` (``local_permissions``):
+every directory and file it creates gets exactly those bits (:mod:`tierckpt.io.perms`). A
+Store without modes (the persistent tier) creates what the umask and default ACLs give.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from typing import IO, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from tierckpt.io import perms
+from tierckpt.io.perms import Modes
+
 
 def _is_local_url(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
@@ -25,14 +32,19 @@ class Store:
 
     Args:
         root: local path or fsspec URL, e.g. ``/lustre/run1`` or ``s3://bucket/run1``.
+        modes: exact permission bits of every directory and file this Store creates (the root
+            included when it creates it, not the root's missing parents); local paths only.
+            None: the umask's and default ACLs' bits, and a file :meth:`write_atomic`
+            replaces keeps no bit its predecessor lacked.
         storage_options: passed to ``fsspec.core.url_to_fs`` for remote URLs.
 
     All ``rel`` arguments are '/'-separated paths relative to ``root``.
     """
 
-    def __init__(self, root: str, **storage_options):
+    def __init__(self, root: str, modes: Modes | None = None, **storage_options):
         self.url = str(root)
         self.local = _is_local_url(self.url)
+        self.modes = modes if self.local else None
         if self.local:
             path = self.url[len("file://"):] if self.url.startswith("file://") else self.url
             self.root = os.path.abspath(path)
@@ -56,7 +68,7 @@ class Store:
 
     def sub(self, rel: str) -> "Store":
         """A Store rooted at ``rel``."""
-        return Store(self.url_of(rel)) if not self.local else Store(self.path(rel))
+        return Store(self.url_of(rel)) if not self.local else Store(self.path(rel), self.modes)
 
     # -- queries -----------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
@@ -99,12 +111,34 @@ class Store:
 
     # -- I/O ---------------------------------------------------------------------------------
     def open(self, rel: str, mode: str = "rb") -> IO:
-        """Open ``rel`` (parent directories are created for writes on local paths)."""
+        """Open ``rel`` (parent directories are created for writes on local paths; a file
+        created gets the Store's modes)."""
         if self.local:
-            if any(c in mode for c in "wa"):
-                os.makedirs(os.path.dirname(self.path(rel)), exist_ok=True)
+            if any(c in mode for c in "wax"):
+                self._makedirs_path(os.path.dirname(self.path(rel)))
+                if self.modes is not None:
+                    return open(self.path(rel), mode, opener=perms.opener(self.modes.file))
             return open(self.path(rel), mode)
         return self.fs.open(self.path(rel), mode)
+
+    def create_fd(self, rel: str, flags: int) -> int:
+        """``os.open`` of local file ``rel`` with ``flags | O_CREAT`` (parents created), with
+        the Store's file mode (None: ``0o644`` under the umask). The caller closes it.
+
+        Raises:
+            OSError: as ``os.open`` (e.g. a filesystem refusing ``O_DIRECT``).
+        """
+        path = self.path(rel)
+        self._makedirs_path(os.path.dirname(path))
+        if self.modes is None:
+            return os.open(path, flags | os.O_CREAT, 0o644)
+        return perms.open_fd(path, flags, self.modes.file)
+
+    def _makedirs_path(self, path: str) -> None:
+        if self.modes is None:
+            os.makedirs(path, exist_ok=True)
+        else:
+            perms.makedirs(path, self.modes.dir, top=self.root)
 
     def read_bytes(self, rel: str) -> bytes:
         """Whole content of ``rel``."""
@@ -112,9 +146,9 @@ class Store:
             return f.read()
 
     def makedirs(self, rel: str = "") -> None:
-        """Create directory ``rel`` and its parents; existing is fine."""
+        """Create directory ``rel`` and its parents (with the Store's modes); existing is fine."""
         if self.local:
-            os.makedirs(self.path(rel), exist_ok=True)
+            self._makedirs_path(self.path(rel))
         else:
             self.fs.makedirs(self.path(rel), exist_ok=True)
 
@@ -122,13 +156,16 @@ class Store:
         """Write ``data`` so readers see either nothing or all of it.
 
         Local: write ``rel.tmp`` → fsync → rename → fsync the directory (POSIX rename is
-        atomic). Remote: a single put, which object stores make visible only when complete.
+        atomic); the file gets the Store's modes, or without modes is no wider than the file
+        it replaces (a user who narrowed it keeps it narrow). Remote: a single put, which
+        object stores make visible only when complete.
         """
         if self.local:
             p = self.path(rel)
-            os.makedirs(os.path.dirname(p), exist_ok=True)
             tmp = p + ".tmp"
-            with open(tmp, "wb") as f:
+            with self.open(rel + ".tmp", "wb") as f:  # parents created, the Store's modes
+                if self.modes is None:
+                    perms.narrow_like(f.fileno(), p)
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())

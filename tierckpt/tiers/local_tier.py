@@ -111,7 +111,7 @@ class LocalTier:
         topo = self.topo
 
         def write() -> dict[str, tuple[int, str]]:
-            writer = hashing_writer(self.store.path(rel))
+            writer = hashing_writer(self.store.path(rel), self.store.modes, self.store.root)
             with crc32_off():
                 dcp.save(staged, storage_writer=writer, planner=NodeLocalSavePlanner(), process_group=self.group)
             return digests_under(writer, self.store.path(rel))

@@ -125,16 +125,16 @@ class _FileSink:
             self.thread.start()
 
     def _open(self, i: int) -> None:
-        path = self.store.path(f"{self.dst_rel}/{self.entries[i].path}")
+        rel = f"{self.dst_rel}/{self.entries[i].path}"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            # created with the local root's modes (local_permissions), parents included
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
             try:
                 if not self.direct_ok:
                     raise OSError("chunk offsets not aligned for O_DIRECT")
-                self.fds[i] = (os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644), hasattr(os, "O_DIRECT"))
+                self.fds[i] = (self.store.create_fd(rel, flags | getattr(os, "O_DIRECT", 0)), hasattr(os, "O_DIRECT"))
             except OSError:  # tmpfs and some network filesystems refuse O_DIRECT
-                self.fds[i] = (os.open(path, flags, 0o644), False)
+                self.fds[i] = (self.store.create_fd(rel, flags), False)
         except OSError as ex:
             self.failed[i] = f"{type(ex).__name__}: {ex}"
 
