@@ -139,6 +139,11 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    type=_nonneg_float("--ckpt-plugin-local-wait-timeout", "0 = no limit"), default=None,
                    metavar="SECONDS", help="Longest a local save waits for the previous one; then that step "
                                            "skips the local tier on every rank (default 300; 0 = no limit).")
+    g.add_argument("--ckpt-plugin-restore-read-timeout",
+                   type=_nonneg_float("--ckpt-plugin-restore-read-timeout", "0 = the default"), default=None,
+                   metavar="SECONDS", help="Longest a restore waits for a read of a source that makes no progress "
+                                           "(a hung disk); that source then counts as failed and the restore "
+                                           "falls back to the next one (default min(60, collective timeout / 3)).")
     g.add_argument("--ckpt-plugin-busy-tier-policy", choices=("defer", "wait"), default=None,
                    help="A tier due while its previous save still runs: defer (default; the plugin's "
                         "local tier skips that iteration and saves at the first one where the running "
@@ -211,6 +216,8 @@ class PluginSettings:
             the engine's default, defer).
         cpu_staging: ``"blocking"`` or ``"overlapped"`` (``TierConfig.cpu_staging``; None = the
             engine's default, blocking).
+        restore_read_timeout_s: ``TierConfig.restore_read_timeout_s`` (seconds; None = the
+            engine's default).
     """
 
     tiers: tuple[str, ...]
@@ -229,6 +236,7 @@ class PluginSettings:
     warn_only: tuple[str, ...] = ("local",)
     busy_tier_policy: str | None = None
     cpu_staging: str | None = None
+    restore_read_timeout_s: float | None = None
 
 
 # id(args) -> (weak reference to args, settings); Namespace is not hashable (it defines __eq__)
@@ -344,6 +352,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         warn_only=tuple(getattr(args, "ckpt_plugin_warn_only", None) or ("local",)),
         busy_tier_policy=getattr(args, "ckpt_plugin_busy_tier_policy", None),
         cpu_staging=getattr(args, "ckpt_plugin_cpu_staging", None),
+        restore_read_timeout_s=getattr(args, "ckpt_plugin_restore_read_timeout", None) or None,
     )
     tier_config_from_args(args, settings)  # the engine's own bounds, with the flag names users typed
     _set_settings(args, settings)
@@ -519,6 +528,7 @@ _FIELD_TO_FLAG = {
     "warn_only": "--ckpt-plugin-warn-only",
     "busy_tier_policy": "--ckpt-plugin-busy-tier-policy",
     "cpu_staging": "--ckpt-plugin-cpu-staging",
+    "restore_read_timeout_s": "--ckpt-plugin-restore-read-timeout",
     "min_steps": "--ckpt-plugin-min-interval",
     "max_steps": "--ckpt-plugin-max-interval",
     "gpu_mtbf_s": "--ckpt-plugin-gpu-mtbf-hours",
@@ -557,6 +567,8 @@ def tier_config_from_args(args: argparse.Namespace, settings: PluginSettings | N
         extra["busy_tier_policy"] = settings.busy_tier_policy
     if settings.cpu_staging is not None:
         extra["cpu_staging"] = settings.cpu_staging
+    if settings.restore_read_timeout_s is not None:
+        extra["restore_read_timeout_s"] = settings.restore_read_timeout_s
     try:
         return TierConfig(
             **extra,
