@@ -139,11 +139,7 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    type=_nonneg_float("--ckpt-plugin-local-wait-timeout", "0 = no limit"), default=None,
                    metavar="SECONDS", help="Longest a local save waits for the previous one; then that step "
                                            "skips the local tier on every rank (default 300; 0 = no limit).")
-    g.add_argument("--ckpt-plugin-restore-read-timeout",
-                   type=_nonneg_float("--ckpt-plugin-restore-read-timeout", "0 = the default"), default=None,
-                   metavar="SECONDS", help="Longest a restore waits for a read of a source that makes no progress "
-                                           "(a hung disk); that source then counts as failed and the restore "
-                                           "falls back to the next one (default min(60, collective timeout / 3)).")
+    _add_restore_args(g)
     g.add_argument("--ckpt-plugin-busy-tier-policy", choices=("defer", "wait"), default=None,
                    help="A tier due while its previous save still runs: defer (default; the plugin's "
                         "local tier skips that iteration and saves at the first one where the running "
@@ -276,6 +272,15 @@ def _agree(args, plugin_dest: str, megatron_dest: str, what: str):
     return mine if mine is not None else (theirs or None)
 
 
+def _add_restore_args(g) -> None:
+    """The flags of the restore (argument group ``g`` of :func:`add_plugin_args`)."""
+    g.add_argument("--ckpt-plugin-restore-read-timeout",
+                   type=_nonneg_float("--ckpt-plugin-restore-read-timeout", "0 = the default"), default=None,
+                   metavar="SECONDS", help="Longest a restore waits for a read of a source that makes no progress "
+                                           "(a hung disk); that source then counts as failed and the restore "
+                                           "falls back to the next one (default min(60, collective timeout / 3)).")
+
+
 def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
     """Check the plugin flags and their combination with Megatron's own; adjust ``args``.
 
@@ -345,8 +350,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         tiers=tiers, intervals=intervals, adaptive=adaptive, local_root=local_root,
         local_root_is_node_private=node_private, replication_jump=int(J or 1),
         replication_factor=int(F or 2) if "local" in tiers else 1, keep_latest_k=keep,
-        job_id=args.ckpt_plugin_job_id,
-        simulated_ranks_per_node=int(args.ckpt_plugin_simulated_ranks_per_node or 0),
+        job_id=args.ckpt_plugin_job_id, simulated_ranks_per_node=int(args.ckpt_plugin_simulated_ranks_per_node or 0),
         schedule_options=schedule, notes=notes,
         local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout,
         warn_only=tuple(getattr(args, "ckpt_plugin_warn_only", None) or ("local",)),
