@@ -95,3 +95,55 @@ def test_run_bounded_leaves_a_hung_read_behind(tmp_path):
     w.start()
     w.join(10)
     assert run_bounded(lambda p: 7, 0.5, "next") == 7
+
+
+def _committed_step(tmp_path, files: dict[str, bytes]):
+    from tierckpt.io import manifest
+    from tierckpt.io.storage import Store
+
+    store = Store(str(tmp_path))
+    os.makedirs(store.path("s"))
+    for name, b in files.items():
+        with open(store.path(f"s/{name}"), "wb") as f:
+            f.write(b)
+    manifest.commit(store, "s", [manifest.FileEntry(n, len(b), manifest.hash_file(store, f"s/{n}").xxh3_64)
+                                 for n, b in files.items()])
+    return store
+
+
+def test_own_read_whose_pages_never_come_times_out_and_is_left_behind(tmp_path, monkeypatch):
+    """The mapping succeeded but the read of the big file's pages hangs (a hung disk inside a
+    page fault): the load's wait for those pages, the result and the cleanup all end within
+    the bound; the small file read before it stays usable."""
+    from tierckpt.io import memory_read
+
+    store = _committed_step(tmp_path, {".metadata": b"m" * 100, "__0_0.distcp": os.urandom(3 << 20)})
+    touch = memory_read.touch_share
+
+    def hanging_touch(entries, mapped, done):
+        touch([e for e in entries if e.size <= 100], mapped, done)  # the small file arrives
+        threading.Event().wait()  # the big one never does
+
+    monkeypatch.setattr(memory_read, "touch_share", hanging_touch)
+    t0 = time.monotonic()
+    own = memory_read.OwnRead(store, "s", 0, 1, 1 << 30, timeout_s=1.0)
+    assert own.started and set(own.mapped()) == {".metadata", "__0_0.distcp"}
+    own.wait(".metadata", 100)  # read: no wait
+    with pytest.raises(ReadTimeout, match="no progress for 1 s"):
+        own.wait("__0_0.distcp", 4096)
+    with pytest.raises(ReadTimeout):  # given up once: at once
+        own.result()
+    own.join()  # the cleanup does not wait for the stuck helper
+    assert time.monotonic() - t0 < 8
+
+
+def test_own_read_that_blocks_on_open_times_out(tmp_path):
+    from tierckpt.io import memory_read
+
+    store = _committed_step(tmp_path, {".metadata": b"m" * 100, "__0_0.distcp": os.urandom(8192)})
+    scenarios_hung.hang(store.path("s/__0_0.distcp"))
+    own = memory_read.OwnRead(store, "s", 0, 1, 1 << 30, timeout_s=1.0)
+    with pytest.raises(ReadTimeout, match=r"reading .*__0_0.distcp"):
+        own.mapped()
+    own.join()
+    threading.Thread(target=lambda: open(store.path("s/__0_0.distcp"), "wb").close(), daemon=True).start()
