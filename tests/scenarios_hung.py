@@ -55,3 +55,42 @@ def ledger_restores(base: str) -> list[dict]:
     """The ``restore`` records of the ledger in the persistent root."""
     with open(os.path.join(base, "pfs", "tierckpt-ledger.jsonl")) as f:
         return [r for r in map(json.loads, f) if r.get("kind") == "restore"]
+
+
+def phase_send_stalls_mid_stream(rank, world, base, bound):
+    """Rank 0 sends a committed step to rank 1 with bounded reads; the read of the second chunk
+    of its first file never returns. Returns (seconds until the send/receive ended, and on
+    rank 1 the receive's problems and intact files)."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from tests.test_transfer_failures import CHUNK, _commit_step
+    from tierckpt.io.storage import Store
+    from tierckpt.tiers import bounded_send
+    from tierckpt.tiers.transfer import Transfer, start_transfers
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+    store = Store(os.path.join(base, f"node-{rank}"))
+    if rank == 0:
+        _commit_step(store, "local/step-3")
+        touch, calls = bounded_send.touch_share, []
+
+        def hanging(entries, mapped, done):
+            calls.append(entries[0].path)
+            if calls.count("__0_0.distcp") == 2:
+                threading.Event().wait()  # a page that never comes
+            return touch(entries, mapped, done)
+
+        bounded_send.touch_share = hanging
+    t = Transfer(src_rank=0, dst_rank=1, src_rel="local/step-3", dst_rel="incoming", tag="test")
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    got, th = start_transfers([t], rank, store, group, CHUNK, read_timeout_s=bound)
+    th.join()
+    dt = time.perf_counter() - t0
+    dist.barrier(group=group)
+    if rank == 0:
+        return dt, None, None
+    return dt, got[0].problems, sorted(e.path for e in got[0].entries)

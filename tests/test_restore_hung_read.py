@@ -147,3 +147,13 @@ def test_own_read_that_blocks_on_open_times_out(tmp_path):
         own.mapped()
     own.join()
     threading.Thread(target=lambda: open(store.path("s/__0_0.distcp"), "wb").close(), daemon=True).start()
+
+
+def test_a_send_whose_read_stalls_mid_stream_completes_the_stream_with_zeros(tmp_path):
+    """The receiver has posted every chunk's receive: the sender finishes the stream (zeros,
+    rejected by the checksums) within the bound instead of leaving it to the gloo timeout."""
+    out = run_world(scenarios_hung.phase_send_stalls_mid_stream, 2, str(tmp_path), 2.0, timeout=180)
+    send_s, recv = out[0].value[0], out[1].value
+    assert send_s < 2.0 + 25 and recv[0] < 2.0 + 25, (send_s, recv)
+    assert any("__0_0.distcp: checksum mismatch" in p for p in recv[1]), recv
+    assert recv[2] == ["__3_0.distcp"], recv  # only the empty file, which has no chunk, is intact
