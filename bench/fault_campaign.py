@@ -89,7 +89,7 @@ COLLECTIVE_S = 30.0         # collective_timeout_s of the campaign's engine
 PHASE_BOUND_S = 90.0        # a phase running longer is a hang (faulthandler dumps every thread first)
 RESTORE_BOUND_S = LOCAL_WAIT_S + 30.0  # a restore() during a hung local write must return within this
 HUNG_READ_S = 3.0           # restore_read_timeout_s of the hung-read-restore point's engine
-HUNG_RESTORE_BOUND_S = 3 * HUNG_READ_S + 30.0  # its restore (start included): two timed-out sources + slack
+HUNG_SLACK_S = 30.0         # its restart and restore: the timed-out reads + this
 
 
 # --------------------------------------------------------------------------------------------
@@ -722,9 +722,11 @@ class Injector:
         PersistentTier.load = wrap("PersistentTier.load", PersistentTier.load, "load")
 
     def _patch_hung_read(self) -> None:
-        """Every read-only ``os.open`` of a hung data file (see :func:`hung_dirs`; the files there
-        when the phase starts, by inode: a pulled copy that replaces them reads normally)
-        blocks for good, as on a hung NFS/NVMe disk; the first one records the firing."""
+        """Every read-only ``os.open`` or ``open`` of a hung data file (see :func:`hung_dirs`; the
+        files there when the phase starts, by inode: a pulled copy that replaces them reads
+        normally) blocks for good, as on a hung NFS/NVMe disk; the first one records the firing."""
+        import builtins
+        import io
         (f,) = self.faults_of("hung-read-restore")
         hung = set()
         for d in hung_dirs(self.base, f["node"], f["target"]):
@@ -732,18 +734,28 @@ class Injector:
                 if name.endswith(".distcp"):
                     st = os.stat(os.path.join(d, name))
                     hung.add((st.st_dev, st.st_ino))
-        inj, orig_open = self, os.open
+        inj, orig_open, orig_builtin = self, os.open, builtins.open
 
-        def hanging_open(path, flags, *a, **kw):
-            if hung and flags & os.O_ACCMODE == os.O_RDONLY and isinstance(path, (str, bytes, os.PathLike)):
+        def maybe_hang(path) -> None:
+            if hung and isinstance(path, (str, bytes, os.PathLike)):
                 with contextlib.suppress(OSError):
                     st = os.stat(path)
                     if (st.st_dev, st.st_ino) in hung:
-                        inj.record(f, f"restore: read of {path} hangs", exclusive=True)
+                        inj.record(f, f"restore: read of {os.fsdecode(path)} hangs", exclusive=True)
                         threading.Event().wait()  # never returns: a read that hangs for good
+
+        def hanging_open(path, flags, *a, **kw):
+            if flags & os.O_ACCMODE == os.O_RDONLY:
+                maybe_hang(path)
             return orig_open(path, flags, *a, **kw)
 
+        def hanging_builtin(file, mode="r", *a, **kw):
+            if "r" in mode and "+" not in mode:
+                maybe_hang(file)
+            return orig_builtin(file, mode, *a, **kw)
+
         os.open = hanging_open
+        builtins.open = io.open = hanging_builtin  # DCP's reader opens through pathlib (io.open)
 
     def _patch_ledger(self) -> None:
         from tierckpt.history.ledger import Ledger
@@ -1177,16 +1189,24 @@ def _readable(plan: Plan, base: str, copies: list) -> list:
     return [c for c in copies if c.holder is None or os.path.join(base, "nvme", c.where, c.rel) not in hung]
 
 
+def hung_restore_bound(plan: Plan) -> float:
+    """Seconds a hung-read-restore trial's restart and restore may take: one read bound per
+    source that can time out (each kept step: a pull and an in-cluster read per holder of a
+    hung copy) plus :data:`HUNG_SLACK_S`."""
+    return (2 * max(1, plan.factor - 1) * plan.keep_local + 1) * HUNG_READ_S + HUNG_SLACK_S
+
+
 def check_hung_read(plan: Plan, ph: PhaseResult, base: str, lines_before: int) -> list[str]:
     """hung-read-restore: every rank's restart and restore returned within
-    ``HUNG_RESTORE_BOUND_S`` (the bound's fallbacks plus slack), and the ledger's restore
+    :func:`hung_restore_bound` (the bound's fallbacks plus slack), and the ledger's restore
     record names the hung source of the node as failed, timed out (when the read fired). The
     step and the bitwise state are :func:`check_restore_phase`'s (from the readable copies)."""
     out = []
+    bound = hung_restore_bound(plan)
     for r, v in sorted(ph.values.items()):
-        if v is not None and v.get("seconds", 0) > HUNG_RESTORE_BOUND_S:
+        if v is not None and v.get("seconds", 0) > bound:
             out.append(f"rank {r}: restart and restore with a hung read took {v['seconds']:.0f} s "
-                       f"(bound {HUNG_RESTORE_BOUND_S:g} s)")
+                       f"(bound {bound:g} s)")
     if ph.hung or not any(x["name"].startswith("restore-hung-hung-read-restore") for x in _fired(base)):
         return out
     recs = [r for r in checks.ledger_records(base, lines_before) if r.get("kind") == "restore"]

@@ -296,7 +296,7 @@ class Restorer:
         try:
             cl = cluster_load(state_dict, by_node, usable, topo, self.local.store if self.local else None,
                               self.groups.local_world, self.groups.persistent_world,
-                              saved_nodes=inv.shapes.get(s, (None, None))[0])
+                              saved_nodes=inv.shapes.get(s, (None, None))[0], read_timeout_s=self.read_timeout_s)
         finally:
             for k in keys:
                 self.in_use.drop(k)
