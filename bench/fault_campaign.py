@@ -78,6 +78,7 @@ POINTS: dict[str, str] = {
     "torn-ledger-line": "rank 0 dies with half of its k-th ledger line written",
     "slow-persistent": "every persistent file open takes 0.2-0.8 s (sometimes plus a SIGKILL in a persistent write)",
     "dying-writer-thread": "the background writer thread of a tier dies before running its k-th job",
+    "hung-read-restore": "a read of a restore's source hangs for good (a node's own copy, or the replica a peer sends it)",
 }
 POINT_NAMES = list(POINTS)
 
@@ -87,6 +88,8 @@ LOCAL_WAIT_S = 2.0          # local_wait_timeout_s of the campaign's engine
 COLLECTIVE_S = 30.0         # collective_timeout_s of the campaign's engine
 PHASE_BOUND_S = 90.0        # a phase running longer is a hang (faulthandler dumps every thread first)
 RESTORE_BOUND_S = LOCAL_WAIT_S + 30.0  # a restore() during a hung local write must return within this
+HUNG_READ_S = 3.0           # restore_read_timeout_s of the hung-read-restore point's engine
+HUNG_SLACK_S = 30.0         # its restart and restore: the timed-out reads + this
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,6 +130,15 @@ class Plan:
             s = {k: v for k, v in self.second.items() if k != "kind"}
             text += f" + {self.second['kind']}({', '.join(f'{k}={v}' for k, v in s.items())})"
         return text
+
+
+def _plan_hung_read(plan: Plan, rng: random.Random) -> None:
+    """hung-read-restore: node v's own copies hang when read (``target = "own"``), or v's disk
+    is lost and every replica of v hangs when its holder sends it (``"replica"``)."""
+    v = rng.randrange(plan.nodes)
+    target = rng.choice(["own", "replica"])
+    plan.fault.update(node=v, target=target)
+    plan.script = ["train"] + ([f"wipe:{v}"] if target == "replica" else []) + ["restore:hung"]
 
 
 def _victim(rng: random.Random, nodes: int, p_all: float = 0.25) -> str:
@@ -209,6 +221,8 @@ def make_plan(base_seed: int, index: int) -> Plan:
         if rng.random() < 0.4:
             plan.second = {"kind": "kill-persistent-write", "victim": f"r{rng.randrange(nodes)}",
                            "step": rng.choice(pers), "byte": rng.randrange(BYTE_RANGE)}
+    elif point == "hung-read-restore":
+        _plan_hung_read(plan, rng)
     elif point == "dying-writer-thread":
         tier = rng.choice(["local", "persistent"])
         f.update(tier=tier, victim=f"r{rng.randrange(nodes)}", k=rng.randint(1, STEPS if tier == "local" else 2))
@@ -257,8 +271,10 @@ class Injector:
         restore_fault = f["kind"] == "kill-restore"
         if self.phase == "restore:fault":
             return restore_fault
+        if self.phase == "restore:hung":
+            return f["kind"] == "hung-read-restore"
         if self.phase == "train":
-            return not restore_fault and f["kind"] != "lose-node"
+            return not restore_fault and f["kind"] not in ("lose-node", "hung-read-restore")
         return False
 
     # -- helpers ---------------------------------------------------------------------------
@@ -352,6 +368,8 @@ class Injector:
         self._patch_ledger()  # a read-only persistent root refuses ledger appends too
         if kinds & {"dying-writer-thread"}:
             self._patch_worker()
+        if kinds & {"hung-read-restore"}:
+            self._patch_hung_read()
 
     def faults_of(self, *kinds: str) -> list[dict]:
         return [f for f in self.faults if f["kind"] in kinds]
@@ -703,6 +721,42 @@ class Injector:
         restorer.load_dir = wrap("load_dir", restorer.load_dir, "load")
         PersistentTier.load = wrap("PersistentTier.load", PersistentTier.load, "load")
 
+    def _patch_hung_read(self) -> None:
+        """Every read-only ``os.open`` or ``open`` of a hung data file (see :func:`hung_dirs`; the
+        files there when the phase starts, by inode: a pulled copy that replaces them reads
+        normally) blocks for good, as on a hung NFS/NVMe disk; the first one records the firing."""
+        import builtins
+        import io
+        (f,) = self.faults_of("hung-read-restore")
+        hung = set()
+        for d in hung_dirs(self.base, f["node"], f["target"]):
+            for name in os.listdir(d):
+                if name.endswith(".distcp"):
+                    st = os.stat(os.path.join(d, name))
+                    hung.add((st.st_dev, st.st_ino))
+        inj, orig_open, orig_builtin = self, os.open, builtins.open
+
+        def maybe_hang(path) -> None:
+            if hung and isinstance(path, (str, bytes, os.PathLike)):
+                with contextlib.suppress(OSError):
+                    st = os.stat(path)
+                    if (st.st_dev, st.st_ino) in hung:
+                        inj.record(f, f"restore: read of {os.fsdecode(path)} hangs", exclusive=True)
+                        threading.Event().wait()  # never returns: a read that hangs for good
+
+        def hanging_open(path, flags, *a, **kw):
+            if flags & os.O_ACCMODE == os.O_RDONLY:
+                maybe_hang(path)
+            return orig_open(path, flags, *a, **kw)
+
+        def hanging_builtin(file, mode="r", *a, **kw):
+            if "r" in mode and "+" not in mode:
+                maybe_hang(file)
+            return orig_builtin(file, mode, *a, **kw)
+
+        os.open = hanging_open
+        builtins.open = io.open = hanging_builtin  # DCP's reader opens through pathlib (io.open)
+
     def _patch_ledger(self) -> None:
         from tierckpt.history.ledger import Ledger
 
@@ -795,7 +849,19 @@ def _config(base: str, plan: dict):
         local_root=os.path.join(base, "nvme", "node-{node}"), persistent_root=os.path.join(base, "pfs"),
         job_id="campaign", replication_factor=plan["factor"],
         keep_latest_k={"local": plan["keep_local"], "persistent": plan["keep_persistent"]},
-        transfer_chunk_bytes=8192, collective_timeout_s=COLLECTIVE_S, local_wait_timeout_s=LOCAL_WAIT_S)
+        transfer_chunk_bytes=8192, collective_timeout_s=COLLECTIVE_S, local_wait_timeout_s=LOCAL_WAIT_S,
+        **({"restore_read_timeout_s": HUNG_READ_S} if plan["point"] == "hung-read-restore" else {}))
+
+
+def hung_dirs(base: str, node: int, target: str) -> list[str]:
+    """The step directories whose data files hang when read in a hung-read-restore trial: node
+    ``node``'s own steps (``own``) or every holder's replicas of it (``replica``)."""
+    nvme = os.path.join(base, "nvme")
+    parents = [os.path.join(nvme, f"node-{node}", "local")] if target == "own" else \
+        [os.path.join(nvme, h, "replicas", f"node-{node}") for h in sorted(os.listdir(nvme))] \
+        if os.path.isdir(nvme) else []
+    return [os.path.join(p, d) for p in parents if os.path.isdir(p) for d in sorted(os.listdir(p))
+            if d.startswith("step-")]
 
 
 def _snap_path(base: str, rank: int, step: int) -> str:
@@ -1117,6 +1183,42 @@ def check_train_phase(plan: Plan, ph: PhaseResult, base: str, lines_before: int)
     return out
 
 
+def _readable(plan: Plan, base: str, copies: list) -> list:
+    """``copies`` less those a hung-read-restore trial's restore cannot read (:func:`hung_dirs`)."""
+    hung = set(hung_dirs(base, plan.fault["node"], plan.fault["target"]))
+    return [c for c in copies if c.holder is None or os.path.join(base, "nvme", c.where, c.rel) not in hung]
+
+
+def hung_restore_bound(plan: Plan) -> float:
+    """Seconds a hung-read-restore trial's restart and restore may take: one read bound per
+    source that can time out (each kept step: a pull and an in-cluster read per holder of a
+    hung copy) plus :data:`HUNG_SLACK_S`."""
+    return (2 * max(1, plan.factor - 1) * plan.keep_local + 1) * HUNG_READ_S + HUNG_SLACK_S
+
+
+def check_hung_read(plan: Plan, ph: PhaseResult, base: str, lines_before: int) -> list[str]:
+    """hung-read-restore: every rank's restart and restore returned within
+    :func:`hung_restore_bound` (the bound's fallbacks plus slack), and the ledger's restore
+    record names the hung source of the node as failed, timed out (when the read fired). The
+    step and the bitwise state are :func:`check_restore_phase`'s (from the readable copies)."""
+    out = []
+    bound = hung_restore_bound(plan)
+    for r, v in sorted(ph.values.items()):
+        if v is not None and v.get("seconds", 0) > bound:
+            out.append(f"rank {r}: restart and restore with a hung read took {v['seconds']:.0f} s "
+                       f"(bound {bound:g} s)")
+    if ph.hung or not any(x["name"].startswith("restore-hung-hung-read-restore") for x in _fired(base)):
+        return out
+    recs = [r for r in checks.ledger_records(base, lines_before) if r.get("kind") == "restore"]
+    v = plan.fault["node"]
+    kind = "own-local" if plan.fault["target"] == "own" else "peer-replica"
+    if recs and not any(f.get("node") == v and f.get("source") == kind and "timed out" in (f.get("error") or "")
+                        for f in recs[0].get("failures") or []):
+        out.append(f"ledger: the restore record does not name node {v}'s {kind} source as timed out: "
+                   f"{recs[0].get('failures')}")
+    return out
+
+
 @dataclass
 class RestoreCheck:
     """A restore phase's violations, the restored and expected outcome (report text), and the
@@ -1141,10 +1243,11 @@ def _describe_restore(v: dict | None) -> str:
 
 
 def check_restore_phase(plan: Plan, ph: PhaseResult, base: str, before: list, after: list, lines_before: int,
-                        *, interrupted: bool, final: bool) -> RestoreCheck:
+                        *, interrupted: bool, final: bool, usable: list | None = None) -> RestoreCheck:
     """A restart and restore: bounded, the expected step (or fresh start / NoCheckpointError),
     bitwise state, sources that were on disk, the ledger's restore record, nothing lost,
-    nothing uncommitted visible, redundancy re-established."""
+    nothing uncommitted visible, redundancy re-established. ``usable``: the copies the
+    expected step is computed from, when not all of ``before`` can be read (hung)."""
     phase = "restore (interrupted)" if interrupted else "restore"
     out = []
     if ph.hung:
@@ -1153,7 +1256,7 @@ def check_restore_phase(plan: Plan, ph: PhaseResult, base: str, before: list, af
     for r, e in sorted(ph.errors.items()):
         if not killed:
             out.append(f"rank {r}: the restart raised: {e.strip().splitlines()[-1][:400]}")
-    exp = checks.expected_step(before, plan.nodes)
+    exp = checks.expected_step(before if usable is None else usable, plan.nodes)
     expected = "fresh" if exp is None and not checks.any_committed(before) else \
         "NoCheckpointError" if exp is None else str(exp)
     values = {r: v for r, v in ph.values.items() if v is not None}
@@ -1278,9 +1381,11 @@ def run_trial(plan: Plan, workdir: str) -> TrialResult:
             disk_after = checks.scan_disk(base)
             final = i == len(plan.script) - 1 or not plan.script[i + 1:] or \
                 all(not a.startswith("restore") for a in plan.script[i + 1:])
+            hung = phase == "restore:hung"
             res = check_restore_phase(plan, ph, base, disk_before, disk_after, lines_before,
-                                             interrupted=phase == "restore:fault", final=final)
-            violations += res.violations
+                                      interrupted=phase == "restore:fault", final=final,
+                                      usable=_readable(plan, base, disk_before) if hung else None)
+            violations += res.violations + (check_hung_read(plan, ph, base, lines_before) if hung else [])
             if phase != "restore:fault":
                 restored, expected = res.restored, res.expected
                 last_restore = res.value

@@ -142,6 +142,7 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    type=_nonneg_float("--ckpt-plugin-local-wait-timeout", "0 = no limit"), default=None,
                    metavar="SECONDS", help="Longest a local save waits for the previous one; then that step "
                                            "skips the local tier on every rank (default 300; 0 = no limit).")
+    _add_restore_args(g)
     g.add_argument("--ckpt-plugin-busy-tier-policy", choices=("defer", "wait"), default=None,
                    help="A tier due while its previous save still runs: defer (default; the plugin's "
                         "local tier skips that iteration and saves at the first one where the running "
@@ -214,6 +215,8 @@ class PluginSettings:
             engine's default, blocking).
         local_permissions: ``"private"`` or ``"group"`` (``TierConfig.local_permissions``; None =
             the engine's default, private).
+        restore_read_timeout_s: ``TierConfig.restore_read_timeout_s`` (seconds; None = the
+            engine's default).
     """
 
     tiers: tuple[str, ...]
@@ -233,6 +236,7 @@ class PluginSettings:
     busy_tier_policy: str | None = None
     cpu_staging: str | None = None
     local_permissions: str | None = None
+    restore_read_timeout_s: float | None = None
 
 
 # id(args) -> (weak reference to args, settings); Namespace is not hashable (it defines __eq__)
@@ -270,6 +274,15 @@ def _agree(args, plugin_dest: str, megatron_dest: str, what: str):
             "or the same value to both",
         )
     return mine if mine is not None else (theirs or None)
+
+
+def _add_restore_args(g) -> None:
+    """The flags of the restore (argument group ``g`` of :func:`add_plugin_args`)."""
+    g.add_argument("--ckpt-plugin-restore-read-timeout",
+                   type=_nonneg_float("--ckpt-plugin-restore-read-timeout", "0 = the default"), default=None,
+                   metavar="SECONDS", help="Longest a restore waits for a read of a source that makes no progress "
+                                           "(a hung disk); that source then counts as failed and the restore "
+                                           "falls back to the next one (default min(60, collective timeout / 3)).")
 
 
 def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
@@ -341,13 +354,13 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         tiers=tiers, intervals=intervals, adaptive=adaptive, local_root=local_root,
         local_root_is_node_private=node_private, replication_jump=int(J or 1),
         replication_factor=int(F or 2) if "local" in tiers else 1, keep_latest_k=keep,
-        job_id=args.ckpt_plugin_job_id,
-        simulated_ranks_per_node=int(args.ckpt_plugin_simulated_ranks_per_node or 0),
+        job_id=args.ckpt_plugin_job_id, simulated_ranks_per_node=int(args.ckpt_plugin_simulated_ranks_per_node or 0),
         schedule_options=schedule, notes=notes,
         local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout,
         warn_only=tuple(getattr(args, "ckpt_plugin_warn_only", None) or ("local",)),
         busy_tier_policy=getattr(args, "ckpt_plugin_busy_tier_policy", None),
         cpu_staging=getattr(args, "ckpt_plugin_cpu_staging", None), local_permissions=args.ckpt_plugin_local_permissions,
+        restore_read_timeout_s=getattr(args, "ckpt_plugin_restore_read_timeout", None) or None,
     )
     tier_config_from_args(args, settings)  # the engine's own bounds, with the flag names users typed
     _set_settings(args, settings)
@@ -525,6 +538,7 @@ _FIELD_TO_FLAG = {
     "busy_tier_policy": "--ckpt-plugin-busy-tier-policy",
     "cpu_staging": "--ckpt-plugin-cpu-staging",
     "local_permissions": "--ckpt-plugin-local-permissions",
+    "restore_read_timeout_s": "--ckpt-plugin-restore-read-timeout",
     "min_steps": "--ckpt-plugin-min-interval",
     "max_steps": "--ckpt-plugin-max-interval",
     "gpu_mtbf_s": "--ckpt-plugin-gpu-mtbf-hours",
@@ -565,6 +579,8 @@ def tier_config_from_args(args: argparse.Namespace, settings: PluginSettings | N
         extra["cpu_staging"] = settings.cpu_staging
     if settings.local_permissions is not None:
         extra["local_permissions"] = settings.local_permissions
+    if settings.restore_read_timeout_s is not None:
+        extra["restore_read_timeout_s"] = settings.restore_read_timeout_s
     try:
         return TierConfig(
             **extra,

@@ -46,6 +46,7 @@ def test_precedence_cli_over_toml_over_registry(tmp_path):
     ("", ["--checkpoint.local_wait_timeout_s", "-2"], "checkpoint.local_wait_timeout_s", ">= 0 (0 = no limit)"),
     ("", ["--checkpoint.busy_tier_policy", "later"], "checkpoint.busy_tier_policy", "'defer' or 'wait'"),
     ("", ["--checkpoint.cpu_staging", "async"], "checkpoint.cpu_staging", "'blocking' or 'overlapped'"),
+    ("", ["--checkpoint.restore_read_timeout_s", "-1"], "checkpoint.restore_read_timeout_s", ">= 0 (0 = the default)"),
     ("[nosuchsection]\nx = 1\n", [], "nosuchsection", "unknown key"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, overrides, key, fragment):
@@ -68,11 +69,11 @@ def test_scheduler_options_reach_the_engine_config(tmp_path):
     path = _toml(tmp_path, LLAMA + "[checkpoint]\nenable = true\ninterval = 40\nlocal_interval = 4\n"
                  "adaptive = [\"local\", \"persistent\"]\ngpu_mtbf_hours = 2.5\nrestart_prior_s = 20.0\n"
                  "min_interval_steps = 2\nmax_interval_steps = 300\nlocal_wait_timeout_s = 30\n"
-                 "cpu_staging = \"overlapped\"\n")
+                 "cpu_staging = \"overlapped\"\nrestore_read_timeout_s = 12.5\n")
     cfg = tier_config(load_config(path).checkpoint, "/shared/ckpt")
     assert cfg.tiers == ("local", "persistent") and cfg.intervals == {"local": 4, "persistent": 40}
     assert cfg.adaptive == ("local", "persistent") and cfg.persistent_root == "/shared/ckpt"
-    assert cfg.local_wait_timeout_s == 30.0 and cfg.cpu_staging == "overlapped"
+    assert cfg.local_wait_timeout_s == 30.0 and cfg.cpu_staging == "overlapped" and cfg.restore_read_timeout_s == 12.5
     assert cfg.schedule == ScheduleOptions(min_steps=2, max_steps=300, gpu_mtbf_s=9000.0, restart_prior_s=20.0)
     # 0 = the scheduler's own defaults
     plain = tier_config(load_config(_toml(tmp_path, LLAMA + "[checkpoint]\nenable = true\n")).checkpoint, "/p")

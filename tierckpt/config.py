@@ -268,6 +268,15 @@ class TierConfig(_KnownFields):
             (:mod:`tierckpt.io.overlap`). CUDA tensors are always copied asynchronously (a side
             stream, the same wait, no version checks).
         collective_timeout_s: timeout of the engine's own gloo groups (seconds).
+        restore_read_timeout_s: longest a restore waits for a read of a source that makes no
+            progress (seconds without a byte or a file opened: a hung NFS/NVMe read), for the
+            reads of a node's own copy, of a persistent step being verified, and of a replica
+            a peer sends. Such a source then counts as failed, like a corrupt one (agreed by
+            every rank, ``timed out`` in the ledger's restore failures) and the restore falls
+            back to the next source; the stuck read is left behind on a daemon thread whose
+            late result is discarded. None (default): ``min(60, collective_timeout_s / 3)``.
+            At most ``collective_timeout_s / 2``: the peers of a rank that gives up wait for it
+            in a collective for the bound plus the rest of the attempt.
         local_wait_timeout_s: longest a local-tier save waits for the previous one (seconds; 0 =
             no limit). When the previous local save is still running on some rank after this
             (a hung or very slow node-local disk), every rank skips the local tier at this step
@@ -333,6 +342,7 @@ class TierConfig(_KnownFields):
     staging_buffers: int = 2
     cpu_staging: str = "blocking"
     collective_timeout_s: float = 600.0
+    restore_read_timeout_s: float | None = None  # None: min(60, collective_timeout_s / 3)
     local_wait_timeout_s: float = 300.0  # MAX_WAIT_S at most
     busy_tier_policy: str | Mapping[str, str] = "defer"
     local_root_is_node_private: bool = False
@@ -352,6 +362,13 @@ class TierConfig(_KnownFields):
         self._check_preemption()
         self._check_resources()
         self._check_busy_policy()
+
+    @property
+    def read_timeout_s(self) -> float:
+        """The restore's read bound in seconds: ``restore_read_timeout_s``, or its default
+        ``min(60, collective_timeout_s / 3)`` when None."""
+        r = self.restore_read_timeout_s
+        return float(r) if r is not None else min(60.0, self.collective_timeout_s / 3)
 
     def _put(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
@@ -439,6 +456,12 @@ class TierConfig(_KnownFields):
             raise ConfigError(
                 "collective_timeout_s", f"must be a positive number of seconds, got {self.collective_timeout_s!r}"
             )
+        r = self.restore_read_timeout_s
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r)
+                              or not 0 < r <= self.collective_timeout_s / 2):
+            raise ConfigError("restore_read_timeout_s",
+                              f"must be seconds in (0, collective_timeout_s / 2 = {self.collective_timeout_s / 2:g}] "
+                              f"(or None: min(60, collective_timeout_s / 3)), got {r!r}")
         w = self.local_wait_timeout_s
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= MAX_WAIT_S:
             raise ConfigError("local_wait_timeout_s",

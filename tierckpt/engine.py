@@ -185,7 +185,7 @@ class TieredCheckpointer:
         self.preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0)
         self._preempt_seen = False
         self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
-                                 cfg.transfer_chunk_bytes, cfg.restore_memory_bytes)
+                                 cfg.transfer_chunk_bytes, cfg.restore_memory_bytes, cfg.read_timeout_s)
         # second sets of groups, made on first need: {"restore": while a local job is stuck,
         # "redundancy": the background rebuild of replicas after a restore}
         self._extra_groups: dict[str, Groups] = {}

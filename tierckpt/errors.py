@@ -47,3 +47,9 @@ class StagingError(TierckptError, RuntimeError):
     "overlapped"``: a saved tensor was modified in place before the background copy was waited
     for, or the copy failed). The save of that step fails on every tier it was staged for;
     committed steps are untouched."""
+
+
+class ReadTimeout(TierckptError, TimeoutError):
+    """A read of a restore's source made no progress for ``restore_read_timeout_s`` seconds (a
+    hung NFS/NVMe read, a file that blocks on open): the source counts as failed, like a
+    corrupt one, and the restore falls back to the next source."""

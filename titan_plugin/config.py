@@ -78,6 +78,7 @@ def build_tier_config(ckpt, persistent_folder: str) -> TierConfig:
             adaptive=tuple(t for t in ckpt.adaptive if t in tiers), schedule=ScheduleOptions(**sched),
             local_wait_timeout_s=float(ckpt.local_wait_timeout_s), busy_tier_policy=ckpt.busy_tier_policy,
             cpu_staging=ckpt.cpu_staging, local_permissions=ckpt.local_permissions,
+            restore_read_timeout_s=float(ckpt.restore_read_timeout_s) or None,
             warn_only=tuple(t for t in ckpt.warn_only_tiers if t in tiers),
             preemption_signals=tuple(ckpt.preemption_signals), preemption_grace_s=float(ckpt.preemption_grace_s),
         )

@@ -126,6 +126,11 @@ class TieredCheckpointManager(CheckpointManager):
         """Longest a local save waits for the previous one, seconds (0 = no limit); then that
         step skips the local tier on every rank (a hung node-local disk must not stall training)."""
 
+        restore_read_timeout_s: float = 0.0
+        """Longest a restore waits for a read of a source that makes no progress, seconds (a hung
+        node-local or shared disk); that source then counts as failed and the restore falls back
+        to the next one. 0 = the default, min(60, the collective timeout / 3)."""
+
         busy_tier_policy: str = "defer"
         """A tier due while its previous save still runs: "defer" (that save is not made, training
         goes on; the tier saves at the first step where the running save finished on every
@@ -183,6 +188,10 @@ class TieredCheckpointManager(CheckpointManager):
                     or not 0 <= self.local_wait_timeout_s < float("inf"):
                 raise ConfigError("checkpoint.local_wait_timeout_s",
                                   f"must be seconds >= 0 (0 = no limit), got {self.local_wait_timeout_s!r}")
+            if isinstance(self.restore_read_timeout_s, bool) or not isinstance(self.restore_read_timeout_s, (int, float)) \
+                    or not 0 <= self.restore_read_timeout_s < float("inf"):
+                raise ConfigError("checkpoint.restore_read_timeout_s",
+                                  f"must be seconds >= 0 (0 = the default), got {self.restore_read_timeout_s!r}")
             if self.cpu_staging not in ("blocking", "overlapped"):
                 raise ConfigError("checkpoint.cpu_staging",
                                   f"must be 'blocking' or 'overlapped', got {self.cpu_staging!r}")

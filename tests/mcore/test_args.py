@@ -77,7 +77,7 @@ def test_flags_are_in_the_parser_help():
                  "--ckpt-plugin-persistent-interval", "--ckpt-plugin-adaptive", "--ckpt-plugin-gpu-mtbf-hours",
                  "--ckpt-plugin-restart-prior", "--ckpt-plugin-min-interval", "--ckpt-plugin-local-wait-timeout", "--ckpt-plugin-max-interval", "--ckpt-plugin-local-keep",
                  "--ckpt-plugin-persistent-keep", "--ckpt-plugin-job-id", "--ckpt-plugin-busy-tier-policy",
-                 "--ckpt-plugin-cpu-staging"):
+                 "--ckpt-plugin-cpu-staging", "--ckpt-plugin-restore-read-timeout"):
         assert flag in text, flag
 
 
@@ -85,7 +85,7 @@ def test_valid_flags_give_tier_config_and_drive_megatron_args():
     args = parse(GOOD + ["--ckpt-plugin-replication-factor", "3", "--ckpt-plugin-local-keep", "4",
                          "--ckpt-plugin-persistent-keep", "0", "--ckpt-plugin-job-id", "run7",
                          "--ckpt-plugin-local-wait-timeout", "45", "--ckpt-plugin-busy-tier-policy", "wait",
-                         "--ckpt-plugin-cpu-staging", "overlapped"])
+                         "--ckpt-plugin-cpu-staging", "overlapped", "--ckpt-plugin-restore-read-timeout", "20"])
     s = validate_plugin_args(args)
     assert s.tiers == ("local", "persistent") and s.intervals == {"local": 10, "persistent": 100}
     # Megatron's own loop then calls the local path every 10 iterations, --save every 100
@@ -96,7 +96,7 @@ def test_valid_flags_give_tier_config_and_drive_megatron_args():
     assert (cfg.replication_jump, cfg.replication_factor) == (1, 3)
     assert cfg.keep_latest_k == {"local": 4, "persistent": 0} and cfg.job_id == "run7"
     assert cfg.intervals == {"local": 10, "persistent": 100} and cfg.adaptive == ()
-    assert cfg.local_wait_timeout_s == 45.0
+    assert cfg.local_wait_timeout_s == 45.0 and cfg.restore_read_timeout_s == 20.0
     assert cfg.busy_tier_policy == {"local": "wait", "persistent": "wait"} and cfg.cpu_staging == "overlapped"
     plain = parse(GOOD)
     validate_plugin_args(plain)
@@ -186,6 +186,7 @@ def test_invalid_combinations_name_the_flag(argv, option, words):
     (["--ckpt-plugin-local-wait-timeout", "-1"], "--ckpt-plugin-local-wait-timeout"),
     (["--ckpt-plugin-adaptive", "replica"], "--ckpt-plugin-adaptive"),
     (["--ckpt-plugin-cpu-staging", "async"], "--ckpt-plugin-cpu-staging"),
+    (["--ckpt-plugin-restore-read-timeout", "-2"], "--ckpt-plugin-restore-read-timeout"),
 ])
 def test_bad_values_are_parser_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
@@ -199,6 +200,7 @@ def test_bad_values_are_parser_errors_naming_the_flag(argv, flag, capsys):
     (["--ckpt-plugin-adaptive", "local", "--ckpt-plugin-gpu-mtbf-hours", "inf"], "--ckpt-plugin-gpu-mtbf-hours",
      "positive number"),
     (["--ckpt-plugin-local-root", "/nvme/{rank}/x"], "--ckpt-plugin-local-root", "unknown field"),
+    (["--ckpt-plugin-restore-read-timeout", "9999"], "--ckpt-plugin-restore-read-timeout", "collective_timeout_s / 2"),
 ])
 def test_early_check_and_runtime_builder_give_the_same_error(monkeypatch, extra, flag, words):
     """validate_plugin_args (before any process group) and the start-up build are one function:

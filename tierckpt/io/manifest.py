@@ -16,6 +16,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import xxhash
 
@@ -61,11 +62,24 @@ def hash_stream(f, buf: bytearray | None = None) -> tuple[int, str]:
     return n_total, h.hexdigest()
 
 
-def hash_file(store: Store, rel: str) -> FileEntry:
-    """Checksum one file of ``store``; ``rel`` is kept as the entry's path."""
+def hash_file(store: Store, rel: str, tick: Callable[[], None] | None = None) -> FileEntry:
+    """Checksum one file of ``store``; ``rel`` is kept as the entry's path. ``tick``: called
+    after each chunk read (a bounded read's progress, :mod:`tierckpt.io.bounded`)."""
     with store.open(rel, "rb") as f:
-        size, digest = hash_stream(f)
+        size, digest = hash_stream(f if tick is None else _Ticking(f, tick))
     return FileEntry(rel, size, digest)
+
+
+class _Ticking:
+    """A binary file whose every ``readinto`` calls ``tick`` afterwards."""
+
+    def __init__(self, f, tick: Callable[[], None]):
+        self.f, self.tick = f, tick
+
+    def readinto(self, b) -> int:
+        n = self.f.readinto(b)
+        self.tick()
+        return n
 
 
 def data_files(store: Store, step_rel: str) -> list[str]:
@@ -193,11 +207,16 @@ def split_share(entries: list[FileEntry], index: int, count: int) -> list[FileEn
     return out
 
 
-def verify_files(store: Store, step_rel: str, entries: list[FileEntry]) -> list[str]:
-    """Re-check size and checksum of ``entries``; return one message per problem ([] = intact)."""
+def verify_files(store: Store, step_rel: str, entries: list[FileEntry],
+                 tick: Callable[[str], None] | None = None) -> list[str]:
+    """Re-check size and checksum of ``entries``; return one message per problem ([] = intact).
+    ``tick(path)``: called before each file and after each chunk read (a bounded read's
+    progress, :class:`tierckpt.io.bounded.Progress`)."""
     problems = []
     for e in entries:
         rel = f"{step_rel}/{e.path}"
+        if tick is not None:
+            tick(rel)
         try:
             size = store.size(rel)
         except (FileNotFoundError, OSError) as ex:
@@ -206,7 +225,7 @@ def verify_files(store: Store, step_rel: str, entries: list[FileEntry]) -> list[
         if size != e.size:
             problems.append(f"{rel}: size {size} != manifest {e.size}")
             continue
-        got = hash_file(store, rel)
+        got = hash_file(store, rel, None if tick is None else (lambda: tick(rel)))
         if got.xxh3_64 != e.xxh3_64:
             problems.append(f"{rel}: {HASH_NAME} {got.xxh3_64} != manifest {e.xxh3_64}")
     return problems

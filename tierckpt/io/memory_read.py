@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
+from tierckpt.errors import ReadTimeout
 from tierckpt.io import manifest
+from tierckpt.io.bounded import Progress
 from tierckpt.io.dcp_io import CountingFileSystemReader
 from tierckpt.io.storage import Store
 
@@ -242,10 +244,11 @@ def map_readonly(fd: int, off: int, n: int) -> torch.Tensor:
         return torch.frombuffer(m, dtype=torch.uint8)
 
 
-def map_share(store: Store, step_rel: str, entries: list[manifest.FileEntry]
-              ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def map_share(store: Store, step_rel: str, entries: list[manifest.FileEntry],
+              tick: Callable[[str], None] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Map ``entries`` of a committed step of a local ``store`` into memory (:func:`map_readonly`:
-    the kernel starts reading them at once; nothing is checksummed here).
+    the kernel starts reading them at once; nothing is checksummed here). ``tick(path)``: called
+    before each file is opened (a bounded read's progress, :mod:`tierckpt.io.bounded`).
 
     Returns:
         ({file path: uint8 tensor of its bytes} of the files present with the manifest's size,
@@ -255,6 +258,8 @@ def map_share(store: Store, step_rel: str, entries: list[manifest.FileEntry]
     problems: dict[str, str] = {}
     for e in entries:
         rel = f"{step_rel}/{e.path}"
+        if tick is not None:
+            tick(rel)
         try:
             fd = os.open(store.path(rel), os.O_RDONLY)
         except OSError as ex:
@@ -273,10 +278,30 @@ def map_share(store: Store, step_rel: str, entries: list[manifest.FileEntry]
     return out, problems
 
 
-def check_share(step_rel: str, entries: list[manifest.FileEntry], mapped: dict[str, torch.Tensor]
-                ) -> dict[str, str]:
+def touch_share(entries: list[manifest.FileEntry], mapped: dict[str, torch.Tensor],
+                done: Callable[[str, int], None]) -> None:
+    """Fault in every page of the files of ``mapped`` (one byte read per page, smallest file
+    first: DCP's ``.metadata`` is read before the data), calling ``done(path, end)`` once bytes
+    ``:end`` of ``path`` are in memory. A page that does not come (a hung disk) blocks here, on
+    the thread that calls this, not on a thread that decodes from the mapping."""
+    for e in sorted(entries, key=lambda e: e.size):
+        buf = mapped.get(e.path)
+        if buf is None:
+            continue
+        arr = buf.numpy()
+        for a in range(0, e.size, _READ_CHUNK):
+            b = min(e.size, a + _READ_CHUNK)
+            int(arr[a:b:mmap.PAGESIZE].sum())  # one load per page: the page fault is the read
+            done(e.path, b)
+        if not e.size:
+            done(e.path, 0)
+
+
+def check_share(step_rel: str, entries: list[manifest.FileEntry], mapped: dict[str, torch.Tensor],
+                tick: Callable[[], None] | None = None) -> dict[str, str]:
     """Checksum the files of ``mapped`` (as :func:`map_share` returns them) against ``entries``;
-    returns {file path: problem} for each file whose xxh3-64 differs (it leaves ``mapped``)."""
+    returns {file path: problem} for each file whose xxh3-64 differs (it leaves ``mapped``).
+    ``tick``: called after each chunk hashed (a bounded read's progress)."""
     problems: dict[str, str] = {}
     for e in entries:
         buf = mapped.get(e.path)
@@ -286,6 +311,8 @@ def check_share(step_rel: str, entries: list[manifest.FileEntry], mapped: dict[s
         view = buf.numpy().data
         for a in range(0, e.size, _READ_CHUNK):
             h.update(view[a: a + _READ_CHUNK])
+            if tick is not None:
+                tick()
         if h.hexdigest() != e.xxh3_64:
             problems[e.path] = f"{step_rel}/{e.path}: {manifest.HASH_NAME} {h.hexdigest()} != manifest {e.xxh3_64}"
             del mapped[e.path]
@@ -293,20 +320,38 @@ def check_share(step_rel: str, entries: list[manifest.FileEntry], mapped: dict[s
 
 
 def read_verified(store: Store, step_rel: str, entries: list[manifest.FileEntry],
-                  on_mapped: Callable[[dict[str, torch.Tensor]], None] | None = None
+                  on_mapped: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                  progress: Progress | None = None, on_touched: Callable[[str, int], None] | None = None
                   ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Map ``entries`` of a committed step of a local ``store`` into memory and checksum them:
     a verification and the load's read in one pass (the load then decodes from the mapping).
     ``on_mapped``: called with a copy of {file path: mapping} once mapped, before the checksums.
+    ``progress`` (a bounded read, :mod:`tierckpt.io.bounded`): ticked per file opened, per
+    chunk read and per chunk hashed, the pages faulted in (:func:`touch_share`, reported to
+    ``on_touched(path, end)``) before the checksums; the read stops with
+    :class:`~tierckpt.errors.ReadTimeout` once its waiter gave up (:attr:`Progress.abandoned`).
 
     Returns:
         ({file path: uint8 tensor of its bytes} of the intact files, problems as
         :func:`~tierckpt.io.manifest.verify_files` words them ([] = every file intact)).
     """
-    out, problems = map_share(store, step_rel, entries)
+    def tick(where: str | None = None) -> None:
+        if progress is not None:
+            if progress.abandoned:  # nobody waits for this read any more: stop reading
+                raise ReadTimeout(f"{step_rel}: read abandoned")
+            progress.tick(where)
+
+    def touched(path: str, end: int) -> None:
+        if on_touched is not None:
+            on_touched(path, end)
+        tick(f"{step_rel}/{path}")
+
+    out, problems = map_share(store, step_rel, entries, tick if progress is not None else None)
     if on_mapped is not None:
         on_mapped(dict(out))
-    problems.update(check_share(step_rel, entries, out))
+    if progress is not None:
+        touch_share(entries, out, touched)
+    problems.update(check_share(step_rel, entries, out, tick if progress is not None else None))
     return out, [problems[e.path] for e in entries if e.path in problems]
 
 
@@ -314,17 +359,28 @@ class OwnRead:
     """This rank's share of a committed step read on a helper thread, so a restore reads its
     own copy while the pulls of other nodes run: the files are mapped first (:meth:`mapped`:
     the kernel reads them from then on), then checksummed (:meth:`result` joins). The load may
-    decode from the mappings while the checksums run (a page not yet read blocks the load
-    until the disk delivers it, as it blocks the hash): a restore then loads and verifies in
+    decode from the mappings while the checksums run: a restore then loads and verifies in
     one pass over the disk and must not use the state unless :meth:`result` finds no problem.
+
+    With ``timeout_s`` (``TierConfig.restore_read_timeout_s``) the read is bounded: the helper
+    faults every page in before hashing it, and the load waits (:meth:`wait`, the
+    :class:`MemoryReader`'s ``wait``) until the pages it decodes were read, so a hung disk
+    blocks only the helper; every wait of this object raises
+    :class:`~tierckpt.errors.ReadTimeout` after ``timeout_s`` seconds without progress (a
+    file that blocks on open, a read that never returns), and the helper is then left behind
+    (never joined; its late result is discarded, it writes nowhere). Without, a page not yet
+    read blocks the load until the disk delivers it.
 
     A share larger than ``limit`` bytes is not read here (:attr:`started` False): the caller
     verifies and loads from disk as before."""
 
-    def __init__(self, store: Store, step_rel: str, index: int, count: int, limit: int):
+    def __init__(self, store: Store, step_rel: str, index: int, count: int, limit: int,
+                 timeout_s: float | None = None):
         self.started = False
         self._out: tuple[dict[str, torch.Tensor], list[str]] = ({}, [])
         self._mapped: dict[str, torch.Tensor] = {}
+        self._touched: dict[str, int] = {}
+        self._published = self._done = False
         doc = manifest.read_committed(store, step_rel) if store.local else None
         if doc is None:
             return
@@ -333,6 +389,7 @@ class OwnRead:
             return
         self.started = True
         self._error: BaseException | None = None
+        self._progress = Progress(timeout_s, f"reading {store.url_of(step_rel)}") if timeout_s else None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(store, step_rel, share), daemon=True,
                                         name="tierckpt-own-read")
@@ -340,34 +397,63 @@ class OwnRead:
 
     def _run(self, store: Store, step_rel: str, share: list[manifest.FileEntry]) -> None:
         try:
-            self._out = read_verified(store, step_rel, share, on_mapped=self._publish)
+            out = read_verified(store, step_rel, share, on_mapped=self._publish, progress=self._progress,
+                                on_touched=self._touch)
+            self._out = out
         except BaseException as e:  # re-raised in result(), on the restoring thread
             self._error = e
         finally:
+            self._done = True
             self._ready.set()
+            if self._progress is not None:
+                self._progress.tick()
 
     def _publish(self, mapped: dict[str, torch.Tensor]) -> None:
         self._mapped = mapped
+        self._published = True
         self._ready.set()
+        if self._progress is not None:
+            self._progress.tick()
+
+    def _touch(self, path: str, end: int) -> None:
+        self._touched[path] = end
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        if self._progress is not None:
+            self._progress.wait_until(done)
+        elif not done():
+            self._thread.join()
 
     def mapped(self) -> dict[str, torch.Tensor]:
         """{file path: uint8 tensor} of the share's files present with their manifest size,
         as soon as they are mapped (their checksums may still run: see :meth:`result`);
-        {} if not started or the mapping failed."""
+        {} if not started or the mapping failed. Raises ``ReadTimeout`` (bounded read)."""
         if self.started:
-            self._ready.wait()
+            if self._progress is not None:
+                self._progress.wait_until(lambda: self._published or self._done)
+            else:
+                self._ready.wait()
         return self._mapped
 
+    def wait(self, path: str, end: int) -> None:
+        """Block until bytes ``:end`` of ``path`` (a file of :meth:`mapped`) were read by the
+        helper (a no-op without a bound). Raises ``ReadTimeout`` (bounded read)."""
+        if self.started and self._progress is not None:
+            self._progress.wait_until(lambda: self._done or self._touched.get(path, -1) >= end)
+
     def result(self) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """(memory, problems) of the share (see :func:`read_verified`); ({}, []) if not started."""
+        """(memory, problems) of the share (see :func:`read_verified`); ({}, []) if not started.
+        Raises what the read raised, or ``ReadTimeout`` (bounded read)."""
         if self.started:
-            self._thread.join()
+            self._wait(lambda: self._done)
             if self._error is not None:
                 raise self._error
         return self._out
 
     def join(self) -> None:
         """Wait for the reader thread to end; never raises (:meth:`result` reports its error,
-        once the restore has agreed on it, this is only the cleanup)."""
+        once the restore has agreed on it, this is only the cleanup). A bounded read that
+        makes no progress is left behind instead (see the class docstring)."""
         if self.started:
-            self._thread.join()
+            with contextlib.suppress(ReadTimeout):
+                self._wait(lambda: self._done)

@@ -56,7 +56,9 @@ from torch.futures import Future
 
 from tierckpt.dist.collectives import FAILURES, gather_leaders, gather_reduced, union
 from tierckpt.dist.topology import Topology
+from tierckpt.errors import ReadTimeout
 from tierckpt.io import manifest
+from tierckpt.io.bounded import run_bounded
 from tierckpt.io.storage import Store
 from tierckpt.restore.chunkmap import ClusterLoadPlanner, MissingChunks, Origins, RankIO, assign_reads, merge_metadata
 
@@ -82,10 +84,13 @@ class NodeCopies:
         store: this node's local root (None only with no ``rels``).
         rels: {saved node: directory of this node's copy of it}.
         node: this node's id (the holder named in a :class:`BadCopy`).
+        timeout_s: bound of each file's verification (``TierConfig.restore_read_timeout_s``):
+            a read without progress for that long makes the copy bad (``ReadTimeout``), and
+            the verified bytes the load reads next are in the page cache. None: unbounded.
     """
 
-    def __init__(self, store: Store | None, rels: dict[int, str], node: int):
-        self._store, self.rels, self.node = store, rels, node
+    def __init__(self, store: Store | None, rels: dict[int, str], node: int, timeout_s: float | None = None):
+        self._store, self.rels, self.node, self.timeout_s = store, rels, node, timeout_s
         self._entries: dict[int, dict[str, manifest.FileEntry]] = {}
         self._checked: dict[tuple[int, str], str | None] = {}
         self._lock = threading.Lock()  # the sender thread and the reading thread share it
@@ -121,7 +126,14 @@ class NodeCopies:
         entry = self._entries[m].get(path)
         if entry is None:
             return f"{self.store.url_of(rel)}/{path} is not in its manifest"
-        problems = manifest.verify_files(self.store, rel, [entry])
+        if self.timeout_s is None:
+            problems = manifest.verify_files(self.store, rel, [entry])
+        else:
+            try:
+                problems = run_bounded(lambda p: manifest.verify_files(self.store, rel, [entry], p.tick),
+                                       self.timeout_s, f"verifying {self.store.url_of(rel)}", name="tierckpt-verify")
+            except ReadTimeout as e:
+                problems = [f"ReadTimeout: {e}"]
         return "; ".join(problems) or None
 
     def reader(self, m: int, storage_data: dict) -> FileSystemReader:
@@ -362,7 +374,7 @@ class ClusterLoad:
 
 def cluster_load(state_dict: dict, copies_by_node: dict[int, dict[int, str]], usable: dict[int, list[int]],
                  topo: Topology, store: Store | None, load_group, transfer_group,
-                 saved_nodes: int | None = None) -> ClusterLoad:
+                 saved_nodes: int | None = None, read_timeout_s: float | None = None) -> ClusterLoad:
     """Load ``state_dict`` in place from the node-local copies of one step (collective, all ranks).
 
     Args:
@@ -373,13 +385,14 @@ def cluster_load(state_dict: dict, copies_by_node: dict[int, dict[int, str]], us
             left of; None: unknown).
         load_group: gloo group of all ranks for ``dcp.load``; ``transfer_group``: another one
             for the chunk exchange.
+        read_timeout_s: bound of every file's verification (:class:`NodeCopies`).
     Returns:
         :class:`ClusterLoad` (never raises for a data problem; a failed attempt says why).
     """
     t0 = time.perf_counter()
     mine = {m: by_h[topo.node] for m, by_h in copies_by_node.items()
             if topo.node in by_h and topo.node in usable.get(m, [])}
-    copies = NodeCopies(store, mine if store is not None else {}, topo.node)
+    copies = NodeCopies(store, mine if store is not None else {}, topo.node, read_timeout_s)
     parts, bad = _gather_metadata(copies, usable, topo, load_group)
     if bad:
         return ClusterLoad(ok=False, error="; ".join(f"copy of node {m} on node {h}: {why}" for (m, h), why in

@@ -132,12 +132,14 @@ def plan_pulls(topo: Topology, inv: Inventory, s: int, sources: dict[int, Source
 
 
 def run_pulls(store: Store, topo: Topology, groups: Groups, in_use: InUse, chunk_bytes: int,
-              pulls: list[Transfer], s: int, memory_bytes: int) -> Pulled:
+              pulls: list[Transfer], s: int, memory_bytes: int, read_timeout_s: float | None = None) -> Pulled:
     """Receive ``pulls`` into memory (collective over ``groups.local_world`` and ``groups.node``;
     every rank passes the same non-empty list) and agree per node whether they arrived intact
     (here, or through :meth:`Pulled.settle` while they stream).
 
     ``memory_bytes``: the most a rank receives into memory (``TierConfig.restore_memory_bytes``).
+    ``read_timeout_s``: a sender's reads of its copy are bounded (``TierConfig.restore_read_timeout_s``,
+    see :func:`~tierckpt.tiers.transfer.send_step`): a hung read fails the pull, never the restore.
     When every rank of the node keeps its whole share, this returns once the receives are
     posted: :attr:`Pulled.memory` fills as the bytes arrive (:meth:`Pulled.wait_bytes`) and
     :meth:`Pulled.settle` (collective over the node) says whether they were intact; otherwise
@@ -164,7 +166,7 @@ def run_pulls(store: Store, topo: Topology, groups: Groups, in_use: InUse, chunk
     out = Pulled(step=s, receiving=receiving, pulls=pulls, keys=keys)
     try:
         out.results, out.sender = start_transfers(pulls, topo.rank, store, groups.local_world, chunk_bytes,
-                                                  keep=memory_bytes, stream=True)
+                                                  keep=memory_bytes, stream=True, read_timeout_s=read_timeout_s)
         kept = all(r.stream is not None for r in out.results.values())
         streaming = all(all_gather(kept, groups.node))
     except BaseException:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from tierckpt.dist.collectives import FAILURES, agree, all_gather, gather_leaders, gather_reduced, run_agreed
 from tierckpt.dist.topology import Groups, Topology
-from tierckpt.errors import NoCheckpointError, VerificationError
+from tierckpt.errors import NoCheckpointError, ReadTimeout, VerificationError
 from tierckpt.history import lineage
 from tierckpt.io import layout
 from tierckpt.restore.cluster import ClusterLoad, cluster_load
@@ -121,12 +121,14 @@ class Restorer:
     """Runs a restore over the engine's groups. All ranks call :meth:`restore` together."""
 
     def __init__(self, topo: Topology, groups: Groups, local: LocalTier | None,
-                 persistent: PersistentTier | None, in_use: InUse, chunk_bytes: int, memory_bytes: int = 32 << 30):
+                 persistent: PersistentTier | None, in_use: InUse, chunk_bytes: int, memory_bytes: int = 32 << 30,
+                 read_timeout_s: float = 60.0):
         self.topo, self.groups, self._groups = topo, groups, groups
         self.local, self.persistent = local, persistent
         self.in_use = in_use
         self.chunk_bytes = chunk_bytes
         self.memory_bytes = memory_bytes  # TierConfig.restore_memory_bytes
+        self.read_timeout_s = read_timeout_s  # TierConfig.read_timeout_s: every read of a source is bounded
         self.pending: list[Pulled] = []  # pulls received, loaded, not yet committed
         self._foreign_logged: set = set()  # (node, rel, lineage) already reported
         self.last_inventory = Inventory()  # what the last restore planned from (pulls included)
@@ -316,7 +318,7 @@ class Restorer:
         try:
             cl = cluster_load(state_dict, by_node, usable, topo, self.local.store if self.local else None,
                               self.groups.local_world, self.groups.persistent_world,
-                              saved_nodes=inv.shapes.get(s, (None, None))[0])
+                              saved_nodes=inv.shapes.get(s, (None, None))[0], read_timeout_s=self.read_timeout_s)
         finally:
             for k in keys:
                 self.in_use.drop(k)
@@ -364,7 +366,8 @@ class Restorer:
         if node not in todo or sources[node].kind != OWN or self.memory_bytes <= 0:
             return None
         rel = self.view.holders(node, s).get(node, layout.local_step(s))
-        own = OwnRead(self._local().store, rel, self.topo.local_rank, self.topo.ranks_per_node, self.memory_bytes)
+        own = OwnRead(self._local().store, rel, self.topo.local_rank, self.topo.ranks_per_node, self.memory_bytes,
+                      self.read_timeout_s)
         return own if own.started else None
 
     def _load_node(self, state_dict: dict, s: int, sources: dict[int, Source], todo: set[int], pulled: Pulled,
@@ -406,7 +409,7 @@ class Restorer:
             def verify():
                 if src.kind == REPLICA:
                     return  # every byte was checksummed on receipt
-                problems = verify_split(store, rel, v_index, v_count)
+                problems = verify_split(store, rel, v_index, v_count, self.read_timeout_s)
                 if problems:
                     raise VerificationError("; ".join(problems[:3]))
 
@@ -448,14 +451,25 @@ class Restorer:
         hashing, a ``Stateful`` refusing its state after DCP's last collective) cannot leave
         the node's ranks in different collectives. Returns bytes read; raises
         :class:`~tierckpt.dist.collectives.PeerFailure` naming the cause on every rank of the
-        node when any rank failed (→ next source)."""
+        node when any rank failed (→ next source).
+
+        Every read of the copy is bounded by ``restore_read_timeout_s`` (:mod:`tierckpt.io.bounded`):
+        the checksum pass runs on a helper thread, and the load decodes only pages that thread
+        has read (:meth:`~tierckpt.io.memory_read.OwnRead.wait`); a read that makes no progress
+        fails this rank with ``ReadTimeout`` through the same path as a bad checksum."""
         topo = self.topo
         problems: list[str] = []
+        memory = None
         if own is None:
             try:
-                problems = verify_split(store, rel, topo.local_rank, topo.ranks_per_node)
+                problems = verify_split(store, rel, topo.local_rank, topo.ranks_per_node, self.read_timeout_s)
             except FAILURES as e:
                 problems = [f"{store.url_of(rel)}: unreadable ({type(e).__name__}: {e})"]
+        else:
+            try:
+                memory = own.mapped()
+            except ReadTimeout as e:  # not even mapped (a file that blocks on open)
+                problems = [f"ReadTimeout: {e}"]
         err: BaseException | None = None
         read = 0
         try:
@@ -463,7 +477,8 @@ class Restorer:
                 with contextlib.suppress(*FAILURES):
                     load_dir(state_dict, store.path(rel), group, strict=True)
                 raise VerificationError("; ".join(problems[:3]))
-            read = load_dir(state_dict, store.path(rel), group, memory=own.mapped() if own is not None else None)
+            read = load_dir(state_dict, store.path(rel), group, memory=memory,
+                            wait=own.wait if own is not None else None)
             found = own.result()[1] if own is not None else []
             if found:
                 raise VerificationError("; ".join(found[:3]))
@@ -507,7 +522,7 @@ class Restorer:
         if not pulls:
             return Pulled()
         return run_pulls(self._local().store, self.topo, self.groups, self.in_use, self.chunk_bytes, pulls, s,
-                         self.memory_bytes)
+                         self.memory_bytes, self.read_timeout_s)
 
     def commit_pending(self, groups: Groups | None = None) -> None:
         """Commit the pulls the last restore received (collective: every rank, the same

@@ -21,6 +21,7 @@ from tierckpt.dist.topology import Topology
 from tierckpt.history import lineage
 from tierckpt.history.timeline import LEGACY_ORDER, SaveIdentity, of_manifest
 from tierckpt.io import layout, manifest
+from tierckpt.io.bounded import Progress, run_bounded
 from tierckpt.io.dcp_io import (
     CountingFileSystemReader,
     crc32_off,
@@ -178,13 +179,22 @@ class LocalTier:
         return self.scan()[1]
 
 
-def verify_split(store: Store, rel: str, index: int, count: int) -> list[str]:
-    """Verify this rank's share of a committed step's files; returns problems ([] = intact)."""
-    doc = manifest.read_committed(store, rel)
-    if doc is None:
-        return [f"{store.url_of(rel)}: not committed"]
-    entries = manifest.split_share(manifest.entries_of(doc), index, count)
-    return manifest.verify_files(store, rel, entries)
+def verify_split(store: Store, rel: str, index: int, count: int, timeout_s: float | None = None) -> list[str]:
+    """Verify this rank's share of a committed step's files; returns problems ([] = intact).
+
+    ``timeout_s``: read on a helper thread, bounded (:func:`tierckpt.io.bounded.run_bounded`):
+    raises :class:`~tierckpt.errors.ReadTimeout` after that many seconds without progress
+    (a file that blocks on open or read). None: on this thread, unbounded."""
+    def verify(progress: Progress | None) -> list[str]:
+        doc = manifest.read_committed(store, rel)
+        if doc is None:
+            return [f"{store.url_of(rel)}: not committed"]
+        entries = manifest.split_share(manifest.entries_of(doc), index, count)
+        return manifest.verify_files(store, rel, entries, progress.tick if progress is not None else None)
+
+    if timeout_s is None:
+        return verify(None)
+    return run_bounded(verify, timeout_s, f"verifying {store.url_of(rel)}", name="tierckpt-verify")
 
 
 def load_dir(state_dict: dict, path: str, group: dist.ProcessGroup,

@@ -30,6 +30,7 @@ from tierckpt.io import manifest
 from tierckpt.io.memory_read import map_readonly
 from tierckpt.io.storage import Store
 from tierckpt.tiers import wire
+from tierckpt.tiers.bounded_send import send_step_bounded
 from tierckpt.tiers.receive import Received, recv_step
 from tierckpt.tiers.wire import SHARED_MAX, Transfer
 
@@ -38,13 +39,17 @@ __all__ = ["SHARED_MAX", "Received", "Transfer", "recv_step", "run_transfers", "
 log = logging.getLogger(__name__)
 
 
-def send_step(store: Store, t: Transfer, group, chunk_bytes: int) -> int:
+def send_step(store: Store, t: Transfer, group, chunk_bytes: int, read_timeout_s: float | None = None) -> int:
     """Stream this rank's share of ``t.src_rel`` to ``t.dst_rank``. Returns bytes sent.
 
     A missing or unreadable source still produces a header (with ``error``) so the receiver
     never waits forever; a file that shrank is padded with zeros, which the receiver's
-    checksum rejects.
+    checksum rejects. ``read_timeout_s`` (a restore's pull, local store): every read of the
+    copy is bounded, a hung one fails the transfer instead of stalling the stream
+    (:func:`~tierckpt.tiers.bounded_send.send_step_bounded`).
     """
+    if read_timeout_s is not None and store.local:
+        return send_step_bounded(store, t, group, chunk_bytes, read_timeout_s)
     dst = wire.group_rank(t.dst_rank, group)
     doc = None
     try:
@@ -169,17 +174,19 @@ def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
 
 
 def start_transfers(transfers: list[Transfer], rank: int, store: Store, group, chunk_bytes: int,
-                    keep: int = 0, stream: bool = False) -> tuple[dict[int, Received], threading.Thread]:
+                    keep: int = 0, stream: bool = False, read_timeout_s: float | None = None
+                    ) -> tuple[dict[int, Received], threading.Thread]:
     """:func:`run_transfers` that returns once this rank's receives are done (or posted, with
     ``stream``) while its sends may still run: (results, sender thread). The caller must join
     the thread before this rank's next transfer (they share the send buffers) and before a
-    collective over ``group``; it may do other work meanwhile (a restore loads its own copy)."""
+    collective over ``group``; it may do other work meanwhile (a restore loads its own copy).
+    ``read_timeout_s``: bound the sends' reads (see :func:`send_step`)."""
     sends = [t for t in transfers if t.src_rank == rank and t.dst_rank != rank]
 
     def sender():
         for t in sends:
             try:
-                send_step(store, t, group, chunk_bytes)
+                send_step(store, t, group, chunk_bytes, read_timeout_s)
             except BaseException as e:  # the receiver reports it: its stream ended short or wrong
                 log.error("tierckpt transfer %s: send failed: %s: %s", t.tag, type(e).__name__, e)
                 return

@@ -1,0 +1,102 @@
+"""Reads of a restore's sources bounded by a stall deadline (``TierConfig.restore_read_timeout_s``).
+
+A ``read()``/``open()`` blocked in the kernel (a hung NFS server, an NVMe that stopped
+answering, a FIFO in place of a file) cannot be interrupted from Python. So every read of a
+source runs on a daemon helper thread that reports its progress (:class:`Progress`: a file
+opened, a chunk read), and the restoring thread waits for it only while it makes progress:
+after ``timeout_s`` seconds without any, the wait raises :class:`~tierckpt.errors.ReadTimeout`
+(the source failed; the restore's usual agreement makes every rank treat it so) and the
+helper is left behind, never joined. Whatever it returns later lands in a box nobody reads
+and it writes nowhere else: a late completion cannot touch the state or a directory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, TypeVar
+
+from tierckpt.errors import ReadTimeout
+
+T = TypeVar("T")
+
+
+class Progress:
+    """Progress of one read on a helper thread, and the stall-bounded wait for it.
+
+    Args:
+        timeout_s: seconds without progress after which :meth:`wait_until` gives up (> 0).
+        what: what is read, for the error message (e.g. a step directory's URL).
+    """
+
+    def __init__(self, timeout_s: float, what: str):
+        self.timeout_s, self.what = float(timeout_s), what
+        self.where = ""  # what the helper is reading now (a file), for the message
+        self.abandoned = False  # the waiter gave up: the helper must not use what it reads
+        self._cv = threading.Condition()
+        self._last = time.monotonic()
+        self._claimed = False
+
+    def tick(self, where: str | None = None) -> None:
+        """The helper made progress (``where``: the file it reads now); wakes the waiter."""
+        with self._cv:
+            self._last = time.monotonic()
+            if where is not None:
+                self.where = where
+            self._cv.notify_all()
+
+    def claim(self) -> bool:
+        """The helper's last step before it hands over what it holds (open files): True, and
+        the waiter no longer times out (the hand-over follows at once), unless the waiter gave
+        up already (False: the helper must release what it holds itself)."""
+        with self._cv:
+            if self.abandoned:
+                return False
+            self._claimed = True
+            return True
+
+    def wait_until(self, done: Callable[[], bool]) -> None:
+        """Block until ``done()`` is true (it is evaluated under this object's lock after each
+        :meth:`tick`, so the helper must tick after the change that makes it true).
+
+        Raises:
+            ReadTimeout: ``timeout_s`` seconds passed without a tick while ``done()`` was false,
+                or an earlier wait gave up already (at once then); :attr:`abandoned` is set (the
+                helper should stop at its next tick).
+        """
+        with self._cv:
+            while not done():
+                left = self._last + self.timeout_s - time.monotonic()
+                if (left <= 0 and not self._claimed) or self.abandoned:  # given up once: every later wait fails at once
+                    self.abandoned = True
+                    raise ReadTimeout(
+                        f"{self.what}: read timed out, no progress for {self.timeout_s:g} s"
+                        + (f" (reading {self.where})" if self.where else "")
+                        + " (restore_read_timeout_s): a hung read; the source counts as failed")
+                self._cv.wait(left if left > 0 else 1.0)
+
+
+def run_bounded(fn: Callable[[Progress], T], timeout_s: float, what: str, name: str = "tierckpt-read") -> T:
+    """``fn(progress)`` on a daemon helper thread; returns its result, or raises what it raised.
+
+    ``fn`` must call ``progress.tick()`` as it goes (at least once per file opened and per
+    chunk read). Raises :class:`~tierckpt.errors.ReadTimeout` when it makes no progress for
+    ``timeout_s`` seconds; the helper is then left behind (its result discarded).
+    """
+    progress = Progress(timeout_s, what)
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn(progress)
+        except BaseException as e:  # re-raised on the waiting thread
+            box["error"] = e
+        finally:
+            box["done"] = True
+            progress.tick()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    progress.wait_until(lambda: "done" in box)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
