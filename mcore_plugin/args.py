@@ -99,9 +99,7 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--non-persistent-local-ckpt-dir, taken as node-private.")
     g.add_argument("--ckpt-plugin-local-root-is-node-private", action="store_true", default=False,
                    help="The local root may omit {node}/{hostname}: each node's path is on its own disk.")
-    g.add_argument("--ckpt-plugin-local-permissions", default=None, metavar="SETTING", help=(
-        "Modes of all the plugin writes under the local root, whatever the umask: private (default; directories "
-        "0700, files 0600) or group (0750/0640, the group may read). --save follows the umask."))
+    _add_permissions_arg(g)
     g.add_argument("--ckpt-plugin-replication-jump", type=_positive_int("--ckpt-plugin-replication-jump"),
                    default=None, metavar="J",
                    help="J, counted in nodes: node n's local checkpoint is copied to nodes n+J, n+2J, ... "
@@ -163,6 +161,13 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    type=_nonneg_int("--ckpt-plugin-simulated-ranks-per-node", "0 = real topology"),
                    help="Simulate nodes on one machine: node = rank // N (tests, demos).")
     return parser
+
+
+def _add_permissions_arg(g) -> None:
+    """``--ckpt-plugin-local-permissions`` (``TierConfig.local_permissions``)."""
+    g.add_argument("--ckpt-plugin-local-permissions", default=None, metavar="SETTING", help=(
+        "Modes of all the plugin writes under the local root, whatever the umask: private (default; directories "
+        "0700, files 0600) or group (0750/0640, the group may read). --save follows the umask."))
 
 
 def plugin_enabled(args: argparse.Namespace) -> bool:
