@@ -144,3 +144,66 @@ def phase_own_copy_read_two_ways(rank, world, base, rpn, k, extra_steps, cfg_kw=
     dcp_io.CountingFileSystemReader.read_data = counting
     out = phase_restore_and_check(rank, world, base, rpn, k, extra_steps, cfg_kw)
     return {**out, "reads": reads[0]}
+
+
+# -- every dtype, whatever its offset in the file (tests/test_restore_dtypes.py) -------------------
+DTYPES = ("float64", "float32", "float16", "bfloat16", "complex32", "complex64", "complex128", "int8", "int16",
+          "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2",
+          "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+ODD = (1, 3, 7)  # elements of the int8 neighbour before each tensor, and of the tensor itself
+
+
+def dtype_state(rank: int, seed: int) -> dict:
+    """{"r<rank>": {...}}: for every dtype of :data:`DTYPES` torch has, tensors of 1, 3 and 7
+    elements, each right after an int8 tensor of an odd number of elements (DCP writes a
+    rank's records back to back in state order, so their data lands at offsets of every
+    residue). Random bytes (valid booleans); keys differ per rank (the persistent tier holds
+    every rank's). ``seed`` 0 gives zeros (a target to load into)."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    out: dict[str, torch.Tensor] = {}
+    for name in DTYPES:
+        dt = getattr(torch, name, None)
+        if dt is None:
+            continue
+        size = torch.empty(0, dtype=dt).element_size()
+        for j, n in enumerate(ODD):
+            pad = ODD[(j + 1) % len(ODD)]
+            if dt == torch.bool:
+                raw = torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8)
+            else:
+                raw = torch.randint(0, 256, (n * size,), generator=g, dtype=torch.uint8)
+            out[f"{name}.pad{j}"] = torch.randint(-128, 128, (pad,), generator=g, dtype=torch.int8)
+            out[f"{name}.x{j}"] = (raw if seed else torch.zeros_like(raw)).view(dt)
+    return {f"r{rank}": out}
+
+
+def phase_every_dtype_every_source(rank, world, base):
+    """Save :func:`dtype_state` to every tier, then restore it three times into zeros: every
+    node from its own copy; node 1 (root deleted) from node 0's replica; node 1 (root and its
+    replicas deleted) from the persistent tier; bitwise per dtype each time, with the default
+    ``restore_memory_bytes`` (own and pulled copies decoded from memory). Returns the sources
+    of node 1 and the dtypes loaded."""
+    import shutil
+
+    import torch.distributed as dist
+
+    eng = TieredCheckpointer(make_config(base), node_id=rank)
+    eng.save(1, dtype_state(rank, 1))
+    eng.wait()
+    ref = dtype_state(rank, 1)
+    seen = []
+    for wipe in ("none", "node", "node+replicas"):
+        eng.wait()  # the replica rebuild of the last restore must not write into a root wiped next
+        dist.barrier()
+        if rank == 0 and wipe != "none":
+            shutil.rmtree(os.path.join(base, "nvme", "node-1"), ignore_errors=True)
+            if wipe == "node+replicas":
+                shutil.rmtree(os.path.join(base, "nvme", "node-0", "replicas", "node-1"), ignore_errors=True)
+        dist.barrier()
+        sd = dtype_state(rank, 0)
+        res = eng.restore(sd)
+        assert res is not None and res.step == 1, res
+        assert_bitwise(sd, ref)
+        seen.append((res.source_of(0), res.source_of(1)))
+    eng.close()
+    return {"sources": seen, "dtypes": sorted({str(t.dtype) for t in ref[f"r{rank}"].values()})}

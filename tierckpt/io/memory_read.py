@@ -7,7 +7,8 @@ copy reads and checksums its share in one pass (:func:`read_verified`) while the
 ``torch.load`` each tensor record from a stream (parse the zip, copy the bytes into a new
 storage, then copy into the target); here each tensor of a file held in memory is decoded
 with torch's own ``torch.save`` reader over a storage that *is* the file's bytes, so the
-only copy is into the target tensor. The file format is DCP's own (``FileSystemWriter``,
+only copy is into the target tensor (a record whose data is not aligned for its dtype, which
+its place in the file decides, is first copied to aligned memory: :func:`_realigned`). The file format is DCP's own (``FileSystemWriter``,
 torch.save records); nothing about it changes.
 """
 
@@ -123,7 +124,8 @@ _TEMPLATE_CAP = 512
 
 def decode_record(buf: torch.Tensor) -> torch.Tensor:
     """The tensor of one ``torch.save`` record held in ``buf`` (uint8, CPU), sharing ``buf``'s
-    memory (no copy of the data).
+    memory (no copy of the data) when its data is aligned for its dtype, else a copy (see
+    :func:`_realigned`).
 
     Uses torch's reader (``torch.serialization._load`` over the record's bytes as its
     ``overall_storage``, what ``torch.load(mmap=True)`` does for a file) with the weights-only
@@ -142,7 +144,7 @@ def decode_record(buf: torch.Tensor) -> torch.Tensor:
         if mv[:p] == tpl.prefix:
             off = buf.storage_offset() + p
             st = buf.untyped_storage()[off: off + tpl.nbytes]
-            return torch.empty(0, dtype=tpl.dtype).set_(st, tpl.storage_offset, tpl.size, tpl.stride)
+            return _realigned(torch.empty(0, dtype=tpl.dtype).set_(st, tpl.storage_offset, tpl.size, tpl.stride))
     if _fast_ok:
         try:
             from torch import _weights_only_unpickler
@@ -153,6 +155,10 @@ def decode_record(buf: torch.Tensor) -> torch.Tensor:
             t = torch.serialization._load(zf, "cpu", _weights_only_unpickler,
                                           overall_storage=st[off: off + n])
             _learn(buf, t)
+            if _plain(t):
+                return _realigned(t)
+            if _misaligned(t):  # no plain storage to realign: torch.load's own copy is aligned
+                return torch.load(io.BufferedReader(TensorStream(buf)), map_location="cpu", weights_only=True)
             return t
         except (AttributeError, TypeError) as e:
             _fast_ok = False
@@ -161,10 +167,42 @@ def decode_record(buf: torch.Tensor) -> torch.Tensor:
     return torch.load(io.BufferedReader(TensorStream(buf)), map_location="cpu", weights_only=True)
 
 
+def _plain(t) -> bool:
+    """``t`` is a dense, strided, unquantized tensor (its storage can be copied as bytes)."""
+    return type(t) is torch.Tensor and not t.is_quantized and t.layout == torch.strided
+
+
+def _misaligned(t) -> bool:
+    """The data of tensor ``t`` starts at an address that is not a multiple of its element
+    size (which is its dtype's alignment: 16 bytes for complex128, 1 for bool and float8)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return False
+    st = t.untyped_storage()
+    return st.nbytes() > 0 and st.data_ptr() % t.element_size() != 0
+
+
+def _realigned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its storage is aligned for its dtype, else the same tensor (dtype,
+    shape, strides, storage offset) over an aligned copy of its storage's bytes.
+
+    A DCP file packs ``torch.save`` records back to back: a record's data is 64-byte aligned
+    within the record, so whatever precedes the record in the file (an int8 tensor of 3
+    elements) decides its alignment in memory. torch's kernels assume dtype alignment: a
+    complex128 tensor at an address not divisible by 16 kills the process with SIGSEGV in
+    ``copy_`` (torch 2.x, x86-64, measured), and a misaligned access is undefined behaviour for
+    any dtype. The copy costs one record's bytes, transiently, and only for misaligned records."""
+    if not _misaligned(t):
+        return t
+    st = t.untyped_storage()
+    fresh = torch.empty(st.nbytes(), dtype=torch.uint8)  # torch's CPU allocator: 64-byte aligned
+    fresh.copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+    return torch.empty(0, dtype=t.dtype).set_(fresh.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
 def _learn(buf: torch.Tensor, t: torch.Tensor) -> None:
     """Cache ``t``'s layout as a template for records like ``buf`` when its storage is a plain
     slice of ``buf`` (a dense tensor of a supported dtype decoded in place)."""
-    if type(t) is not torch.Tensor or t.is_quantized or t.layout != torch.strided or not buf.numel():
+    if not _plain(t) or not buf.numel():
         return
     st = t.untyped_storage()
     data_off = st.data_ptr() - buf.data_ptr()
