@@ -7,7 +7,10 @@ and torch's kernels assume dtype alignment (complex128: SIGSEGV in ``copy_``). C
 
 - units: :func:`~tierckpt.io.memory_read.decode_record` of every dtype at every offset 0..31
   returns an aligned tensor equal to ``torch.load``'s, sharing the buffer when the data is
-  aligned (the zero-copy common case is kept) and a copy otherwise; the template path too;
+  aligned (zero-copy kept) and a copy otherwise; the template path too. The memory reader's
+  :func:`~tierckpt.io.memory_read.copy_record` copies a misaligned record into its target
+  once, as bytes (most records are misaligned: in torch 2.13 each ``torch.save`` record's length is
+  41 bytes past a multiple of 64, and DCP writes them back to back), and a slice of one through an aligned copy;
 - a state of every dtype torch has on CPU, each tensor after an odd-sized int8 neighbour
   (the saved files are checked to hold misaligned records of every multi-byte dtype), saved
   to every tier and restored from own-local, peer-replica and persistent, bitwise, and every
@@ -64,6 +67,32 @@ def test_decode_record_is_aligned_at_every_offset(dt, templated):
         inside = buf.data_ptr() <= got.data_ptr() < buf.data_ptr() + buf.numel()
         data_aligned = (buf.data_ptr() + off + _data_offset(rec.getvalue())) % size == 0
         assert inside == data_aligned, f"{dt} at offset {off}: zero-copy {inside}, aligned data {data_aligned}"
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=[str(d).removeprefix("torch.") for d in DTYPES])
+def test_copy_record_copies_a_misaligned_record_once_and_any_slice_of_it(dt, monkeypatch):
+    # the memory reader's copy into the target: a whole record of the target's dtype is copied
+    # as bytes (no realigning copy first), a slice of it (a resharded read) through an aligned copy
+    t = _values(dt)
+    rec = io.BytesIO()
+    torch.save(t, rec)
+    raw = torch.frombuffer(bytearray(rec.getvalue()), dtype=torch.uint8)
+    realign = memory_read._realigned
+    for off in range(17):
+        buf = torch.zeros(raw.numel() + 64, dtype=torch.uint8)
+        buf[off: off + raw.numel()] = raw
+        src = memory_read.decode_in_place(buf[off: off + raw.numel()])
+        target = torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8).view(dt)
+        monkeypatch.setattr(memory_read, "_realigned", lambda x: pytest.fail("realigned a whole record"))
+        memory_read.copy_record(target, src)
+        assert _bytes(target) == _bytes(t), (dt, off)
+        monkeypatch.setattr(memory_read, "_realigned", realign)
+        part = torch.zeros(3 * t.element_size(), dtype=torch.uint8).view(dt)
+        memory_read.copy_record(part, src[2:5])
+        assert _bytes(part) == _bytes(t[2:5]), (dt, off)
+        strided = torch.zeros(6 * t.element_size(), dtype=torch.uint8).view(dt)[::2]  # a non-contiguous target
+        memory_read.copy_record(strided, src[:3])
+        assert _bytes(strided) == _bytes(t[:3]), (dt, off)
 
 
 def _data_offset(record: bytes) -> int:

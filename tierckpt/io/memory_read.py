@@ -7,8 +7,8 @@ copy reads and checksums its share in one pass (:func:`read_verified`) while the
 ``torch.load`` each tensor record from a stream (parse the zip, copy the bytes into a new
 storage, then copy into the target); here each tensor of a file held in memory is decoded
 with torch's own ``torch.save`` reader over a storage that *is* the file's bytes, so the
-only copy is into the target tensor (a record whose data is not aligned for its dtype, which
-its place in the file decides, is first copied to aligned memory: :func:`_realigned`). The file format is DCP's own (``FileSystemWriter``,
+only copy is into the target tensor, also for a record whose data is not aligned for its dtype
+(its place in the file decides: :func:`copy_record`). The file format is DCP's own (``FileSystemWriter``,
 torch.save records); nothing about it changes.
 """
 
@@ -124,8 +124,8 @@ _TEMPLATE_CAP = 512
 
 def decode_record(buf: torch.Tensor) -> torch.Tensor:
     """The tensor of one ``torch.save`` record held in ``buf`` (uint8, CPU), sharing ``buf``'s
-    memory (no copy of the data) when its data is aligned for its dtype, else a copy (see
-    :func:`_realigned`).
+    memory (no copy of the data) when its data is aligned for its dtype, else over an aligned
+    copy of it (:func:`_realigned`): any kernel may read the result.
 
     Uses torch's reader (``torch.serialization._load`` over the record's bytes as its
     ``overall_storage``, what ``torch.load(mmap=True)`` does for a file) with the weights-only
@@ -136,6 +136,14 @@ def decode_record(buf: torch.Tensor) -> torch.Tensor:
     falls back to ``torch.load`` (a copy), once logged. Raises what ``torch.load`` raises for a
     bad record.
     """
+    return _realigned(decode_in_place(buf))
+
+
+def decode_in_place(buf: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_record` without the realignment: a plain tensor (dense, strided) over
+    ``buf``'s bytes may start at an address that is not a multiple of its element size. Such
+    a tensor must only be read as bytes or through :func:`copy_record` (torch's kernels assume
+    dtype alignment); any other tensor returned is aligned."""
     global _fast_ok
     n = buf.numel()
     mv = buf.numpy().data
@@ -144,7 +152,7 @@ def decode_record(buf: torch.Tensor) -> torch.Tensor:
         if mv[:p] == tpl.prefix:
             off = buf.storage_offset() + p
             st = buf.untyped_storage()[off: off + tpl.nbytes]
-            return _realigned(torch.empty(0, dtype=tpl.dtype).set_(st, tpl.storage_offset, tpl.size, tpl.stride))
+            return torch.empty(0, dtype=tpl.dtype).set_(st, tpl.storage_offset, tpl.size, tpl.stride)
     if _fast_ok:
         try:
             from torch import _weights_only_unpickler
@@ -155,16 +163,31 @@ def decode_record(buf: torch.Tensor) -> torch.Tensor:
             t = torch.serialization._load(zf, "cpu", _weights_only_unpickler,
                                           overall_storage=st[off: off + n])
             _learn(buf, t)
-            if _plain(t):
-                return _realigned(t)
-            if _misaligned(t):  # no plain storage to realign: torch.load's own copy is aligned
-                return torch.load(io.BufferedReader(TensorStream(buf)), map_location="cpu", weights_only=True)
-            return t
+            if _plain(t) or not _misaligned(t):
+                return t
+            # no plain storage to realign (a quantized tensor): torch.load's own copy is aligned
         except (AttributeError, TypeError) as e:
             _fast_ok = False
             log.warning("tierckpt: zero-copy decode unavailable in torch %s (%s: %s); loading with torch.load",
                         torch.__version__, type(e).__name__, e)
     return torch.load(io.BufferedReader(TensorStream(buf)), map_location="cpu", weights_only=True)
+
+
+def copy_record(target: torch.Tensor, src: torch.Tensor) -> None:
+    """``target.copy_(src)`` for ``src`` as :func:`decode_in_place` returns it (or a view of
+    it), whatever its alignment. A misaligned ``src`` of ``target``'s dtype, both contiguous
+    (a DCP record loaded whole, the usual case), is copied as bytes: one copy, as for an
+    aligned record (any device: a byte copy needs no alignment). Otherwise (a slice of a
+    record, another dtype or layout) it is first realigned (:func:`_realigned`: one more
+    copy of the record, transient). Raises what ``copy_`` raises (shapes that differ)."""
+    if not _misaligned(src):
+        target.copy_(src)
+    elif target.dtype == src.dtype and target.is_contiguous() and src.is_contiguous() \
+            and target.shape == src.shape:
+        if src.numel():
+            target.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8))
+    else:
+        target.copy_(_realigned(src))
 
 
 def _plain(t) -> bool:
@@ -246,11 +269,11 @@ class MemoryReader(CountingFileSystemReader):
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(data.numpy().tobytes()))
                 continue
-            tensor = narrow_tensor_by_index(decode_record(data), req.storage_offsets, req.lengths)
+            tensor = narrow_tensor_by_index(decode_in_place(data), req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
-            target.copy_(tensor)
+            copy_record(target, tensor)
             planner.commit_tensor(req, target)
         return super().read_data(dataclasses.replace(plan, items=rest), planner)
 
