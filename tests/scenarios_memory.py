@@ -207,3 +207,94 @@ def phase_every_dtype_every_source(rank, world, base):
         seen.append((res.source_of(0), res.source_of(1)))
     eng.close()
     return {"sources": seen, "dtypes": sorted({str(t.dtype) for t in ref[f"r{rank}"].values()})}
+
+
+# -- host memory of replication and of a restore (tests/test_transfer_memory.py) ----------------
+MiB = 1 << 20
+
+
+def host_bytes() -> dict[str, int]:
+    """This process's resident anonymous and shared-anonymous memory (bytes): what the heap,
+    torch's allocator and the transfer buffers (anonymous shared mappings) take; page-cache
+    mappings of files (reclaimable) are not counted."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssShmem"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class PeakSampler:
+    """Samples :func:`host_bytes` (anon + shmem) every 2 ms on a thread; :meth:`stop` returns
+    the peak seen (bytes). A transfer buffer or a kept share stays resident for the whole
+    transfer (hundreds of samples): a sampler cannot miss it."""
+
+    def __init__(self):
+        import threading
+
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            b = host_bytes()
+            self.peak = max(self.peak, b["RssAnon"] + b["RssShmem"])
+            if self._stop.wait(0.002):
+                return
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def big_state(rank: int, seed: int, mib: int, tensors: int) -> dict:
+    """{"r<rank>": {"t<i>": float32 tensor}}: ``tensors`` tensors, ``mib`` MiB in all; seed 0: zeros."""
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    n = mib * MiB // 4 // tensors
+    return {f"r{rank}": {f"t{i}": torch.rand(n, generator=g) if seed else torch.zeros(n) for i in range(tensors)}}
+
+
+def phase_memory_save(rank, world, base, cfg_kw, mib, tensors):
+    """Save :func:`big_state` to the local tier (replicated to the peer node) and wait. Returns
+    {"shmem_after": RssShmem growth after the replication ended (bytes), "peak": anon+shmem
+    growth during the save (bytes)}."""
+    eng = TieredCheckpointer(make_config(base, tiers=("local",), **cfg_kw), node_id=rank)
+    sd = big_state(rank, 1, mib, tensors)
+    before = host_bytes()
+    sampler = PeakSampler()
+    eng.save(1, sd)
+    eng.wait()
+    peak = sampler.stop()
+    after = host_bytes()
+    eng.close()
+    return {"shmem_after": after["RssShmem"] - before["RssShmem"],
+            "peak": peak - before["RssAnon"] - before["RssShmem"]}
+
+
+def phase_memory_restore(rank, world, base, cfg_kw, mib, tensors):
+    """Restore :func:`big_state` into zeros (node 1's root was deleted: a pull from node 0's
+    replica), bitwise. Returns this rank's source, the peak growth of anon+shmem memory during
+    ``restore()`` over the memory before it (the state already allocated), and the RssShmem
+    growth left once the background commit and replica rebuild ended (bytes)."""
+    import gc
+
+    eng = TieredCheckpointer(make_config(base, tiers=("local",), **cfg_kw), node_id=rank)
+    sd = big_state(rank, 0, mib, tensors)
+    gc.collect()
+    before = host_bytes()
+    sampler = PeakSampler()
+    res = eng.restore(sd)
+    peak = sampler.stop()
+    assert res is not None and res.step == 1
+    eng.wait()
+    after = host_bytes()
+    assert_bitwise(sd, big_state(rank, 1, mib, tensors))
+    out = {"source": res.source_of(rank), "peak": peak - before["RssAnon"] - before["RssShmem"],
+           "shmem_after": after["RssShmem"] - before["RssShmem"]}
+    eng.close()
+    return out
