@@ -233,12 +233,17 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0,
     :meth:`Received.complete` (or ``finish``) to learn whether they were intact. A kept
     receive uses no chunk buffers: its host memory is the files' bytes.
     """
-    if pool is None:
-        pool = wire.BufferPool()
-        try:
-            return recv_step(store, t, group, chunk_bytes, keep, stream, pool)
-        finally:
-            pool.release()  # a kept receive still streaming uses its own buffers
+    use = wire.BufferPool() if pool is None else pool
+    try:
+        return _recv(store, t, group, chunk_bytes, keep, stream, use)
+    finally:
+        if pool is None:
+            use.release()  # a kept receive still streaming uses its own buffers
+
+
+def _recv(store: Store, t: Transfer, group, chunk_bytes: int, keep: int, stream: bool,
+          pool: wire.BufferPool) -> Received:
+    """:func:`recv_step` with its buffer pool."""
     src = wire.group_rank(t.src_rank, group)
     res = Received(t)
     header = wire.recv_header(src, group)

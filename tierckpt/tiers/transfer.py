@@ -49,12 +49,16 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int, pool: wire.Buf
     checksum rejects. ``pool``: where the two send buffers of a non-local store come from
     (the caller releases it); None: buffers of this call only.
     """
-    if pool is None:
-        pool = wire.BufferPool()
-        try:
-            return send_step(store, t, group, chunk_bytes, pool)
-        finally:
-            pool.release()
+    use = wire.BufferPool() if pool is None else pool
+    try:
+        return _send(store, t, group, chunk_bytes, use)
+    finally:
+        if pool is None:
+            use.release()
+
+
+def _send(store: Store, t: Transfer, group, chunk_bytes: int, pool: wire.BufferPool) -> int:
+    """:func:`send_step` with its buffer pool."""
     dst = wire.group_rank(t.dst_rank, group)
     doc = None
     try:
