@@ -249,13 +249,17 @@ class TierConfig(_KnownFields):
         job_id: substituted for ``{job}``; default SLURM_JOB_ID (stable across requeues), else
             ``"job"``. torchrun's TORCHELASTIC_RUN_ID is not used: ``--standalone`` makes it
             random per launch, which would hide the previous launch's local checkpoints.
-        transfer_chunk_bytes: largest piece of a file held in memory while replicating (bytes).
+        transfer_chunk_bytes: largest piece of a file held in memory while replicating (bytes):
+            a receiving rank holds 4 chunk buffers (2 sending from a non-local store) while a
+            transfer runs, unmapped when it ends.
         restore_memory_bytes: largest share of a node-local step one rank holds in memory during
             a restore (bytes, default 32 GiB; 0 = none): the rank's share of its own copy, read
             and checksummed in one pass while the pulls run, and a pulled replica, received into
             memory and loaded from it while it is written to disk. A larger own share is verified
             and loaded from disk; a larger pull, or one whose buffers the allocator refuses
-            (logged), is committed to disk before it is loaded.
+            (logged), is committed to disk before it is loaded, received in chunks of
+            ``min(transfer_chunk_bytes, max(restore_memory_bytes / 4, 1 MiB))`` so its buffers
+            stay within the bound (README, "Host memory").
         staging_buffers: host copies of the state kept for overlapping saves (>=1).
         cpu_staging: how ``save()`` copies CPU tensors into a staging buffer. ``"blocking"``
             (default): inside ``save()``; the caller may modify the state at once.

@@ -7,7 +7,8 @@ copy reads and checksums its share in one pass (:func:`read_verified`) while the
 ``torch.load`` each tensor record from a stream (parse the zip, copy the bytes into a new
 storage, then copy into the target); here each tensor of a file held in memory is decoded
 with torch's own ``torch.save`` reader over a storage that *is* the file's bytes, so the
-only copy is into the target tensor. The file format is DCP's own (``FileSystemWriter``,
+only copy is into the target tensor, also for a record whose data is not aligned for its dtype
+(its place in the file decides: :func:`copy_record`). The file format is DCP's own (``FileSystemWriter``,
 torch.save records); nothing about it changes.
 """
 
@@ -125,7 +126,8 @@ _TEMPLATE_CAP = 512
 
 def decode_record(buf: torch.Tensor) -> torch.Tensor:
     """The tensor of one ``torch.save`` record held in ``buf`` (uint8, CPU), sharing ``buf``'s
-    memory (no copy of the data).
+    memory (no copy of the data) when its data is aligned for its dtype, else over an aligned
+    copy of it (:func:`_realigned`): any kernel may read the result.
 
     Uses torch's reader (``torch.serialization._load`` over the record's bytes as its
     ``overall_storage``, what ``torch.load(mmap=True)`` does for a file) with the weights-only
@@ -136,6 +138,14 @@ def decode_record(buf: torch.Tensor) -> torch.Tensor:
     falls back to ``torch.load`` (a copy), once logged. Raises what ``torch.load`` raises for a
     bad record.
     """
+    return _realigned(decode_in_place(buf))
+
+
+def decode_in_place(buf: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_record` without the realignment: a plain tensor (dense, strided) over
+    ``buf``'s bytes may start at an address that is not a multiple of its element size. Such
+    a tensor must only be read as bytes or through :func:`copy_record` (torch's kernels assume
+    dtype alignment); any other tensor returned is aligned."""
     global _fast_ok
     n = buf.numel()
     mv = buf.numpy().data
@@ -155,7 +165,9 @@ def decode_record(buf: torch.Tensor) -> torch.Tensor:
             t = torch.serialization._load(zf, "cpu", _weights_only_unpickler,
                                           overall_storage=st[off: off + n])
             _learn(buf, t)
-            return t
+            if _plain(t) or not _misaligned(t):
+                return t
+            # no plain storage to realign (a quantized tensor): torch.load's own copy is aligned
         except (AttributeError, TypeError) as e:
             _fast_ok = False
             log.warning("tierckpt: zero-copy decode unavailable in torch %s (%s: %s); loading with torch.load",
@@ -163,10 +175,59 @@ def decode_record(buf: torch.Tensor) -> torch.Tensor:
     return torch.load(io.BufferedReader(TensorStream(buf)), map_location="cpu", weights_only=True)
 
 
+def copy_record(target: torch.Tensor, src: torch.Tensor) -> None:
+    """``target.copy_(src)`` for ``src`` as :func:`decode_in_place` returns it (or a view of
+    it), whatever its alignment. A misaligned ``src`` of ``target``'s dtype, both contiguous
+    (a DCP record loaded whole, the usual case), is copied as bytes: one copy, as for an
+    aligned record (any device: a byte copy needs no alignment). Otherwise (a slice of a
+    record, another dtype or layout) it is first realigned (:func:`_realigned`: one more
+    copy of the record, transient). Raises what ``copy_`` raises (shapes that differ)."""
+    if not _misaligned(src):
+        target.copy_(src)
+    elif target.dtype == src.dtype and target.is_contiguous() and src.is_contiguous() \
+            and target.shape == src.shape:
+        if src.numel():
+            target.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8))
+    else:
+        target.copy_(_realigned(src))
+
+
+def _plain(t) -> bool:
+    """``t`` is a dense, strided, unquantized tensor (its storage can be copied as bytes)."""
+    return type(t) is torch.Tensor and not t.is_quantized and t.layout == torch.strided
+
+
+def _misaligned(t) -> bool:
+    """The data of tensor ``t`` starts at an address that is not a multiple of its element
+    size (which is its dtype's alignment: 16 bytes for complex128, 1 for bool and float8)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return False
+    st = t.untyped_storage()
+    return st.nbytes() > 0 and st.data_ptr() % t.element_size() != 0
+
+
+def _realigned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its storage is aligned for its dtype, else the same tensor (dtype,
+    shape, strides, storage offset) over an aligned copy of its storage's bytes.
+
+    A DCP file packs ``torch.save`` records back to back: a record's data is 64-byte aligned
+    within the record, so whatever precedes the record in the file (an int8 tensor of 3
+    elements) decides its alignment in memory. torch's kernels assume dtype alignment: a
+    complex128 tensor at an address not divisible by 16 kills the process with SIGSEGV in
+    ``copy_`` (torch 2.x, x86-64, measured), and a misaligned access is undefined behaviour for
+    any dtype. The copy costs one record's bytes, transiently, and only for misaligned records."""
+    if not _misaligned(t):
+        return t
+    st = t.untyped_storage()
+    fresh = torch.empty(st.nbytes(), dtype=torch.uint8)  # torch's CPU allocator: 64-byte aligned
+    fresh.copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+    return torch.empty(0, dtype=t.dtype).set_(fresh.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
 def _learn(buf: torch.Tensor, t: torch.Tensor) -> None:
     """Cache ``t``'s layout as a template for records like ``buf`` when its storage is a plain
     slice of ``buf`` (a dense tensor of a supported dtype decoded in place)."""
-    if type(t) is not torch.Tensor or t.is_quantized or t.layout != torch.strided or not buf.numel():
+    if not _plain(t) or not buf.numel():
         return
     st = t.untyped_storage()
     data_off = st.data_ptr() - buf.data_ptr()
@@ -210,11 +271,11 @@ class MemoryReader(CountingFileSystemReader):
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(data.numpy().tobytes()))
                 continue
-            tensor = narrow_tensor_by_index(decode_record(data), req.storage_offsets, req.lengths)
+            tensor = narrow_tensor_by_index(decode_in_place(data), req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
-            target.copy_(tensor)
+            copy_record(target, tensor)
             planner.commit_tensor(req, target)
         return super().read_data(dataclasses.replace(plan, items=rest), planner)
 

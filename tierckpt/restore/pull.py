@@ -28,6 +28,7 @@ from tierckpt.dist.topology import Groups, Topology
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 from tierckpt.restore.plan import REPLICA, Inventory, Source
+from tierckpt.tiers.receive import RECV_BUFFERS
 from tierckpt.tiers.replication import commit_received
 from tierckpt.tiers.retention import InUse
 from tierckpt.tiers.transfer import Received, Transfer, start_transfers
@@ -112,6 +113,20 @@ class Pulled:
             th.join()
 
 
+PULL_CHUNK_MIN = 1 << 20  # bytes: the smallest chunk of a pull (gloo's per-message cost stays small)
+
+
+def pull_chunk_bytes(chunk_bytes: int, memory_bytes: int) -> int:
+    """Chunk size of a restore's pulls (bytes, a multiple of 4096): ``chunk_bytes``
+    (``TierConfig.transfer_chunk_bytes``), capped so that a pull received to disk (a share above
+    ``memory_bytes``, ``TierConfig.restore_memory_bytes``) holds at most
+    ``max(memory_bytes, 4 MiB)`` in its :data:`~tierckpt.tiers.receive.RECV_BUFFERS` receive
+    buffers: the restore's memory bound holds whichever way the share is received. Every rank
+    computes the same value from the same configuration (sender and receiver must agree)."""
+    cap = max(PULL_CHUNK_MIN, memory_bytes // RECV_BUFFERS // 4096 * 4096)
+    return min(chunk_bytes, cap)
+
+
 def plan_pulls(topo: Topology, inv: Inventory, s: int, sources: dict[int, Source], todo: set[int]) -> list[Transfer]:
     """The transfers of every node of ``todo`` served from a peer replica (same list on every
     rank): local rank r of the holder sends share r to local rank r of the node, into the
@@ -137,7 +152,8 @@ def run_pulls(store: Store, topo: Topology, groups: Groups, in_use: InUse, chunk
     every rank passes the same non-empty list) and agree per node whether they arrived intact
     (here, or through :meth:`Pulled.settle` while they stream).
 
-    ``memory_bytes``: the most a rank receives into memory (``TierConfig.restore_memory_bytes``).
+    ``memory_bytes``: the most a rank receives into memory (``TierConfig.restore_memory_bytes``);
+    a larger share is received to disk in chunks of :func:`pull_chunk_bytes`.
     ``read_timeout_s``: a sender's reads of its copy are bounded (``TierConfig.restore_read_timeout_s``,
     see :func:`~tierckpt.tiers.transfer.send_step`): a hung read fails the pull, never the restore.
     When every rank of the node keeps its whole share, this returns once the receives are
@@ -165,8 +181,9 @@ def run_pulls(store: Store, topo: Topology, groups: Groups, in_use: InUse, chunk
         in_use.hold(k)
     out = Pulled(step=s, receiving=receiving, pulls=pulls, keys=keys)
     try:
-        out.results, out.sender = start_transfers(pulls, topo.rank, store, groups.local_world, chunk_bytes,
-                                                  keep=memory_bytes, stream=True, read_timeout_s=read_timeout_s)
+        out.results, out.sender = start_transfers(pulls, topo.rank, store, groups.local_world,
+                                                  pull_chunk_bytes(chunk_bytes, memory_bytes), keep=memory_bytes,
+                                                  stream=True, read_timeout_s=read_timeout_s)
         kept = all(r.stream is not None for r in out.results.values())
         streaming = all(all_gather(kept, groups.node))
     except BaseException:

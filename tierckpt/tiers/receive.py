@@ -22,6 +22,7 @@ from tierckpt.tiers.wire import Transfer
 
 log = logging.getLogger(__name__)
 _ALIGN = 4096
+RECV_BUFFERS = 4  # chunk buffers of a receive to disk: two in flight, two hashed or being written
 
 
 @dataclass
@@ -98,14 +99,14 @@ class _FileSink:
     disk read, or for the CPU)."""
 
     def __init__(self, store: Store, dst_rel: str, entries: list[manifest.FileEntry], bufs: list,
-                 keep: bool = False, n_extra: int = 0):
+                 keep: bool = False, n_extra: int = 0, chunk_bytes: int = _ALIGN):
         self.store, self.dst_rel, self.entries, self.bufs = store, dst_rel, entries, bufs
         self.n_extra = n_extra
         self.fds: dict[int, tuple[int, bool]] = {}
         self.failed: dict[int, str] = {}
         self.keep = keep
         # O_DIRECT writes from a file buffer need chunk offsets that are multiples of _ALIGN
-        self.direct_ok = not keep or bufs[0].numel() % _ALIGN == 0
+        self.direct_ok = not keep or chunk_bytes % _ALIGN == 0
         self.full: dict[int, torch.Tensor] = {}
         self.memory: dict[int, torch.Tensor] = {}
         if keep:
@@ -206,11 +207,13 @@ class _FileSink:
         self.thread.join()
 
 
-def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0, stream: bool = False) -> Received:
+def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0, stream: bool = False,
+              pool: wire.BufferPool | None = None) -> Received:
     """Receive one :class:`Transfer` into ``t.dst_rel`` of ``store``, verifying as it goes.
 
     Two receives stay in flight while the previous chunk is hashed; a writer thread writes
-    hashed chunks (four buffers in rotation), so disk and network overlap. Files are
+    hashed chunks (:data:`RECV_BUFFERS` buffers of ``chunk_bytes`` in rotation, from ``pool``,
+    which the caller releases; None: buffers of this call only), so disk and network overlap. Files are
     written with O_DIRECT from page-aligned buffers where the filesystem allows it (the
     buffered write path was the bottleneck: bench/RESULTS.md), the padded tail truncated
     away, then fsynced. Nothing is committed here (the node leader commits once every share
@@ -227,8 +230,20 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0,
     first receive is posted drains the stream (the sender finishes) and raises. ``stream``
     (with a kept receive): return right after posting every chunk's receive; the caller uses
     the bytes as they arrive (:meth:`Received.wait_bytes`) and must call
-    :meth:`Received.complete` (or ``finish``) to learn whether they were intact.
+    :meth:`Received.complete` (or ``finish``) to learn whether they were intact. A kept
+    receive uses no chunk buffers: its host memory is the files' bytes.
     """
+    use = wire.BufferPool() if pool is None else pool
+    try:
+        return _recv(store, t, group, chunk_bytes, keep, stream, use)
+    finally:
+        if pool is None:
+            use.release()  # a kept receive still streaming uses its own buffers
+
+
+def _recv(store: Store, t: Transfer, group, chunk_bytes: int, keep: int, stream: bool,
+          pool: wire.BufferPool) -> Received:
+    """:func:`recv_step` with its buffer pool."""
     src = wire.group_rank(t.src_rank, group)
     res = Received(t)
     header = wire.recv_header(src, group)
@@ -242,11 +257,10 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0,
     chunks = [(i, off, min(chunk_bytes, e.size - off)) for i, e in enumerate(every)
               for off in range(0, e.size, chunk_bytes)]
     try:
-        bufs = wire.buffers("recv", chunk_bytes, count=4)
         sink = None
         if keep:
             try:
-                sink = _FileSink(store, t.dst_rel, every, bufs, True, len(extra))
+                sink = _FileSink(store, t.dst_rel, every, [], True, len(extra), chunk_bytes)
             except (RuntimeError, MemoryError) as ex:  # the allocator refused the share's buffers
                 # receive to disk instead: the stream must be drained either way, or the sender
                 # waits for this rank until the group's timeout
@@ -254,7 +268,7 @@ def recv_step(store: Store, t: Transfer, group, chunk_bytes: int, keep: int = 0,
                             t.tag, sum(e.size for e in every), type(ex).__name__, str(ex))
                 keep = False
         if sink is None:
-            sink = _FileSink(store, t.dst_rel, every, bufs, False, len(extra))
+            sink = _FileSink(store, t.dst_rel, every, pool.get("recv", chunk_bytes, RECV_BUFFERS), False, len(extra))
     except FAILURES:
         _drain(chunks, src, group)  # a local failure before any receive was posted
         raise

@@ -2,8 +2,11 @@
 
 Used for neighbour replication (node n's committed local step → its clique peers) and for
 restore pulls (a peer's replica → the node that lost its disk). A file never sits whole in
-memory: each side holds two buffers of ``chunk_bytes`` and pipelines disk I/O with the
-network (read/hash/write chunk k while chunk k+1 is in flight). The receiver checks every
+memory: the receiver holds four buffers of ``chunk_bytes`` (a sender reading a local disk sends
+from page-cache mappings, one chunk at a time; from any other store through two buffers) and
+pipelines disk I/O with the network (read/hash/write chunk k while chunk k+1 is in flight). The
+buffers live as long as one batch of transfers (:class:`~tierckpt.tiers.wire.BufferPool`):
+a process holds none between replications. The receiver checks every
 file's size and xxh3-64 against the source manifest before anything is committed.
 
 Ordering: each rank runs its sends (in a helper thread) and its receives (in the calling
@@ -39,17 +42,29 @@ __all__ = ["SHARED_MAX", "Received", "Transfer", "recv_step", "run_transfers", "
 log = logging.getLogger(__name__)
 
 
-def send_step(store: Store, t: Transfer, group, chunk_bytes: int, read_timeout_s: float | None = None) -> int:
+def send_step(store: Store, t: Transfer, group, chunk_bytes: int, read_timeout_s: float | None = None,
+              pool: wire.BufferPool | None = None) -> int:
     """Stream this rank's share of ``t.src_rel`` to ``t.dst_rank``. Returns bytes sent.
 
     A missing or unreadable source still produces a header (with ``error``) so the receiver
     never waits forever; a file that shrank is padded with zeros, which the receiver's
     checksum rejects. ``read_timeout_s`` (a restore's pull, local store): every read of the
     copy is bounded, a hung one fails the transfer instead of stalling the stream
-    (:func:`~tierckpt.tiers.bounded_send.send_step_bounded`).
+    (:func:`~tierckpt.tiers.bounded_send.send_step_bounded`). ``pool``: where the two send
+    buffers of a non-local store come from (the caller releases it); None: buffers of this call only.
     """
     if read_timeout_s is not None and store.local:
         return send_step_bounded(store, t, group, chunk_bytes, read_timeout_s)
+    use = wire.BufferPool() if pool is None else pool
+    try:
+        return _send(store, t, group, chunk_bytes, use)
+    finally:
+        if pool is None:
+            use.release()
+
+
+def _send(store: Store, t: Transfer, group, chunk_bytes: int, pool: wire.BufferPool) -> int:
+    """:func:`send_step` with its buffer pool."""
     dst = wire.group_rank(t.dst_rank, group)
     doc = None
     try:
@@ -91,7 +106,7 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int, read_timeout_s
             finally:
                 os.close(fd)
             continue
-        bufs = bufs or wire.buffers("send", chunk_bytes)
+        bufs = bufs or pool.get("send", chunk_bytes, 2)
         try:
             f = store.open(path, "rb")
         except OSError:
@@ -169,7 +184,7 @@ def run_transfers(transfers: list[Transfer], rank: int, store: Store, group,
         {transfer index: Received} for the transfers this rank received.
     """
     out, th = start_transfers(transfers, rank, store, group, chunk_bytes, keep, stream)
-    th.join()  # the sender shares this process's buffers: never leave it running
+    th.join()  # never leave the sender running into the caller's next collective
     return out
 
 
@@ -178,22 +193,29 @@ def start_transfers(transfers: list[Transfer], rank: int, store: Store, group, c
                     ) -> tuple[dict[int, Received], threading.Thread]:
     """:func:`run_transfers` that returns once this rank's receives are done (or posted, with
     ``stream``) while its sends may still run: (results, sender thread). The caller must join
-    the thread before this rank's next transfer (they share the send buffers) and before a
-    collective over ``group``; it may do other work meanwhile (a restore loads its own copy).
-    ``read_timeout_s``: bound the sends' reads (see :func:`send_step`)."""
+    the thread before this rank's next transfer (two streams to one peer must not interleave)
+    and before a collective over ``group``; it may do other work meanwhile (a restore
+    loads its own copy). The sends' and the receives' chunk buffers are released when each
+    side is done (:class:`~tierckpt.tiers.wire.BufferPool`). ``read_timeout_s``: bound the
+    sends' reads (see :func:`send_step`)."""
     sends = [t for t in transfers if t.src_rank == rank and t.dst_rank != rank]
 
     def sender():
-        for t in sends:
-            try:
-                send_step(store, t, group, chunk_bytes, read_timeout_s)
-            except BaseException as e:  # the receiver reports it: its stream ended short or wrong
-                log.error("tierckpt transfer %s: send failed: %s: %s", t.tag, type(e).__name__, e)
-                return
+        pool = wire.BufferPool()
+        try:
+            for t in sends:
+                try:
+                    send_step(store, t, group, chunk_bytes, read_timeout_s, pool=pool)
+                except BaseException as e:  # the receiver reports it: its stream ended short or wrong
+                    log.error("tierckpt transfer %s: send failed: %s: %s", t.tag, type(e).__name__, e)
+                    return
+        finally:
+            pool.release()
 
     th = threading.Thread(target=sender, name="tierckpt-send", daemon=True)
     th.start()
     out = {}
+    pool = wire.BufferPool()
     try:
         for i, t in enumerate(transfers):
             if t.dst_rank != rank:
@@ -202,11 +224,13 @@ def start_transfers(transfers: list[Transfer], rank: int, store: Store, group, c
                 out[i] = Received(t, problems=[f"{t.tag}: a transfer from rank {rank} to itself (not sent)"])
                 continue
             try:
-                out[i] = recv_step(store, t, group, chunk_bytes, keep, stream)
+                out[i] = recv_step(store, t, group, chunk_bytes, keep, stream, pool=pool)
             except FAILURES as e:
                 log.error("tierckpt transfer %s: receive failed: %s: %s", t.tag, type(e).__name__, e)
                 out[i] = Received(t, problems=[f"{t.tag}: receive failed: {type(e).__name__}: {e}"])
     except BaseException:
         th.join()
         raise
+    finally:
+        pool.release()  # a kept receive still streaming uses its own buffers, not the pool's
     return out, th

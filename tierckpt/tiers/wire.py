@@ -1,6 +1,6 @@
 """The wire of a file transfer between two ranks (:mod:`tierckpt.tiers.transfer`): what a
 stream is (:class:`Transfer`), its JSON header framing, the point-to-point request helper and
-the per-process chunk buffers. Shared by the sending and the receiving side
+the chunk buffers of a batch of transfers (:class:`BufferPool`). Shared by the sending and the receiving side
 (:mod:`tierckpt.tiers.receive`); fault injection patches :func:`work` here to reach both."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import mmap
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -72,20 +73,54 @@ def group_rank(rank: int, group) -> int:
     return dist.get_group_rank(group, rank)
 
 
-_BUFFERS: dict = {}
-_BUF_LOCK = threading.Lock()
+_live = [0]  # bytes of chunk buffers mapped now, over every pool of the process
+_live_lock = threading.Lock()
 
 
-def buffers(kind: str, chunk_bytes: int, count: int = 2) -> list[torch.Tensor]:
-    """``count`` page-aligned ``chunk_bytes`` buffers per direction, allocated once per process
-    and reused by every transfer (a rank runs at most one send stream and one receive stream
-    at a time)."""
-    with _BUF_LOCK:
-        key = (kind, chunk_bytes)
-        if key not in _BUFFERS:
-            maps = [mmap.mmap(-1, chunk_bytes) for _ in range(count)]
-            _BUFFERS[key] = (maps, [torch.frombuffer(m, dtype=torch.uint8) for m in maps])
-        return _BUFFERS[key][1]
+def _unmapped(nbytes: int) -> None:
+    with _live_lock:
+        _live[0] -= nbytes
+
+
+def live_buffer_bytes() -> int:
+    """Bytes of transfer chunk buffers this process has mapped now (0 between transfers: a
+    :class:`BufferPool` unmaps its buffers once released and no request uses them)."""
+    with _live_lock:
+        return _live[0]
+
+
+class BufferPool:
+    """The chunk buffers of one batch of transfers (a replication round's receives, a sending
+    thread's streams, a restore's pulls): page-aligned anonymous mappings of ``chunk_bytes``,
+    made on first use, reused by the batch's streams (one at a time per pool) and unmapped
+    once :meth:`release` dropped them and no pending request holds them (the last reference
+    unmaps: never closed under a request in flight). Between transfers a process holds none:
+    replication costs its buffers' memory only while it runs (README, "Host memory")."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, kind: str, chunk_bytes: int, count: int) -> list[torch.Tensor]:
+        """``count`` uint8 buffers of ``chunk_bytes`` (> 0) for ``kind`` ("send" | "recv"), the
+        same ones on every call with these arguments until :meth:`release`. A page is taken
+        from the system when first written (RSS grows with the bytes a stream moves, up to
+        ``count × chunk_bytes``). Raises OSError/MemoryError where the mapping is refused."""
+        key = (kind, chunk_bytes, count)
+        with self._lock:
+            if key not in self._bufs:
+                maps = [mmap.mmap(-1, chunk_bytes) for _ in range(count)]
+                with _live_lock:
+                    _live[0] += chunk_bytes * count
+                for m in maps:
+                    weakref.finalize(m, _unmapped, chunk_bytes)
+                self._bufs[key] = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+            return self._bufs[key]
+
+    def release(self) -> None:
+        """Drop this pool's buffers (a later :meth:`get` maps new ones). Idempotent."""
+        with self._lock:
+            self._bufs.clear()
 
 
 def work(w: dist.Work | None) -> dist.Work:
