@@ -65,11 +65,13 @@ def _kind(obj: Any) -> str:
     return f"tensor {obj.dtype} {tuple(obj.size())}" if isinstance(obj, torch.Tensor) else f"object {type(obj).__name__}"
 
 
-def mismatches(view: dict[str, Any], metadata: Metadata, planner: VerifyingLoadPlanner) -> list[str]:
+def mismatches(view: dict[str, Any], metadata: Metadata, planner: VerifyingLoadPlanner,
+               all_keys: bool = True) -> list[str]:
     """One line per value of ``view`` (:func:`planner_view`) that ``metadata`` cannot fill,
     ``"<key>: checkpoint <saved> != template <template's>"``, in the view's order:
 
-    - a key not in the checkpoint (unless ``planner.allow_partial_load``);
+    - a key not in the checkpoint (unless ``planner.allow_partial_load``, or ``all_keys`` is
+      False: ``metadata`` is not known to hold every key of the step);
     - a tensor saved as an object, or the reverse;
     - another dtype;
     - another global shape (unless ``planner.shape_may_differ(key)``).
@@ -80,17 +82,17 @@ def mismatches(view: dict[str, Any], metadata: Metadata, planner: VerifyingLoadP
     for fqn, obj in view.items():
         md = metadata.state_dict_metadata.get(fqn)
         if md is None:
-            if not allow_partial:
+            if all_keys and not allow_partial:
                 out.append(f"{fqn}: checkpoint has no such key != template {_kind(obj)}")
             continue
         if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue
-        saved_tensor = isinstance(md, TensorStorageMetadata)
-        if saved_tensor != isinstance(obj, torch.Tensor):
-            saved = f"tensor {md.properties.dtype} {tuple(md.size)}" if saved_tensor else "object"
-            out.append(f"{fqn}: checkpoint {saved} != template {_kind(obj)}")
+        if not isinstance(md, TensorStorageMetadata):
+            if isinstance(obj, torch.Tensor):
+                out.append(f"{fqn}: checkpoint object != template {_kind(obj)}")
             continue
-        if not saved_tensor:
+        if not isinstance(obj, torch.Tensor):
+            out.append(f"{fqn}: checkpoint tensor {md.properties.dtype} {tuple(md.size)} != template {_kind(obj)}")
             continue
         if md.properties.dtype != obj.dtype:
             out.append(f"{fqn}: checkpoint dtype {md.properties.dtype} != template {obj.dtype}")
@@ -165,14 +167,16 @@ def _exchange(s: int, need: dict[int, int], inv: Inventory, topo: Topology, grou
 
 def _target(state_dict: dict, s: int, src: Source, inv: Inventory, topo: Topology, groups: Groups,
             stores: tuple[Store | None, Any], shared: dict[int, Metadata]):
-    """(metadata, what DCP loads, its planner, where) for this rank's node's source, or None."""
+    """(metadata, what DCP loads, its planner, where, whether the metadata holds every key of
+    the step) for this rank's node's source, or None."""
     local, persistent = stores
     node = topo.node
+    md: Metadata | None
     if src.kind == PERSISTENT:
         rel = layout.persistent_step(s)
         md = read_metadata(persistent.store, rel)
         target, planner = persistent.io.load_template(state_dict, persistent.store.url_of(rel), groups.node)
-        return md, target, planner, f"node {node}'s source, the persistent step"
+        return md, target, planner, f"node {node}'s source, the persistent step", True
     if src.kind == OWN:
         rel = inv.holders(node, s).get(node, layout.local_step(s))
         if local is None:
@@ -186,11 +190,15 @@ def _target(state_dict: dict, s: int, src: Source, inv: Inventory, topo: Topolog
         if not shared:
             return None
         md = merge_metadata(shared)[0]
-        where = "the node-local copies, merged for an in-cluster read"
+        # a saved node without a readable copy takes its keys along: the restore may still
+        # succeed from the persistent tier, so only what the copies hold is checked
+        saved = inv.shapes.get(s, (None, None))[0]
+        complete = saved is not None and set(range(saved)) <= set(shared)
+        return md, state_dict, VerifyingLoadPlanner(), "the node-local copies, merged for an in-cluster read", complete
     if md is None:
         return None
     planner = VerifyingLoadPlanner()  # as the loads of node-local copies plan (load_dir, cluster_load)
-    return md, state_dict, planner, where
+    return md, state_dict, planner, where, True
 
 
 def _combine(parts: list) -> tuple[int, list]:
@@ -219,8 +227,8 @@ def check_template(state_dict: dict, s: int, sources: dict[int, Source], inv: In
     try:
         got = _target(state_dict, s, sources[topo.node], inv, topo, groups, (local, persistent), shared)
         if got is not None:
-            md, target, planner, where = got
-            found = mismatches(planner_view(target, planner), md, planner)
+            md, target, planner, where, complete = got
+            found = mismatches(planner_view(target, planner), md, planner, complete)
     except FAILURES as e:  # cannot check here: the attempt finds what is wrong with the copy
         log.info("tierckpt restore: rank %d skips the template check of step %d: %s: %s", topo.rank, s,
                  type(e).__name__, e)
