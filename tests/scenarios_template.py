@@ -125,3 +125,16 @@ def phase_refuse_replica(rank, world, base):
     out["node0_sources"] = sorted(plan.holders(0, STEP))
     eng.close()
     return out
+
+
+def phase_refuse_cluster(rank, world, base):
+    """A job of another shape (2 nodes saved, 1 restores): the in-cluster read's merged view."""
+    eng = TieredCheckpointer(make_config(base, replication_factor=1), node_id=rank)
+    out = _refused(eng, base, state(world, seed=2, dtype=torch.bfloat16))
+    sd = state(world, seed=2)
+    res = eng.restore(sd)
+    ref = state(world, seed=1)
+    out["ok"] = {"sources": sorted({o.source.kind for o in res.sources.values()}), "attempts": res.attempts,
+                 "equal": torch.equal(sd["model"]["0.weight"].to_local(), ref["model"]["0.weight"].to_local())}
+    eng.close()
+    return out

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import shutil
 
+import torch
+
 import pytest
 
 from tests import scenarios_template as st
@@ -68,3 +70,89 @@ def test_refused_when_the_source_is_a_replica(saved, tmp_path):
     for r in res:
         _check_refused(r.value, FIRST["dtype"])
     assert "replica on node 1" in res[0].value["message"].splitlines()[1]
+
+
+def test_resharded_in_cluster_restore_is_checked_against_the_merged_view(saved, tmp_path):
+    base = str(tmp_path / "run")
+    shutil.copytree(saved, base)
+    out = run_world(st.phase_refuse_cluster, 1, base)[0].value
+    _check_refused(out, FIRST["dtype"])
+    assert "in-cluster" in out["message"].splitlines()[1]
+    # the same step with a fitting template: resharded from the node-local copies, one attempt
+    assert out["ok"] == {"sources": ["in-cluster"], "attempts": 1, "equal": True}, out["ok"]
+
+
+# ----------------------------------------------------------------------------- units
+def _md(**items):
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       TensorProperties, TensorStorageMetadata)
+    sd = {}
+    for k, v in items.items():
+        if v is None:
+            sd[k] = BytesStorageMetadata()
+        else:
+            dtype, size = v
+            sd[k] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(size),
+                                          [ChunkStorageMetadata(torch.Size([0] * len(size)), torch.Size(size))])
+    return Metadata(state_dict_metadata=sd)
+
+
+def test_mismatches_kinds_partial_loads_and_exempt_shapes():
+    from tierckpt.io.planner import VerifyingLoadPlanner
+    from tierckpt.restore.template import mismatches, planner_view
+
+    md = _md(**{"m.w": (torch.float32, (4, 2)), "m.b": (torch.float32, (4,)), "o.lr": None, "o.step": None,
+                "unused": (torch.int64, (1,))})
+    planner = VerifyingLoadPlanner()
+    ok = {"m": {"w": torch.zeros(4, 2), "b": torch.zeros(4)}, "o": {"lr": 0.1}}
+    assert mismatches(planner_view(ok, planner), md, planner) == []  # "unused", "o.step": only saved
+    bad = {"m": {"w": torch.zeros(4, 2, dtype=torch.float16), "b": 3.0}, "o": {"lr": torch.tensor(0.1)},
+           "new": torch.zeros(2)}
+    assert mismatches(planner_view(bad, planner), md, planner) == [
+        "m.w: checkpoint dtype torch.float32 != template torch.float16",
+        "m.b: checkpoint tensor torch.float32 (4,) != template object float",
+        "new: checkpoint has no such key != template tensor torch.float32 (2,)",
+        "o.lr: checkpoint object != template tensor torch.float32 ()",
+    ]
+    partial = VerifyingLoadPlanner(allow_partial_load=True)
+    assert mismatches(planner_view({"new": torch.zeros(2)}, partial), md, partial) == []
+    assert mismatches(planner_view({"new": torch.zeros(2)}, planner), md, planner, all_keys=False) == []
+
+    class Exempt(VerifyingLoadPlanner):
+        def shape_may_differ(self, fqn):
+            return fqn == "m.w"
+
+    wide = {"m": {"w": torch.zeros(5, 2), "b": torch.zeros(5)}}
+    assert mismatches(planner_view(wide, Exempt()), md, Exempt()) == ["m.b: checkpoint shape (4,) != template (5,)"]
+
+
+def test_planner_view_resolves_stateful_values_without_touching_the_state():
+    from tierckpt.io.planner import VerifyingLoadPlanner
+    from tierckpt.restore.template import planner_view
+
+    class S:
+        calls = 0
+
+        def state_dict(self):
+            S.calls += 1
+            return {"x": torch.zeros(2, device="meta")}
+
+        def load_state_dict(self, sd):
+            raise AssertionError("not loaded")
+
+    sd = {"s": S(), "y": {"z": 1}}
+    view = planner_view(sd, VerifyingLoadPlanner())
+    assert sorted(view) == ["s.x", "y.z"] and view["s.x"].is_meta and S.calls == 1
+    assert isinstance(sd["s"], S) and sd["y"] == {"z": 1}
+
+
+def test_error_message_is_short_and_names_the_first_mismatch():
+    from tierckpt import TemplateMismatchError, TierckptError
+
+    many = [f"k{i}: checkpoint dtype torch.float32 != template torch.bfloat16" for i in range(8)]
+    err = TemplateMismatchError(7, [(0, many, 300), (1, many[:2], 2)], ranks=64, where="node 0's own copy")
+    lines = str(err).splitlines()
+    assert isinstance(err, TierckptError) and err.step == 7 and err.ranks == 64
+    assert lines[0] == many[0]
+    assert "300 mismatch(es) on rank 0, and mismatches on 63 other rank(s)" in lines[1]
+    assert len(lines) == 3 and lines[2].startswith("also: k1: ") and len(lines[2]) < 420
