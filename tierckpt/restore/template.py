@@ -165,40 +165,39 @@ def _exchange(s: int, need: dict[int, int], inv: Inventory, topo: Topology, grou
     return out
 
 
-def _target(state_dict: dict, s: int, src: Source, inv: Inventory, topo: Topology, groups: Groups,
-            stores: tuple[Store | None, Any], shared: dict[int, Metadata]):
-    """(metadata, what DCP loads, its planner, where, whether the metadata holds every key of
-    the step) for this rank's node's source, or None."""
+def _template(state_dict: dict, s: int, src: Source, groups: Groups, persistent) -> tuple[dict, VerifyingLoadPlanner]:
+    """What DCP will load for this rank's node's source and its planner: the persistent tier's
+    through :meth:`~tierckpt.tiers.persistent.PersistentIO.load_template` (e.g. Megatron's
+    persistent-format template), node-local copies ``state_dict`` itself with the planner
+    their loads use (``load_dir``, ``cluster_load``)."""
+    if src.kind == PERSISTENT:
+        url = persistent.store.url_of(layout.persistent_step(s))
+        return persistent.io.load_template(state_dict, url, groups.node)
+    return state_dict, VerifyingLoadPlanner()
+
+
+def _metadata(s: int, src: Source, inv: Inventory, topo: Topology, stores: tuple[Store | None, Any],
+              shared: dict[int, Metadata]) -> tuple[Metadata, str, bool] | None:
+    """(metadata of this rank's node's source, where it was found, whether it holds every key
+    of the step), or None when there is none to check against."""
     local, persistent = stores
     node = topo.node
-    md: Metadata | None
     if src.kind == PERSISTENT:
-        rel = layout.persistent_step(s)
-        md = read_metadata(persistent.store, rel)
-        target, planner = persistent.io.load_template(state_dict, persistent.store.url_of(rel), groups.node)
-        return md, target, planner, f"node {node}'s source, the persistent step", True
+        return read_metadata(persistent.store, layout.persistent_step(s)), f"node {node}'s source, the persistent step", True
     if src.kind == OWN:
-        rel = inv.holders(node, s).get(node, layout.local_step(s))
         if local is None:
             return None
-        md = read_metadata(local, rel)
-        where = f"node {node}'s own copy"
-    elif src.kind == REPLICA:
+        return read_metadata(local, inv.holders(node, s).get(node, layout.local_step(s))), f"node {node}'s own copy", True
+    if src.kind == REPLICA:
         md = shared.get(node)
-        where = f"node {node}'s replica on node {src.holder}"
-    else:
-        if not shared:
-            return None
-        md = merge_metadata(shared)[0]
-        # a saved node without a readable copy takes its keys along: the restore may still
-        # succeed from the persistent tier, so only what the copies hold is checked
-        saved = inv.shapes.get(s, (None, None))[0]
-        complete = saved is not None and set(range(saved)) <= set(shared)
-        return md, state_dict, VerifyingLoadPlanner(), "the node-local copies, merged for an in-cluster read", complete
-    if md is None:
+        return None if md is None else (md, f"node {node}'s replica on node {src.holder}", True)
+    if not shared:
         return None
-    planner = VerifyingLoadPlanner()  # as the loads of node-local copies plan (load_dir, cluster_load)
-    return md, state_dict, planner, where, True
+    # a saved node without a readable copy takes its keys along: the restore may still succeed
+    # from the persistent tier, so only what the copies hold is checked
+    saved = inv.shapes.get(s, (None, None))[0]
+    complete = saved is not None and set(range(saved)) <= set(shared)
+    return merge_metadata(shared)[0], "the node-local copies, merged for an in-cluster read", complete
 
 
 def _combine(parts: list) -> tuple[int, list]:
@@ -224,11 +223,13 @@ def check_template(state_dict: dict, s: int, sources: dict[int, Source], inv: In
     shared = _exchange(s, need, inv, topo, groups, local) if need else {}
     found: list[str] = []
     where = ""
-    try:
-        got = _target(state_dict, s, sources[topo.node], inv, topo, groups, (local, persistent), shared)
+    try:  # every rank builds its template, whatever its metadata: a Stateful or hook may talk to its peers
+        target, planner = _template(state_dict, s, sources[topo.node], groups, persistent)
+        view = planner_view(target, planner)
+        got = _metadata(s, sources[topo.node], inv, topo, (local, persistent), shared)
         if got is not None:
-            md, target, planner, where, complete = got
-            found = mismatches(planner_view(target, planner), md, planner, complete)
+            md, where, complete = got
+            found = mismatches(view, md, planner, complete)
     except FAILURES as e:  # cannot check here: the attempt finds what is wrong with the copy
         log.info("tierckpt restore: rank %d skips the template check of step %d: %s: %s", topo.rank, s,
                  type(e).__name__, e)
