@@ -347,6 +347,10 @@ class _VerifyingMCoreLoadPlanner(VerifyingLoadPlanner, MCoreLoadPlanner):
     """Megatron's load planner (global-shape validation) plus tierckpt's coverage and dtype
     check (nothing is read unless every local chunk is fully covered with the same dtype)."""
 
+    def shape_may_differ(self, fqn: str) -> bool:
+        # Megatron's allow_shape_mismatch tensors: its planner loads them at the template's shape
+        return fqn in (self.allow_shape_mismatch_sharded_tensors or {})
+
 
 def read_common(url: str) -> tuple[dict | None, int]:
     """``(common state, bytes read)`` of ``<url>/common.pt``; ``(None, 0)`` when absent."""

@@ -47,6 +47,7 @@ _EXPORTS = {
     "VerificationError": "tierckpt.errors",
     "NoCheckpointError": "tierckpt.errors",
     "TierFailedError": "tierckpt.errors",
+    "TemplateMismatchError": "tierckpt.errors",
     "accelerator_present": "tierckpt.dist.accel",
     "check_replication": "tierckpt.dist.topology",
     "all_gather": "tierckpt.dist.collectives",

@@ -592,6 +592,8 @@ class TieredCheckpointer:
                 may then hold values of a source that failed its checks (pulled and own copies
                 are loaded while their checksums run, and count only once they match): do not
                 train from it (both adapters let the error end the job).
+            TemplateMismatchError: ``state_dict`` does not fit the step (a key, dtype or global
+                shape), found before any source is read; on every rank.
             ValueError: ``rollback`` without ``step``, or an unknown source kind.
         """
         if rollback and step is None:

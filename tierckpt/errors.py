@@ -25,6 +25,38 @@ class NoCheckpointError(TierckptError, RuntimeError):
     """Committed checkpoints exist, but none of them could be restored from any source."""
 
 
+class TemplateMismatchError(TierckptError, RuntimeError):
+    """The state dict handed to ``restore()`` does not fit the step being restored: a key the
+    template has and the checkpoint lacks, another dtype, another global shape, or a tensor
+    where the checkpoint holds an object (or the reverse). Raised on every rank before any
+    source is read or any directory changed (:mod:`tierckpt.restore.template`): it is a
+    property of the template, so no other source is tried.
+
+    The message's first line names the key, the saved value and the template's, e.g.
+    ``model.0.weight: checkpoint dtype torch.float32 != template torch.bfloat16``; the next
+    lines say where it was found and summarise further mismatches.
+
+    Attributes:
+        step: the step the template was checked against.
+        problems: ``[(global rank, [mismatch, …], mismatches on that rank)]`` of the lowest
+            ranks that found any (at most 4 ranks, 8 mismatches each).
+        ranks: how many ranks found a mismatch.
+    """
+
+    def __init__(self, step: int, problems: list[tuple[int, list[str], int]], ranks: int, where: str):
+        self.step, self.problems, self.ranks = step, problems, ranks
+        rank, mine, count = problems[0]
+        first = mine[0]
+        lines = [first,
+                 f"tierckpt restore: the state dict does not match step {step} ({where}): {count} mismatch(es) on "
+                 f"rank {rank}" + (f", and mismatches on {ranks - 1} other rank(s)" if ranks > 1 else "")
+                 + "; nothing was read or changed, no other source was tried"]
+        rest = "; ".join(dict.fromkeys(p for _, ps, _ in problems for p in ps if p != first))
+        if rest:
+            lines.append("also: " + (rest if len(rest) <= 400 else rest[:400] + " …"))
+        super().__init__("\n".join(lines))
+
+
 class TierFailedError(TierckptError, RuntimeError):
     """A tier's background save failed and the tier is not ``warn_only``: raised by the next
     ``save()`` of that tier, by ``wait(raise_failures=True)`` and by a clean ``close()``.

@@ -93,6 +93,12 @@ class VerifyingLoadPlanner(DefaultLoadPlanner):
     covered iff the volumes of its intersections with saved chunks add up to its own volume.
     """
 
+    def shape_may_differ(self, fqn: str) -> bool:
+        """Whether the template's global shape of ``fqn`` may differ from the saved one (the
+        restore's template check, :mod:`tierckpt.restore.template`, then skips it). False; a
+        framework's planner that reconciles such shapes itself overrides it."""
+        return False
+
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
         assert self.metadata is not None

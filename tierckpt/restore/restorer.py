@@ -54,6 +54,7 @@ from tierckpt.restore.plan import (
     choose,
 )
 from tierckpt.io.memory_read import OwnRead
+from tierckpt.restore.template import check_template
 from tierckpt.restore.pull import Pulled, commit_pull, plan_pulls, record_pulls, run_pulls
 from tierckpt.tiers.local_tier import LocalTier, load_dir, verify_split
 from tierckpt.tiers.persistent import PersistentTier
@@ -208,6 +209,8 @@ class Restorer:
         Raises:
             NoCheckpointError: checkpoints exist but no step could be restored on every node
                 (or ``step`` was requested and cannot be served).
+            TemplateMismatchError: ``state_dict`` does not fit the step (key, dtype, global
+                shape); raised before any source is read (:mod:`tierckpt.restore.template`).
         """
         self.groups = groups or self._groups
         try:
@@ -239,6 +242,10 @@ class Restorer:
                       for by_h in by_node.values())
         saves = sum(len(inv.save_ids(s)) for s in inv.all_steps())
         max_attempts = 2 + 4 * (saves * (topo.factor + 1)) + copies
+        first = choose(inv, topo.nodes, bad, step, world_size=topo.world_size, kinds=kinds)
+        if first is not None:  # a template that cannot load fails every source alike: refuse it now
+            check_template(state_dict, first.step, first.sources, first.view, topo, self.groups,
+                           self.local.store if self.local is not None else None, self.persistent)
         for attempt in range(1, max_attempts + 1):
             self.commit_pending()  # the previous round's pulls, before this round plans from them
             choice = choose(inv, topo.nodes, bad, step, world_size=topo.world_size, kinds=kinds)
