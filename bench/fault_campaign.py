@@ -52,6 +52,7 @@ if str(REPO) not in sys.path:  # the script runs from bench/: tests/ and bench/ 
     sys.path.insert(0, str(REPO))
 
 from bench import campaign_checks as checks  # noqa: E402
+from bench import campaign_exit  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
 # the fault points
@@ -78,6 +79,8 @@ POINTS: dict[str, str] = {
     "torn-ledger-line": "rank 0 dies with half of its k-th ledger line written",
     "slow-persistent": "every persistent file open takes 0.2-0.8 s (sometimes plus a SIGKILL in a persistent write)",
     "dying-writer-thread": "the background writer thread of a tier dies before running its k-th job",
+    "exit-without-close": "the trainer returns / raises / sys.exit(0)s right after a save, without close() "
+                          "(bench/campaign_exit.py)",
 }
 POINT_NAMES = list(POINTS)
 
@@ -212,6 +215,8 @@ def make_plan(base_seed: int, index: int) -> Plan:
     elif point == "dying-writer-thread":
         tier = rng.choice(["local", "persistent"])
         f.update(tier=tier, victim=f"r{rng.randrange(nodes)}", k=rng.randint(1, STEPS if tier == "local" else 2))
+    elif point == "exit-without-close":
+        campaign_exit.plan_exit(plan, rng, STEPS)
     # a killed node's disk is sometimes lost too: the restart pulls its state from a replica
     if point in kill_points and rng.random() < 0.3:
         v = f["victim"]
@@ -1253,6 +1258,8 @@ def run_trial(plan: Plan, workdir: str) -> TrialResult:
             ph = run_phase("train", plan.nodes, base, pd, "train")
             violations += check_train_phase(plan, ph, base, before)
             _clear_transient_state(base, plan)
+        elif action == campaign_exit.SCRIPT:
+            violations += campaign_exit.run_exit_phase(plan, base, PHASE_BOUND_S)
         elif action.startswith("wipe:"):
             _wipe(base, int(action.split(":")[1]))
         elif action.startswith("wipe-other-than:"):
