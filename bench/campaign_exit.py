@@ -40,7 +40,6 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 HOWS = ("return", "sys_exit", "raise", "raise-one")
-SCRIPT = "train-exit"  # the plan's script action of this point
 
 
 def plan_exit(plan, rng: random.Random, steps: int) -> None:
@@ -50,7 +49,7 @@ def plan_exit(plan, rng: random.Random, steps: int) -> None:
     plan.fault.update(how=how, step=rng.randint(2, steps))
     if how == "raise-one":
         plan.fault["victim"] = f"r{rng.randrange(plan.nodes)}"
-    plan.script = [SCRIPT, "restore"]
+    plan.script = ["train", "restore"]  # its "train" runs run_exit_phase (bench/fault_campaign.py: run_trial)
 
 
 def expected_status(how: str) -> int:

@@ -1253,13 +1253,13 @@ def run_trial(plan: Plan, workdir: str) -> TrialResult:
     pd = asdict(plan)
     last_restore: dict | None = None
     for i, action in enumerate(plan.script):
-        if action == "train":
+        if action == "train" and plan.point == "exit-without-close":  # its own rank processes
+            violations += campaign_exit.run_exit_phase(plan, base, PHASE_BOUND_S)
+        elif action == "train":
             before = checks.ledger_lines(base)
             ph = run_phase("train", plan.nodes, base, pd, "train")
             violations += check_train_phase(plan, ph, base, before)
             _clear_transient_state(base, plan)
-        elif action == campaign_exit.SCRIPT:
-            violations += campaign_exit.run_exit_phase(plan, base, PHASE_BOUND_S)
         elif action.startswith("wipe:"):
             _wipe(base, int(action.split(":")[1]))
         elif action.startswith("wipe-other-than:"):
