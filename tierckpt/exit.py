@@ -17,7 +17,8 @@ finalisation, while the tier workers still run) finishes each engine that was cr
 this process and never closed, in order of creation:
 
 1. wait for every tier's queued jobs (a save, a replica rebuild after a restore), all tiers
-   together at most ``TierConfig.exit_timeout_s``; the jobs' own collectives are bounded by
+   together at most ``TierConfig.exit_timeout_s`` (the local tier also at most
+   ``local_wait_timeout_s``, as in ``close()``); the jobs' own collectives are bounded by
    ``collective_timeout_s`` and fail at once when a peer's process is gone, so a rank that
    exits on an exception while its peers still train does not hold anyone up. The handler
    itself runs no collective: a peer may still be training, and a collective here would
@@ -123,7 +124,8 @@ def _at_exit() -> None:
 
 def finish(engine: "TieredCheckpointer", exc: BaseException | None = None) -> list[dict]:
     """Finish ``engine`` as the interpreter's exit does (see the module docstring): wait for
-    its queued jobs at most ``exit_timeout_s`` (seconds, all tiers together), then close it
+    its queued jobs at most ``exit_timeout_s`` (seconds, all tiers together; the local tier at
+    most ``local_wait_timeout_s``), then close it
     with the ``run_end`` record of an exit without ``close()``; ``exc``: the exception ending
     the process (None: a return or ``sys.exit``). Not collective.
 
@@ -143,7 +145,10 @@ def finish(engine: "TieredCheckpointer", exc: BaseException | None = None) -> li
                     "(at most exit_timeout_s = %gs)", "+".join(queued), cfg.exit_timeout_s)
     unfinished = []
     for tier, fut in queued.items():
-        if _finished(fut, max(0.0, deadline - time.monotonic())):
+        left = max(0.0, deadline - time.monotonic())
+        if tier == "local" and cfg.local_wait_timeout_s:  # a hung local disk: abandoned as close() does
+            left = min(left, cfg.local_wait_timeout_s)
+        if _finished(fut, left):
             continue
         is_save = fut is jobs.pending.get(tier)
         unfinished.append({"tier": tier, "step": jobs.pending_step.get(tier) if is_save else None,
