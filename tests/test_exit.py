@@ -82,3 +82,23 @@ def test_exit_without_close_finishes_the_save(tmp_path, mode, status):
         assert r.value["by_kind"] == {"own-local": (30, ["own-local"]), "peer-replica": (30, ["peer-replica"]),
                                       "persistent": (30, ["persistent"])}, r.value
         assert r.value["default"] == 30, r.value
+
+
+def test_exit_without_close_names_a_save_it_gave_up_on(tmp_path):
+    """The persistent write of step 30 hangs for good: the exit waits exit_timeout_s (5 s), then
+    leaves it uncommitted, named in a warning and in run_end.unfinished (not clean); the local
+    tier's step 30 is committed and restored; the exit status is still the script's 0."""
+    base = str(tmp_path)
+    ranks = run_ranks(base, "hung_persistent")
+    for r, cp in enumerate(ranks):
+        assert "terminate called" not in cp.stdout and cp.returncode == 0, f"rank {r}: {cp.returncode}\n{cp.stdout[-4000:]}"
+    assert "not finished after exit_timeout_s = 5s, left uncommitted: persistent save of step 30" in ranks[0].stdout
+    assert committed(base) == {"local node-0", "local node-1", "replica node-0@node-1", "replica node-1@node-0"}
+    with open(os.path.join(base, "pfs", "tierckpt-ledger.jsonl")) as f:
+        end = [json.loads(x) for x in f if '"run_end"' in x][0]
+    assert end["exit"] == "without close()" and end["clean"] is False and end["durable_step"] == 20, end
+    assert end["unfinished"] == [{"tier": "persistent", "step": 30, "job": "save"}], end
+    assert end["stuck_tiers"] == ["persistent"], end
+    res = run_world(phase_restore, 2, base, ("own-local", "peer-replica"), timeout=300)
+    for r in res:
+        assert r.value["default"] == 30, r.value
