@@ -139,6 +139,11 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    type=_nonneg_float("--ckpt-plugin-local-wait-timeout", "0 = no limit"), default=None,
                    metavar="SECONDS", help="Longest a local save waits for the previous one; then that step "
                                            "skips the local tier on every rank (default 300; 0 = no limit).")
+    g.add_argument("--ckpt-plugin-exit-timeout",
+                   type=_nonneg_float("--ckpt-plugin-exit-timeout", "0 = do not wait"), default=None,
+                   metavar="SECONDS", help="Longest the process's exit waits for the saves still running when "
+                                           "training ends without the plugin's finalize (an exception); then "
+                                           "they stay uncommitted and the ledger names them (default 600).")
     g.add_argument("--ckpt-plugin-busy-tier-policy", choices=("defer", "wait"), default=None,
                    help="A tier due while its previous save still runs: defer (default; the plugin's "
                         "local tier skips that iteration and saves at the first one where the running "
@@ -206,6 +211,8 @@ class PluginSettings:
         notes: human-readable lines about values taken over from Megatron's flags.
         local_wait_timeout_s: seconds a local save waits for the previous one (None = the
             engine's default, 0 = no limit).
+        exit_timeout_s: seconds the exit waits for running saves without finalize (None =
+            the engine's default; ``TierConfig.exit_timeout_s``).
         warn_only: tiers whose failed saves only warn (``TierConfig.warn_only``).
         busy_tier_policy: ``"defer"`` or ``"wait"`` (``TierConfig.busy_tier_policy``; None =
             the engine's default, defer).
@@ -226,6 +233,7 @@ class PluginSettings:
     schedule_options: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     local_wait_timeout_s: float | None = None
+    exit_timeout_s: float | None = None
     warn_only: tuple[str, ...] = ("local",)
     busy_tier_policy: str | None = None
     cpu_staging: str | None = None
@@ -341,6 +349,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         simulated_ranks_per_node=int(args.ckpt_plugin_simulated_ranks_per_node or 0),
         schedule_options=schedule, notes=notes,
         local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout,
+        exit_timeout_s=getattr(args, "ckpt_plugin_exit_timeout", None),
         warn_only=tuple(getattr(args, "ckpt_plugin_warn_only", None) or ("local",)),
         busy_tier_policy=getattr(args, "ckpt_plugin_busy_tier_policy", None),
         cpu_staging=getattr(args, "ckpt_plugin_cpu_staging", None),
@@ -516,6 +525,7 @@ _FIELD_TO_FLAG = {
     "job_id": "--ckpt-plugin-job-id",
     "simulated_ranks_per_node": "--ckpt-plugin-simulated-ranks-per-node",
     "local_wait_timeout_s": "--ckpt-plugin-local-wait-timeout",
+    "exit_timeout_s": "--ckpt-plugin-exit-timeout",
     "warn_only": "--ckpt-plugin-warn-only",
     "busy_tier_policy": "--ckpt-plugin-busy-tier-policy",
     "cpu_staging": "--ckpt-plugin-cpu-staging",
@@ -553,6 +563,8 @@ def tier_config_from_args(args: argparse.Namespace, settings: PluginSettings | N
     if settings is None:
         raise RuntimeError("tier_config_from_args: the plugin is off or validate_plugin_args has not run")
     extra: dict = {} if settings.local_wait_timeout_s is None else {"local_wait_timeout_s": settings.local_wait_timeout_s}
+    if settings.exit_timeout_s is not None:
+        extra["exit_timeout_s"] = settings.exit_timeout_s
     if settings.busy_tier_policy is not None:
         extra["busy_tier_policy"] = settings.busy_tier_policy
     if settings.cpu_staging is not None:
