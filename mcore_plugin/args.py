@@ -82,6 +82,15 @@ def _nonneg_float(flag: str, zero_means: str):
     return _number(flag, float, "a finite number", lambda v: 0 <= v < float("inf"), f">= 0 ({zero_means})")
 
 
+def _add_exit_flag(g) -> None:
+    """``--ckpt-plugin-exit-timeout`` (``TierConfig.exit_timeout_s``, :mod:`tierckpt.exit`)."""
+    g.add_argument("--ckpt-plugin-exit-timeout",
+                   type=_nonneg_float("--ckpt-plugin-exit-timeout", "0 = do not wait"), default=None,
+                   metavar="SECONDS", help="Longest the process's exit waits for the saves still running when "
+                                           "training ends without the plugin's finalize (an exception); then "
+                                           "they stay uncommitted and the ledger names them (default 600).")
+
+
 def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--ckpt-plugin-*`` argument group to ``parser`` and return it.
 
@@ -139,11 +148,7 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    type=_nonneg_float("--ckpt-plugin-local-wait-timeout", "0 = no limit"), default=None,
                    metavar="SECONDS", help="Longest a local save waits for the previous one; then that step "
                                            "skips the local tier on every rank (default 300; 0 = no limit).")
-    g.add_argument("--ckpt-plugin-exit-timeout",
-                   type=_nonneg_float("--ckpt-plugin-exit-timeout", "0 = do not wait"), default=None,
-                   metavar="SECONDS", help="Longest the process's exit waits for the saves still running when "
-                                           "training ends without the plugin's finalize (an exception); then "
-                                           "they stay uncommitted and the ledger names them (default 600).")
+    _add_exit_flag(g)
     g.add_argument("--ckpt-plugin-busy-tier-policy", choices=("defer", "wait"), default=None,
                    help="A tier due while its previous save still runs: defer (default; the plugin's "
                         "local tier skips that iteration and saves at the first one where the running "
@@ -348,8 +353,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         job_id=args.ckpt_plugin_job_id,
         simulated_ranks_per_node=int(args.ckpt_plugin_simulated_ranks_per_node or 0),
         schedule_options=schedule, notes=notes,
-        local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout,
-        exit_timeout_s=getattr(args, "ckpt_plugin_exit_timeout", None),
+        local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout, exit_timeout_s=args.ckpt_plugin_exit_timeout,
         warn_only=tuple(getattr(args, "ckpt_plugin_warn_only", None) or ("local",)),
         busy_tier_policy=getattr(args, "ckpt_plugin_busy_tier_policy", None),
         cpu_staging=getattr(args, "ckpt_plugin_cpu_staging", None),

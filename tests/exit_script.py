@@ -1,11 +1,10 @@
 """One rank of tests/test_exit.py, run as its own process (``python -m tests.exit_script BASE
 MODE``, torchrun's environment): train, save steps 20 (waited for) and 30 through the engine,
-then leave *without* ``close()`` through the interpreter's normal exit.
-
-MODE: ``return`` (main returns), ``raise`` (an uncaught exception on every rank),
-``sys_exit`` (``sys.exit(0)``), ``raise_one`` (rank 1 raises; rank 0 trains on, so its next
-collective fails once rank 1's process is gone), ``hung_persistent`` (returns while the
-persistent write of step 30 hangs for good: ``exit_timeout_s`` = 5 s gives up on it). The step-30 state of each rank is written to
+then leave *without* ``close()`` through the interpreter's normal exit. MODE: ``return`` (main
+returns), ``raise`` (an uncaught exception on every rank), ``sys_exit`` (``sys.exit(0)``),
+``raise_one`` (rank 1 raises; rank 0 trains on, so its next collective fails once rank 1's
+process is gone), ``hung_persistent`` (returns while the persistent write of step 30 hangs for
+good: ``exit_timeout_s`` = 5 s gives up on it). The step-30 state of each rank is written to
 ``BASE/ref/rank<r>.pt`` before the exit; :func:`phase_restore` (run through
 tests.harness.run_world) restores it from each source kind and compares bitwise.
 """

@@ -91,7 +91,8 @@ def test_exit_without_close_names_a_save_it_gave_up_on(tmp_path):
     base = str(tmp_path)
     ranks = run_ranks(base, "hung_persistent")
     for r, cp in enumerate(ranks):
-        assert "terminate called" not in cp.stdout and cp.returncode == 0, f"rank {r}: {cp.returncode}\n{cp.stdout[-4000:]}"
+        assert "terminate called" not in cp.stdout and cp.returncode == 0, \
+            f"rank {r}: {cp.returncode}\n{cp.stdout[-4000:]}"
     assert "not finished after exit_timeout_s = 5s, left uncommitted: persistent save of step 30" in ranks[0].stdout
     assert committed(base) == {"local node-0", "local node-1", "replica node-0@node-1", "replica node-1@node-0"}
     with open(os.path.join(base, "pfs", "tierckpt-ledger.jsonl")) as f:

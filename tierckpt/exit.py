@@ -57,10 +57,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tierckpt.engine import TieredCheckpointer
+from typing import Any
 
 __all__ = ["register", "finish", "EXIT_WITHOUT_CLOSE"]
 
@@ -76,8 +73,9 @@ _installed = False
 _uncaught: BaseException | None = None  # seen by the chained sys.excepthook
 
 
-def register(engine: "TieredCheckpointer") -> None:
-    """Finish ``engine`` at interpreter exit unless it was closed (not collective; call once
+def register(engine: Any) -> None:
+    """Finish ``engine`` (a :class:`~tierckpt.engine.TieredCheckpointer`; not imported here:
+    the engine imports this module) at interpreter exit unless it was closed (not collective; call once
     per engine, from its constructor). Installs the ``atexit`` handler and a chained
     ``sys.excepthook`` (to tell an uncaught exception from a return) on first use."""
     global _installed, _pid
@@ -122,12 +120,12 @@ def _at_exit() -> None:
                       exc_info=True)
 
 
-def finish(engine: "TieredCheckpointer", exc: BaseException | None = None) -> list[dict]:
-    """Finish ``engine`` as the interpreter's exit does (see the module docstring): wait for
-    its queued jobs at most ``exit_timeout_s`` (seconds, all tiers together; the local tier at
-    most ``local_wait_timeout_s``), then close it
-    with the ``run_end`` record of an exit without ``close()``; ``exc``: the exception ending
-    the process (None: a return or ``sys.exit``). Not collective.
+def finish(engine: Any, exc: BaseException | None = None) -> list[dict]:
+    """Finish ``engine`` (a :class:`~tierckpt.engine.TieredCheckpointer`) as the interpreter's
+    exit does (see the module docstring): wait for its queued jobs at most ``exit_timeout_s``
+    (seconds, all tiers together; the local tier at most ``local_wait_timeout_s``), then close
+    it with the ``run_end`` record of an exit without ``close()``; ``exc``: the exception
+    ending the process (None: a return or ``sys.exit``). Not collective.
 
     Returns:
         the jobs given up on, ``[{"tier", "step", "job"}]`` (``job``: ``"save"`` or
