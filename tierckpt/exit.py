@@ -75,9 +75,11 @@ _uncaught: BaseException | None = None  # seen by the chained sys.excepthook
 
 def register(engine: Any) -> None:
     """Finish ``engine`` (a :class:`~tierckpt.engine.TieredCheckpointer`; not imported here:
-    the engine imports this module) at interpreter exit unless it was closed (not collective; call once
-    per engine, from its constructor). Installs the ``atexit`` handler and a chained
-    ``sys.excepthook`` (to tell an uncaught exception from a return) on first use."""
+    the engine imports this module) at interpreter exit unless it was closed (not collective;
+    call once per engine, from its constructor). Installs the ``atexit`` handler and a chained
+    ``sys.excepthook`` (to tell an uncaught exception from a return) on first use. An engine
+    the trainer dropped is not kept alive (weak reference): once collected it has no save left
+    to finish, and no ``run_end`` is written for it."""
     global _installed, _pid
     with _lock:
         if _pid != os.getpid():  # first use, or a forked child: its parent's engines are not its own
