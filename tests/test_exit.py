@@ -93,12 +93,13 @@ def test_exit_without_close_names_a_save_it_gave_up_on(tmp_path):
     for r, cp in enumerate(ranks):
         assert "terminate called" not in cp.stdout and cp.returncode == 0, \
             f"rank {r}: {cp.returncode}\n{cp.stdout[-4000:]}"
-    assert "not finished after exit_timeout_s = 5s, left uncommitted: persistent save of step 30" in ranks[0].stdout
+    assert "left uncommitted: persistent save of step 30 (still running after exit_timeout_s = 5s)" in ranks[0].stdout
     assert committed(base) == {"local node-0", "local node-1", "replica node-0@node-1", "replica node-1@node-0"}
     with open(os.path.join(base, "pfs", "tierckpt-ledger.jsonl")) as f:
         end = [json.loads(x) for x in f if '"run_end"' in x][0]
     assert end["exit"] == "without close()" and end["clean"] is False and end["durable_step"] == 20, end
-    assert end["unfinished"] == [{"tier": "persistent", "step": 30, "job": "save"}], end
+    assert end["unfinished"] == [{"tier": "persistent", "step": 30, "job": "save",
+                                  "error": "still running after exit_timeout_s = 5s"}], end
     assert end["stuck_tiers"] == ["persistent"], end
     res = run_world(phase_restore, 2, base, ("own-local", "peer-replica"), timeout=300)
     for r in res:

@@ -17,17 +17,19 @@ finalisation, while the tier workers still run) finishes each engine that was cr
 this process and never closed, in order of creation:
 
 1. wait for every tier's queued jobs (a save, a replica rebuild after a restore), all tiers
-   together at most ``TierConfig.exit_timeout_s`` (the local tier also at most
-   ``local_wait_timeout_s``, as in ``close()``); the jobs' own collectives are bounded by
+   together at most ``TierConfig.exit_timeout_s`` (the local tier too: unlike ``close()``,
+   not only ``local_wait_timeout_s``, since a peer's local job replicates with this one and
+   would fail if it were abandoned merely slow); the jobs' own collectives are bounded by
    ``collective_timeout_s`` and fail at once when a peer's process is gone, so a rank that
    exits on an exception while its peers still train does not hold anyone up. The handler
    itself runs no collective: a peer may still be training, and a collective here would
    pair with one of its own;
 2. :meth:`~tierckpt.engine.TieredCheckpointer.close` without waiting again: the ``run_end``
    record (global rank 0, the ledger's writer) with ``exit = "without close()"``, ``reason``
-   naming an uncaught exception, and ``unfinished`` naming each job given up on (also in a
-   warning); the workers whose jobs finished are joined, so no tierckpt thread is inside a
-   torch call while the interpreter finalises. ``clean`` (what the MTBF estimate counts) is
+   naming an uncaught exception, and ``unfinished`` naming each job pending at the exit that
+   did not commit — given up on, or failed (a peer gone) — also in a warning; the workers
+   whose jobs finished are joined, so no tierckpt thread is inside a torch call while the
+   interpreter finalises. ``clean`` (what the MTBF estimate counts) is
    true when no exception was uncaught, every job finished and the usual rules of
    ``close()`` hold (no unraised failure, a durable persistent step): a process that
    finished its saves and exited is not a failure; one that raised is.
@@ -125,13 +127,14 @@ def _at_exit() -> None:
 def finish(engine: Any, exc: BaseException | None = None) -> list[dict]:
     """Finish ``engine`` (a :class:`~tierckpt.engine.TieredCheckpointer`) as the interpreter's
     exit does (see the module docstring): wait for its queued jobs at most ``exit_timeout_s``
-    (seconds, all tiers together; the local tier at most ``local_wait_timeout_s``), then close
+    (seconds, all tiers together), then close
     it with the ``run_end`` record of an exit without ``close()``; ``exc``: the exception
     ending the process (None: a return or ``sys.exit``). Not collective.
 
     Returns:
-        the jobs given up on, ``[{"tier", "step", "job"}]`` (``job``: ``"save"`` or
-        ``"replica rebuild"``), as in ``run_end.unfinished``.
+        the jobs pending at the exit that did not commit (still running after
+        ``exit_timeout_s``, or failed), ``[{"tier", "step", "job", "error"}]`` (``job``:
+        ``"save"`` or ``"replica rebuild"``, whose ``step`` is None), as in ``run_end.unfinished``.
     Raises:
         nothing of its own; an unexpected error of ``close()`` propagates (the ``atexit``
         handler logs it).
@@ -145,18 +148,21 @@ def finish(engine: Any, exc: BaseException | None = None) -> list[dict]:
                     "(at most exit_timeout_s = %gs)", "+".join(queued), cfg.exit_timeout_s)
     unfinished = []
     for tier, fut in queued.items():
-        left = max(0.0, deadline - time.monotonic())
-        if tier == "local" and cfg.local_wait_timeout_s:  # a hung local disk: abandoned as close() does
-            left = min(left, cfg.local_wait_timeout_s)
-        if _finished(fut, left):
-            continue
-        is_save = fut is jobs.pending.get(tier)
-        unfinished.append({"tier": tier, "step": jobs.pending_step.get(tier) if is_save else None,
-                           "job": "save" if is_save else "replica rebuild"})
+        # not local_wait_timeout_s for the local tier (as close() does): a peer's local job
+        # replicates with this rank's, so giving up on a merely slow one here would fail theirs
+        is_save = fut is jobs.pending.get(tier)  # else the replica rebuild after a restore
+        error = None
+        if not _finished(fut, max(0.0, deadline - time.monotonic())):
+            error = f"still running after exit_timeout_s = {cfg.exit_timeout_s:g}s"
+        elif is_save and not (rec := fut.result()).ok:
+            error = rec.error or "failed"
+        if error is not None:
+            unfinished.append({"tier": tier, "step": jobs.pending_step.get(tier) if is_save else None,
+                               "job": "save" if is_save else "replica rebuild", "error": error[:500]})
     if unfinished:
-        log.warning("tierckpt: exit without close(): not finished after exit_timeout_s = %gs, left uncommitted: %s",
-                    cfg.exit_timeout_s, "; ".join(f"{u['tier']} {u['job']}" + (f" of step {u['step']}" if u["step"]
-                                                  is not None else "") for u in unfinished))
+        log.warning("tierckpt: exit without close(): left uncommitted: %s", "; ".join(
+            f"{u['tier']} {u['job']}" + (f" of step {u['step']}" if u["step"] is not None else "") + f" ({u['error']})"
+            for u in unfinished))
     reason = "interpreter exit without close()" + (f": {type(exc).__name__}: {exc}" if exc is not None else "")
     engine.close(clean=exc is None and not unfinished, reason=reason[:2000], raise_failures=False,
                  at_exit={"exit": EXIT_WITHOUT_CLOSE, "unfinished": unfinished})

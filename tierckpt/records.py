@@ -288,8 +288,9 @@ class RunEndRecord(LedgerRecord):
         failures: ``[{"tier", "step", "error"}]`` failed saves never raised to the trainer.
         exit: how the run ended when not through ``close()``: ``"without close()"`` (the
             interpreter exited with the engine open: :mod:`tierckpt.exit`); empty otherwise.
-        unfinished: ``[{"tier", "step", "job"}]`` background jobs still running when such an
-            exit gave up on them (``TierConfig.exit_timeout_s``): left uncommitted.
+        unfinished: ``[{"tier", "step", "job", "error"}]`` background jobs pending when such
+            an exit began that did not commit: still running after ``TierConfig.exit_timeout_s``
+            (given up on) or failed (e.g. a peer's process gone).
     """
 
     KIND: ClassVar[str] = "run_end"
