@@ -52,6 +52,7 @@ if str(REPO) not in sys.path:  # the script runs from bench/: tests/ and bench/ 
     sys.path.insert(0, str(REPO))
 
 from bench import campaign_checks as checks  # noqa: E402
+from bench import campaign_exit  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
 # the fault points
@@ -79,6 +80,8 @@ POINTS: dict[str, str] = {
     "slow-persistent": "every persistent file open takes 0.2-0.8 s (sometimes plus a SIGKILL in a persistent write)",
     "dying-writer-thread": "the background writer thread of a tier dies before running its k-th job",
     "hung-read-restore": "a read of a restore's source hangs for good (a node's own copy, or the replica a peer sends it)",
+    "exit-without-close": "the trainer returns / raises / sys.exit(0)s right after a save, without close() "
+                          "(bench/campaign_exit.py)",
 }
 POINT_NAMES = list(POINTS)
 
@@ -226,6 +229,8 @@ def make_plan(base_seed: int, index: int) -> Plan:
     elif point == "dying-writer-thread":
         tier = rng.choice(["local", "persistent"])
         f.update(tier=tier, victim=f"r{rng.randrange(nodes)}", k=rng.randint(1, STEPS if tier == "local" else 2))
+    elif point == "exit-without-close":
+        campaign_exit.plan_exit(plan, rng, STEPS)
     # a killed node's disk is sometimes lost too: the restart pulls its state from a replica
     if point in kill_points and rng.random() < 0.3:
         v = f["victim"]
@@ -1351,7 +1356,9 @@ def run_trial(plan: Plan, workdir: str) -> TrialResult:
     pd = asdict(plan)
     last_restore: dict | None = None
     for i, action in enumerate(plan.script):
-        if action == "train":
+        if action == "train" and plan.point == "exit-without-close":  # its own rank processes
+            violations += campaign_exit.run_exit_phase(plan, base, PHASE_BOUND_S)
+        elif action == "train":
             before = checks.ledger_lines(base)
             ph = run_phase("train", plan.nodes, base, pd, "train")
             violations += check_train_phase(plan, ph, base, before)

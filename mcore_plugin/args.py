@@ -82,6 +82,15 @@ def _nonneg_float(flag: str, zero_means: str):
     return _number(flag, float, "a finite number", lambda v: 0 <= v < float("inf"), f">= 0 ({zero_means})")
 
 
+def _add_exit_flag(g) -> None:
+    """``--ckpt-plugin-exit-timeout`` (``TierConfig.exit_timeout_s``, :mod:`tierckpt.exit`)."""
+    g.add_argument("--ckpt-plugin-exit-timeout",
+                   type=_nonneg_float("--ckpt-plugin-exit-timeout", "0 = do not wait"), default=None,
+                   metavar="SECONDS", help="Longest the process's exit waits for the saves still running when "
+                                           "training ends without the plugin's finalize (an exception); then "
+                                           "they stay uncommitted and the ledger names them (default 600).")
+
+
 def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--ckpt-plugin-*`` argument group to ``parser`` and return it.
 
@@ -141,6 +150,7 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    metavar="SECONDS", help="Longest a local save waits for the previous one; then that step "
                                            "skips the local tier on every rank (default 300; 0 = no limit).")
     _add_restore_args(g)
+    _add_exit_flag(g)
     g.add_argument("--ckpt-plugin-busy-tier-policy", choices=("defer", "wait"), default=None,
                    help="A tier due while its previous save still runs: defer (default; the plugin's "
                         "local tier skips that iteration and saves at the first one where the running "
@@ -213,6 +223,8 @@ class PluginSettings:
         notes: human-readable lines about values taken over from Megatron's flags.
         local_wait_timeout_s: seconds a local save waits for the previous one (None = the
             engine's default, 0 = no limit).
+        exit_timeout_s: seconds the exit waits for running saves without finalize (None =
+            the engine's default; ``TierConfig.exit_timeout_s``).
         warn_only: tiers whose failed saves only warn (``TierConfig.warn_only``).
         busy_tier_policy: ``"defer"`` or ``"wait"`` (``TierConfig.busy_tier_policy``; None =
             the engine's default, defer).
@@ -237,6 +249,7 @@ class PluginSettings:
     schedule_options: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     local_wait_timeout_s: float | None = None
+    exit_timeout_s: float | None = None
     warn_only: tuple[str, ...] = ("local",)
     busy_tier_policy: str | None = None
     cpu_staging: str | None = None
@@ -361,7 +374,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         replication_factor=int(F or 2) if "local" in tiers else 1, keep_latest_k=keep,
         job_id=args.ckpt_plugin_job_id, simulated_ranks_per_node=int(args.ckpt_plugin_simulated_ranks_per_node or 0),
         schedule_options=schedule, notes=notes,
-        local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout,
+        local_wait_timeout_s=args.ckpt_plugin_local_wait_timeout, exit_timeout_s=args.ckpt_plugin_exit_timeout,
         warn_only=tuple(getattr(args, "ckpt_plugin_warn_only", None) or ("local",)),
         busy_tier_policy=getattr(args, "ckpt_plugin_busy_tier_policy", None),
         cpu_staging=getattr(args, "ckpt_plugin_cpu_staging", None), local_permissions=args.ckpt_plugin_local_permissions,
@@ -539,6 +552,7 @@ _FIELD_TO_FLAG = {
     "job_id": "--ckpt-plugin-job-id",
     "simulated_ranks_per_node": "--ckpt-plugin-simulated-ranks-per-node",
     "local_wait_timeout_s": "--ckpt-plugin-local-wait-timeout",
+    "exit_timeout_s": "--ckpt-plugin-exit-timeout",
     "warn_only": "--ckpt-plugin-warn-only",
     "busy_tier_policy": "--ckpt-plugin-busy-tier-policy",
     "cpu_staging": "--ckpt-plugin-cpu-staging",
@@ -578,6 +592,8 @@ def tier_config_from_args(args: argparse.Namespace, settings: PluginSettings | N
     if settings is None:
         raise RuntimeError("tier_config_from_args: the plugin is off or validate_plugin_args has not run")
     extra: dict = {} if settings.local_wait_timeout_s is None else {"local_wait_timeout_s": settings.local_wait_timeout_s}
+    if settings.exit_timeout_s is not None:
+        extra["exit_timeout_s"] = settings.exit_timeout_s
     if settings.busy_tier_policy is not None:
         extra["busy_tier_policy"] = settings.busy_tier_policy
     if settings.cpu_staging is not None:

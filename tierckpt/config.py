@@ -285,6 +285,11 @@ class TierConfig(_KnownFields):
             no limit). When the previous local save is still running on some rank after this
             (a hung or very slow node-local disk), every rank skips the local tier at this step
             with a warning and a ledger record; training and the persistent tier go on.
+        exit_timeout_s: longest the interpreter's exit waits for the background saves still
+            running when a script ends without ``close()`` (returns from main, raises, calls
+            ``sys.exit``; seconds, 0 = do not wait, at most 7 days; :mod:`tierckpt.exit`). A save
+            not finished by then is left uncommitted and named in a warning and in the ledger's
+            ``run_end`` (``unfinished``).
         busy_tier_policy: what ``save()`` does with a due tier whose previous save is still
             running on some rank: ``"defer"`` (default) or ``"wait"``, for every tier or as
             ``{tier: policy}`` (tiers left out: ``"defer"``). ``"defer"``: that tier's save is
@@ -348,6 +353,7 @@ class TierConfig(_KnownFields):
     collective_timeout_s: float = 600.0
     restore_read_timeout_s: float | None = None  # None: min(60, collective_timeout_s / 3)
     local_wait_timeout_s: float = 300.0  # MAX_WAIT_S at most
+    exit_timeout_s: float = 600.0  # MAX_WAIT_S at most
     busy_tier_policy: str | Mapping[str, str] = "defer"
     local_root_is_node_private: bool = False
     local_permissions: str = "private"
@@ -470,6 +476,10 @@ class TierConfig(_KnownFields):
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= MAX_WAIT_S:
             raise ConfigError("local_wait_timeout_s",
                               f"must be seconds in [0, {MAX_WAIT_S:g}] (0 = wait without limit), got {w!r}")
+        x = self.exit_timeout_s
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= MAX_WAIT_S:
+            raise ConfigError("exit_timeout_s",
+                              f"must be seconds in [0, {MAX_WAIT_S:g}] (0 = do not wait), got {x!r}")
         if w and "local" in self.tiers and self.staging_buffers < 2:
             raise ConfigError("staging_buffers", "must be >= 2 with a local tier and local_wait_timeout_s > 0: "
                               "a stuck local save keeps its buffer, the other tiers need another "

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tierckpt import exit as exit_hook
 from tierckpt import startup
 from tierckpt.config import TierConfig, validate_tiers
 from tierckpt.dist.collectives import all_gather, broadcast_from_first
@@ -127,6 +128,7 @@ class TieredCheckpointer:
         self.journal = RunJournal(self.ledger)
         self.journal.run_start(topo, cfg.tiers, self.lineage)
         self._init_state()
+        exit_hook.register(self)  # a script that ends without close() still finishes its saves
         if topo.is_node_leader:  # once per node
             log.info("tierckpt: node %d/%d (%s), ranks %s, peers %s, local root %s, persistent %s",
                      topo.node, topo.nodes, topo.source, topo.local_ranks, topo.peers(),
@@ -736,7 +738,8 @@ class TieredCheckpointer:
         }
 
     # -- shutdown ------------------------------------------------------------------------------
-    def close(self, clean: bool = True, reason: str = "", *, raise_failures: bool = True) -> None:
+    def close(self, clean: bool = True, reason: str = "", *, raise_failures: bool = True,
+              at_exit: dict | None = None) -> None:
         """Finish background work, record the run's end, release buffers and threads.
 
         ``clean=False`` records a failed run (the MTBF estimator counts it as a failure). A local
@@ -748,6 +751,9 @@ class TieredCheckpointer:
         (``durable_step``).
 
         ``raise_failures=False`` (a preemption's exit) records failures in ``run_end`` only.
+        ``at_exit`` (:mod:`tierckpt.exit`, the interpreter exiting without ``close()``): the jobs
+        were waited for already; those still running are abandoned, and these ``run_end`` keys
+        (``exit``, ``unfinished``) are added.
 
         Raises:
             TierFailedError: with ``clean=True``, after everything is closed, when a save of a
@@ -759,7 +765,7 @@ class TieredCheckpointer:
         if self._closed:
             return
         self.preemption.close()
-        stuck = self._finish_jobs()
+        stuck = self._finish_jobs(poll=at_exit is not None)
         failed = self.unraised_failures()
         # the newest persistent step of this run that still exists (global rank 0 writes run_end)
         durable = (self.persistent.newest_still_committed(self.persistent_committed) if self.topo.rank == 0 else
@@ -773,7 +779,7 @@ class TieredCheckpointer:
         try:
             self.journal.run_end(clean=bool(clean) and not failed and not not_durable, reason=reason,
                                  durable_step=durable, stuck_tiers=stuck, failures=failed,
-                                 strict="persistent" in self.cfg.tiers)
+                                 strict="persistent" in self.cfg.tiers, **(at_exit or {}))
         except OSError as e:
             ledger_error = e
             log.error("tierckpt: could not write the ledger's run_end: %s", e)
@@ -792,11 +798,12 @@ class TieredCheckpointer:
                                   f"the ledger's run_end could not be written: {type(ledger_error).__name__}: "
                                   f"{ledger_error}")
 
-    def _finish_jobs(self) -> list[str]:
+    def _finish_jobs(self, poll: bool = False) -> list[str]:
         """Wait for the background jobs (the local tier at most ``local_wait_timeout_s``; none
-        after a preemption's grace period) and stop the workers; returns the tiers abandoned."""
-        if self._preempt_seen:  # the grace period is over: whatever still runs is abandoned
-            finished = {t: f.done() for t, f in self.jobs.pending.items() if f is not None}
+        after a preemption's grace period or with ``poll``) and stop the workers; returns the
+        tiers abandoned."""
+        if self._preempt_seen or poll:  # the grace period (or the exit's wait) is over: what still runs is abandoned
+            finished = {t: f.done() for t in self.cfg.tiers if (f := self.jobs.latest(t)) is not None}
         else:
             finished = self.wait()
         stuck = [t for t, ok in finished.items() if not ok]

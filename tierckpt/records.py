@@ -9,8 +9,8 @@ Kinds (class, fields in the order they are written):
 
 - ``run_start`` (:class:`RunStartRecord`): world_size, nodes, ranks_per_node, restart_count,
   host, tiers, process_start, replication_jump, replication_factor, lineage.
-- ``run_end`` (:class:`RunEndRecord`): clean, exposure_s, reason, durable_step; stuck_tiers
-  and failures only when not empty.
+- ``run_end`` (:class:`RunEndRecord`): clean, exposure_s, reason, durable_step; stuck_tiers,
+  failures, exit and unfinished only when not empty.
 - ``checkpoint`` (:class:`CheckpointRecord`, also what a
   :class:`~tierckpt.handle.SaveHandle` future resolves to): tier, step, ok, error, blocking_s,
   wait_s, bytes, background_s; skipped, stuck_nodes, replicas_failed only when set;
@@ -286,13 +286,18 @@ class RunEndRecord(LedgerRecord):
         durable_step: newest persistent step this run committed, None if none.
         stuck_tiers: tiers whose save was still running and abandoned at close.
         failures: ``[{"tier", "step", "error"}]`` failed saves never raised to the trainer.
+        exit: how the run ended when not through ``close()``: ``"without close()"`` (the
+            interpreter exited with the engine open: :mod:`tierckpt.exit`); empty otherwise.
+        unfinished: ``[{"tier", "step", "job", "error"}]`` background jobs pending when such
+            an exit began that did not commit: still running after ``TierConfig.exit_timeout_s``
+            (given up on) or failed (e.g. a peer's process gone).
     """
 
     KIND: ClassVar[str] = "run_end"
     _READERS = {"clean": _bool, "exposure_s": _seconds, "reason": _str, "durable_step": _count,
-                "stuck_tiers": _list, "failures": _list}
+                "stuck_tiers": _list, "failures": _list, "exit": _str, "unfinished": _list}
     _READ_DEFAULTS = {"clean": False}
-    _OMIT_FALSY = ("stuck_tiers", "failures")
+    _OMIT_FALSY = ("stuck_tiers", "failures", "exit", "unfinished")
 
     clean: bool
     exposure_s: float | None = None
@@ -300,6 +305,8 @@ class RunEndRecord(LedgerRecord):
     durable_step: int | None = None
     stuck_tiers: list[str] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
+    exit: str = ""
+    unfinished: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

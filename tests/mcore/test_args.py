@@ -313,3 +313,17 @@ def test_config_file_with_megatron_parser():
 def test_async_save_is_fine_without_a_local_tier():
     args = parse(["--save", "/s", "--save-interval", "10", "--ckpt-plugin-enable", "--async-save"])
     assert validate_plugin_args(args) is not None
+
+
+def test_exit_timeout_flag_reaches_the_tier_config():
+    cfg = tier_config_from_args(_validated(GOOD + ["--ckpt-plugin-exit-timeout", "30"]))
+    assert cfg.exit_timeout_s == 30.0
+    assert tier_config_from_args(_validated(GOOD)).exit_timeout_s == 600.0
+    with pytest.raises((ConfigError, SystemExit)):
+        _validated(GOOD + ["--ckpt-plugin-exit-timeout", "-1"])
+
+
+def _validated(argv):
+    args = parse(argv)
+    validate_plugin_args(args)
+    return args

@@ -146,9 +146,11 @@ class RunJournal:
         return rec
 
     def run_end(self, *, clean: bool, reason: str, durable_step: int | None, stuck_tiers: list[str],
-                failures: Iterable[CheckpointRecord], strict: bool) -> None:
+                failures: Iterable[CheckpointRecord], strict: bool, exit: str = "",
+                unfinished: Iterable[dict] = ()) -> None:
         """Append ``run_end``: exposure since :meth:`run_start`, ``failures`` as
-        ``{"tier", "step", "error"}``.
+        ``{"tier", "step", "error"}``; ``exit`` and ``unfinished`` as
+        :class:`~tierckpt.records.RunEndRecord` describes them.
 
         Raises:
             OSError: ``strict`` and the append failed.
@@ -156,7 +158,8 @@ class RunJournal:
         self.ledger.append(RunEndRecord(
             clean=clean, exposure_s=time.time() - (self.started or time.time()), reason=reason,
             durable_step=durable_step, stuck_tiers=list(stuck_tiers),
-            failures=[{"tier": r.tier, "step": r.step, "error": r.error} for r in failures]), strict=strict)
+            failures=[{"tier": r.tier, "step": r.step, "error": r.error} for r in failures],
+            exit=exit, unfinished=list(unfinished)), strict=strict)
 
 
 def process_start_time() -> float | None:

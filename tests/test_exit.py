@@ -1,0 +1,106 @@
+"""Leaving without close() (tierckpt/exit.py): real rank processes that save step 30 and then
+return from main, raise, or sys.exit(0) through the interpreter's normal exit (not the
+forkserver harness, whose entry point catches and reports); the step is committed in every
+tier, restorable bitwise, the exit status is the script's own, nothing aborts, and the
+ledger's run_end says what happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.exit_script import phase_restore
+from tests.harness import ROOT, free_port, run_world
+
+
+def run_ranks(base: str, mode: str, world: int = 2, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Run tests/exit_script.py on ``world`` processes (torchrun's environment, one node per
+    rank); their exit statuses and output."""
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = {**os.environ, "PYTHONPATH": ROOT, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.exit_script", base, mode], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    out = []
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, text))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+def committed(base: str) -> set[str]:
+    """Every committed copy of step 30: ``local node-n``, ``replica node-n@node-m``, ``persistent``."""
+    found = set()
+    for n in (0, 1):
+        if os.path.exists(os.path.join(base, "nvme", f"node-{n}", "local", "step-30", "tierckpt.committed")):
+            found.add(f"local node-{n}")
+        for m in (0, 1):
+            if os.path.exists(os.path.join(base, "nvme", f"node-{m}", "replicas", f"node-{n}", "step-30",
+                                           "tierckpt.committed")):
+                found.add(f"replica node-{n}@node-{m}")
+    if os.path.exists(os.path.join(base, "pfs", "step-30", "tierckpt.committed")):
+        found.add("persistent")
+    return found
+
+
+@pytest.mark.parametrize("mode,status", [("return", 0), ("sys_exit", 0), ("raise", 1), ("raise_one", 1)])
+def test_exit_without_close_finishes_the_save(tmp_path, mode, status):
+    base = str(tmp_path)
+    ranks = run_ranks(base, mode)
+    for r, cp in enumerate(ranks):
+        assert "terminate called" not in cp.stdout, f"rank {r}:\n{cp.stdout[-4000:]}"
+        assert cp.returncode == status, f"rank {r}: exit {cp.returncode}, expected {status}:\n{cp.stdout[-4000:]}"
+    assert committed(base) == {"local node-0", "local node-1", "replica node-0@node-1", "replica node-1@node-0",
+                               "persistent"}, ranks[0].stdout[-4000:]
+    with open(os.path.join(base, "pfs", "tierckpt-ledger.jsonl")) as f:
+        lines = [json.loads(x) for x in f if x.strip()]
+    first_run = lines[0]["run_id"]
+    ends = [x for x in lines if x["kind"] == "run_end" and x["run_id"] == first_run]
+    assert len(ends) == 1, lines
+    end = ends[0]
+    assert end["exit"] == "without close()" and end["durable_step"] == 30 and "unfinished" not in end, end
+    # a process that finished its saves and exited is not a failure; one that raised is
+    assert end["clean"] is (status == 0), end
+    if mode == "raise":
+        assert "RuntimeError: trainer failed on rank 0 after save(30)" in end["reason"], end
+    saves = {(x["tier"], x["step"]) for x in lines if x["kind"] == "checkpoint" and x.get("ok")}
+    assert {("local", 30), ("persistent", 30)} <= saves, saves
+    res = run_world(phase_restore, 2, base, timeout=300)
+    for r in res:
+        assert r.value["by_kind"] == {"own-local": (30, ["own-local"]), "peer-replica": (30, ["peer-replica"]),
+                                      "persistent": (30, ["persistent"])}, r.value
+        assert r.value["default"] == 30, r.value
+
+
+def test_exit_without_close_names_a_save_it_gave_up_on(tmp_path):
+    """The persistent write of step 30 hangs for good: the exit waits exit_timeout_s (5 s), then
+    leaves it uncommitted, named in a warning and in run_end.unfinished (not clean); the local
+    tier's step 30 is committed and restored; the exit status is still the script's 0."""
+    base = str(tmp_path)
+    ranks = run_ranks(base, "hung_persistent")
+    for r, cp in enumerate(ranks):
+        assert "terminate called" not in cp.stdout and cp.returncode == 0, \
+            f"rank {r}: {cp.returncode}\n{cp.stdout[-4000:]}"
+    assert "left uncommitted: persistent save of step 30 (still running after exit_timeout_s = 5s)" in ranks[0].stdout
+    assert committed(base) == {"local node-0", "local node-1", "replica node-0@node-1", "replica node-1@node-0"}
+    with open(os.path.join(base, "pfs", "tierckpt-ledger.jsonl")) as f:
+        end = [json.loads(x) for x in f if '"run_end"' in x][0]
+    assert end["exit"] == "without close()" and end["clean"] is False and end["durable_step"] == 20, end
+    assert end["unfinished"] == [{"tier": "persistent", "step": 30, "job": "save",
+                                  "error": "still running after exit_timeout_s = 5s"}], end
+    assert end["stuck_tiers"] == ["persistent"], end
+    res = run_world(phase_restore, 2, base, ("own-local", "peer-replica"), timeout=300)
+    for r in res:
+        assert r.value["default"] == 30, r.value

@@ -1,0 +1,181 @@
+"""Leaving without ``close()``: what the interpreter's exit does with an engine still open.
+
+A script that saves and then returns from ``main()``, raises, or calls ``sys.exit()`` without
+:meth:`~tierckpt.engine.TieredCheckpointer.close` (the context-manager form closes) still has
+that save running on the engine's tier workers. Those are daemon threads (a stuck node-local
+disk must never keep a process alive), so nothing waits for them: the save stayed
+uncommitted in every tier, the ledger got no ``run_end`` (the MTBF estimate counted a
+failure), and the process died of SIGABRT ("terminate called without an active exception").
+The abort is a worker thread, not a gloo thread: a tier job returning from a torch call that
+had released the GIL (a gloo collective of the replication or of the agreed record) after
+the interpreter began finalising is ended by ``pthread_exit`` (CPython 3.11
+``PyThread_exit_thread`` in ``take_gil``), whose forced unwind crosses pybind11's
+``noexcept`` GIL guard: ``std::terminate``.
+
+So an ``atexit`` handler (run after the non-daemon threads were joined and before
+finalisation, while the tier workers still run) finishes each engine that was created in
+this process and never closed, in order of creation:
+
+1. wait for every tier's queued jobs (a save, a replica rebuild after a restore), all tiers
+   together at most ``TierConfig.exit_timeout_s`` (the local tier too: unlike ``close()``,
+   not only ``local_wait_timeout_s``, since a peer's local job replicates with this one and
+   would fail if it were abandoned merely slow); the jobs' own collectives are bounded by
+   ``collective_timeout_s`` and fail at once when a peer's process is gone, so a rank that
+   exits on an exception while its peers still train does not hold anyone up. The handler
+   itself runs no collective: a peer may still be training, and a collective here would
+   pair with one of its own;
+2. :meth:`~tierckpt.engine.TieredCheckpointer.close` without waiting again: the ``run_end``
+   record (global rank 0, the ledger's writer) with ``exit = "without close()"``, ``reason``
+   naming an uncaught exception, and ``unfinished`` naming each job pending at the exit that
+   did not commit — given up on, or failed (a peer gone) — also in a warning; the workers
+   whose jobs finished are joined, so no tierckpt thread is inside a torch call while the
+   interpreter finalises. ``clean`` (what the MTBF estimate counts) is
+   true when no exception was uncaught, every job finished and the usual rules of
+   ``close()`` hold (no unraised failure, a durable persistent step): a process that
+   finished its saves and exited is not a failure; one that raised is.
+
+Nothing here changes the exit status: 0 for a return, 1 for an uncaught exception, the code
+of ``sys.exit``. ``sys.exit(n)`` with ``n != 0`` is not an exception to this handler (CPython
+hands its status to no ``atexit`` handler) and counts as clean when the saves finished.
+
+A job given up on keeps running on its daemon thread and dies with the process; its step
+stays uncommitted (never torn: the commit marker is written last). The trainer's process
+group may have been destroyed already (``dist.destroy_process_group()`` before the exit):
+the engine's groups go with it, so the running jobs fail (a failed record, ``clean`` false)
+instead of committing; close the engine before destroying the process group.
+
+Engines are held by weak reference: a closed or collected engine is never kept alive. A
+process forked after an engine was created does not finish its parent's engines.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
+from typing import Any
+
+__all__ = ["register", "finish", "EXIT_WITHOUT_CLOSE"]
+
+log = logging.getLogger(__name__)
+
+#: the ``run_end`` record's ``exit`` value for a run whose interpreter exited with the engine open
+EXIT_WITHOUT_CLOSE = "without close()"
+
+_lock = threading.Lock()
+_engines: list[weakref.ref] = []  # engines of this process, in order of creation
+_pid: int | None = None  # the process that registered them (a forked child has others' engines)
+_installed = False
+_uncaught: BaseException | None = None  # seen by the chained sys.excepthook
+
+
+def register(engine: Any) -> None:
+    """Finish ``engine`` (a :class:`~tierckpt.engine.TieredCheckpointer`; not imported here:
+    the engine imports this module) at interpreter exit unless it was closed (not collective;
+    call once per engine, from its constructor). Installs the ``atexit`` handler and a chained
+    ``sys.excepthook`` (to tell an uncaught exception from a return) on first use. An engine
+    the trainer dropped is not kept alive (weak reference): once collected it has no save left
+    to finish, and no ``run_end`` is written for it."""
+    global _installed, _pid
+    with _lock:
+        if _pid != os.getpid():  # first use, or a forked child: its parent's engines are not its own
+            _engines.clear()
+            _pid = os.getpid()
+        _engines[:] = [r for r in _engines if r() is not None]
+        _engines.append(weakref.ref(engine))
+        if not _installed:
+            _installed = True
+            atexit.register(_at_exit)
+            previous = sys.excepthook
+
+            def excepthook(exc_type, exc, tb):
+                global _uncaught
+                _uncaught = exc
+                previous(exc_type, exc, tb)
+
+            sys.excepthook = excepthook
+
+
+def uncaught_exception() -> BaseException | None:
+    """The exception that is ending the process, if any: what reached ``sys.excepthook`` (ours,
+    or CPython's ``sys.last_value`` when a later hook replaced ours). None for a return or
+    ``sys.exit``."""
+    return _uncaught if _uncaught is not None else getattr(sys, "last_value", None)
+
+
+def _at_exit() -> None:
+    with _lock:
+        engines = [r() for r in _engines] if _pid == os.getpid() else []
+        _engines.clear()
+    exc = uncaught_exception()
+    for eng in engines:
+        if eng is None or eng._closed:
+            continue
+        try:
+            finish(eng, exc)
+        except BaseException as e:  # never mask the script's own exit status
+            log.error("tierckpt: exit without close(): finishing the engine failed: %s: %s", type(e).__name__, e,
+                      exc_info=True)
+
+
+def finish(engine: Any, exc: BaseException | None = None) -> list[dict]:
+    """Finish ``engine`` (a :class:`~tierckpt.engine.TieredCheckpointer`) as the interpreter's
+    exit does (see the module docstring): wait for its queued jobs at most ``exit_timeout_s``
+    (seconds, all tiers together), then close
+    it with the ``run_end`` record of an exit without ``close()``; ``exc``: the exception
+    ending the process (None: a return or ``sys.exit``). Not collective.
+
+    Returns:
+        the jobs pending at the exit that did not commit (still running after
+        ``exit_timeout_s``, or failed), ``[{"tier", "step", "job", "error"}]`` (``job``:
+        ``"save"`` or ``"replica rebuild"``, whose ``step`` is None), as in ``run_end.unfinished``.
+    Raises:
+        nothing of its own; an unexpected error of ``close()`` propagates (the ``atexit``
+        handler logs it).
+    """
+    cfg, jobs, rank = engine.cfg, engine.jobs, engine.topo.rank
+    t0 = time.monotonic()
+    deadline = t0 + cfg.exit_timeout_s
+    queued = {t: f for t in cfg.tiers if (f := jobs.latest(t)) is not None and not f.done()}
+    if queued and rank == 0:
+        log.warning("tierckpt: the interpreter is exiting without close(): finishing the %s job(s) still running "
+                    "(at most exit_timeout_s = %gs)", "+".join(queued), cfg.exit_timeout_s)
+    unfinished = []
+    for tier, fut in queued.items():
+        # not local_wait_timeout_s for the local tier (as close() does): a peer's local job
+        # replicates with this rank's, so giving up on a merely slow one here would fail theirs
+        is_save = fut is jobs.pending.get(tier)  # else the replica rebuild after a restore
+        error = None
+        if not _finished(fut, max(0.0, deadline - time.monotonic())):
+            error = f"still running after exit_timeout_s = {cfg.exit_timeout_s:g}s"
+        elif is_save and not (rec := fut.result()).ok:
+            error = rec.error or "failed"
+        if error is not None:
+            unfinished.append({"tier": tier, "step": jobs.pending_step.get(tier) if is_save else None,
+                               "job": "save" if is_save else "replica rebuild", "error": error[:500]})
+    if unfinished:
+        log.warning("tierckpt: exit without close(): left uncommitted: %s", "; ".join(
+            f"{u['tier']} {u['job']}" + (f" of step {u['step']}" if u["step"] is not None else "") + f" ({u['error']})"
+            for u in unfinished))
+    reason = "interpreter exit without close()" + (f": {type(exc).__name__}: {exc}" if exc is not None else "")
+    engine.close(clean=exc is None and not unfinished, reason=reason[:2000], raise_failures=False,
+                 at_exit={"exit": EXIT_WITHOUT_CLOSE, "unfinished": unfinished})
+    if rank == 0:
+        log.info("tierckpt: exit without close(): %s in %.1fs", "every job finished" if not unfinished
+                 else f"{len(unfinished)} job(s) left unfinished", time.monotonic() - t0)
+    return unfinished
+
+
+def _finished(fut: Future, timeout: float) -> bool:
+    """Whether ``fut`` finished within ``timeout`` seconds (a job that raised finished too)."""
+    try:
+        fut.exception(timeout=timeout)
+    except FuturesTimeout:
+        return False
+    return True
