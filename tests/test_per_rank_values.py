@@ -19,6 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from tests import scenarios_per_rank as sp
 from tests.harness import run_world
+from tests.scenarios import assert_bitwise
 from tierckpt.io import per_rank
 
 K = 2
@@ -68,12 +69,24 @@ def test_persistent_only(saved, tmp_path):
 
 
 def test_in_cluster_after_world_size_change(saved, tmp_path):
-    """2×1 → 2×2 (new ranks 2, 3 get one saved rank's values); 2×2 → 2×1."""
+    """2×1 → 2×2 (new ranks 2, 3 get rank 0's values); 2×2 → 2×1."""
     base, rpn = _copy(saved, tmp_path)
     new_rpn = 2 if rpn == 1 else 1
     out = _restore(base, 2 * new_rpn, new_rpn, 2 * rpn)
     assert _kinds(out) == {"in-cluster"}, out
     assert [o["probe"] for o in out[:min(2 * rpn, 2 * new_rpn)]] == [100.0 + r for r in range(min(2 * rpn, 2 * new_rpn))]
+
+
+def test_in_cluster_refused_when_a_ranks_value_is_lost(saved, tmp_path):
+    """2×1 → 4×1 with every copy of node 1 gone: the node-local copies cannot tell rank 1's
+    values, so the in-cluster read is refused and rank 1 reads its own from persistent."""
+    base, rpn = _copy(saved, tmp_path)
+    if rpn != 1:
+        pytest.skip("one case is enough")
+    shutil.rmtree(os.path.join(base, "nvme", "node-1"))
+    shutil.rmtree(os.path.join(base, "nvme", "node-0", "replicas", "node-1"))
+    out = _restore(base, 4, 1, 2)
+    assert _kinds(out) == {"persistent"}, out
 
 
 def test_files_one_copy_of_replicated_values_and_stock_load(saved):
@@ -91,7 +104,11 @@ def test_files_one_copy_of_replicated_values_and_stock_load(saved):
         # a node of one rank has nothing that differs inside it: no qualified key
         want = {per_rank.qualified(r, k) for r in ranks for k in per_key} if rpn > 1 else set()
         assert lkeys == per_key | {"shared", "note"} | want, (node, lkeys)
+    # the step before, saved with the same value on every rank: no qualified key anywhere
+    first = [os.path.join(base, "pfs", f"step-{K - 1}")] + [
+        os.path.join(base, "nvme", f"node-{n}", "local", f"step-{K - 1}") for n in range(2)]
+    for d in first:
+        assert set(FileSystemReader(d).read_metadata().state_dict_metadata) == per_key | {"shared", "note"}, d
     sd = sp.template()
     dcp.load(sd, checkpoint_id=step, no_dist=True)
-    assert any(torch.equal(sd["probe"], sp.expected(r)["probe"]) for r in range(world))
-    assert torch.equal(sd["shared"], sp.expected(0)["shared"]) and sd["note"] == "same everywhere"
+    assert_bitwise(sd, sp.expected(0), "stock dcp.load")  # the plain keys hold rank 0's values

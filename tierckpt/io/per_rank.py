@@ -41,9 +41,9 @@ PREFIX = "__tierckpt_rank__/"
 """Reserved key prefix of rank-qualified values."""
 
 RECORD_KEY = "__tierckpt_rank__"
-"""Key of the save's record in ``Metadata.planner_data``: ``{"ranks": [global ranks of the
-save group], "items": {fqn: (plain digest or None, {global rank: digest} of the ranks whose
-value differs from the plain copy)}}``. A None plain digest (merged in-cluster views only)
+"""Key of the save's record in ``Metadata.planner_data``: ``{"world": world size of the job,
+"ranks": [global ranks of the save group], "items": {fqn: (plain digest or None, {global
+rank: digest} of the ranks whose value differs from the plain copy)}}``. A None plain digest (merged in-cluster views only)
 means every rank's value is under its qualified key or nowhere."""
 
 
@@ -62,6 +62,11 @@ def unqualify(fqn: str) -> str:
 def global_rank() -> int:
     """This process's rank in the default group (0 without torch.distributed)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def global_world() -> int:
+    """The default group's size (1 without torch.distributed)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,16 +137,25 @@ def differing(plans: list[SavePlan]) -> set[str]:
 
 
 def qualify(plans: list[SavePlan], keys: set[str]) -> list[SavePlan]:
-    """``plans`` with one more write per rank for each of ``keys`` it holds: the same item under
-    the rank's qualified key (:func:`qualified`)."""
+    """``plans`` with, for each of ``keys`` a plan holds, the item also under the rank's
+    qualified key (:func:`qualified`); the plain item stays only in the lowest rank's plan, so
+    the plain copy of a key whose values differ is that rank's (what a rank that did not exist
+    at save time loads, the same rank for every key)."""
     if not keys:
         return plans
+    lowest: dict[str, int] = {}
+    for p in plans:
+        for it in p.items:
+            if it.type != WriteItemType.SHARD and it.index.fqn in keys:
+                lowest[it.index.fqn] = min(lowest.get(it.index.fqn, 1 << 62), getattr(p, "rank", -1))
     out = []
     for p in plans:
         rank = getattr(p, "rank", -1)
+        items = [it for it in p.items
+                 if it.type == WriteItemType.SHARD or it.index.fqn not in keys or lowest[it.index.fqn] == rank]
         extra = [dataclasses.replace(it, index=MetadataIndex(qualified(rank, it.index.fqn), it.index.offset))
                  for it in p.items if it.type != WriteItemType.SHARD and it.index.fqn in keys]
-        out.append(dataclasses.replace(p, items=list(p.items) + extra))
+        out.append(dataclasses.replace(p, items=items + extra))
     return out
 
 
@@ -158,7 +172,7 @@ def build_record(all_plans: list[SavePlan], deduped: list[SavePlan]) -> dict:
                 continue
             plain = mine[fqn]
             items[fqn] = (plain, {r: d[fqn] for r, d in digests.items() if fqn in d and d[fqn] != plain})
-    return {"ranks": sorted(digests), "items": items}
+    return {"world": global_world(), "ranks": sorted(digests), "items": items}
 
 
 def with_record(metadata: Metadata, record: dict, qualified_keys: list[str]) -> Metadata:
@@ -189,13 +203,15 @@ def rank_view(metadata: Metadata, state_dict: dict, rank: int) -> tuple[Metadata
         qualified entry (so DCP plans its reads with that entry's size), and
         ``{fqn: qualified key}`` to point the planned reads' storage index at.
     Raises:
-        PerRankValueMissing: the record says the rank saved a value of a key that differs from
-            the plain copy, and its qualified entry is absent.
+        PerRankValueMissing: the rank saved a value of a key that differs from the plain copy
+            and its qualified entry is absent, or (in-cluster views) no copy of the rank's node
+            is left, so whether its value was the plain one cannot be known.
     """
     sd_md = metadata.state_dict_metadata
     rec = record_of(metadata)
     items = rec.get("items", {}) if rec else {}
     saved_ranks = set(rec.get("ranks", [])) if rec else set()
+    world = int(rec.get("world", 0)) if rec else 0
     redirect, missing, foreign = {}, [], []
     for fqn, obj in state_dict.items():
         q = qualified(rank, fqn)
@@ -208,6 +224,8 @@ def rank_view(metadata: Metadata, state_dict: dict, rank: int) -> tuple[Metadata
         if rank in saved_ranks:
             if rank in diff or plain is None:
                 missing.append(fqn)
+        elif rank < world:  # it saved, but no copy of its node is left
+            missing.append(fqn)
         elif diff or plain is None:
             foreign.append(fqn)
     if missing:
@@ -243,13 +261,15 @@ def merge_records(parts: dict[int, Metadata], sd_md: dict, origins: dict) -> dic
     A key whose values differ across the saved nodes gets, for each saved rank without a
     qualified entry in any copy, a qualified entry pointing at a node copy whose plain value
     is that rank's (same digest). Returns the merged record (None: no part has one); ranks
-    whose value no copy holds stay without an entry, so their load is refused.
+    whose value no copy holds stay without an entry, and ranks of nodes no copy is left of
+    out of its ``ranks``, so their load is refused (:func:`rank_view`).
     """
     recs = {m: record_of(md) for m, md in parts.items()}
     recs = {m: r for m, r in recs.items() if r is not None}
     if not recs:
         return None
     ranks = sorted({r for rec in recs.values() for r in rec.get("ranks", [])})
+    world = max(int(rec.get("world", 0)) for rec in recs.values())
     fqns = {f for rec in recs.values() for f in rec.get("items", {})}
     items: dict[str, tuple[str | None, dict[int, str]]] = {}
     for fqn in sorted(fqns):
@@ -267,6 +287,7 @@ def merge_records(parts: dict[int, Metadata], sd_md: dict, origins: dict) -> dic
             items[fqn] = (next(iter(values), None), {})
             continue
         items[fqn] = (None, own)
+        _plain_from_lowest(fqn, own, plains, origins)
         for r, d in own.items():
             q = qualified(r, fqn)
             if q in sd_md:
@@ -276,4 +297,16 @@ def merge_records(parts: dict[int, Metadata], sd_md: dict, origins: dict) -> dic
                     if idx.fqn == fqn:
                         sd_md.setdefault(q, parts[m].state_dict_metadata[fqn])
                         origins.setdefault(MetadataIndex(q, idx.offset), []).append((m, si))
-    return {"ranks": ranks, "items": items}
+    return {"world": world, "ranks": ranks, "items": items}
+
+
+def _plain_from_lowest(fqn: str, own: dict[int, str], plains: dict[int, str], origins: dict) -> None:
+    """Keep, as sources of ``fqn``'s plain entry, only the copies holding the lowest saved
+    rank's value (a rank new since the save then reads that rank's value of every key, as
+    from the persistent tier); unchanged when no copy of it is left."""
+    want = own[min(own)]
+    nodes = {m for m, p in plains.items() if p == want}
+    if not nodes:
+        return
+    for idx in [i for i in origins if i.fqn == fqn]:
+        origins[idx] = [(m, si) for m, si in origins[idx] if m in nodes]
