@@ -34,6 +34,7 @@ import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
+from torch.serialization import get_crc32_options, set_crc32_options
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +101,20 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def object_bytes(obj: Any) -> bytes:
-    """The bytes DCP writes for an object item (``torch.save``, as ``DefaultSavePlanner``)."""
+    """The bytes DCP writes for an object item (``torch.save``, as ``DefaultSavePlanner``), with
+    the zip CRC32 off as in every tierckpt save.
+
+    The CRC option changes the bytes, and torch keeps it per thread (torch 2.13's config
+    module): left as found, two ranks could hash the same object differently when one tier's
+    thread had it off and another's not. Only this thread's setting is touched.
+    """
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    prev = get_crc32_options()
+    set_crc32_options(False)
+    try:
+        torch.save(obj, buf)
+    finally:
+        set_crc32_options(prev)
     return buf.getvalue()
 
 
