@@ -13,7 +13,6 @@ import os
 import shutil
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 

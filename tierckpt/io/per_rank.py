@@ -203,6 +203,13 @@ def record_of(metadata: Metadata) -> dict | None:
     return rec if isinstance(rec, dict) else None
 
 
+def differs(metadata: Metadata, fqn: str) -> bool:
+    """Whether the ranks that saved ``metadata`` had different values of ``fqn``."""
+    rec = record_of(metadata)
+    item = rec.get("items", {}).get(fqn) if rec else None
+    return bool(item and (item[1] or item[0] is None))
+
+
 class PerRankValueMissing(Exception):
     """This rank's own value of a key is not in the checkpoint (the copy that held it is lost)."""
 
@@ -276,8 +283,11 @@ def merge_records(parts: dict[int, Metadata], sd_md: dict, origins: dict) -> dic
     whose value no copy holds stay without an entry, and ranks of nodes no copy is left of
     out of its ``ranks``, so their load is refused (:func:`rank_view`).
     """
-    recs = {m: record_of(md) for m, md in parts.items()}
-    recs = {m: r for m, r in recs.items() if r is not None}
+    recs: dict[int, dict] = {}
+    for m, md in parts.items():
+        rec = record_of(md)
+        if rec is not None:
+            recs[m] = rec
     if not recs:
         return None
     ranks = sorted({r for rec in recs.values() for r in rec.get("ranks", [])})

@@ -142,6 +142,11 @@ class VerifyingLoadPlanner(DefaultLoadPlanner):
 
     Coverage: saved chunks are validated non-overlapping at save time, so a local chunk is
     covered iff the volumes of its intersections with saved chunks add up to its own volume.
+
+    Per-rank values: a non-sharded key is read from this rank's qualified entry when the
+    checkpoint has one; the plan is refused (:class:`PlanCoverageError`) when the checkpoint's
+    record says this rank saved a value of the key that is not in it
+    (:func:`tierckpt.io.per_rank.rank_view`).
     """
 
     def create_local_plan(self) -> LoadPlan:
