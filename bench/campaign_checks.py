@@ -28,7 +28,10 @@ Definitions (one function each, pure where possible so that tests can feed them 
 - :func:`check_redundancy`: after a restore served only from node-local copies, every node's
   restored step has ``factor`` copies on distinct nodes again;
 - the ledger checks (:func:`check_ledger_parse`, :func:`check_restore_record`,
-  :func:`check_failure_records`).
+  :func:`check_failure_records`);
+- :func:`check_per_rank_files` (``per-rank-values`` trials): every intact copy holds each of its
+  saving ranks' own :func:`per_rank_values` — a persistent step under each rank's qualified key
+  (the plain key: rank 0's), a node-local step (one rank per node) under the plain key.
 """
 
 from __future__ import annotations
@@ -396,4 +399,115 @@ def check_ok_records_on_disk(records: list[dict], after: list[Copy], keep_persis
             s = r.get("step")
             if s not in pfs and len({x for x in pfs if x > s}) < keep_persistent:
                 out.append(f"ledger: persistent step {s} recorded ok, but it is not committed in the persistent root")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# per-rank values under one key (fault point "per-rank-values")
+# --------------------------------------------------------------------------------------------
+PER_RANK_KEYS = ("probe", "rng", "counter", "obj.rank", "obj.step")
+"""The flattened keys of :func:`per_rank_values` under the state's ``per_rank`` key."""
+
+
+def per_rank_values(rank: int, step: int) -> dict:
+    """Rank ``rank``'s values at ``step``, the same keys on every rank: a plain tensor, a CPU RNG
+    state (of a generator seeded ``1000·step + rank``, so the trainer's RNG is untouched), an
+    int counter and an object."""
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(1000 * step + rank)
+    return {"probe": torch.full((4,), 100.0 + rank + 1000.0 * step), "rng": g.get_state(),
+            "counter": 10 * step + rank, "obj": {"rank": rank, "step": step}}
+
+
+def per_rank_template() -> dict:
+    """A ``per_rank`` value to restore into: same structure, no saved value."""
+    import torch
+
+    return {"probe": torch.full((4,), -1.0), "rng": torch.zeros_like(torch.Generator().get_state()),
+            "counter": -1, "obj": {"rank": -1, "step": -1}}
+
+
+def _flat_values(rank: int, step: int) -> dict:
+    v = per_rank_values(rank, step)
+    return {"probe": v["probe"], "rng": v["rng"], "counter": v["counter"], "obj.rank": v["obj"]["rank"],
+            "obj.step": v["obj"]["step"]}
+
+
+def _load_keys(path: str, keys: dict[str, str]) -> dict:
+    """{name: value} of DCP checkpoint ``path``'s items ``{name: DCP key}`` (stock DCP, one
+    process; each name ends in its :data:`PER_RANK_KEYS` key)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    tmpl = per_rank_template()
+    sd = {key: tmpl[name.rsplit("/", 1)[-1]].clone() if name.rsplit("/", 1)[-1] in ("probe", "rng") else ""
+          for name, key in keys.items()}
+    dcp.load(sd, storage_reader=FileSystemReader(path), no_dist=True)
+    return {name: sd[key] for name, key in keys.items()}
+
+
+def _same(values: list) -> bool:
+    """Whether ``values`` are all bitwise equal."""
+    from tests.scenarios import assert_bitwise
+
+    try:
+        for v in values[1:]:
+            assert_bitwise(v, values[0])
+    except AssertionError:
+        return False
+    return True
+
+
+def _qualified_keys(path: str, keys: set[str]) -> list[str]:
+    """The rank-qualified entries of ``per_rank.<k>`` for ``k`` in ``keys`` in checkpoint ``path``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tierckpt.io.per_rank import unqualify
+
+    md = FileSystemReader(path).read_metadata()
+    return sorted(k for k in md.state_dict_metadata if k != unqualify(k) and unqualify(k)[len("per_rank."):] in keys)
+
+
+def check_per_rank_files(copies: list[Copy], base: str) -> list[str]:
+    """Every intact copy holds its saving ranks' own :func:`per_rank_values` (see the module
+    docstring; one rank per node). Returns violation texts."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tests.scenarios import assert_bitwise
+    from tierckpt.io.per_rank import qualified
+
+    out = []
+    for c in copies:
+        if not c.intact:
+            continue
+        root = os.path.join(base, "pfs") if c.where == "pfs" else os.path.join(base, "nvme", c.where)
+        path = os.path.join(root, c.rel)
+        if c.where == "pfs":
+            ranks = range(c.world_size or 0)
+            differ = [k for k in PER_RANK_KEYS if not _same([_flat_values(r, c.step)[k] for r in ranks])]
+            owners = {f"{r}/{k}": qualified(r, f"per_rank.{k}") for r in ranks for k in differ}
+            owners.update({f"plain/{k}": f"per_rank.{k}" for k in PER_RANK_KEYS})
+            extra = _qualified_keys(path, set(PER_RANK_KEYS) - set(differ))
+            if extra:
+                out.append(f"{c.path}: values equal on every rank were written per rank too: {extra[:4]}")
+        elif c.node is not None:
+            owners = {f"{c.node}/{k}": f"per_rank.{k}" for k in PER_RANK_KEYS}
+        else:
+            continue
+        try:
+            got = _load_keys(path, owners)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a key missing from the files is the violation
+            out.append(f"{c.path}: per-rank values not all readable: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        for name, value in got.items():
+            who, k = name.split("/", 1)
+            rank = 0 if who == "plain" else int(who)
+            want = _flat_values(rank, c.step)[k]
+            try:
+                assert_bitwise(value, want, f"{c.path}: {name}")
+            except AssertionError as e:
+                out.append(f"{c.path}: {'the plain copy is not rank 0' if who == 'plain' else 'rank ' + who}'s "
+                           f"value of per_rank.{k}: {str(e)[:200]}")
     return out

@@ -82,6 +82,8 @@ POINTS: dict[str, str] = {
     "hung-read-restore": "a read of a restore's source hangs for good (a node's own copy, or the replica a peer sends it)",
     "exit-without-close": "the trainer returns / raises / sys.exit(0)s right after a save, without close() "
                           "(bench/campaign_exit.py)",
+    "per-rank-values": "per-rank values under one key (probe, RNG state, counter, object) saved and restored "
+                       "around a random kill fault: every rank gets its own values (restored state and files)",
 }
 POINT_NAMES = list(POINTS)
 
@@ -149,10 +151,13 @@ def _victim(rng: random.Random, nodes: int, p_all: float = 0.25) -> str:
     return "all" if rng.random() < p_all else f"r{rng.randrange(nodes)}"
 
 
-def make_plan(base_seed: int, index: int) -> Plan:
-    """The plan of trial ``index``: point round robin, the rest from ``Random(base_seed + index)``."""
+def make_plan(base_seed: int, index: int, point: str | None = None) -> Plan:
+    """The plan of trial ``index``: point round robin (or ``point``), the rest from
+    ``Random(base_seed + index)``."""
     seed = base_seed + index
-    point = POINT_NAMES[index % len(POINT_NAMES)]
+    point = point or POINT_NAMES[index % len(POINT_NAMES)]
+    if point == "per-rank-values":
+        return _per_rank_plan(base_seed, index)
     rng = random.Random(seed)
     nodes = rng.choice([2, 2, 2, 3, 4])
     factor = {2: 2, 3: 3, 4: 2}[nodes]
@@ -238,6 +243,46 @@ def make_plan(base_seed: int, index: int) -> Plan:
         plan.second = {"kind": "lose-node", "node": n}
         plan.script = ["train", f"wipe:{n}", "restore"]
     return plan
+
+
+PER_RANK_FAULTS = ("kill-local-write", "kill-commit", "kill-repl-send", "kill-persistent-write", "kill-restore")
+"""The faults a ``per-rank-values`` trial draws from (each with its own instant and, for some,
+a lost node), around a state that also holds per-rank values under shared keys."""
+
+
+def _per_rank_plan(base_seed: int, index: int) -> Plan:
+    """A ``per-rank-values`` trial: the plan of a fault drawn from :data:`PER_RANK_FAULTS`;
+    the rank functions add :func:`bench.campaign_checks.per_rank_values` to the state."""
+    inner = random.Random((base_seed + index) * 31 + 7).choice(PER_RANK_FAULTS)
+    plan = make_plan(base_seed, index, point=inner)
+    plan.point = "per-rank-values"
+    return plan
+
+
+def _app_state(plan: dict, model, opt, rank: int, step: int | None) -> dict:
+    """The state a rank saves (``step``) or restores into (None): the scenario's, plus, in a
+    ``per-rank-values`` trial, this rank's values of step ``step`` under the shared key
+    ``per_rank`` (a template of other values when restoring)."""
+    from tests import scenarios
+
+    sd = scenarios.app_state(model, opt)
+    if plan["point"] == "per-rank-values":
+        sd["per_rank"] = checks.per_rank_values(rank, step) if step is not None else checks.per_rank_template()
+    return sd
+
+
+def _per_rank_mismatch(plan: dict, sd: dict, rank: int, step: int) -> str | None:
+    """The first difference between the restored ``per_rank`` values and rank ``rank``'s own of
+    ``step`` (None: equal, or not a ``per-rank-values`` trial)."""
+    from tests import scenarios
+
+    if plan["point"] != "per-rank-values":
+        return None
+    try:
+        scenarios.assert_bitwise(sd["per_rank"], checks.per_rank_values(rank, step), "per_rank")
+    except AssertionError as e:
+        return f"not this rank's own values: {e}"
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -895,10 +940,10 @@ def rank_train(rank: int, world: int, base: str, plan: dict, phase: str) -> dict
         torch.save(scenarios.snapshot(model, opt), _snap_path(base, rank, s))
         tiers = ["local"] + (["persistent"] if s in plan["persistent_steps"] else [])
         try:
-            eng.save(s, scenarios.app_state(model, opt), tiers=tiers)
+            eng.save(s, _app_state(plan, model, opt, rank, s), tiers=tiers)
         except TierFailedError as e:  # raised before staging: save again (it does not raise twice)
             out["raised"].append([e.tier, e.step])
-            eng.save(s, scenarios.app_state(model, opt), tiers=tiers)
+            eng.save(s, _app_state(plan, model, opt, rank, s), tiers=tiers)
         eng.wait()
         if hung and s == plan["fault"]["step"]:
             out["restore_in_run"] = _restore_in_run(eng, rank, base, plan["fault"]["node"])
@@ -969,7 +1014,7 @@ def rank_restore(rank: int, world: int, base: str, plan: dict, phase: str) -> di
         return out
     model, opt = scenarios.build(seed=123)
     scenarios.train_step(model, opt, 999, rank)  # the fresh state differs everywhere
-    sd = scenarios.app_state(model, opt)
+    sd = _app_state(plan, model, opt, rank, None)
     try:
         res = eng.restore(sd)
     except BaseException as e:  # noqa: BLE001 - the type is the result (NoCheckpointError or a raw error)
@@ -980,7 +1025,8 @@ def rank_restore(rank: int, world: int, base: str, plan: dict, phase: str) -> di
         out["step"] = res.step
         out["sources"] = {str(n): [o.source.kind, o.source.holder] for n, o in res.sources.items()}
         scenarios.apply_state(model, opt, sd)
-        out["mismatch"] = _compare(scenarios.snapshot(model, opt), _snap_path(base, rank, res.step))
+        out["mismatch"] = (_compare(scenarios.snapshot(model, opt), _snap_path(base, rank, res.step))
+                           or _per_rank_mismatch(plan, sd, rank, res.step))
     try:
         eng.close(clean=out["error"] is None, raise_failures=False)
     except Exception as e:  # noqa: BLE001 - reported, the restore result stands
@@ -1362,6 +1408,8 @@ def run_trial(plan: Plan, workdir: str) -> TrialResult:
             before = checks.ledger_lines(base)
             ph = run_phase("train", plan.nodes, base, pd, "train")
             violations += check_train_phase(plan, ph, base, before)
+            if plan.point == "per-rank-values":
+                violations += checks.check_per_rank_files(checks.scan_disk(base), base)
             _clear_transient_state(base, plan)
         elif action.startswith("wipe:"):
             _wipe(base, int(action.split(":")[1]))
@@ -1393,6 +1441,8 @@ def run_trial(plan: Plan, workdir: str) -> TrialResult:
                                       interrupted=phase == "restore:fault", final=final,
                                       usable=_readable(plan, base, disk_before) if hung else None)
             violations += res.violations + (check_hung_read(plan, ph, base, lines_before) if hung else [])
+            if plan.point == "per-rank-values":
+                violations += checks.check_per_rank_files(disk_after, base)
             if phase != "restore:fault":
                 restored, expected = res.restored, res.expected
                 last_restore = res.value

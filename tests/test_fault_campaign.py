@@ -142,3 +142,47 @@ def test_ledger_checks(tmp_path):
     assert checks.check_failure_records([failed], "local", [4]) == []
     assert checks.check_failure_records([failed], "local", [4, 5])
     assert checks.check_failure_records([], "local", [], skipped_node=1)
+
+
+def _save_flat(path: str, sd: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(sd, checkpoint_id=path, no_dist=True)
+
+
+def test_check_per_rank_files_flags_a_rank_that_got_another_ranks_value(tmp_path):
+    """A persistent step written with one copy per key (DCP's default) fails the check; one with
+    every rank's qualified values and rank 0's plain copy passes; so does a node-local step
+    holding its node's own values, and not one holding another node's."""
+    from tierckpt.io.per_rank import qualified
+
+    base = str(tmp_path)
+    step = 3
+
+    def flat(rank, prefix=""):
+        v = checks.per_rank_values(rank, step)
+        return {f"{prefix}per_rank.probe": v["probe"], f"{prefix}per_rank.rng": v["rng"],
+                f"{prefix}per_rank.counter": v["counter"], f"{prefix}per_rank.obj.rank": v["obj"]["rank"],
+                f"{prefix}per_rank.obj.step": v["obj"]["step"]}
+
+    good = flat(0)
+    for r in range(2):  # obj.step is the same on both ranks: plain only
+        good.update({qualified(r, k): v for k, v in flat(r).items() if k != "per_rank.obj.step"})
+    _save_flat(os.path.join(base, "pfs", "step-3"), good)
+    _save_flat(os.path.join(base, "pfsbad", "step-3"), flat(0))
+    _save_flat(os.path.join(base, "nvme", "node-1", "local", "step-3"), flat(1))
+    _save_flat(os.path.join(base, "nvme", "node-0", "replicas", "node-1", "step-3"), flat(0))
+    pfs = checks.Copy("pfs", None, "step-3", step, None, True, True, world_size=2)
+    own = checks.Copy("node-1", 1, "local/step-3", step, 1, True, True)
+    wrong = checks.Copy("node-0", 0, "replicas/node-1/step-3", step, 1, True, True)
+    assert checks.check_per_rank_files([pfs, own], base) == []
+    bad = checks.check_per_rank_files([wrong], base)
+    assert len(bad) == 4 and all("rank 1's value" in b for b in bad), bad  # obj.step is the same
+    shutil.move(os.path.join(base, "pfs"), os.path.join(base, "pfsgood"))
+    shutil.move(os.path.join(base, "pfsbad"), os.path.join(base, "pfs"))
+    bad = checks.check_per_rank_files([pfs], base)
+    assert bad and "not all readable" in bad[0], bad
+    shutil.rmtree(os.path.join(base, "pfs"))
+    _save_flat(os.path.join(base, "pfs", "step-3"), {**good, qualified(0, "per_rank.obj.step"): step})
+    bad = checks.check_per_rank_files([pfs], base)
+    assert bad and "written per rank too" in bad[0], bad

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from tierckpt.dist.collectives import FAILURES
-from tierckpt.io import layout, manifest
+from tierckpt.io import layout, manifest, per_rank
 from tierckpt.io.storage import Store
 from tierckpt.restore import Inventory, plan_restore
 
@@ -49,7 +49,8 @@ def read_from_copy(store: Store, rel: str, key: str) -> Any:
     Raises:
         FileNotFoundError: the step is not committed.
         KeyError: the checkpoint has no item ``key``.
-        ValueError: a checksum or size differs from the manifest (corrupt copy).
+        ValueError: a checksum or size differs from the manifest (corrupt copy), or the saving
+            ranks' values of ``key`` differ (:mod:`tierckpt.io.per_rank`).
         OSError: the files cannot be read.
     """
     m = manifest.read_committed(store, rel)
@@ -70,6 +71,8 @@ def read_from_copy(store: Store, rel: str, key: str) -> Any:
     files = {info.relative_path for idx, info in md.storage_data.items() if idx.fqn == key}
     if not files:
         raise KeyError(f"{store.url_of(rel)} has no item {key!r}")
+    if per_rank.differs(md, key):
+        raise ValueError(f"{store.url_of(rel)}: {key!r} differs per rank (a full restore gives each rank its own)")
     for f in sorted(files):
         check(f)
     sd = {key: b""}

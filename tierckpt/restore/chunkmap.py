@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.tensor import DTensor
 
+from tierckpt.io import per_rank
 from tierckpt.io.planner import VerifyingLoadPlanner
 
 Origins = dict[MetadataIndex, list[tuple[int, _StorageInfo]]]
@@ -34,7 +35,9 @@ def merge_metadata(parts: dict[int, Metadata]) -> tuple[Metadata, Origins]:
     Returns:
         ``(metadata, origins)``: DCP ``Metadata`` whose tensors list the union of the nodes'
         chunks (a chunk several nodes saved — a replicated value — once), and
-        ``{storage index: [(saved node, storage info in that node's checkpoint)]}``.
+        ``{storage index: [(saved node, storage info in that node's checkpoint)]}``. A plain
+        value that differed per rank gets each saved rank's qualified entry, pointing at the
+        copy that holds that rank's value (:func:`tierckpt.io.per_rank.merge_records`).
     Raises:
         ValueError: two nodes disagree on a tensor's global size or dtype, or on an item's kind.
     """
@@ -62,6 +65,10 @@ def merge_metadata(parts: dict[int, Metadata]) -> tuple[Metadata, Origins]:
         for idx, si in md.storage_data.items():
             origins.setdefault(idx, []).append((m, si))
         planner_data.update(md.planner_data or {})
+    record = per_rank.merge_records(parts, sd_md, origins)
+    planner_data.pop(per_rank.RECORD_KEY, None)
+    if record is not None:
+        planner_data[per_rank.RECORD_KEY] = record
     merged = Metadata(state_dict_metadata=sd_md, planner_data=planner_data, storage_data={})
     if version is not None:
         merged.version = version

@@ -28,7 +28,7 @@ from tierckpt.io.dcp_io import (
     digests_under,
     hashing_writer,
 )
-from tierckpt.io.planner import VerifyingLoadPlanner
+from tierckpt.io.planner import PerRankSavePlanner, VerifyingLoadPlanner
 from tierckpt.history.timeline import SaveIdentity, of_manifest
 from tierckpt.io.storage import Store
 from tierckpt.tiers.commit import save_step
@@ -51,7 +51,9 @@ class PersistentIO:
 
     def to_dcp(self, state_dict: dict, url: str, process_group) -> tuple[dict, SavePlanner | None]:
         """What DCP writes for the staged ``state_dict``: ``(state dict, SavePlanner or None
-        for DCP's default)``. Default: the staged dict itself."""
+        for :class:`~tierckpt.io.planner.PerRankSavePlanner`, DCP's default planner that also
+        keeps each rank's own value of a key whose plain-tensor/object values differ per
+        rank)``. Default: the staged dict itself."""
         return state_dict, None
 
     def side_files(self, state_dict: dict, process_group) -> dict[str, bytes]:
@@ -76,7 +78,8 @@ class PersistentIO:
 
 def write_dcp(state_dict: dict, url: str, process_group, planner: SavePlanner | None = None) -> Digests:
     """Collective DCP save of ``state_dict`` to the step directory or URL ``url``, fsynced, with
-    torch.save's zip CRC32 off (:func:`tierckpt.io.dcp_io.crc32_off`).
+    torch.save's zip CRC32 off (:func:`tierckpt.io.dcp_io.crc32_off`), planned by ``planner``
+    (None: :class:`~tierckpt.io.planner.PerRankSavePlanner`).
 
     Returns:
         checksums of the files this rank hashed while writing (paths only; :data:`Digests`);
@@ -87,7 +90,8 @@ def write_dcp(state_dict: dict, url: str, process_group, planner: SavePlanner | 
     local = "://" not in url
     writer = hashing_writer(url) if local else FsspecWriter(url, sync_files=True)
     with crc32_off():
-        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
+        dcp.save(state_dict, storage_writer=writer, planner=planner or PerRankSavePlanner(),
+                 process_group=process_group)
     return digests_under(writer, url) if local else {}
 
 
