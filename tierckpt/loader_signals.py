@@ -1,0 +1,177 @@
+"""Preemption signals and DataLoader worker processes.
+
+A launcher that forwards a notice to a whole process group or tree (torchrun sends SIGTERM
+to each rank's process group, Slurm signals every process of a step) reaches a rank's
+DataLoader workers as well. torch's workers die on SIGTERM (their handler re-raises it unless
+the rank itself sent it) and on SIGUSR1 (default action), and torch's SIGCHLD handler then
+raises ``DataLoader worker (pid …) is killed by signal`` in the rank's main thread at whatever
+bytecode it is running — before the step ends, so the preemption save never happens.
+
+Three layers, each useful on its own:
+
+- :func:`protect_loader_workers` makes a loader's workers ignore the watched signals (a
+  ``worker_init_fn`` wrapper; with the ``fork`` start method the signals are also blocked
+  across the fork, so no notice lands in the window before that function runs). The rank
+  alone decides when to stop; its workers end with it (torch's worker watchdog sees the
+  parent gone within 5 s).
+- :func:`defer_loader_deaths` (run by :class:`~tierckpt.preemption.PreemptionWatch` when a
+  notice arrives): from then on a worker's death is not raised asynchronously (it could be
+  raised half-way through ``optimizer.step()``); the step finishes and the end-of-step check
+  saves. A loader used again after its workers died still raises, synchronously, in ``next()``.
+- :func:`preempted_by` tells a trainer whose step raised a loader-worker death whether a
+  watched signal explains it: then the model and optimizer still hold the last finished step
+  (the error comes from fetching a batch) and the trainer takes the preemption save there.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.context
+import re
+import signal
+import threading
+from typing import Any, Callable
+
+from tierckpt.preemption import DEFAULT_SIGNALS, signal_numbers
+
+log = logging.getLogger(__name__)
+
+# torch's messages for a dead worker: the SIGCHLD check ("DataLoader worker (pid 12) is killed
+# by signal: Terminated.") and the fetch's liveness check ("DataLoader worker (pid(s) 12, 13)
+# exited unexpectedly")
+_DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? [\d, ]+\) (?:is killed by signal|exited unexpectedly)")
+
+
+class IgnoreSignalsInWorker:
+    """A ``worker_init_fn`` that makes the worker ignore ``nums`` (and unblock them: a notice
+    pending since the fork is discarded), then calls ``inner``. Picklable (spawn, forkserver)
+    when ``inner`` is.
+
+    Args:
+        nums: signal numbers.
+        inner: the loader's own ``worker_init_fn`` or None.
+    """
+
+    def __init__(self, nums: tuple[int, ...], inner: Callable[[int], Any] | None = None):
+        self.nums, self.inner = tuple(nums), inner
+
+    def __call__(self, worker_id: int) -> None:
+        for num in self.nums:
+            # after torch's _set_worker_signal_handlers, which installed its own SIGTERM handler
+            signal.signal(num, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.nums)
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+class _GuardedForkProcess(multiprocessing.context.ForkProcess):
+    """A fork-context Process whose child starts with the watched signals blocked (until its
+    :class:`IgnoreSignalsInWorker` ignores them): a notice between the fork and the
+    ``worker_init_fn`` stays pending instead of killing the new worker."""
+
+    _tierckpt_nums: tuple[int, ...] = ()
+
+    def start(self) -> None:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, self._tierckpt_nums)
+        try:
+            super().start()
+        finally:
+            # the parent's own notice, if one came meanwhile, is delivered now
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _guarded_fork_context(nums: tuple[int, ...]) -> multiprocessing.context.BaseContext:
+    """A fresh fork context (never the shared singleton) whose Process blocks ``nums`` across the fork."""
+    ctx = multiprocessing.context.ForkContext()
+    proc = type("GuardedForkProcess", (_GuardedForkProcess,), {"_tierckpt_nums": tuple(nums)})
+    ctx.Process = proc  # type: ignore[attr-defined,misc]
+    return ctx
+
+
+def protect_loader_workers(loader, signals=DEFAULT_SIGNALS):
+    """Make the worker processes ``loader`` starts from now on ignore ``signals`` (the
+    engine's ``TierConfig.preemption_signals``), so a notice sent to the rank's process group
+    or tree does not kill them. Call before iterating (workers already running keep their
+    handlers); idempotent; a loader without workers (``num_workers = 0``) is left as is.
+
+    Args:
+        loader: a ``torch.utils.data.DataLoader`` (or torchdata's ``StatefulDataLoader``,
+            torchtitan's ``ParallelAwareDataloader``).
+        signals: signal names.
+    Returns:
+        ``loader``.
+    Raises:
+        ConfigError: an unknown signal name (option ``preemption_signals``).
+    """
+    nums = signal_numbers(signals)
+    if not nums or not getattr(loader, "num_workers", 0):
+        return loader
+    init = loader.worker_init_fn
+    if isinstance(init, IgnoreSignalsInWorker):
+        init = init.inner
+    loader.worker_init_fn = IgnoreSignalsInWorker(nums, init)
+    ctx = loader.multiprocessing_context
+    if ctx is None:
+        ctx = multiprocessing.get_context()
+    if ctx.get_start_method() == "fork":
+        loader.multiprocessing_context = _guarded_fork_context(nums)
+    return loader
+
+
+def is_loader_worker_death(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is torch's error for a DataLoader
+    worker that died (killed by a signal, or gone when a batch was fetched)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, RuntimeError) and _DEATH.search(str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def preempted_by(exc: BaseException | None, watch) -> str | None:
+    """The watched signal that explains ``exc``: its name when ``exc`` is a loader-worker
+    death (:func:`is_loader_worker_death`) and ``watch`` (a
+    :class:`~tierckpt.preemption.PreemptionWatch`, ``TieredCheckpointer.preemption``) recorded
+    a notice in this process, else None. Not collective.
+
+    A trainer catching the error of ``next(batches)`` then calls
+    ``save_for_preemption(last finished step, state, signal)`` on every rank (collective: the
+    ranks must all have failed that fetch, which is the case when the notice reached every
+    rank's workers while the ranks waited for data) and exits with ``PREEMPTED_EXIT``.
+    """
+    if watch is None or watch.received is None or not is_loader_worker_death(exc):
+        return None
+    return watch.received
+
+
+_deferred_lock = threading.Lock()
+
+
+def defer_loader_deaths() -> bool:
+    """After a notice: wrap the SIGCHLD handler torch's DataLoader installed so that a
+    worker's death is logged instead of raised at an arbitrary point of the step (main thread
+    only; a no-op without such a handler or when already done). Returns whether it wrapped."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    with _deferred_lock:
+        prev = signal.getsignal(signal.SIGCHLD)
+        if not callable(prev) or getattr(prev, "_tierckpt_deferred", False):
+            return False
+        if getattr(prev, "__module__", "") != "torch.utils.data._utils.signal_handling":
+            return False  # not torch's loader check: someone else's handler, left alone
+
+        def deferred(signum, frame) -> None:
+            try:
+                prev(signum, frame)
+            except RuntimeError as e:
+                if not is_loader_worker_death(e):
+                    raise
+                log.warning("tierckpt: %s after a preemption notice: not raised here; the step "
+                            "goes on to its preemption save", e)
+
+        deferred._tierckpt_deferred = True  # type: ignore[attr-defined]
+        signal.signal(signal.SIGCHLD, deferred)
+        return True
