@@ -6,7 +6,7 @@
 
 Same semantics as the sbatch scripts (see launch/README.md):
 
-- one ``torchrun`` per simulated node (``python -m torch.distributed.run --nnodes N
+- one ``torchrun`` per simulated node (``python -m tierckpt.launch --nnodes N
   --node-rank i --nproc-per-node P --master-addr 127.0.0.1 --master-port PORT
   --max-restarts 0 <command>``) with a static rendezvous; every node's ranks get torchrun's
   GROUP_RANK, which tierckpt takes as the node id;

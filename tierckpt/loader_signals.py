@@ -85,7 +85,7 @@ def _guarded_fork_context(nums: tuple[int, ...]) -> multiprocessing.context.Base
     """A fresh fork context (never the shared singleton) whose Process blocks ``nums`` across the fork."""
     ctx = multiprocessing.context.ForkContext()
     proc = type("GuardedForkProcess", (_GuardedForkProcess,), {"_tierckpt_nums": tuple(nums)})
-    ctx.Process = proc  # type: ignore[attr-defined,misc]
+    ctx.Process = proc  # type: ignore[misc]
     return ctx
 
 

@@ -155,7 +155,7 @@ def mark_preempted(step: int, signal_name: str, committed: dict[str, bool]) -> s
 
 def read_preempted(folder: str) -> list[dict]:
     """The marks :func:`mark_preempted` left in ``folder`` (unreadable ones skipped)."""
-    out = []
+    out: list[dict] = []
     try:
         names = sorted(os.listdir(folder))
     except OSError:
