@@ -883,6 +883,9 @@ def rank_train_signal_tree(rank: int, world: int, base: str, plan: dict) -> dict
     from tierckpt.engine import TieredCheckpointer
 
     f = plan["fault"]
+    # the driver starts ranks as daemonic processes (killed with it), which multiprocessing
+    # forbids to start children; a rank process here is a trainer, which may
+    mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
     cfg = dataclasses.replace(_config(base, plan), preemption_signals=("SIGTERM", "SIGUSR1"), preemption_grace_s=30.0)
     eng = TieredCheckpointer(cfg, node_id=rank)
     model, opt = scenarios.build(seed=0)
@@ -913,6 +916,7 @@ def rank_train_signal_tree(rank: int, world: int, base: str, plan: dict) -> dict
                 for _ in range(2 if f["repeat"] else 1):
                     subprocess.run(["kill", "-s", f["signal"][3:], *map(str, tree)], check=False)
                     time.sleep(0.2)
+                os.makedirs(os.path.join(base, "fired"), exist_ok=True)
                 with open(os.path.join(base, "fired", "train-signal-tree-loader-workers.json"), "w") as fh:
                     json.dump({"rank": rank, "phase": "train", "time": time.time(),
                                "what": f"{f['signal']} x{2 if f['repeat'] else 1} to {len(tree)} processes after "
