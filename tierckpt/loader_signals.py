@@ -105,8 +105,8 @@ def protect_loader_workers(loader, signals=DEFAULT_SIGNALS):
         ConfigError: an unknown signal name (option ``preemption_signals``).
     """
     nums = signal_numbers(signals)
-    if not nums or not getattr(loader, "num_workers", 0):
-        return loader
+    if not nums or not getattr(loader, "num_workers", 0) or not hasattr(loader, "worker_init_fn"):
+        return loader  # no worker processes, or not a torch DataLoader
     init = loader.worker_init_fn
     if isinstance(init, IgnoreSignalsInWorker):
         init = init.inner
