@@ -106,6 +106,42 @@ def test_unprotected_workers_die_but_the_step_finishes_and_the_failed_fetch_is_e
     assert "fetch failed: SIGTERM | DataLoader worker" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
+def test_a_protected_loader_still_stops_its_workers_at_exit():
+    """The loader's own SIGTERM (``terminate()``, which multiprocessing sends its daemonic
+    children at interpreter exit and then joins them) still ends a protected worker: a rank
+    that exits with a live iterator (torchtitan's trainer does) must not wait for it forever."""
+    code = """
+        import time
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+        from tierckpt.loader_signals import protect_loader_workers
+
+        class Endless(Dataset):
+            def __len__(self): return 10**6
+            def __getitem__(self, i): return torch.tensor([float(i)])
+
+        loader = protect_loader_workers(DataLoader(Endless(), batch_size=2, num_workers=2), ("SIGTERM", "SIGUSR1"))
+        it = iter(loader)
+        next(it)
+        ws = it._workers
+        for w in ws:  # what the loader does to a worker that does not stop: SIGTERM from its parent
+            w.terminate()
+        t = time.time()
+        for w in ws:
+            w.join(20)
+        print("stopped", [w.exitcode for w in ws], round(time.time() - t, 1), flush=True)
+        it2 = iter(DataLoader(Endless(), batch_size=2, num_workers=2, worker_init_fn=loader.worker_init_fn))
+        next(it2)
+        print("exiting with a live iterator", flush=True)
+    """
+    t0 = time.time()
+    r = _run_script(code, timeout=90)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "stopped [0, 0]" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "exiting with a live iterator" in r.stdout, r.stdout
+    assert time.time() - t0 < 60, time.time() - t0
+
+
 def test_preempted_by_needs_a_notice_and_a_loader_death():
     from tierckpt.loader_signals import is_loader_worker_death, preempted_by
 

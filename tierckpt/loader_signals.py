@@ -11,9 +11,9 @@ Three layers, each useful on its own:
 
 - :func:`protect_loader_workers` makes a loader's workers ignore the watched signals (a
   ``worker_init_fn`` wrapper; with the ``fork`` start method the signals are also blocked
-  across the fork, so no notice lands in the window before that function runs). The rank
-  alone decides when to stop; its workers end with it (torch's worker watchdog sees the
-  parent gone within 5 s).
+  across the fork, so no notice lands in the window before that function runs), except the
+  loader's own SIGTERM that stops a worker. The rank alone decides when to stop; its workers
+  end with it (torch's worker watchdog sees the parent gone within 5 s).
 - :func:`defer_loader_deaths` (run by :class:`~tierckpt.preemption.PreemptionWatch` when a
   notice arrives): from then on a worker's death is not raised asynchronously (it could be
   raised half-way through ``optimizer.step()``); the step finishes and the end-of-step check
@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.context
+import os
 import re
 import signal
 import threading
@@ -44,9 +45,14 @@ _DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? [\d, ]+\) (?:is killed b
 
 
 class IgnoreSignalsInWorker:
-    """A ``worker_init_fn`` that makes the worker ignore ``nums`` (and unblock them: a notice
-    pending since the fork is discarded), then calls ``inner``. Picklable (spawn, forkserver)
-    when ``inner`` is.
+    """A ``worker_init_fn`` that shields the worker from ``nums``, then calls ``inner``.
+    Picklable (spawn, forkserver) when ``inner`` is.
+
+    The signals are blocked in the worker and taken by a daemon thread (``sigwaitinfo``),
+    which drops them — except a SIGTERM from the worker's parent, the loader itself stopping
+    the worker (``Process.terminate()``, also at interpreter exit), which ends the worker at
+    once as torch's own worker handler does. Ignoring them outright (``SIG_IGN``) would make
+    that ``terminate()`` a no-op and the rank's exit wait for the worker forever.
 
     Args:
         nums: signal numbers.
@@ -57,17 +63,26 @@ class IgnoreSignalsInWorker:
         self.nums, self.inner = tuple(nums), inner
 
     def __call__(self, worker_id: int) -> None:
-        for num in self.nums:
-            # after torch's _set_worker_signal_handlers, which installed its own SIGTERM handler
-            signal.signal(num, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.nums)
+        # blocked before the thread starts: it inherits the mask, and so does any thread the
+        # dataset starts later; a notice pending since the fork is taken by the thread
+        signal.pthread_sigmask(signal.SIG_BLOCK, self.nums)
+        threading.Thread(target=_absorb_signals, args=(self.nums, os.getppid()), daemon=True,
+                         name="tierckpt-loader-worker-signals").start()
         if self.inner is not None:
             self.inner(worker_id)
 
 
+def _absorb_signals(nums: tuple[int, ...], parent: int) -> None:
+    """A loader worker's signal thread (see :class:`IgnoreSignalsInWorker`)."""
+    while True:
+        info = signal.sigwaitinfo(nums)
+        if info.si_signo == signal.SIGTERM and info.si_pid == parent:
+            os._exit(0)  # the loader stops this worker (torch's worker handler exits 0 here too)
+
+
 class _GuardedForkProcess(multiprocessing.context.ForkProcess):
-    """A fork-context Process whose child starts with the watched signals blocked (until its
-    :class:`IgnoreSignalsInWorker` ignores them): a notice between the fork and the
+    """A fork-context Process whose child starts with the watched signals blocked (then taken
+    by the thread :class:`IgnoreSignalsInWorker` starts): a notice between the fork and the
     ``worker_init_fn`` stays pending instead of killing the new worker."""
 
     _tierckpt_nums: tuple[int, ...] = ()
