@@ -891,7 +891,9 @@ def rank_train_signal_tree(rank: int, world: int, base: str, plan: dict) -> dict
     model, opt = scenarios.build(seed=0)
     out: dict = {"raised": [], "preempted": None, "workers_alive": None, "fetch_failed": None}
     os.makedirs(os.path.join(base, "snaps"), exist_ok=True)
-    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=2, num_workers=2)
+    # fork, as a trainer started by torchrun gets by default (these ranks come from a
+    # forkserver, whose children default to it; protect_loader_workers covers fork fully)
+    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=2, num_workers=2, multiprocessing_context="fork")
     if f["protect"]:
         protect_loader_workers(loader, cfg.preemption_signals)
     batches = iter(loader)

@@ -108,7 +108,9 @@ def protect_loader_workers(loader, signals=DEFAULT_SIGNALS):
     """Make the worker processes ``loader`` starts from now on ignore ``signals`` (the
     engine's ``TierConfig.preemption_signals``), so a notice sent to the rank's process group
     or tree does not kill them. Call before iterating (workers already running keep their
-    handlers); idempotent; a loader without workers (``num_workers = 0``) is left as is.
+    handlers); idempotent; a loader without workers (``num_workers = 0``) is left as is. Full
+    protection needs the ``fork`` start method (the Linux default before Python 3.14); with
+    ``spawn``/``forkserver`` it is partial (a warning says so).
 
     Args:
         loader: a ``torch.utils.data.DataLoader`` (or torchdata's ``StatefulDataLoader``,
@@ -131,6 +133,12 @@ def protect_loader_workers(loader, signals=DEFAULT_SIGNALS):
         ctx = multiprocessing.get_context()
     if ctx.get_start_method() == "fork":
         loader.multiprocessing_context = _guarded_fork_context(nums)
+    else:
+        # a worker forked from a forkserver or spawned runs threads before its worker_init_fn,
+        # which the signals can still reach (torch's handler then kills it)
+        log.warning("tierckpt: the DataLoader's workers start with %r: the watched signals are blocked in "
+                    "their main thread only and may still kill them; use multiprocessing_context='fork' "
+                    "(the default on Linux before Python 3.14) for full protection", ctx.get_start_method())
     return loader
 
 
