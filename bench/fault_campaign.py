@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import faulthandler
 import json
@@ -84,6 +85,8 @@ POINTS: dict[str, str] = {
                           "(bench/campaign_exit.py)",
     "per-rank-values": "per-rank values under one key (probe, RNG state, counter, object) saved and restored "
                        "around a random kill fault: every rank gets its own values (restored state and files)",
+    "signal-tree-loader-workers": "a preemption signal (SIGTERM/SIGUSR1, sometimes twice) to every process of the "
+                                  "job, DataLoader workers (2 per rank, protected or not) included, mid-step",
 }
 POINT_NAMES = list(POINTS)
 
@@ -231,6 +234,9 @@ def make_plan(base_seed: int, index: int, point: str | None = None) -> Plan:
                            "step": rng.choice(pers), "byte": rng.randrange(BYTE_RANGE)}
     elif point == "hung-read-restore":
         _plan_hung_read(plan, rng)
+    elif point == "signal-tree-loader-workers":
+        f.update(step=rng.randint(1, STEPS - 1), signal=rng.choice(["SIGTERM", "SIGUSR1"]),
+                 protect=rng.random() < 0.75, repeat=rng.random() < 0.3)
     elif point == "dying-writer-thread":
         tier = rng.choice(["local", "persistent"])
         f.update(tier=tier, victim=f"r{rng.randrange(nodes)}", k=rng.randint(1, STEPS if tier == "local" else 2))
@@ -928,6 +934,8 @@ def rank_train(rank: int, world: int, base: str, plan: dict, phase: str) -> dict
     from tierckpt.engine import TieredCheckpointer
     from tierckpt.errors import TierFailedError
 
+    if plan["fault"]["kind"] == "signal-tree-loader-workers":
+        return rank_train_signal_tree(rank, world, base, plan)
     inj = Injector(plan, phase, rank, base)
     inj.install()
     eng = TieredCheckpointer(_config(base, plan), node_id=rank)
@@ -952,6 +960,129 @@ def rank_train(rank: int, world: int, base: str, plan: dict, phase: str) -> dict
     except TierFailedError as e:
         out["raised"].append([e.tier, e.step])
     out["history"] = eng.history
+    return out
+
+
+def _process_tree(pids: list[int]) -> list[int]:
+    """``pids`` and all their live descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{d}/stat") as fh:
+                    children.setdefault(int(fh.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+    out, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def rank_train_signal_tree(rank: int, world: int, base: str, plan: dict) -> dict:
+    """The faulty run of ``signal-tree-loader-workers``: the engine watches SIGTERM and
+    SIGUSR1; each step reads a batch from a ``DataLoader(num_workers=2)`` (its workers
+    protected with :func:`tierckpt.protect_loader_workers` when the plan says), trains, and
+    saves as :func:`rank_train`. After training the fault's step, rank 0 sends the plan's
+    signal (once or twice) from a separate process to every process of the job — the ranks and
+    their loader workers — as Slurm's ``scancel --signal`` or torchrun's group signal do;
+    every rank then finishes its step and, at the agreed step, takes the preemption save
+    (``save_for_preemption``), or, when a fetch failed for the notice
+    (:func:`tierckpt.preempted_by`), saves the last finished step."""
+    import subprocess
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests import scenarios
+    from tierckpt import preempted_by, protect_loader_workers
+    from tierckpt.engine import TieredCheckpointer
+
+    f = plan["fault"]
+    # the driver starts ranks as daemonic processes (killed with it), which multiprocessing
+    # forbids to start children; a rank process here is a trainer, which may
+    mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+    cfg = dataclasses.replace(_config(base, plan), preemption_signals=("SIGTERM", "SIGUSR1"), preemption_grace_s=30.0)
+    eng = TieredCheckpointer(cfg, node_id=rank)
+    model, opt = scenarios.build(seed=0)
+    out: dict = {"raised": [], "preempted": None, "workers_alive": None, "fetch_failed": None}
+    os.makedirs(os.path.join(base, "snaps"), exist_ok=True)
+    # fork, as a trainer started by torchrun gets by default (these ranks come from a
+    # forkserver, whose children default to it; protect_loader_workers covers fork fully)
+    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=2, num_workers=2, multiprocessing_context="fork")
+    if f["protect"]:
+        protect_loader_workers(loader, cfg.preemption_signals)
+    batches = iter(loader)
+    handle = None
+    try:
+        for s in range(1, STEPS + 1):
+            try:
+                next(batches)
+            except RuntimeError as e:
+                sig = preempted_by(e, eng.preemption)
+                if sig is None:
+                    raise
+                out["fetch_failed"] = str(e)[:200]
+                out["preempted"] = eng.save_for_preemption(s - 1, scenarios.app_state(model, opt), sig,
+                                                           handle=handle).step
+                break
+            scenarios.train_step(model, opt, s, rank)
+            torch.save(scenarios.snapshot(model, opt), _snap_path(base, rank, s))
+            if s == f["step"] and rank == 0:
+                with open(os.path.join(base, "pids-train.json")) as fh:
+                    tree = _process_tree(json.load(fh))
+                for _ in range(2 if f["repeat"] else 1):
+                    subprocess.run(["kill", "-s", f["signal"][3:], *map(str, tree)], check=False)
+                    time.sleep(0.2)
+                os.makedirs(os.path.join(base, "fired"), exist_ok=True)
+                with open(os.path.join(base, "fired", "train-signal-tree-loader-workers.json"), "w") as fh:
+                    json.dump({"rank": rank, "phase": "train", "time": time.time(),
+                               "what": f"{f['signal']} x{2 if f['repeat'] else 1} to {len(tree)} processes after "
+                                       f"step {s}"}, fh)
+            time.sleep(0.3)  # the rest of the step: the notice lands here
+            tiers = ["local"] + (["persistent"] if s in plan["persistent_steps"] else [])
+            handle = eng.save(s, scenarios.app_state(model, opt), tiers=tiers)
+            eng.wait()
+            sig = eng.preemption_requested()
+            if sig is not None:
+                workers = getattr(batches, "_workers", [])
+                out["workers_alive"] = [w.is_alive() for w in workers]
+                out["preempted"] = eng.save_for_preemption(s, scenarios.app_state(model, opt), sig,
+                                                           handle=handle).step
+                break
+    finally:
+        del batches  # stops the loader's workers
+    eng.close(raise_failures=False)
+    return out
+
+
+def check_signal_tree(plan: Plan, ph: PhaseResult, base: str, lines_before: int) -> list[str]:
+    """``signal-tree-loader-workers``: no process of the job died of the notice, every rank
+    took the preemption save at one step (the fault's step, or the next one when the notice
+    landed after that step's check), the ledger's ``preemption`` record commits every tier at
+    that step, and protected loader workers are still alive after the notice."""
+    f = plan.fault
+    if not any(x["name"].startswith("train-signal-tree") for x in _fired(base)):
+        return []
+    out = [f"rank {r} died by signal {-c} (a watched preemption signal must not kill a rank)"
+           for r, c in sorted(ph.exitcodes.items()) if c is not None and c < 0]
+    steps = {r: (v or {}).get("preempted") for r, v in sorted(ph.values.items())}
+    if any(v is None for v in steps.values()) or len(set(steps.values())) != 1:
+        out.append(f"the ranks did not all take one preemption save: {steps}")
+        return out
+    step = next(iter(steps.values()))
+    if not f["step"] - 1 <= step <= f["step"] + 1:
+        out.append(f"preemption save at step {step}, the notice came after step {f['step']}")
+    pre = [r for r in checks.ledger_records(base, lines_before) if r.get("kind") == "preemption"]
+    if len(pre) != 1 or pre[0].get("step") != step or not all((pre[0].get("committed") or {}).values()):
+        out.append(f"ledger preemption records {pre}: want one at step {step} with every tier committed")
+    if f["protect"]:
+        for r, v in sorted(ph.values.items()):
+            alive = (v or {}).get("workers_alive")
+            if alive is not None and not all(alive):
+                out.append(f"rank {r}: protected loader workers died of the notice: alive {alive}")
+            if (v or {}).get("fetch_failed"):
+                out.append(f"rank {r}: a protected loader's fetch failed: {v['fetch_failed']}")
     return out
 
 
@@ -1204,6 +1335,8 @@ def check_train_phase(plan: Plan, ph: PhaseResult, base: str, lines_before: int)
     out += checks.check_ok_records_on_disk(records, after, plan.keep_persistent)
     fired = {f["name"] for f in _fired(base)}
     f = plan.fault
+    if f["kind"] == "signal-tree-loader-workers":
+        return out + check_signal_tree(plan, ph, base, lines_before)
     if _killed(ph) or ph.hung:
         return out
     if f["kind"] == "enospc-local" and any("enospc-local" in x for x in fired):

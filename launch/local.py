@@ -6,7 +6,7 @@
 
 Same semantics as the sbatch scripts (see launch/README.md):
 
-- one ``torchrun`` per simulated node (``python -m torch.distributed.run --nnodes N
+- one ``torchrun`` per simulated node (``python -m tierckpt.launch --nnodes N
   --node-rank i --nproc-per-node P --master-addr 127.0.0.1 --master-port PORT
   --max-restarts 0 <command>``) with a static rendezvous; every node's ranks get torchrun's
   GROUP_RANK, which tierckpt takes as the node id;
@@ -21,6 +21,14 @@ Same semantics as the sbatch scripts (see launch/README.md):
 Nothing is requeued (there is no allocation to lose). The command's output goes to one log
 per node and attempt (``<log-dir>/<name>-attempt<k>-node<n>.log``). Exit status: 0 when an
 attempt succeeded, else the failing node's torchrun status (2 for a configuration error).
+
+**Preemption notice.** Each node runs torchrun through ``python -m tierckpt.launch`` (it
+forwards SIGUSR1 as well as SIGTERM to its ranks instead of dying on it, and exits 75 when all
+its ranks saved on a notice). SIGTERM or SIGUSR1 to this launcher (:meth:`LocalLauncher.notice`)
+is forwarded as SIGTERM to every node's torchrun; the nodes get ``--notice-grace`` seconds to
+save and exit, nothing is retried, and the exit status is 75 ("requeue me") when every node
+exited 75. A node exiting 75 by itself (the notice reached the ranks directly) starts the same
+wait instead of stopping the other nodes.
 :class:`LocalLauncher` is the Python API (``launch/local_demo.py`` uses it to kill a node's
 training process mid-run).
 
@@ -55,6 +63,7 @@ from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_ERROR = 2  # exit status of titan_plugin.train / the mcore launcher on an invalid configuration
+PREEMPTED_EXIT = 75  # tierckpt.PREEMPTED_EXIT: the ranks saved on a preemption notice ("requeue me")
 MIN_NODES_ENV = "TIERCKPT_MIN_NODES"
 
 
@@ -167,6 +176,8 @@ class Attempt:
         slots: the simulated host ("slot", its index in the first attempt) of each node.
         extra_args: what ``reconfigure`` appended to the command (shrunk attempts).
         lost: slots lost for good during this attempt.
+        notice_at: UNIX seconds of the preemption notice (forwarded, or a node's exit 75), or None.
+        preempted: every node exited 75 after saving on the notice.
     """
 
     index: int
@@ -183,6 +194,8 @@ class Attempt:
     slots: list[int] = field(default_factory=list)
     extra_args: list[str] = field(default_factory=list)
     lost: list[int] = field(default_factory=list)
+    notice_at: float | None = None
+    preempted: bool = False
 
     @property
     def ok(self) -> bool:
@@ -212,6 +225,8 @@ class LocalLauncher:
             attempt with fewer nodes than the first (e.g. :func:`titan_reconfigure`); it may
             raise ValueError or :class:`LaunchError` for a job that cannot fit (then the run
             ends with status 2).
+        notice_grace_s: seconds the nodes get to save and exit after a preemption notice
+            before they are SIGKILLed (> ``preemption_grace_s`` + one step).
 
     Raises:
         ValueError: a count < 1, ``min_nodes`` outside 1..nodes (or a bad
@@ -222,7 +237,7 @@ class LocalLauncher:
                  log_dir: str, name: str = "job", env: dict[str, str] | None = None,
                  state_dir: str | None = None, kill_grace_s: float = 5.0, cwd: str = REPO,
                  min_nodes: int | None = None, local_root: str | None = None,
-                 reconfigure: Callable[[int, int], list[str]] | None = None):
+                 reconfigure: Callable[[int, int], list[str]] | None = None, notice_grace_s: float = 120.0):
         for opt, v in (("nodes", nodes), ("nproc_per_node", nproc_per_node), ("max_attempts", max_attempts)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{opt} must be an integer >= 1, got {v!r}")
@@ -242,13 +257,16 @@ class LocalLauncher:
         self.extra_env = dict(env or {})
         self.state_dir = state_dir
         self.kill_grace_s = kill_grace_s
+        self.notice_grace_s = notice_grace_s
+        self._notice: str | None = None
         self.attempts: list[Attempt] = []
         os.makedirs(log_dir, exist_ok=True)
 
     # -- commands ------------------------------------------------------------------------------
     def node_command(self, node: int, port: int) -> list[str]:
         """The command line of ``node``'s torchrun."""
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}", f"--node-rank={node}",
+        # tierckpt.launch: torchrun that forwards SIGUSR1 too and exits 75 after a preemption save
+        return [sys.executable, "-m", "tierckpt.launch", f"--nnodes={self.nodes}", f"--node-rank={node}",
                 f"--nproc-per-node={self.nproc_per_node}", "--master-addr=127.0.0.1", f"--master-port={port}",
                 "--max-restarts=0", *self.command]
 
@@ -374,6 +392,12 @@ class LocalLauncher:
 
     kill_all = stop  # the name local_demo's cleanup calls
 
+    def notice(self, signum: int = signal.SIGTERM) -> None:
+        """A preemption notice (safe to call from a signal handler): the running attempt's
+        nodes get SIGTERM at the next poll, then ``notice_grace_s`` to save and exit, and the
+        run ends without a retry (status 75 when every node saved)."""
+        self._notice = signal.Signals(signum).name
+
     # -- the loop ------------------------------------------------------------------------------
     def run(self, timeout: float | None = None,
             monitor: Callable[["LocalLauncher", Attempt], None] | None = None,
@@ -390,7 +414,9 @@ class LocalLauncher:
             0, or the exit status of the failed attempt's first failing torchrun (2 when a
             worker reported an invalid configuration); after a node was lost for good with
             fewer than ``min_nodes`` left, that status (1 when it was a signal); 2 when
-            ``reconfigure`` says the job cannot fit the nodes left.
+            ``reconfigure`` says the job cannot fit the nodes left; 75 after a preemption
+            notice (:meth:`notice`, or a node exiting 75) when every node saved, else the
+            status of the first node that failed (never retried).
 
         Raises:
             LaunchError: the timeout passed (every process stopped).
@@ -413,9 +439,17 @@ class LocalLauncher:
                 say(f"attempt {a.index + 1}/{self.max_attempts} (restart count {a.restart_count}), "
                     f"{self.nodes} nodes x {self.nproc_per_node} ranks, MASTER_PORT={a.port}")
                 rc = self._wait(a, deadline, monitor)
+                if a.preempted:
+                    say(f"attempt {a.index + 1} preempted ({self._notice or 'a node exited 75'}): every node saved; "
+                        f"exit {PREEMPTED_EXIT} (requeue)")
+                    return PREEMPTED_EXIT
                 if rc == 0:
                     say(f"attempt {a.index + 1} finished")
                     return 0
+                if a.notice_at is not None:
+                    say(f"attempt {a.index + 1} ended on a preemption notice without every node saving: "
+                        f"node {a.failed_node} exited {rc}; not retrying")
+                    return rc
                 code = a.worker_exitcode
                 say(f"attempt {a.index + 1} failed: node {a.failed_node} exited {rc}"
                     + (f" (worker {'killed by signal ' + str(-code) if code < 0 else 'exit ' + str(code)})"
@@ -447,6 +481,20 @@ class LocalLauncher:
                 monitor(self, a)
             for i, p in enumerate(a.procs):
                 a.rcs[i] = p.poll()
+            if self._notice is not None and a.notice_at is None:
+                a.notice_at = time.time()
+                for p in a.procs:  # torchrun forwards it to its ranks (tierckpt.launch: SIGUSR1 too)
+                    if p.poll() is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(p.pid, signal.SIGTERM)
+            if a.notice_at is None and PREEMPTED_EXIT in a.rcs:
+                a.notice_at = time.time()  # the notice reached the ranks directly: the others save too
+            if a.notice_at is not None:
+                rc = self._wait_preempted(a)
+                if rc is None:
+                    time.sleep(0.05)
+                    continue
+                return rc
             bad = [i for i, rc in enumerate(a.rcs) if rc not in (None, 0)]
             if bad:
                 a.failed_node = bad[0]
@@ -464,6 +512,30 @@ class LocalLauncher:
                 raise LaunchError(f"{self.name}: not finished within the timeout (attempt {a.index + 1}); "
                                   f"logs: {a.logs}")
             time.sleep(0.05)
+
+    def _wait_preempted(self, a: Attempt) -> int | None:
+        """After a notice: None while nodes still run within ``notice_grace_s``; then the
+        attempt's status (75 when every node exited 75, ``a.preempted`` set), the stragglers
+        SIGKILLed."""
+        running = [i for i, rc in enumerate(a.rcs) if rc is None]
+        if running and time.time() - (a.notice_at or 0.0) < self.notice_grace_s:
+            return None
+        if running:
+            self._stop_nodes(a)
+            for i in running:
+                a.rcs[i] = a.procs[i].returncode
+        a.t_end = time.time()
+        a.preempted = all(rc == PREEMPTED_EXIT for rc in a.rcs)
+        if a.preempted:
+            return PREEMPTED_EXIT
+        bad = [i for i, rc in enumerate(a.rcs) if rc not in (0, PREEMPTED_EXIT)]
+        if not bad:
+            return 0 if all(rc == 0 for rc in a.rcs) else PREEMPTED_EXIT
+        a.failed_node = bad[0]
+        with contextlib.suppress(OSError):
+            with open(a.logs[a.failed_node], errors="replace") as f:
+                a.worker_exitcode = root_cause_exitcode(f.read()[-20000:])
+        return a.rcs[a.failed_node] or 1
 
     def failure_text(self, a: Attempt | None = None, chars: int = 4000) -> str:
         """The end of the failed node's log of attempt ``a`` (default: the last one)."""
@@ -512,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-dir", default=None, help="keep the restart counter here across launcher runs")
     ap.add_argument("--timeout", type=float, default=None, help="seconds for the whole run")
     ap.add_argument("--kill-grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    ap.add_argument("--notice-grace", type=float, default=120.0,
+                    help="seconds the nodes get to save and exit after a preemption notice (SIGTERM/SIGUSR1 to "
+                         "this launcher, or a node exiting 75)")
     ap.add_argument("--min-nodes", type=int, default=None,
                     help=f"go on with at least this many nodes after one is lost for good (default ${MIN_NODES_ENV}, "
                          "else every node is needed)")
@@ -530,15 +605,17 @@ def main(argv: list[str] | None = None) -> int:
         launcher = LocalLauncher(command, nodes=args.nodes, nproc_per_node=args.nproc_per_node,
                                  max_attempts=args.max_attempts, log_dir=args.log_dir, name=args.name,
                                  state_dir=args.state_dir, kill_grace_s=args.kill_grace, min_nodes=args.min_nodes,
-                                 local_root=args.local_root, reconfigure=fit)
+                                 local_root=args.local_root, reconfigure=fit, notice_grace_s=args.notice_grace)
         monitor = _lose_node_monitor(args.lose_node, args.nodes)
     except ValueError as e:
         ap.error(str(e))
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
+    def on_notice(signum, frame):  # a preemption notice: forwarded, the nodes save, exit 75
+        say(f"{signal.Signals(signum).name}: preemption notice, forwarding SIGTERM to every node")
+        launcher.notice(signum)
 
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, on_notice)
+    signal.signal(signal.SIGUSR1, on_notice)
     say(f"logs: {args.log_dir}/{args.name}-attempt<k>-node<n>.log")
     try:
         rc = launcher.run(timeout=args.timeout, monitor=monitor, log=say)
@@ -548,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         say("interrupted")
         return 130
-    if rc != 0:
+    if rc not in (0, PREEMPTED_EXIT):
         print(launcher.failure_text(), file=sys.stderr)
     return rc
 

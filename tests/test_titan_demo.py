@@ -85,7 +85,7 @@ def test_demo_short(tmp_path):
     # ledger has the killed run (no clean end) and the restarted one (restart count 1, clean)
     cfg = report["config"]
     assert cfg["ports"]["attempt_1"] != cfg["ports"]["attempt_2"]
-    assert "torch.distributed.run" in cfg["failure_cmd"] and "--node-rank=0" in cfg["failure_cmd"]
+    assert "tierckpt.launch" in cfg["failure_cmd"] and "--node-rank=0" in cfg["failure_cmd"]
     assert [Path(x).name for x in report["logs"]["attempt_2"]] == ["failure-attempt2-node0.log",
                                                                    "failure-attempt2-node1.log"]
     assert [(r["attempt"], r["restart_count"], r["clean"]) for r in report["ledger_runs"]] == [

@@ -54,6 +54,8 @@ _EXPORTS = {
     "run_agreed": "tierckpt.dist.collectives",
     "PeerFailure": "tierckpt.dist.collectives",
     "signal_numbers": "tierckpt.preemption",
+    "protect_loader_workers": "tierckpt.loader_signals",
+    "preempted_by": "tierckpt.loader_signals",
     "write_dcp": "tierckpt.tiers.persistent",
 }
 

@@ -51,7 +51,7 @@ from tierckpt.history.rollback import EXPLICIT, FALLBACK, RollbackTracker
 from tierckpt.history.timeline import Timeline
 from tierckpt.io.staging import StagingPool, resolve_stateful
 from tierckpt.io.storage import Store
-from tierckpt.preemption import Preempted, PreemptionWatch
+from tierckpt.preemption import Preempted, PreemptionWatch, mark_preempted, warn_if_launcher_unprotected
 from tierckpt.records import CheckpointRecord
 from tierckpt.restore import PERSISTENT, Inventory, Restorer, RestoreResult
 from tierckpt.restore.plan import KINDS, missing_replicas
@@ -185,6 +185,7 @@ class TieredCheckpointer:
                              stuck_nodes=lambda: jobs.stuck_nodes(False))
         # a repeat within the grace period (+ a margin for the exit) is the same notice
         self.preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0)
+        warn_if_launcher_unprotected(cfg.preemption_signals)  # a launcher killed by a notice orphans the ranks
         self._preempt_seen = False
         self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,
                                  cfg.transfer_chunk_bytes, cfg.restore_memory_bytes, cfg.read_timeout_s)
@@ -497,6 +498,7 @@ class TieredCheckpointer:
                           "preemption_grace_s = %gs", t, step, self.cfg.preemption_grace_s)
         self._preempt_seen = True
         self.journal.preemption(step, signal_name, committed, time.monotonic() - t0, earlier)
+        mark_preempted(step, signal_name, committed)  # for a launcher mapping this exit to "requeue me"
         if self.topo.rank == 0:  # agreed: once per job
             log.warning("tierckpt: %s: step %d saved for the requeue (%s) in %.1fs", signal_name, step,
                         ", ".join(f"{t} {'committed' if ok else 'NOT committed'}" for t, ok in committed.items()),

@@ -9,6 +9,7 @@ the same step even when the signal reached them at different steps.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -27,6 +28,11 @@ DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 #: exit status of a trainer that saved on a preemption notice and wants to be requeued
 #: (EX_TEMPFAIL: "try again"; the Slurm launcher's TIERCKPT_REQUEUE_EXIT default as well)
 PREEMPTED_EXIT = 75
+
+#: directory a launcher (``python -m tierckpt.launch``, ``launch/local.py``) gives its ranks:
+#: each rank that finished a preemption save leaves ``rank-<RANK>.json`` there, which tells the
+#: launcher that its ranks preempted (its exit status is then :data:`PREEMPTED_EXIT`)
+PREEMPTED_DIR_ENV = "TIERCKPT_PREEMPTED_DIR"
 
 
 class Preempted(TierckptError):
@@ -88,11 +94,17 @@ class PreemptionWatch:
             return
         for num in self._nums:
             self._previous[num] = signal.signal(num, self._handler)
+        from tierckpt.loader_signals import defer_loader_deaths
+
+        self._defer_loader_deaths = defer_loader_deaths
 
     def _handler(self, signum, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
             self._first_at = time.monotonic()
+            # the same notice may kill this rank's DataLoader workers (a signal to the process
+            # group): their death must not abort the step before its preemption save
+            self._defer_loader_deaths()
             return
         if time.monotonic() - self._first_at < self.escalate_after_s:
             return  # the same notice delivered twice (Slurm to every process, torchrun forwarding)
@@ -115,3 +127,112 @@ class PreemptionWatch:
             except (TypeError, ValueError):
                 pass
         self._previous.clear()
+
+
+def mark_preempted(step: int, signal_name: str, committed: dict[str, bool]) -> str | None:
+    """Leave ``rank-<RANK>.json`` (``{rank, local_rank, local_world_size, step, signal,
+    committed}``) in ``$TIERCKPT_PREEMPTED_DIR`` when a launcher set it: this rank finished
+    its preemption save. Returns the path, or None (no directory, or it cannot be written:
+    logged, the exit stays a preemption's)."""
+    folder = os.environ.get(PREEMPTED_DIR_ENV, "").strip()
+    if not folder:
+        return None
+    env = os.environ
+    rank = env.get("RANK", "0")
+    doc = {"rank": int(rank), "local_rank": int(env.get("LOCAL_RANK", "0")),
+           "local_world_size": int(env.get("LOCAL_WORLD_SIZE", "1")), "step": step, "signal": signal_name,
+           "committed": committed}
+    path = os.path.join(folder, f"rank-{rank}.json")
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(doc, f)
+        os.replace(path + ".tmp", path)
+    except OSError as e:
+        log.warning("tierckpt: cannot tell the launcher about the preemption save (%s): %s", path, e)
+        return None
+    return path
+
+
+def read_preempted(folder: str) -> list[dict]:
+    """The marks :func:`mark_preempted` left in ``folder`` (unreadable ones skipped)."""
+    out: list[dict] = []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return out
+    for n in names:
+        if n.startswith("rank-") and n.endswith(".json"):
+            try:
+                with open(os.path.join(folder, n)) as f:
+                    out.append(json.load(f))
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def all_local_ranks_preempted(folder: str) -> bool:
+    """Whether every rank of this node (``local_rank`` 0..``local_world_size``-1, as the marks
+    say) left a preemption mark in ``folder``."""
+    marks = read_preempted(folder)
+    if not marks:
+        return False
+    size = max(int(m.get("local_world_size", 1)) for m in marks)
+    return {int(m.get("local_rank", -1)) for m in marks} >= set(range(size))
+
+
+def _signal_masks(pid: int) -> tuple[int, int, str]:
+    """(SigCgt, SigIgn, Name) of ``pid`` from /proc (Linux).
+
+    Raises:
+        OSError: no such process or no /proc.
+    """
+    caught = ignored = 0
+    name = "?"
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, val = line.partition(":")
+            if key == "SigCgt":
+                caught = int(val.strip(), 16)
+            elif key == "SigIgn":
+                ignored = int(val.strip(), 16)
+            elif key == "Name":
+                name = val.strip()
+    return caught, ignored, name
+
+
+def unprotected_launcher_signals(signals, pid: int | None = None) -> tuple[list[str], str]:
+    """The watched ``signals`` that process ``pid`` (default: this process's parent, the
+    launcher: torchrun, a wrapper script) neither catches nor ignores — a notice sent to it
+    kills it at once (e.g. SIGUSR1: status 138) and orphans the ranks — and its name.
+    ``([], "")`` when /proc cannot tell (not Linux, the parent gone)."""
+    pid = os.getppid() if pid is None else pid
+    if pid <= 1:
+        return [], ""
+    try:
+        caught, ignored, name = _signal_masks(pid)
+    except (OSError, ValueError):
+        return [], ""
+    out = []
+    for num in signal_numbers(signals):
+        bit = 1 << (num - 1)
+        if not (caught | ignored) & bit:
+            out.append(signal.Signals(num).name)
+    return out, name
+
+
+def warn_if_launcher_unprotected(signals) -> list[str]:
+    """Log one warning when this process's parent dies on a watched signal (see
+    :func:`unprotected_launcher_signals`), naming what to set; only on the launcher's first
+    rank (``LOCAL_RANK`` 0 or unset), once per launcher. Returns those signals ([] elsewhere)."""
+    if not signals or os.environ.get("LOCAL_RANK", "0") != "0":
+        return []
+    bad, name = unprotected_launcher_signals(signals)
+    if bad:
+        wanted = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *bad]))
+        log.warning("tierckpt: the launcher (parent pid %d, %s) dies on %s, a watched preemption signal: a "
+                    "notice sent to it kills it at once and leaves the ranks training without a save. "
+                    "Launch with `python -m tierckpt.launch` (torchrun that forwards these and exits 75 when "
+                    "the ranks preempted), or `torchrun --signals-to-handle %s`, or make the launcher trap or "
+                    "ignore %s; or narrow preemption_signals", os.getppid(), name, "/".join(bad), wanted,
+                    "/".join(bad))
+    return bad

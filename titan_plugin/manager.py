@@ -48,6 +48,7 @@ import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import DATALOADER, MODEL, CheckpointManager
 
 from tierckpt import (ConfigError, PeerFailure, Preempted, RestoreRecord, TieredCheckpointer, VerificationError,
+                      preempted_by, protect_loader_workers,
                       all_gather, restore_metrics, run_agreed, write_dcp)
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
@@ -259,6 +260,9 @@ class TieredCheckpointManager(CheckpointManager):
         self._t_step_end: float | None = None
         self._last_handle = None
         self.positions = self._wrap_dataloader(dataloader)
+        # a notice sent to the rank's process group (torchrun, Slurm) must not kill the loader's
+        # workers: the step would fail before its preemption save
+        protect_loader_workers(dataloader, tcfg.preemption_signals)
 
     def _wrap_dataloader(self, dataloader) -> DataloaderPositions | None:
         """Put :class:`titan_plugin.dataloader.DataloaderPositions` in place of torchtitan's
@@ -534,6 +538,21 @@ class TieredCheckpointManager(CheckpointManager):
         self.tier_metrics.emit(restore_metrics(SEED_STEP, secs, {n: "seed" for n in per_node}, nbytes=sum(per_rank),
                                                persistent_bytes=sum(per_rank)), SEED_STEP)
         return True
+
+    def save_on_loader_death(self, exc: BaseException, trainer) -> Preempted | None:
+        """The preemption save for a step that failed because the notice killed the
+        DataLoader's workers while the trainer fetched a batch (:func:`tierckpt.preempted_by`):
+        the model and optimizer still hold the last finished step, ``trainer.step - 1``, which
+        is saved as a notice at the end of a step would be (collective: every rank's fetch
+        failed). Returns the :class:`~tierckpt.Preempted` to raise, or None when ``exc`` is
+        something else or no step finished in this run."""
+        sig = preempted_by(exc, self.engine.preemption if self.engine is not None else None)
+        if sig is None or trainer.step - 1 < 1:
+            return None
+        trainer.step -= 1  # the failed step never ran its optimizer step: train_state says so
+        log.warning("tierckpt: %s: the DataLoader's workers died on the notice while step %d fetched its batch; "
+                    "saving step %d for the requeue", sig, trainer.step + 1, trainer.step)
+        return self.engine.save_for_preemption(trainer.step, self._states_to_save(), sig)
 
     def _close(self) -> None:
         if self.engine is not None:

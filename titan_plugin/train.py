@@ -103,7 +103,14 @@ def run(config) -> None:
             trainer.checkpointer.save(curr_step=0, last_step=True)
             logger.info("Created seed checkpoint")
         else:
-            trainer.train()
+            try:
+                trainer.train()
+            except Exception as e:  # a notice that killed the loader's workers mid-fetch still saves
+                save = getattr(trainer.checkpointer, "save_on_loader_death", None)
+                pre = save(e, trainer) if save is not None else None
+                if pre is None:
+                    raise
+                raise pre from e
     except Exception:
         if trainer:
             trainer.close()
