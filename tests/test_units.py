@@ -567,3 +567,37 @@ def test_package_structure_rules():
                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80:
                     long.append(f"{f.relative_to(root)}:{n.lineno} {n.name}")
     assert not long, long
+
+
+def test_crc32_off_holds_on_every_thread_that_saves_at_once():
+    """torch keeps the zip-CRC option per thread: two tier threads inside crc32_off() at the same
+    time must both write without the CRC, and each gets its own setting back (a process-wide
+    reference count left the second thread computing the CRC)."""
+    import threading
+
+    from torch.serialization import get_crc32_options
+
+    from tierckpt.io.dcp_io import crc32_off
+
+    inside, release, seen = threading.Barrier(2), threading.Event(), {}
+
+    def tier(name):
+        with crc32_off():
+            inside.wait(timeout=30)
+            seen[name] = get_crc32_options()
+            release.wait(timeout=30)
+        seen[name + "-after"] = get_crc32_options()
+
+    threads = [threading.Thread(target=tier, args=(n,)) for n in ("local", "persistent")]
+    for t in threads:
+        t.start()
+    import time
+
+    deadline = time.monotonic() + 30
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert seen == {"local": False, "persistent": False, "local-after": True, "persistent-after": True}, seen
+    assert get_crc32_options() is True

@@ -25,32 +25,23 @@ from torch.serialization import get_crc32_options, set_crc32_options
 from tierckpt.io import perms
 from tierckpt.io.perms import Modes
 
-_crc_lock = threading.Lock()
-_crc_users = 0
-_crc_saved = True
-
 
 @contextlib.contextmanager
 def crc32_off():
-    """Disable torch.save's zip CRC32 while any tierckpt DCP save runs.
+    """Disable torch.save's zip CRC32 for the DCP save the calling thread runs.
 
-    The option is process-wide; a ``torch.save`` from another thread in the same window also
-    skips the CRC, which only affects zip-level integrity checks (the file loads normally).
-    Reference counted so overlapping tier saves restore the user's setting exactly once.
+    torch keeps this option per thread (torch 2.13: a value set on one thread is not seen by
+    another), so each tier thread turns it off for itself and restores its own previous value;
+    a process-wide reference count would leave every thread but the first computing the CRC.
+    Skipping it only affects zip-level integrity checks (the file loads normally; tierckpt's
+    xxh3 manifest covers every byte).
     """
-    global _crc_users, _crc_saved
-    with _crc_lock:
-        if _crc_users == 0:
-            _crc_saved = get_crc32_options()
-            set_crc32_options(False)
-        _crc_users += 1
+    saved = get_crc32_options()
+    set_crc32_options(False)
     try:
         yield
     finally:
-        with _crc_lock:
-            _crc_users -= 1
-            if _crc_users == 0:
-                set_crc32_options(_crc_saved)
+        set_crc32_options(saved)
 
 
 class _HashingStream:
