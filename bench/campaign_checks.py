@@ -34,6 +34,10 @@ Definitions (one function each, pure where possible so that tests can feed them 
   steps are; retention only counts when a save ran in between (``allow_retention``);
 - :func:`check_redundancy`: after a restore served only from node-local copies, every node's
   restored step has ``factor`` copies on distinct nodes again;
+- :func:`check_new_timeline`: a run that restored an older save (a fallback, a rollback) and saved
+  again left one ``rollback`` record, no committed copy of the timeline it abandoned, nothing
+  else lost but to retention, its last save as the newest complete one, and a ``durable_step``
+  that is its newest persistent step and exists;
 - the ledger checks (:func:`check_ledger_parse`, :func:`check_restore_record`,
   :func:`check_failure_records`).
 """
@@ -281,11 +285,14 @@ def check_one_save(record: dict, served: dict[str, list[list]], *, strict: bool)
 def served_by_record(record: dict, copies: list[Copy], nodes: list[int] | None = None) -> dict[str, list[list]]:
     """{node: [[path, save_id]]} of the copies each node of ``record`` (a ``restore`` record)
     was served from (:func:`served_copies`); only ``nodes`` when given."""
-    out = {}
+    out: dict[str, list[list]] = {}
+    step = record.get("step")
+    if not isinstance(step, int):
+        return out
     for n, src in (record.get("sources") or {}).items():
         if nodes is not None and int(n) not in nodes:
             continue
-        got = served_copies(copies, record.get("step"), int(n), src.get("source"), src.get("holder"))
+        got = served_copies(copies, step, int(n), src.get("source"), src.get("holder"))
         out[str(n)] = [[c.path, c.save_id] for c in got]
     return out
 

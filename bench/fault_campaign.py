@@ -7,7 +7,7 @@ restarts the job with fresh processes, restores, and checks invariants computed 
 on disk, independently of the restore planner (see :mod:`bench.campaign_checks`).
 
 Trial ``i`` of a campaign with base seed ``S`` uses seed ``S + i`` and fault point
-``POINTS[i % len(POINTS)]`` (round robin, so 300 trials give every point at least 14 trials);
+``POINTS[i % len(POINTS)]`` (round robin, so 300 trials give each of the 24 points at least 12 trials);
 everything else (node count, victim, step, byte offset, sub-instant, second fault) comes from
 ``random.Random(S + i)``. Faults are injected by monkeypatching engine functions inside the
 rank processes (:class:`Injector`); the k-th call of a wrapped function, or a byte offset in
@@ -1338,7 +1338,7 @@ def rank_timeline(rank: int, world: int, base: str, plan: dict, phase: str) -> d
             inj.record(f, "replication of the new timeline's save: link down", exclusive=True)
             raise OSError(errno.ENETUNREACH, "injected: replication link down")
 
-        jobs.replicate = no_replication  # type: ignore[assignment]
+        jobs.replicate = no_replication
     out: dict = {"step": None, "save_id": None, "sources": None, "error": None, "mismatch": None, "served": {},
                  "saved": [], "raised": []}
     eng = TieredCheckpointer(_config(base, plan), node_id=rank)
@@ -1650,10 +1650,18 @@ def render(rows: list[TrialResult], args: argparse.Namespace, seconds: float) ->
         "  whose step and per-node sources are the restore's and were on disk before it;",
         "- **redundancy after restore**: once a restore from node-local copies returned and the",
         "  job closed, every node's restored step has F copies on the nodes' disks again;",
+        "- **one save**: every restore (each ledger `restore` record) combines copies of one save: the",
+        "  copy each node was served from records the record's `save_id`; the restored step is the",
+        "  newest (step, save) complete for every node with copies of that one save (by `save_order`),",
+        "  its state bitwise equal to the snapshot of the run that wrote that save;",
+        "- **new timeline** (after a fallback or a rollback): one `rollback` record; every copy of the",
+        "  abandoned timeline superseded; the run's last save is the newest complete save on disk",
+        "  (retention never keeps a corrupt or abandoned step over it); `run_end.durable_step` is the",
+        "  run's newest persistent step and exists;",
         "- **bounded**: no phase runs longer than 90 s (faulthandler dumps the stacks), a restore()",
         "  during a hung local write returns within local_wait_timeout_s + 30 s.",
         "", f"Command: `{cmd}` (base seed {args.seed}; trial i uses seed {args.seed} + i and fault point",
-        "`POINTS[i % 21]`; replay one with `bench/fault_campaign.py --seed BASE --one i --keep`).",
+        f"`POINTS[i % {len(POINTS)}]`; replay one with `bench/fault_campaign.py --seed BASE --one i --keep`).",
         f"{len(rows)} trials in {seconds:.0f} s, {n_bad} with invariant violations.", "",
         "## Trials per fault point", "",
         "| fault point | what | trials | ok | violations | not reached |", "|---|---|---|---|---|---|",
