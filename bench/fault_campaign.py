@@ -368,14 +368,14 @@ class Injector:
         return [f for f in self.faults if f["kind"] in kinds]
 
     def _patch_stage(self) -> None:
+        """The k-th save's staging copy: the early one (a free slot, copied while the busy-tier
+        agreement travels) or, when there was none, the blocking one — one count per save."""
         from tierckpt.engine import TieredCheckpointer
 
-        orig = TieredCheckpointer._stage
+        orig, orig_early = TieredCheckpointer._stage, TieredCheckpointer._early_stage
         inj = self
 
-        def _stage(eng, state_dict, users):
-            inj.counts["stage"] += 1
-            k = inj.counts["stage"]
+        def starting(k: int) -> list[dict]:
             for f in inj.faults_of("readonly-persistent"):
                 if k == f["step"] and inj.record(f, f"save {k}: persistent root read-only", exclusive=True):
                     inj.set_flag("pfs-ro")
@@ -383,12 +383,37 @@ class Injector:
             for f in fs:
                 if f["sub"] == "before":
                     inj.kill(f, f"staging of save {k}, before the copy")
-            out = orig(eng, state_dict, users)
+            return fs
+
+        def copied(k: int, fs: list[dict]) -> None:
             for f in fs:
                 inj.kill(f, f"staging of save {k}, after the copy")
+
+        def _early_stage(eng, state_dict):
+            inj.counts["stage"] += 1
+            k = inj.counts["stage"]
+            fs = starting(k)
+            out = orig_early(eng, state_dict)
+            if out is None:  # no free slot: this save's blocking copy follows
+                inj.tls.staging_k = k
+                return out
+            copied(k, fs)
             return out
 
-        TieredCheckpointer._stage = _stage
+        def _stage(eng, state_dict, users):
+            k = getattr(inj.tls, "staging_k", None)
+            inj.tls.staging_k = None
+            if k is None:
+                inj.counts["stage"] += 1
+                k = inj.counts["stage"]
+                fs = starting(k)
+            else:
+                fs = [f for f in inj.faults_of("kill-staging") if inj.mine(f) and f["step"] == k]
+            out = orig(eng, state_dict, users)
+            copied(k, fs)
+            return out
+
+        TieredCheckpointer._stage, TieredCheckpointer._early_stage = _stage, _early_stage
 
     def _patch_streams(self) -> None:
         """DCP data files: byte-offset kills, ENOSPC, a hung write, a slow open."""
