@@ -234,3 +234,24 @@ def test_new_timeline_check_flags_unsuperseded_copies_and_a_lost_last_save(two_t
     # retention taking the restored save's step 4 with too few newer steps is a loss
     shutil.rmtree(os.path.join(base, "pfs", "step-4"))
     assert any("persistent step 4" in v for v in checks.check_new_timeline(before, checks.scan_disk(base), recs, **kw))
+
+
+def test_timeline_plans_leave_an_older_step_to_fall_back_or_roll_back_to():
+    """Every issue-28 plan keeps (after the training run's retention) a complete step older than
+    the newest one: the fallback past the corrupt newest step, or the rollback target."""
+    seen = Counter()
+    for i in range(600):
+        p = fc.make_plan(3, i)
+        if p.point not in fc.TIMELINE_POINTS:
+            continue
+        seen[p.point] += 1
+        local = set(range(fc.STEPS - p.keep_local + 1, fc.STEPS + 1))
+        pers = set(p.persistent_steps[-p.keep_persistent:])
+        older = {s for s in local | pers if s < fc.STEPS}
+        assert older, p
+        if p.point == "rollback-skewed-clock":
+            assert p.fault["to_step"] in older and p.script == ["train", "timeline", "restore"], p
+        else:
+            assert p.script[:3] == ["train", "corrupt-newest", "timeline"] and p.script[-1] == "restore", p
+            assert all(a.startswith("wipe:") for a in p.script[3:-1]) and 0 <= p.fault["node"] < p.nodes, p
+    assert set(seen) == set(fc.TIMELINE_POINTS) and min(seen.values()) >= 20, seen
