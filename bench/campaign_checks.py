@@ -12,9 +12,16 @@ Definitions (one function each, pure where possible so that tests can feed them 
   it is **committed** when its marker matches its manifest, **intact** when it is committed, its
   manifest lists exactly the data files present (``.metadata`` included) and every size and
   checksum matches;
-- :func:`expected_step`: the newest step for which every node of the job has an intact copy of its
-  state saved by a job of the same shape (any holder), or an intact persistent step; None when no
-  step qualifies;
+- a copy's **save** is the ``save_id`` its manifest records (``None`` for a copy written before
+  save identities; :mod:`tierckpt.history.timeline`), ordered by the manifest's ``save_order``;
+- :func:`expected_save` / :func:`expected_step`: the newest (step, save) — steps newest first,
+  within a step the saves newest first by ``save_order`` — for which every node of the job has an
+  intact copy of its state written by that same save and saved by a job of the same shape (any
+  holder), or an intact persistent step of that save; None when none qualifies;
+- :func:`check_one_save`: every restore (each ledger ``restore`` record) combines copies of one
+  save: the copy each node was served from (own-local / peer-replica: the holder's copies of the
+  node's state and the node's pulled ``local/step-N``; persistent: ``pfs/step-N``; in-cluster:
+  some node-local copy of each node) records the record's ``save_id``;
 - :func:`check_restored`: every rank restored the expected step with its state bitwise equal to
   the saved snapshot; with no expected step, a fresh start only when nothing is committed at all,
   otherwise NoCheckpointError;
@@ -27,6 +34,10 @@ Definitions (one function each, pure where possible so that tests can feed them 
   steps are; retention only counts when a save ran in between (``allow_retention``);
 - :func:`check_redundancy`: after a restore served only from node-local copies, every node's
   restored step has ``factor`` copies on distinct nodes again;
+- :func:`check_new_timeline`: a run that restored an older save (a fallback, a rollback) and saved
+  again left one ``rollback`` record, no committed copy of the timeline it abandoned, nothing
+  else lost but to retention, its last save as the newest complete one, and a ``durable_step``
+  that is its newest persistent step and exists;
 - the ledger checks (:func:`check_ledger_parse`, :func:`check_restore_record`,
   :func:`check_failure_records`);
 - :func:`check_per_rank_files` (``per-rank-values`` trials): every intact copy holds each of its
@@ -43,6 +54,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tierckpt.history.timeline import LEGACY_ORDER, of_manifest, run_of, sort_key
 from tierckpt.io import manifest
 from tierckpt.io.layout import INPROGRESS, LEDGER, MANIFEST, MARKER, parse_node, parse_step
 from tierckpt.io.storage import Store
@@ -65,6 +77,11 @@ class Copy:
     nodes: int | None = None   # shape of the job that saved it, from the manifest
     world_size: int | None = None
     problems: list[str] = field(default_factory=list)
+    save_id: str | None = None  # the save that wrote it (None: legacy or uncommitted)
+    order: tuple[int, int] = LEGACY_ORDER  # its save_order
+
+    def __post_init__(self) -> None:
+        self.order = tuple(self.order)  # type: ignore[assignment]  # a list once through JSON
 
     @property
     def path(self) -> str:
@@ -107,7 +124,9 @@ def inspect(store: Store, rel: str, where: str, holder: int | None, verify: bool
         return v if isinstance(v, int) and not isinstance(v, bool) else None
 
     node = num("node") if holder is not None else None
-    return Copy(where, holder, rel, step, node, True, not problems, num("nodes"), num("world_size"), problems)
+    sid, order = of_manifest(doc)
+    return Copy(where, holder, rel, step, node, True, not problems, num("nodes"), num("world_size"), problems,
+                sid, order)
 
 
 def scan_disk(base: str, verify: bool = True) -> list[Copy]:
@@ -139,18 +158,29 @@ def copies_from_json(rows: list[dict]) -> list[Copy]:
 # --------------------------------------------------------------------------------------------
 # the restored step
 # --------------------------------------------------------------------------------------------
-def expected_step(copies: list[Copy], nodes: int) -> int | None:
-    """Newest step every node of a ``nodes``-node job (one rank per node) can be served from:
-    an intact copy of each node's state saved by a job of that shape, on any surviving disk,
-    or an intact persistent step. None when no step qualifies."""
-    steps = sorted({c.step for c in copies if c.intact}, reverse=True)
+def expected_save(copies: list[Copy], nodes: int, step: int | None = None) -> tuple[int, str | None] | None:
+    """Newest (step, save) every node of a ``nodes``-node job (one rank per node) can be served
+    from with copies of that one save: an intact copy of each node's state written by the save
+    and saved by a job of that shape, on any surviving disk, or an intact persistent step of the
+    save. Steps newest first, within a step saves newest first by ``save_order`` (then save id);
+    only ``step`` when given. None when nothing qualifies."""
+    steps = sorted({c.step for c in copies if c.intact and (step is None or c.step == step)}, reverse=True)
     for s in steps:
-        if any(c.holder is None and c.step == s and c.intact for c in copies):
-            return s
-        if all(any(c.holder is not None and c.intact and c.step == s and c.node == n and c.nodes == nodes
-                   and c.world_size == nodes for c in copies) for n in range(nodes)):
-            return s
+        saves = {(c.save_id, c.order) for c in copies if c.intact and c.step == s}
+        for sid, _ in sorted(saves, key=lambda x: sort_key(x[0], x[1]), reverse=True):
+            mine = [c for c in copies if c.intact and c.step == s and c.save_id == sid]
+            if any(c.holder is None for c in mine):
+                return s, sid
+            if all(any(c.holder is not None and c.node == n and c.nodes == nodes and c.world_size == nodes
+                       for c in mine) for n in range(nodes)):
+                return s, sid
     return None
+
+
+def expected_step(copies: list[Copy], nodes: int) -> int | None:
+    """The step of :func:`expected_save` (None when no save qualifies)."""
+    got = expected_save(copies, nodes)
+    return None if got is None else got[0]
 
 
 def any_committed(copies: list[Copy]) -> bool:
@@ -187,9 +217,12 @@ def check_restored(expected: int | None, committed_exists: bool, results: dict[i
     return out
 
 
-def check_sources(sources: dict[str, list], step: int, before: list[Copy]) -> list[str]:
+def check_sources(sources: dict[str, list], step: int, before: list[Copy], save_id: str | None = None,
+                  *, by_save: bool = False) -> list[str]:
     """Each node's reported source (own-local / peer-replica@h / persistent) held a committed
-    copy of that node's ``step`` before the restore."""
+    copy of that node's ``step`` before the restore (``by_save``: one written by ``save_id``)."""
+    if by_save:
+        before = [c for c in before if c.save_id == save_id]
     out = []
     for n, (kind, holder) in sorted(sources.items(), key=lambda kv: int(kv[0])):
         n = int(n)
@@ -203,8 +236,67 @@ def check_sources(sources: dict[str, list], step: int, before: list[Copy]) -> li
             ok = any(c.holder is not None and c.node == n and c.step == step and c.committed for c in before)
         if not ok:
             out.append(f"node {n} was reported restored from {kind}"
-                       f"{'' if holder is None else '@' + str(holder)} at step {step}, but no such committed "
-                       "copy was on disk before the restore")
+                       f"{'' if holder is None else '@' + str(holder)} at step {step}"
+                       f"{f' (save {save_id})' if by_save else ''}, but no such committed copy was on disk "
+                       "before the restore")
+    return out
+
+
+def served_copies(copies: list[Copy], step: int, node: int, kind: str, holder: int | None) -> list[Copy]:
+    """The committed copies node ``node`` may have been served ``step`` from by a source of
+    ``kind`` (and ``holder``), per the files: own-local: the node's ``local/step-N`` (or, on a
+    remapped disk without one, its root's copies of the node's state); peer-replica: the
+    holder's copies of the node's state and the node's pulled ``local/step-N`` once committed;
+    persistent: ``pfs/step-N``; in-cluster: every node-local copy of the node's state."""
+    mine = [c for c in copies if c.committed and c.step == step]
+    if kind == "persistent":
+        return [c for c in mine if c.holder is None]
+    own = [c for c in mine if c.holder == node and c.node == node]
+    if kind == "own-local":
+        local = [c for c in own if c.rel.startswith("local/")]
+        return local or own
+    if kind == "peer-replica":
+        return [c for c in mine if c.holder == holder and c.node == node] + \
+            [c for c in own if c.rel.startswith("local/")]
+    return [c for c in mine if c.holder is not None and c.node == node]
+
+
+def check_one_save(record: dict, served: dict[str, list[list]], *, strict: bool) -> list[str]:
+    """A ledger ``restore`` record combined copies of one save: every node's served copies
+    (``served``: {node: [[path, save_id], ...]} from :func:`served_copies`) record the record's
+    ``save_id`` (a legacy ``None`` only when every copy records none). In-cluster: some copy of
+    each node's state does. ``strict``: a node with no committed copy left to read is a
+    violation (a restore-only run deletes nothing), else it is skipped (a later save's retention
+    may have purged it)."""
+    sid, step = record.get("save_id"), record.get("step")
+    out = []
+    for n, src in sorted((record.get("sources") or {}).items(), key=lambda kv: int(kv[0])):
+        got = served.get(str(n), [])
+        kind = src.get("source")
+        if not got:
+            if strict:
+                out.append(f"one save: node {n} was restored step {step} from {kind}, but no committed copy of it "
+                           "is on disk after the restore")
+            continue
+        wrong = [f"{path} (save {s})" for path, s in got if s != sid]
+        if (kind == "in-cluster" and len(wrong) == len(got)) or (kind != "in-cluster" and wrong):
+            out.append(f"one save: the restore of step {step} (save {sid}) served node {n} from {kind}, but the "
+                       f"copy it reads records another save: {', '.join(wrong[:3])}")
+    return out
+
+
+def served_by_record(record: dict, copies: list[Copy], nodes: list[int] | None = None) -> dict[str, list[list]]:
+    """{node: [[path, save_id]]} of the copies each node of ``record`` (a ``restore`` record)
+    was served from (:func:`served_copies`); only ``nodes`` when given."""
+    out: dict[str, list[list]] = {}
+    step = record.get("step")
+    if not isinstance(step, int):
+        return out
+    for n, src in (record.get("sources") or {}).items():
+        if nodes is not None and int(n) not in nodes:
+            continue
+        got = served_copies(copies, step, int(n), src.get("source"), src.get("holder"))
+        out[str(n)] = [[c.path, c.save_id] for c in got]
     return out
 
 
@@ -510,4 +602,66 @@ def check_per_rank_files(copies: list[Copy], base: str) -> list[str]:
             except AssertionError as e:
                 out.append(f"{c.path}: {'the plain copy is not rank 0' if who == 'plain' else 'rank ' + who}'s "
                            f"value of per_rank.{k}: {str(e)[:200]}")
+
+
+# a new timeline (a fallback or a rollback) over an old one's step numbers (issue 28)
+# --------------------------------------------------------------------------------------------
+def passed_over(c: Copy, to_step: int, keep: str | None, new_run: str | None) -> bool:
+    """Whether copy ``c`` belongs to the timeline a run abandons when it restored save ``keep``
+    of ``to_step`` and started a new timeline: a copy of a newer step, or another save's copy
+    of ``to_step``, not written by the run itself (``new_run``)."""
+    if c.save_id is not None and run_of(c.save_id) == new_run:
+        return False
+    return c.step > to_step or (c.step == to_step and c.save_id != keep)
+
+
+def check_new_timeline(before: list[Copy], after: list[Copy], records: list[dict], *, nodes: int, to_step: int,
+                       keep: str | None, saved: list[tuple[int, str, list[str]]], cause: str | None,
+                       keep_local: int, keep_persistent: int) -> list[str]:
+    """The run that restored save ``keep`` of ``to_step`` and then saved ``saved`` ([(step,
+    save id, tiers)], in order; ``records``: its ledger lines) left the job right:
+
+    - one ``rollback`` record to ``to_step`` with ``cause`` (``"fallback"``, or None for a
+      rollback by name) once it committed;
+    - every committed copy ``before`` it that the new timeline passed over
+      (:func:`passed_over`) is no longer committed as that save's copy (superseded), and
+      nothing else committed is lost but to retention (:func:`check_no_loss`);
+    - the newest save complete on disk (:func:`expected_save`) is the run's last save: retention
+      never left the job fewer restorable steps than the step it just committed;
+    - its ``run_end`` ``durable_step`` is its newest persistent step (None without one), and
+      that step is committed.
+    """
+    out: list[str] = []
+    new_run = run_of(saved[0][1]) if saved else None
+    if not saved:
+        return [f"the new timeline from step {to_step} saved nothing"]
+    rb = [r for r in records if r.get("kind") == "rollback"]
+    if len(rb) != 1 or rb[0].get("to_step") != to_step or rb[0].get("cause") != cause:
+        out.append(f"ledger: expected one rollback record to step {to_step} (cause {cause}), found "
+                   f"{[(r.get('from_step'), r.get('to_step'), r.get('cause')) for r in rb]}")
+    now = {c.path: c for c in after}
+    abandoned = [c for c in before if c.committed and passed_over(c, to_step, keep, new_run)]
+    for c in abandoned:
+        a = now.get(c.path)
+        if a is not None and a.committed and a.save_id == c.save_id:
+            out.append(f"abandoned timeline: {c.path} (step {c.step}, save {c.save_id}) is still committed after the "
+                       f"new timeline from step {to_step} (save {keep}) committed")
+    kept = [c for c in before if not passed_over(c, to_step, keep, new_run)]
+    out += check_no_loss(kept, after, keep_local=keep_local, keep_persistent=keep_persistent, allow_retention=True)
+    last_step, last_sid, _ = saved[-1]
+    got = expected_save(after, nodes)
+    if got != (last_step, last_sid):
+        out.append(f"retention/supersede: the new timeline's last save {last_sid} (step {last_step}) should be the "
+                   f"newest save complete on disk, it is {got}")
+    ends = [r for r in records if r.get("kind") == "run_end"]
+    pers = [s for s, _, tiers in saved if "persistent" in tiers]
+    if len(ends) != 1:
+        out.append(f"ledger: {len(ends)} run_end records for the new timeline's run")
+    else:
+        durable = ends[0].get("durable_step")
+        if durable != (max(pers) if pers else None):
+            out.append(f"ledger: run_end durable_step {durable}, the run's newest persistent step is "
+                       f"{max(pers) if pers else None}")
+        if durable is not None and not any(c.holder is None and c.step == durable and c.committed for c in after):
+            out.append(f"ledger: run_end durable_step {durable} is not committed in the persistent root")
     return out

@@ -7,7 +7,7 @@ restarts the job with fresh processes, restores, and checks invariants computed 
 on disk, independently of the restore planner (see :mod:`bench.campaign_checks`).
 
 Trial ``i`` of a campaign with base seed ``S`` uses seed ``S + i`` and fault point
-``POINTS[i % len(POINTS)]`` (round robin, so 300 trials give every point at least 14 trials);
+``POINTS[i % len(POINTS)]`` (round robin, so 300 trials give each of the 28 points at least 10 trials);
 everything else (node count, victim, step, byte offset, sub-instant, second fault) comes from
 ``random.Random(S + i)``. Faults are injected by monkeypatching engine functions inside the
 rank processes (:class:`Injector`); the k-th call of a wrapped function, or a byte offset in
@@ -87,6 +87,13 @@ POINTS: dict[str, str] = {
                        "around a random kill fault: every rank gets its own values (restored state and files)",
     "signal-tree-loader-workers": "a preemption signal (SIGTERM/SIGUSR1, sometimes twice) to every process of the "
                                   "job, DataLoader workers (2 per rank, protected or not) included, mid-step",
+    # issue 28: never resume the wrong state (new timelines over old step numbers)
+    "corrupt-newest-then-save": "newest step corrupt (some/all copies, unservable for a node); the restart falls back, "
+                                "saves a new timeline with retention; some/all node roots lost; restore",
+    "failed-replication-after-fallback": "one node's newest step corrupt everywhere; the restart falls back and "
+                                         "saves that step number local-only while replication fails; a node lost; restore",
+    "rollback-skewed-clock": "one rank's wall clock off by 1 h while saving; an explicit rollback commits a new "
+                             "step, the run dies; restore",
 }
 POINT_NAMES = list(POINTS)
 
@@ -242,6 +249,8 @@ def make_plan(base_seed: int, index: int, point: str | None = None) -> Plan:
         f.update(tier=tier, victim=f"r{rng.randrange(nodes)}", k=rng.randint(1, STEPS if tier == "local" else 2))
     elif point == "exit-without-close":
         campaign_exit.plan_exit(plan, rng, STEPS)
+    elif point in TIMELINE_POINTS:
+        _timeline_plan(plan, rng)
     # a killed node's disk is sometimes lost too: the restart pulls its state from a replica
     if point in kill_points and rng.random() < 0.3:
         v = f["victim"]
@@ -426,19 +435,21 @@ class Injector:
             self._patch_worker()
         if kinds & {"hung-read-restore"}:
             self._patch_hung_read()
+        if kinds & {"rollback-skewed-clock"}:
+            _patch_clock(self)
 
     def faults_of(self, *kinds: str) -> list[dict]:
         return [f for f in self.faults if f["kind"] in kinds]
 
     def _patch_stage(self) -> None:
+        """The k-th save's staging copy: the early one (a free slot, copied while the busy-tier
+        agreement travels) or, when there was none, the blocking one — one count per save."""
         from tierckpt.engine import TieredCheckpointer
 
-        orig = TieredCheckpointer._stage
+        orig, orig_early = TieredCheckpointer._stage, TieredCheckpointer._early_stage
         inj = self
 
-        def _stage(eng, state_dict, users):
-            inj.counts["stage"] += 1
-            k = inj.counts["stage"]
+        def starting(k: int) -> list[dict]:
             for f in inj.faults_of("readonly-persistent"):
                 if k == f["step"] and inj.record(f, f"save {k}: persistent root read-only", exclusive=True):
                     inj.set_flag("pfs-ro")
@@ -446,12 +457,37 @@ class Injector:
             for f in fs:
                 if f["sub"] == "before":
                     inj.kill(f, f"staging of save {k}, before the copy")
-            out = orig(eng, state_dict, users)
+            return fs
+
+        def copied(k: int, fs: list[dict]) -> None:
             for f in fs:
                 inj.kill(f, f"staging of save {k}, after the copy")
+
+        def _early_stage(eng, state_dict):
+            inj.counts["stage"] += 1
+            k = inj.counts["stage"]
+            fs = starting(k)
+            out = orig_early(eng, state_dict)
+            if out is None:  # no free slot: this save's blocking copy follows
+                inj.tls.staging_k = k
+                return out
+            copied(k, fs)
             return out
 
-        TieredCheckpointer._stage = _stage
+        def _stage(eng, state_dict, users):
+            k = getattr(inj.tls, "staging_k", None)
+            inj.tls.staging_k = None
+            if k is None:
+                inj.counts["stage"] += 1
+                k = inj.counts["stage"]
+                fs = starting(k)
+            else:
+                fs = [f for f in inj.faults_of("kill-staging") if inj.mine(f) and f["step"] == k]
+            out = orig(eng, state_dict, users)
+            copied(k, fs)
+            return out
+
+        TieredCheckpointer._stage, TieredCheckpointer._early_stage = _stage, _early_stage
 
     def _patch_streams(self) -> None:
         """DCP data files: byte-offset kills, ENOSPC, a hung write, a slow open."""
@@ -920,8 +956,19 @@ def hung_dirs(base: str, node: int, target: str) -> list[str]:
             if d.startswith("step-")]
 
 
-def _snap_path(base: str, rank: int, step: int) -> str:
-    return os.path.join(base, "snaps", f"r{rank}-s{step}.pt")
+def _snap_path(base: str, rank: int, step: int, run: str | None = None) -> str:
+    """The trainer's snapshot of ``rank``'s state saved as ``step``; with ``run``, the one that
+    run saved (runs of a new timeline save other states under the same step numbers)."""
+    return os.path.join(base, "snaps", f"r{rank}-s{step}" + (f"-{run}" if run else "") + ".pt")
+
+
+def _snap_for(base: str, rank: int, step: int, save_id: str | None) -> str:
+    """The snapshot of the save a restore loaded (``save_id``: the restore's): the one its run
+    wrote, else (a run that keyed none) the step's."""
+    from tierckpt.history.timeline import run_of
+
+    keyed = _snap_path(base, rank, step, run_of(save_id))
+    return keyed if save_id is not None and os.path.exists(keyed) else _snap_path(base, rank, step)
 
 
 def rank_train(rank: int, world: int, base: str, plan: dict, phase: str) -> dict:
@@ -946,6 +993,7 @@ def rank_train(rank: int, world: int, base: str, plan: dict, phase: str) -> dict
     for s in range(1, STEPS + 1):
         scenarios.train_step(model, opt, s, rank)
         torch.save(scenarios.snapshot(model, opt), _snap_path(base, rank, s))
+        shutil.copyfile(_snap_path(base, rank, s), _snap_path(base, rank, s, eng.timeline.run))
         tiers = ["local"] + (["persistent"] if s in plan["persistent_steps"] else [])
         try:
             eng.save(s, _app_state(plan, model, opt, rank, s), tiers=tiers)
@@ -1107,7 +1155,7 @@ def _restore_in_run(eng, rank: int, base: str, hung_node: int) -> dict:
     mismatch = None
     if res is not None:
         scenarios.apply_state(model, opt, sd)
-        mismatch = _compare(scenarios.snapshot(model, opt), _snap_path(base, rank, res.step))
+        mismatch = _compare(scenarios.snapshot(model, opt), _snap_for(base, rank, res.step, res.save_id))
     return {"seconds": took, "step": None if res is None else res.step, "mismatch": mismatch}
 
 
@@ -1153,10 +1201,10 @@ def rank_restore(rank: int, world: int, base: str, plan: dict, phase: str) -> di
         res = None
     out["seconds"] = time.monotonic() - t0
     if res is not None:
-        out["step"] = res.step
+        out["step"], out["save_id"] = res.step, res.save_id
         out["sources"] = {str(n): [o.source.kind, o.source.holder] for n, o in res.sources.items()}
         scenarios.apply_state(model, opt, sd)
-        out["mismatch"] = (_compare(scenarios.snapshot(model, opt), _snap_path(base, rank, res.step))
+        out["mismatch"] = (_compare(scenarios.snapshot(model, opt), _snap_for(base, rank, res.step, res.save_id))
                            or _per_rank_mismatch(plan, sd, rank, res.step))
     try:
         eng.close(clean=out["error"] is None, raise_failures=False)
@@ -1333,6 +1381,8 @@ def check_train_phase(plan: Plan, ph: PhaseResult, base: str, lines_before: int)
                                     allow_retention=True)
     records = checks.ledger_records(base, lines_before)
     out += checks.check_ok_records_on_disk(records, after, plan.keep_persistent)
+    for rec in (r for r in records if r.get("kind") == "restore"):  # a restore() inside the run
+        out += checks.check_one_save(rec, checks.served_by_record(rec, after), strict=False)
     fired = {f["name"] for f in _fired(base)}
     f = plan.fault
     if f["kind"] == "signal-tree-loader-workers":
@@ -1440,7 +1490,8 @@ def check_restore_phase(plan: Plan, ph: PhaseResult, base: str, before: list, af
     for r, e in sorted(ph.errors.items()):
         if not killed:
             out.append(f"rank {r}: the restart raised: {e.strip().splitlines()[-1][:400]}")
-    exp = checks.expected_step(before if usable is None else usable, plan.nodes)
+    exp_save = checks.expected_save(before if usable is None else usable, plan.nodes)
+    exp = None if exp_save is None else exp_save[0]
     expected = "fresh" if exp is None and not checks.any_committed(before) else \
         "NoCheckpointError" if exp is None else str(exp)
     values = {r: v for r, v in ph.values.items() if v is not None}
@@ -1452,6 +1503,8 @@ def check_restore_phase(plan: Plan, ph: PhaseResult, base: str, before: list, af
     raw = checks.ledger_raw(base)
     torn = 1 if any(f["name"].startswith("train-torn-ledger-line") for f in _fired(base)) else 0
     out += checks.check_ledger_parse(raw, torn)
+    for rec in (r for r in checks.ledger_records(base, lines_before) if r.get("kind") == "restore"):
+        out += checks.check_one_save(rec, checks.served_by_record(rec, after), strict=not (killed or ph.hung))
     if killed or ph.hung or len(values) < plan.nodes:
         if not killed and not ph.hung:
             out.append(f"ranks {sorted(set(range(plan.nodes)) - set(values))} returned no restore result")
@@ -1462,13 +1515,266 @@ def check_restore_phase(plan: Plan, ph: PhaseResult, base: str, before: list, af
         for r, v in values.items():
             if v.get("sources") != sources or v.get("step") != step:
                 out.append(f"rank {r} reports step {v.get('step')} from {v.get('sources')}, rank 0 {step} from {sources}")
-        out += checks.check_sources(sources, step, before)
+        out += checks.check_sources(sources, step, before, v0.get("save_id"), by_save="save_id" in v0)
+        if "save_id" in v0 and exp_save is not None and step == exp_save[0] and v0["save_id"] != exp_save[1]:
+            out.append(f"rank 0: restored save {v0['save_id']} of step {step}, but the newest save of it complete "
+                       f"on disk for every node is {exp_save[1]}")
         ro = os.path.exists(os.path.join(base, "state", "pfs-ro"))
         if not ro:  # a read-only persistent root cannot take the record
             out += checks.check_restore_record(checks.ledger_records(base, lines_before), step, sources)
         if plan.factor > 1 and all(k in ("own-local", "peer-replica") for k, _ in sources.values()):
             out += checks.check_redundancy(after, step, plan.nodes, plan.factor)
     return RestoreCheck(out, restored, expected, v0)
+
+# --------------------------------------------------------------------------------------------
+# issue 28: new timelines (a fallback, an explicit rollback) over the old timeline's step numbers
+# --------------------------------------------------------------------------------------------
+TIMELINE_POINTS = ("corrupt-newest-then-save", "failed-replication-after-fallback", "rollback-skewed-clock")
+NEW_BATCHES = 500  # a new timeline trains on batches step + 500: its states differ at every step number
+
+
+def _timeline_plan(plan: Plan, rng: random.Random) -> None:
+    """The fault and script of a point of :data:`TIMELINE_POINTS` (the training run itself is
+    clean but for a skewed clock; the faults are corrupt copies, a failed replication, a
+    lost node root, and the new timeline's own saves and retention)."""
+    f, nodes = plan.fault, plan.nodes
+    if plan.point == "corrupt-newest-then-save":
+        # keep_local 1 leaves only the newest step locally: the persistent tier must then keep
+        # an older step to fall back to (keep 2 of the 2 persistent steps)
+        plan.keep_local = rng.choice([1, 2, 2])
+        plan.keep_persistent = 2 if plan.keep_local == 1 else rng.choice([1, 2])
+        n_new = rng.randint(1, 3)
+        wipes = [] if rng.random() < 0.5 else sorted(rng.sample(range(nodes), rng.randint(1, nodes)))
+        f.update(node=rng.randrange(nodes), frac=round(rng.random(), 2), new=n_new,
+                 new_persistent=sorted(rng.sample(range(1, n_new + 1), rng.randint(0, n_new))), wipe=wipes)
+        plan.script = ["train", "corrupt-newest", "timeline", *[f"wipe:{n}" for n in wipes], "restore"]
+    elif plan.point == "failed-replication-after-fallback":
+        plan.keep_local = rng.choice([2, 3])  # the step before the newest stays local: the fallback's target
+        w = rng.randrange(nodes)
+        f.update(node=rng.randrange(nodes), frac=0.0, save_step=STEPS, wipe=[w])
+        plan.script = ["train", "corrupt-newest", "timeline", f"wipe:{w}", "restore"]
+    else:  # rollback-skewed-clock
+        plan.keep_local = rng.choice([2, 3])
+        plan.keep_persistent = 2
+        kept = set(range(STEPS - plan.keep_local + 1, STEPS)) | {s for s in plan.persistent_steps if s < STEPS}
+        f.update(victim=f"r{rng.randrange(nodes)}", skew=rng.choice([-3600.0, 3600.0]), to_step=rng.choice(sorted(kept)),
+                 tiers=rng.choice([["local"], ["local", "persistent"]]))
+        plan.script = ["train", "timeline", "restore"]
+
+
+def _patch_clock(inj: Injector) -> None:
+    """rollback-skewed-clock: the victim rank writes its manifests (``committed_at``) with a
+    wall clock ``skew`` seconds off, as a host whose clock is wrong."""
+    (f,) = inj.faults_of("rollback-skewed-clock")
+    if not inj.mine(f):
+        return
+    import tierckpt.io.manifest as manifest_mod
+
+    real, skew = time, float(f["skew"])
+
+    class _Skewed:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def time() -> float:
+            return real.time() + skew
+
+    manifest_mod.time = _Skewed()  # type: ignore[assignment]
+    inj.record(f, f"rank {inj.rank}'s wall clock off by {skew:+.0f} s while saving")
+
+
+def corrupt_newest(plan: Plan, base: str) -> list[str]:
+    """Between the training run and the restart: flip a byte in every data file of the newest
+    step's copies — every copy of the plan's node (its own, its replicas) and the persistent
+    step, each other copy with probability ``frac`` — so that the step is unservable for that
+    node. Returns violation texts when there was nothing to corrupt (a campaign error)."""
+    from tests.scenarios_timeline import corrupt_step_dir
+
+    f = plan.fault
+    rng = random.Random(plan.seed * 7919 + 28)
+    copies = [c for c in checks.scan_disk(base, verify=False) if c.committed]
+    newest = max((c.step for c in copies), default=None)
+    if newest is None:
+        return ["campaign: the training run left no committed step to corrupt"]
+    hit = []
+    for c in sorted((c for c in copies if c.step == newest), key=lambda c: c.path):
+        if c.holder is None or c.node == f["node"] or rng.random() < f["frac"]:
+            if corrupt_step_dir(os.path.join(base, "nvme", c.path) if c.holder is not None else os.path.join(base, c.path)):
+                hit.append(c.path)
+    Path(base, "fired", "corrupt-newest.json").write_text(json.dumps(
+        {"rank": None, "phase": "corrupt", "what": f"step {newest} corrupted in {', '.join(hit)}", "time": time.time()}))
+    got = checks.expected_save(checks.scan_disk(base), plan.nodes)
+    if got is not None and got[0] >= newest:
+        return [f"campaign: corrupting {hit} left step {newest} servable for every node"]
+    return []
+
+
+def _served_now(base: str, res, node: int) -> dict[str, list[list]]:
+    """The copies node ``node`` was served from (:func:`bench.campaign_checks.served_by_record`),
+    read from the files right after ``res``'s restore (a pull may be committing meanwhile: a
+    directory that vanishes between listing and reading is read again)."""
+    rec = {"step": res.step, "sources": {str(n): {"source": o.source.kind, "holder": o.source.holder}
+                                         for n, o in res.sources.items()}}
+    for attempt in range(5):
+        try:
+            return checks.served_by_record(rec, checks.scan_disk(base, verify=False), nodes=[node])
+        except OSError:
+            if attempt == 4:
+                raise
+            time.sleep(0.2)
+    return {}
+
+
+def rank_timeline(rank: int, world: int, base: str, plan: dict, phase: str) -> dict:
+    """A run that starts a new timeline: restore (no step: a fallback past the corrupt newest
+    step; rollback-skewed-clock: ``restore(step=k, rollback=True)``), read the copies this node
+    was served from (before any save can supersede or purge them; a barrier holds every rank
+    until all have read), train on other batches and save new steps under the old timeline's
+    numbers (failed-replication-after-fallback: local only, every replication failing), each
+    waited for and snapshotted per run; close (uncleanly after a rollback: the run dies)."""
+    import torch
+    import torch.distributed as dist
+
+    from tests import scenarios
+    from tierckpt.engine import TieredCheckpointer
+    from tierckpt.errors import TierFailedError
+
+    f = plan["fault"]
+    kind = f["kind"]
+    inj = Injector(plan, phase, rank, base)
+    if kind == "failed-replication-after-fallback":
+        import tierckpt.tiers.jobs as jobs
+
+        def no_replication(*a, **kw):
+            inj.record(f, "replication of the new timeline's save: link down", exclusive=True)
+            raise OSError(errno.ENETUNREACH, "injected: replication link down")
+
+        jobs.replicate = no_replication
+    out: dict = {"step": None, "save_id": None, "sources": None, "error": None, "mismatch": None, "served": {},
+                 "saved": [], "raised": []}
+    eng = TieredCheckpointer(_config(base, plan), node_id=rank)
+    model, opt = scenarios.build(seed=123)
+    scenarios.train_step(model, opt, 999, rank)  # the fresh state differs everywhere
+    sd = scenarios.app_state(model, opt)
+    rollback = kind == "rollback-skewed-clock"
+    try:
+        res = eng.restore(sd, step=f["to_step"], rollback=True) if rollback else eng.restore(sd)
+    except BaseException as e:  # noqa: BLE001 - the type is the result
+        out["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        res = None
+    if res is not None:
+        out["step"], out["save_id"] = res.step, res.save_id
+        out["sources"] = {str(n): [o.source.kind, o.source.holder] for n, o in res.sources.items()}
+        scenarios.apply_state(model, opt, sd)
+        out["mismatch"] = _compare(scenarios.snapshot(model, opt), _snap_for(base, rank, res.step, res.save_id))
+        out["served"] = _served_now(base, res, rank)
+    dist.barrier()
+    if res is None:
+        with contextlib.suppress(Exception):
+            eng.close(clean=False, reason="campaign: nothing restored", raise_failures=False)
+        return out
+    if rollback:
+        todo = [(f["to_step"] + 1, list(f["tiers"]))]
+    elif kind == "failed-replication-after-fallback":
+        todo = [(f["save_step"], ["local"])] if f["save_step"] > res.step else []
+    else:
+        todo = [(res.step + i, ["local"] + (["persistent"] if i in f["new_persistent"] else []))
+                for i in range(1, f["new"] + 1)]
+    t = res.step
+    for s, tiers in todo:
+        while t < s:
+            t += 1
+            scenarios.train_step(model, opt, t + NEW_BATCHES, rank)
+        sid = f"{eng.timeline.run}.{eng.timeline.next_seq}"
+        torch.save(scenarios.snapshot(model, opt), _snap_path(base, rank, s, eng.timeline.run))
+        try:
+            eng.save(s, scenarios.app_state(model, opt), tiers=tiers)
+        except TierFailedError as e:
+            out["raised"].append([e.tier, e.step])
+            sid = f"{eng.timeline.run}.{eng.timeline.next_seq}"
+            eng.save(s, scenarios.app_state(model, opt), tiers=tiers)
+        eng.wait()
+        out["saved"].append([s, sid, tiers])
+    try:
+        if rollback:
+            eng.close(clean=False, reason="campaign: the new timeline's run dies", raise_failures=False)
+        else:
+            eng.close(raise_failures=False)
+    except Exception as e:  # noqa: BLE001 - reported by the driver
+        out["close_error"] = f"{type(e).__name__}: {e}"
+    out["history"] = eng.history
+    return out
+
+
+RANK_FUNCS["timeline"] = rank_timeline
+
+
+def run_timeline_phase(plan: Plan, base: str, pd: dict) -> RestoreCheck:
+    """Run the new timeline's phase (:func:`rank_timeline`) and check it."""
+    before = checks.scan_disk(base)
+    lines = checks.ledger_lines(base)
+    ph = run_phase("timeline", plan.nodes, base, pd, "timeline")
+    return check_timeline_phase(plan, ph, base, before, checks.scan_disk(base), lines)
+
+
+def check_timeline_phase(plan: Plan, ph: PhaseResult, base: str, before: list, after: list,
+                         lines_before: int) -> RestoreCheck:
+    """The new timeline's run: bounded; its restore loaded the expected save (the newest
+    complete one; after a rollback, the newest of the step named) bitwise, from copies of that
+    one save (ledger record and files); then the checks of the timeline it started
+    (:func:`bench.campaign_checks.check_new_timeline`) and, for a failed replication, the
+    local record saying so."""
+    out = []
+    f = plan.fault
+    rollback = f["kind"] == "rollback-skewed-clock"
+    if ph.hung:
+        out.append(_hang_text(ph, "timeline"))
+    for r, e in sorted(ph.errors.items()):
+        out.append(f"rank {r}: the new timeline's run raised: {e.strip().splitlines()[-1][:400]}")
+    exp = checks.expected_save(before, plan.nodes, step=f["to_step"] if rollback else None)
+    expected = "NoCheckpointError" if exp is None else str(exp[0])
+    values = {r: v for r, v in ph.values.items() if v is not None}
+    v0 = values.get(0)
+    restored = _describe_restore(v0)
+    out += _common_disk_checks(base, after)
+    if ph.hung or len(values) < plan.nodes:
+        if not ph.hung:
+            out.append(f"ranks {sorted(set(range(plan.nodes)) - set(values))} returned no result")
+        return RestoreCheck(out, restored, expected, v0)
+    out += checks.check_restored(None if exp is None else exp[0], checks.any_committed(before), values)
+    if exp is None or v0 is None or v0.get("step") is None or v0.get("error"):
+        return RestoreCheck(out, restored, expected, v0)
+    step, sid, sources = v0["step"], v0["save_id"], v0["sources"] or {}
+    for r, v in values.items():
+        if (v.get("step"), v.get("save_id"), v.get("sources")) != (step, sid, sources):
+            out.append(f"rank {r} reports step {v.get('step')} (save {v.get('save_id')}) from {v.get('sources')}, "
+                       f"rank 0 {step} (save {sid}) from {sources}")
+    if sid != exp[1]:
+        out.append(f"rank 0: restored save {sid} of step {step}, but the newest save of it complete on disk for "
+                   f"every node is {exp[1]}")
+    out += checks.check_sources(sources, step, before, sid, by_save=True)
+    records = checks.ledger_records(base, lines_before)
+    out += checks.check_restore_record(records, step, sources)
+    rrec = [r for r in records if r.get("kind") == "restore"]
+    served = {n: cs for v in values.values() for n, cs in (v.get("served") or {}).items()}
+    if len(rrec) == 1:
+        out += checks.check_one_save(rrec[0], served, strict=True)
+    saved = v0.get("saved") or []
+    out += checks.check_new_timeline(before, after, records, nodes=plan.nodes, to_step=step, keep=sid,
+                                     saved=[(s, i, tiers) for s, i, tiers in saved],
+                                     cause=None if rollback else "fallback", keep_local=plan.keep_local,
+                                     keep_persistent=plan.keep_persistent)
+    if f["kind"] == "failed-replication-after-fallback":
+        recs = [r for r in records if r.get("kind") == "checkpoint" and r.get("tier") == "local"
+                and r.get("step") == f["save_step"]]
+        if not saved:
+            out.append(f"the new timeline restored step {step}, so it never saved step {f['save_step']} again")
+        elif len(recs) != 1 or not recs[0].get("ok") or not recs[0].get("replicas_failed"):
+            out.append(f"ledger: the new timeline's local step {f['save_step']} (replication failing) should have "
+                       f"one ok record with replicas_failed, found {[(r.get('ok'), r.get('replicas_failed')) for r in recs]}")
+    return RestoreCheck(out, restored, expected, v0)
+
 
 # --------------------------------------------------------------------------------------------
 # the trial driver
@@ -1561,6 +1867,12 @@ def run_trial(plan: Plan, workdir: str) -> TrialResult:
         elif action.startswith("swap:"):
             _, a, b = action.split(":")
             _swap(base, int(a), int(b))
+        elif action == "corrupt-newest":
+            violations += corrupt_newest(plan, base)
+        elif action == "timeline":
+            tres = run_timeline_phase(plan, base, pd)
+            violations += tres.violations
+            restored, expected = tres.restored, tres.expected
         elif action.startswith("restore"):
             phase = action
             disk_before = checks.scan_disk(base)
@@ -1658,10 +1970,18 @@ def render(rows: list[TrialResult], args: argparse.Namespace, seconds: float) ->
         "  whose step and per-node sources are the restore's and were on disk before it;",
         "- **redundancy after restore**: once a restore from node-local copies returned and the",
         "  job closed, every node's restored step has F copies on the nodes' disks again;",
+        "- **one save**: every restore (each ledger `restore` record) combines copies of one save: the",
+        "  copy each node was served from records the record's `save_id`; the restored step is the",
+        "  newest (step, save) complete for every node with copies of that one save (by `save_order`),",
+        "  its state bitwise equal to the snapshot of the run that wrote that save;",
+        "- **new timeline** (after a fallback or a rollback): one `rollback` record; every copy of the",
+        "  abandoned timeline superseded; the run's last save is the newest complete save on disk",
+        "  (retention never keeps a corrupt or abandoned step over it); `run_end.durable_step` is the",
+        "  run's newest persistent step and exists;",
         "- **bounded**: no phase runs longer than 90 s (faulthandler dumps the stacks), a restore()",
         "  during a hung local write returns within local_wait_timeout_s + 30 s.",
         "", f"Command: `{cmd}` (base seed {args.seed}; trial i uses seed {args.seed} + i and fault point",
-        "`POINTS[i % 21]`; replay one with `bench/fault_campaign.py --seed BASE --one i --keep`).",
+        f"`POINTS[i % {len(POINTS)}]`; replay one with `bench/fault_campaign.py --seed BASE --one i --keep`).",
         f"{len(rows)} trials in {seconds:.0f} s, {n_bad} with invariant violations.", "",
         "## Trials per fault point", "",
         "| fault point | what | trials | ok | violations | not reached |", "|---|---|---|---|---|---|",

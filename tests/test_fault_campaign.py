@@ -16,8 +16,10 @@ from tierckpt.io import manifest
 from tierckpt.io.storage import Store
 
 
-def _commit(root: str, rel: str, *, node: int | None, step: int, nodes: int = 2) -> None:
-    """A small committed step directory: .metadata and one data file, manifest and marker."""
+def _commit(root: str, rel: str, *, node: int | None, step: int, nodes: int = 2, save: str | None = None,
+            order: tuple[int, int] | None = None) -> None:
+    """A small committed step directory: .metadata and one data file, manifest and marker
+    (``save``/``order``: the save identity its manifest records)."""
     store = Store(root)
     entries = []
     for name, data in ((".metadata", b"meta %d" % step), ("__0_0.distcp", b"data %d %s" % (step, str(node).encode()))):
@@ -28,6 +30,8 @@ def _commit(root: str, rel: str, *, node: int | None, step: int, nodes: int = 2)
     meta = {"tier": "local" if node is not None else "persistent", "step": step, "world_size": nodes}
     if node is not None:
         meta.update(node=node, nodes=nodes)
+    if save is not None:
+        meta.update(save_id=save, save_order=list(order or (0, 0)))
     manifest.commit(store, rel, entries, **meta)
 
 
@@ -186,3 +190,112 @@ def test_check_per_rank_files_flags_a_rank_that_got_another_ranks_value(tmp_path
     _save_flat(os.path.join(base, "pfs", "step-3"), {**good, qualified(0, "per_rank.obj.step"): step})
     bad = checks.check_per_rank_files([pfs], base)
     assert bad and "written per rank too" in bad[0], bad
+
+
+@pytest.fixture
+def two_timelines(tmp_path):
+    """2 nodes, F = 2. Timeline A (run ``a``, generation 0) saved steps 4 and 5 everywhere and
+    persistent step 4; node 0's own step 5 and node 0's replica of node 1's step 5 are corrupt. A
+    fallback to 4 started timeline B (run ``b``, generation 1), which saved step 5 local-only on
+    node 1 (replacing A's copy there) and superseded nothing yet (it died before its first
+    commit's supersede): per node, step 5 has an intact copy (node 0: A's replica on node 1;
+    node 1: B's own), but of two saves."""
+    base = str(tmp_path)
+    roots = [os.path.join(base, "nvme", f"node-{n}") for n in (0, 1)]
+    for s, seq in ((4, 0), (5, 1)):
+        for n in (0, 1):
+            _commit(roots[n], f"local/step-{s}", node=n, step=s, save=f"a.{seq}", order=(0, seq))
+            _commit(roots[1 - n], f"replicas/node-{n}/step-{s}", node=n, step=s, save=f"a.{seq}", order=(0, seq))
+    _commit(os.path.join(base, "pfs"), "step-4", node=None, step=4, save="a.0", order=(0, 0))
+    for rel, root in (("local/step-5", roots[0]), ("replicas/node-1/step-5", roots[0])):
+        with open(os.path.join(root, rel, "__0_0.distcp"), "r+b") as f:
+            f.write(b"X")
+    # timeline B's step 5 on node 1 replaces A's own copy there (node 0's own dir stays A's, corrupt)
+    shutil.rmtree(os.path.join(roots[1], "local", "step-5"))
+    _commit(roots[1], "local/step-5", node=1, step=5, save="b.0", order=(1, 0))
+    return base
+
+
+def test_expected_save_never_combines_two_saves_under_one_step(two_timelines):
+    copies = checks.scan_disk(two_timelines)
+    assert {c.save_id for c in copies if c.step == 5 and c.committed} == {"a.1", "b.0"}
+    # every node has an intact copy of step 5, but of two saves: not a restorable step
+    assert checks.expected_save(copies, 2) == (4, "a.0") and checks.expected_step(copies, 2) == 4
+    # B's copy of node 0 appears: B's step 5 is complete, and it orders after A's
+    extra = checks.Copy("node-0", 0, "elsewhere/step-5", 5, 0, True, True, 2, 2, [], "b.0", (1, 0))
+    assert checks.expected_save(copies + [extra], 2) == (5, "b.0")
+    assert checks.expected_save(copies + [extra], 2, step=4) == (4, "a.0")
+    # JSON round trip (the pre-fault snapshot file) keeps the order a tuple
+    again = checks.copies_from_json([json.loads(json.dumps(c.__dict__)) for c in copies])
+    assert [(c.save_id, c.order) for c in again] == [(c.save_id, c.order) for c in copies]
+
+
+def test_one_save_check_flags_a_restore_that_combined_two_saves(two_timelines):
+    copies = checks.scan_disk(two_timelines)
+    ok = {"kind": "restore", "step": 4, "save_id": "a.0", "sources": {
+        "0": {"source": "own-local", "holder": 0}, "1": {"source": "peer-replica", "holder": 0}}}
+    assert checks.check_one_save(ok, checks.served_by_record(ok, copies), strict=True) == []
+    pers = {**ok, "sources": {"0": {"source": "persistent", "holder": None}, "1": {"source": "persistent", "holder": None}}}
+    assert checks.check_one_save(pers, checks.served_by_record(pers, copies), strict=True) == []
+    # step 5: node 0 from A's replica on node 1, node 1 from B's own copy: a mix, whatever the record says
+    mix = {"kind": "restore", "step": 5, "save_id": "b.0", "sources": {
+        "0": {"source": "peer-replica", "holder": 1}, "1": {"source": "own-local", "holder": 1}}}
+    found = checks.check_one_save(mix, checks.served_by_record(mix, copies), strict=True)
+    assert len(found) == 1 and "node 0" in found[0] and "a.1" in found[0], found
+    assert len(checks.check_one_save({**mix, "save_id": "a.1"}, checks.served_by_record(mix, copies), strict=True)) == 1
+    # a legacy record (no save id) over identified copies is a violation too
+    assert checks.check_one_save({**ok, "save_id": None}, checks.served_by_record(ok, copies), strict=True)
+    # a served copy gone: a violation only where nothing may have deleted it
+    gone = {"kind": "restore", "step": 3, "save_id": "a.0", "sources": {"0": {"source": "own-local", "holder": 0}}}
+    assert checks.check_one_save(gone, checks.served_by_record(gone, copies), strict=True)
+    assert checks.check_one_save(gone, checks.served_by_record(gone, copies), strict=False) == []
+
+
+def test_new_timeline_check_flags_unsuperseded_copies_and_a_lost_last_save(two_timelines):
+    base = two_timelines
+    before = checks.scan_disk(base)
+    # B saved step 5 (save b.0) on node 1 only: its last save is not the newest complete one
+    recs = [{"kind": "rollback", "from_step": 5, "to_step": 4, "cause": "fallback"},
+            {"kind": "run_end", "clean": True, "durable_step": None}]
+    kw = dict(nodes=2, to_step=4, keep="a.0", saved=[(5, "b.0", ["local"])], cause="fallback",
+              keep_local=2, keep_persistent=2)
+    found = checks.check_new_timeline(before, before, recs, **kw)
+    # A's step 5 is still committed on node 0 (own) and as both replicas
+    assert len([v for v in found if v.startswith("abandoned timeline")]) == 3, found
+    assert any("should be the newest save complete on disk" in v for v in found), found
+    # supersede A's copies and give B node 0's copy: nothing left to flag
+    for rel in ("nvme/node-0/local/step-5", "nvme/node-0/replicas/node-1/step-5", "nvme/node-1/replicas/node-0/step-5"):
+        os.rename(os.path.join(base, rel, "tierckpt.committed"), os.path.join(base, rel, "tierckpt.committed.superseded"))
+    shutil.rmtree(os.path.join(base, "nvme", "node-0", "local", "step-5"))
+    _commit(os.path.join(base, "nvme", "node-0"), "local/step-5", node=0, step=5, save="b.0", order=(1, 0))
+    after = checks.scan_disk(base)
+    assert checks.check_new_timeline(before, after, recs, **kw) == []
+    # the durable step must be the run's newest persistent step, and exist
+    bad_end = [recs[0], {"kind": "run_end", "durable_step": 4}]
+    assert any("durable_step 4" in v for v in checks.check_new_timeline(before, after, bad_end, **kw))
+    # a rollback by name has no cause; a missing rollback record is flagged
+    assert any("rollback record" in v for v in checks.check_new_timeline(before, after, recs[1:], **kw))
+    # retention taking the restored save's step 4 with too few newer steps is a loss
+    shutil.rmtree(os.path.join(base, "pfs", "step-4"))
+    assert any("persistent step 4" in v for v in checks.check_new_timeline(before, checks.scan_disk(base), recs, **kw))
+
+
+def test_timeline_plans_leave_an_older_step_to_fall_back_or_roll_back_to():
+    """Every issue-28 plan keeps (after the training run's retention) a complete step older than
+    the newest one: the fallback past the corrupt newest step, or the rollback target."""
+    seen = Counter()
+    for i in range(600):
+        p = fc.make_plan(3, i)
+        if p.point not in fc.TIMELINE_POINTS:
+            continue
+        seen[p.point] += 1
+        local = set(range(fc.STEPS - p.keep_local + 1, fc.STEPS + 1))
+        pers = set(p.persistent_steps[-p.keep_persistent:])
+        older = {s for s in local | pers if s < fc.STEPS}
+        assert older, p
+        if p.point == "rollback-skewed-clock":
+            assert p.fault["to_step"] in older and p.script == ["train", "timeline", "restore"], p
+        else:
+            assert p.script[:3] == ["train", "corrupt-newest", "timeline"] and p.script[-1] == "restore", p
+            assert all(a.startswith("wipe:") for a in p.script[3:-1]) and 0 <= p.fault["node"] < p.nodes, p
+    assert set(seen) == set(fc.TIMELINE_POINTS) and min(seen.values()) >= 20, seen
