@@ -530,7 +530,10 @@ class LocalLauncher:
             return PREEMPTED_EXIT
         bad = [i for i, rc in enumerate(a.rcs) if rc not in (0, PREEMPTED_EXIT)]
         if not bad:
-            return 0 if all(rc == 0 for rc in a.rcs) else PREEMPTED_EXIT
+            # some nodes finished, the others saved on the notice: requeue (the restart resumes
+            # the saved step; a job that had finished everywhere would have exited 0 everywhere)
+            a.preempted = not all(rc == 0 for rc in a.rcs)
+            return PREEMPTED_EXIT if a.preempted else 0
         a.failed_node = bad[0]
         with contextlib.suppress(OSError):
             with open(a.logs[a.failed_node], errors="replace") as f:

@@ -316,7 +316,7 @@ class TieredCheckpointer:
         if self.schedule is not None:
             self.schedule.saved(tiers, step)
         self._saved_any = True
-        futures = self.jobs.submit(tiers, staged, step, blocked - t_skip, t_wait, slot, self.timeline.next())
+        futures = self.jobs.submit(tiers, staged, step, blocked - t_skip, t_wait, slot, self.timeline.for_step(step))
         return SaveHandle(step, blocked, futures, skipped=skipped)
 
     def _check_tiers(self, tiers: Iterable[str] | None) -> tuple[str, ...]:
@@ -580,7 +580,11 @@ class TieredCheckpointer:
 
         Args:
             step: restore exactly this step (from whichever tier holds it). Read-only: newer
-                committed steps stay resume points.
+                committed steps stay resume points. Without ``step``, a restore that loads
+                an older save than the newest one committed (a fallback: the newest could not be
+                served from the allowed ``sources``) starts a new timeline: the saves it passed
+                over are superseded once this run commits its first step
+                (:mod:`tierckpt.history.rollback`, a ``rollback`` record with ``cause: "fallback"``).
             rollback: ``step`` starts a new timeline (a training run that names an older step):
                 the newer committed steps this restore saw are superseded once this run
                 commits its first step of any tier (:mod:`tierckpt.history.rollback`; ledger
@@ -615,6 +619,7 @@ class TieredCheckpointer:
         if res is None:
             return None
         self.journal.restore(res)
+        self.timeline.restored()
         if rollback or step is None:
             # a training run from an older save starts a new timeline: by name, or because the
             # newest save could not be served (a fallback); saves passed over are superseded at

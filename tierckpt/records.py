@@ -476,8 +476,9 @@ class RollbackRecord(LedgerRecord):
         from_step: head of the abandoned timeline.
         to_step: step rolled back to.
         trigger: ``{"tier", "step"}`` of the commit that ran it.
-        superseded: copies superseded over the job (``persistent/<s>``, ``local node-<n>/<s>``,
-            ``replica node-<src>@node-<holder>/<s>``).
+        superseded: copies passed over, as seen by the restore (``persistent/<s>``, ``local
+            node-<n>/<s>``, ``replica node-<src>@node-<holder>/<s>``): superseded at that commit,
+            or replaced where this run had already saved the same step number again.
         cause: ``"fallback"`` when a restore could not serve the newest save; not written (None)
             for a rollback by name.
         save_id: the save restored (:mod:`tierckpt.history.timeline`); None when it records none.

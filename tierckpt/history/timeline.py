@@ -107,14 +107,29 @@ class Timeline:
             raise ValueError(f"generation must be >= 0, got {generation}")
         self.run, self.generation = run, generation
         self._seq = 0
+        self._last: tuple[int, SaveIdentity] | None = None
         self._lock = threading.Lock()
 
-    def next(self) -> SaveIdentity:
-        """The identity of the next ``save()`` call (every rank calls it once per call)."""
+    def for_step(self, step: int) -> SaveIdentity:
+        """The identity of a ``save()`` call of ``step`` (every rank calls it once per call).
+
+        Calls for the same step in a row share one identity: adapters write one step's tiers in
+        two calls (a preemption save of the tiers that were not due; Megatron's local and
+        persistent formats), and those copies are one state. A new step — or any step after
+        :meth:`restored` — gets the next number."""
         with self._lock:
+            if self._last is not None and self._last[0] == step:
+                return self._last[1]
             ident = SaveIdentity(self.run, self.generation, self._seq)
             self._seq += 1
+            self._last = (step, ident)
         return ident
+
+    def restored(self) -> None:
+        """The state was replaced by a restore: the next save is a new one even under the step
+        number saved last."""
+        with self._lock:
+            self._last = None
 
     @property
     def next_seq(self) -> int:

@@ -280,13 +280,18 @@ def _clear(store: Store, rel: str) -> None:
 def record_pulls(inv: Inventory, s: int, received: list[tuple[int, tuple[int, str] | None]],
                  save_id: str | None = None) -> None:
     """Update ``inv`` after the pulls of step ``s`` of save ``save_id``: each ``(node, kept)`` of
-    a node whose pull is now its ``local/step-<s>`` (``kept`` as :attr:`Pulled.kept`; a kept copy
-    is of unknown save and serves no later plan). Every rank applies the same all-gathered list,
-    so later attempts plan from where the copies now are."""
+    a node whose pull is now its ``local/step-<s>`` (``kept`` as :attr:`Pulled.kept`: another
+    node's copy that sat there, moved to its replica directory with its save). Every rank applies
+    the same all-gathered list, so later attempts plan from where the copies now are."""
     for h, kept in received:
         rel = layout.local_step(s)
-        for by_save in inv.saves.get(s, {}).values():  # local/step-<s> now holds only the pull
-            by_save.get(h, {}).pop(h, None)
+        for by_save in inv.saves.get(s, {}).values():  # local/step-<s> on h now holds only the pull
+            for m, by_h in by_save.items():
+                if by_h.get(h) == rel:
+                    if kept is not None and m == kept[0]:
+                        by_h[h] = kept[1]  # the remapped copy moved, with its save
+                    else:
+                        del by_h[h]
         if s in inv.saves:
             inv.saves[s].setdefault(save_id, {}).setdefault(h, {})[h] = rel
         inv.copies.setdefault(s, {}).setdefault(h, {})[h] = rel

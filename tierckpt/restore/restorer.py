@@ -245,7 +245,8 @@ class Restorer:
         first = choose(inv, topo.nodes, bad, step, world_size=topo.world_size, kinds=kinds)
         if first is not None:  # a template that cannot load fails every source alike: refuse it now
             check_template(state_dict, first.step, first.sources, first.view, topo, self.groups,
-                           self.local.store if self.local is not None else None, self.persistent)
+                           self.local.store if self.local is not None else None, self.persistent,
+                           self.read_timeout_s)
         for attempt in range(1, max_attempts + 1):
             self.commit_pending()  # the previous round's pulls, before this round plans from them
             choice = choose(inv, topo.nodes, bad, step, world_size=topo.world_size, kinds=kinds)

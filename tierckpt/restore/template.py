@@ -37,6 +37,7 @@ from tierckpt.dist.collectives import FAILURES, gather_leaders, gather_reduced
 from tierckpt.dist.topology import Groups, Topology
 from tierckpt.errors import TemplateMismatchError
 from tierckpt.io import layout, manifest
+from tierckpt.io.bounded import run_bounded
 from tierckpt.io.planner import VerifyingLoadPlanner
 from tierckpt.io.storage import Store
 from tierckpt.restore.chunkmap import merge_metadata
@@ -101,16 +102,25 @@ def mismatches(view: dict[str, Any], metadata: Metadata, planner: VerifyingLoadP
     return out
 
 
-def read_metadata(store: Store, rel: str) -> Metadata:
+def read_metadata(store: Store, rel: str, timeout_s: float | None = None) -> Metadata:
     """The DCP metadata of the committed step ``rel`` of ``store``, its bytes checked against
-    the step's manifest (size, xxh3-64) first.
+    the step's manifest (size, xxh3-64) first; ``timeout_s``: the read runs on a helper thread
+    and is abandoned after that many seconds (a hung disk must not hold the restore).
 
     Raises:
         ValueError: not committed, not in the manifest, or a size/checksum mismatch.
         OSError: unreadable.
+        ReadTimeout: the read took longer than ``timeout_s``.
     """
-    raw = _verified_bytes(store, rel)
+    raw = _bounded_bytes(store, rel, timeout_s)
     return pickle.loads(raw)
+
+
+def _bounded_bytes(store: Store, rel: str, timeout_s: float | None) -> bytes:
+    if not timeout_s:
+        return _verified_bytes(store, rel)
+    return run_bounded(lambda progress: _verified_bytes(store, rel), timeout_s,
+                       f"{store.url_of(rel)}/{METADATA}", name="tierckpt-template-read")
 
 
 def _verified_bytes(store: Store, rel: str) -> bytes:
@@ -141,7 +151,7 @@ def _designated(s: int, sources: dict[int, Source], inv: Inventory) -> dict[int,
 
 
 def _exchange(s: int, need: dict[int, int], inv: Inventory, topo: Topology, groups: Groups,
-              store: Store | None) -> dict[int, Metadata]:
+              store: Store | None, timeout_s: float | None = None) -> dict[int, Metadata]:
     """The metadata of the copies in ``need`` (:func:`_designated`), read by their holders'
     leaders and exchanged among leaders (collective over ``local_world``; same ``need`` on
     every rank). A copy that cannot be read is left out."""
@@ -152,7 +162,7 @@ def _exchange(s: int, need: dict[int, int], inv: Inventory, topo: Topology, grou
             if h != topo.node or rel is None:
                 continue
             try:
-                mine[m] = _verified_bytes(store, rel)
+                mine[m] = _bounded_bytes(store, rel, timeout_s)
             except FAILURES as e:
                 log.info("tierckpt restore: template check: cannot read %s/%s: %s", rel, METADATA, e)
     out = {}
@@ -177,17 +187,19 @@ def _template(state_dict: dict, s: int, src: Source, groups: Groups, persistent)
 
 
 def _metadata(s: int, src: Source, inv: Inventory, topo: Topology, stores: tuple[Store | None, Any],
-              shared: dict[int, Metadata]) -> tuple[Metadata, str, bool] | None:
+              shared: dict[int, Metadata], timeout_s: float | None = None) -> tuple[Metadata, str, bool] | None:
     """(metadata of this rank's node's source, where it was found, whether it holds every key
     of the step), or None when there is none to check against."""
     local, persistent = stores
     node = topo.node
     if src.kind == PERSISTENT:
-        return read_metadata(persistent.store, layout.persistent_step(s)), f"node {node}'s source, the persistent step", True
+        return (read_metadata(persistent.store, layout.persistent_step(s), timeout_s),
+                f"node {node}'s source, the persistent step", True)
     if src.kind == OWN:
         if local is None:
             return None
-        return read_metadata(local, inv.holders(node, s).get(node, layout.local_step(s))), f"node {node}'s own copy", True
+        return (read_metadata(local, inv.holders(node, s).get(node, layout.local_step(s)), timeout_s),
+                f"node {node}'s own copy", True)
     if src.kind == REPLICA:
         md = shared.get(node)
         return None if md is None else (md, f"node {node}'s replica on node {src.holder}", True)
@@ -209,24 +221,27 @@ def _combine(parts: list) -> tuple[int, list]:
 
 
 def check_template(state_dict: dict, s: int, sources: dict[int, Source], inv: Inventory, topo: Topology,
-                   groups: Groups, local: Store | None, persistent) -> None:
+                   groups: Groups, local: Store | None, persistent, read_timeout_s: float | None = None) -> None:
     """Check ``state_dict`` against step ``s`` before the restore's first attempt (collective
     over ``groups.local_world``; ``sources``: the first plan, the same on every rank).
 
     Args:
         local: this node's local root (None without a local tier); ``persistent``: the
             :class:`~tierckpt.tiers.persistent.PersistentTier` or None.
+        read_timeout_s: bound of each metadata read (``TierConfig.restore_read_timeout_s``): a
+            read that hangs skips the check on that rank (the attempts' own bounded reads then
+            fail that source).
     Raises:
         TemplateMismatchError: on every rank, when any rank's template does not fit.
     """
     need = _designated(s, sources, inv)
-    shared = _exchange(s, need, inv, topo, groups, local) if need else {}
+    shared = _exchange(s, need, inv, topo, groups, local, read_timeout_s) if need else {}
     found: list[str] = []
     where = ""
     try:  # every rank builds its template, whatever its metadata: a Stateful or hook may talk to its peers
         target, planner = _template(state_dict, s, sources[topo.node], groups, persistent)
         view = planner_view(target, planner)
-        got = _metadata(s, sources[topo.node], inv, topo, (local, persistent), shared)
+        got = _metadata(s, sources[topo.node], inv, topo, (local, persistent), shared, read_timeout_s)
         if got is not None:
             md, where, complete = got
             found = mismatches(view, md, planner, complete)

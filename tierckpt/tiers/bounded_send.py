@@ -107,6 +107,8 @@ class _Prefetch:
                             return
                     if self.progress.abandoned:
                         return
+                    # the bound starts now: the time spent waiting for room was the receiver's pace
+                    self.progress.tick(e.path)
                     data = None
                     if fd is not None:
                         with contextlib.suppress(OSError):
