@@ -176,3 +176,30 @@ def phase_rollback_then_commit(rank, world, base, to_step, new_step):
 def wipe_local_root(base: str, node: int) -> None:
     """A node lost with its disk: its node-local root is gone."""
     shutil.rmtree(os.path.join(base, "nvme", f"node-{node}"), ignore_errors=True)
+
+
+def phase_split_tiers(rank, world, base):
+    """One step's tiers written by two ``save()`` calls (as a preemption save of the tiers that
+    were not due, or Megatron's two formats, do), then a later save of another step."""
+    eng = TieredCheckpointer(make_config(base), node_id=rank)
+    model, opt = build(seed=0)
+    for t in range(1, 6):
+        train_step(model, opt, t, rank)
+    eng.save(5, app_state(model, opt), tiers=("local",))
+    eng.save(5, app_state(model, opt), tiers=("persistent",))
+    eng.wait()
+    _save_ref(base, "A5", rank, model, opt)
+    eng.close()
+
+
+def phase_restore_then_save(rank, world, base, new_step):
+    """A restart: restore (no step), train and save ``new_step`` (every tier), close."""
+    eng = TieredCheckpointer(make_config(base), node_id=rank)
+    res, model, opt = _restore_fresh(eng, rank)
+    out = {"step": res.step, "attempts": res.attempts, "sources": {n: o.source.kind for n, o in res.sources.items()}}
+    for t in range(res.step + 1, new_step + 1):
+        train_step(model, opt, t, rank)
+    eng.save(new_step, app_state(model, opt))
+    eng.wait()
+    eng.close()
+    return out

@@ -8,6 +8,7 @@ the persistent steps in ``pfs``.
 
 from __future__ import annotations
 
+import json
 import os
 
 from tests import scenarios_timeline as sc
@@ -117,3 +118,21 @@ def test_rollback_supersedes_by_save_identity_whatever_the_hosts_clocks(tmp_path
     res = run_world(sc.phase_restore_only, 2, base, None, ["A10", "A20", "R11"])
     for r in res:
         assert r.value["step"] == 11 and r.value["matches"] == ["R11"], r.value
+
+
+def test_a_step_saved_by_two_calls_is_one_save(tmp_path):
+    """A step whose local and persistent copies come from two save() calls in a row is one save:
+    the restart serves every node from its own disk (not the persistent tier) and supersedes
+    nothing at its first commit."""
+    base = str(tmp_path)
+    run_world(sc.phase_split_tiers, 2, base)
+    out = run_world(sc.phase_restore_then_save, 2, base, 6)
+    for r in out:
+        assert r.value["step"] == 5 and r.value["attempts"] == 1, r.value
+        assert set(r.value["sources"].values()) == {"own-local"}, r.value
+    assert [x for x in sc.ledger(base) if x["kind"] == "rollback"] == []
+    for rel in ("nvme/node-0/local/step-5", "nvme/node-1/local/step-5", "pfs/step-5"):
+        assert _committed(os.path.join(base, rel)), rel
+    ids = {json.load(open(os.path.join(base, rel, "tierckpt.manifest.json")))["save_id"]
+           for rel in ("nvme/node-0/local/step-5", "nvme/node-1/replicas/node-0/step-5", "pfs/step-5")}
+    assert len(ids) == 1, ids
