@@ -55,7 +55,7 @@ _LOADER = """
     import torch
     from torch.utils.data import DataLoader, Dataset
     from tierckpt.preemption import PreemptionWatch
-    from tierckpt.loader_signals import preempted_by, protect_loader_workers
+    from tierckpt.loader_signals import defer_loader_deaths, preempted_by, protect_loader_workers
     logging.basicConfig(level=logging.WARNING)
 
     class Slow(Dataset):
@@ -64,7 +64,7 @@ _LOADER = """
             time.sleep(0.05)
             return torch.tensor([float(i)])
 
-    watch = PreemptionWatch(("SIGTERM", "SIGUSR1"))
+    watch = PreemptionWatch(("SIGTERM", "SIGUSR1"), on_notice=defer_loader_deaths)
     loader = DataLoader(Slow(), batch_size=2, num_workers=2)
     if PROTECT:
         protect_loader_workers(loader, ("SIGTERM", "SIGUSR1"))

@@ -51,6 +51,7 @@ from tierckpt.history.rollback import EXPLICIT, FALLBACK, RollbackTracker
 from tierckpt.history.timeline import Timeline
 from tierckpt.io.staging import StagingPool, resolve_stateful
 from tierckpt.io.storage import Store
+from tierckpt.loader_signals import defer_loader_deaths
 from tierckpt.preemption import Preempted, PreemptionWatch, mark_preempted, warn_if_launcher_unprotected
 from tierckpt.records import CheckpointRecord
 from tierckpt.restore import PERSISTENT, Inventory, Restorer, RestoreResult
@@ -184,7 +185,8 @@ class TieredCheckpointer:
                              else None, self.groups.control, topo.rank, self.journal.ledger.append,
                              stuck_nodes=lambda: jobs.stuck_nodes(False))
         # a repeat within the grace period (+ a margin for the exit) is the same notice
-        self.preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0)
+        self.preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0,
+                                          on_notice=defer_loader_deaths)
         warn_if_launcher_unprotected(cfg.preemption_signals)  # a launcher killed by a notice orphans the ranks
         self._preempt_seen = False
         self.restorer = Restorer(topo, self.groups, self.local, self.persistent, self.in_use,

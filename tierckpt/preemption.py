@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import threading
-from typing import Any
+from typing import Any, Callable
 import time
 
 from tierckpt.errors import ConfigError, TierckptError
@@ -78,11 +78,15 @@ class PreemptionWatch:
     Args:
         signals: signal names; empty = watch nothing (the framework handles signals itself).
         escalate_after_s: seconds after the first signal from which another one escalates.
+        on_notice: called (in the signal handler) when the first notice arrives; the engine
+            passes :func:`tierckpt.loader_signals.defer_loader_deaths`, so the same notice
+            killing this rank's DataLoader workers does not abort the step before its save.
     Raises:
         ConfigError: as :func:`signal_numbers`.
     """
 
-    def __init__(self, signals=DEFAULT_SIGNALS, escalate_after_s: float = 60.0):
+    def __init__(self, signals=DEFAULT_SIGNALS, escalate_after_s: float = 60.0,
+                 on_notice: Callable[[], object] | None = None):
         self._nums = signal_numbers(signals)
         self.escalate_after_s = escalate_after_s
         self.received: str | None = None
@@ -92,11 +96,9 @@ class PreemptionWatch:
             if self._nums:
                 log.warning("tierckpt: not in the main thread: preemption signals are not watched")
             return
+        self._on_notice = on_notice
         for num in self._nums:
             self._previous[num] = signal.signal(num, self._handler)
-        from tierckpt.loader_signals import defer_loader_deaths
-
-        self._defer_loader_deaths = defer_loader_deaths
 
     def _handler(self, signum, frame) -> None:
         if self.received is None:
@@ -104,7 +106,8 @@ class PreemptionWatch:
             self._first_at = time.monotonic()
             # the same notice may kill this rank's DataLoader workers (a signal to the process
             # group): their death must not abort the step before its preemption save
-            self._defer_loader_deaths()
+            if self._on_notice is not None:
+                self._on_notice()
             return
         if time.monotonic() - self._first_at < self.escalate_after_s:
             return  # the same notice delivered twice (Slurm to every process, torchrun forwarding)
