@@ -445,7 +445,11 @@ class OwnRead:
         doc = manifest.read_committed(store, step_rel) if store.local else None
         if doc is None:
             return
-        share = manifest.split_share(manifest.entries_of(doc), index, count)
+        entries = manifest.entries_of(doc)
+        share = manifest.split_share(entries, index, count)
+        # every rank's DCP load reads .metadata: each maps (and verifies) it too, so no rank's
+        # load reads it from a disk that may hang (the share of one rank only otherwise)
+        share += [e for e in entries if e.path == ".metadata" and e not in share]
         if sum(e.size for e in share) > limit:
             return
         self.started = True

@@ -461,10 +461,13 @@ class Restorer:
         :class:`~tierckpt.dist.collectives.PeerFailure` naming the cause on every rank of the
         node when any rank failed (→ next source).
 
-        Every read of the copy is bounded by ``restore_read_timeout_s`` (:mod:`tierckpt.io.bounded`):
-        the checksum pass runs on a helper thread, and the load decodes only pages that thread
-        has read (:meth:`~tierckpt.io.memory_read.OwnRead.wait`); a read that makes no progress
-        fails this rank with ``ReadTimeout`` through the same path as a bad checksum."""
+        The reads of this rank's share and of ``.metadata`` are bounded by
+        ``restore_read_timeout_s`` (:mod:`tierckpt.io.bounded`): the checksum pass runs on a
+        helper thread, and the load decodes only pages that thread has read
+        (:meth:`~tierckpt.io.memory_read.OwnRead.wait`); a read that makes no progress fails this
+        rank with ``ReadTimeout`` through the same path as a bad checksum. Not bounded: with
+        several ranks per node, a replicated plain value that DCP wrote into another rank's
+        file is read from that file on disk (its owner read it, bounded, just before)."""
         topo = self.topo
         problems: list[str] = []
         memory = None
