@@ -94,3 +94,27 @@ def phase_send_stalls_mid_stream(rank, world, base, bound):
     if rank == 0:
         return dt, None, None
     return dt, got[0].problems, sorted(e.path for e in got[0].entries)
+
+
+def phase_restore_hung_listing(rank, world, base, cfg_kw, node):
+    """Node ``node``'s local root stops answering once the engine started: listing it for the
+    restore's inventory never returns. The restore must go on without it (bounded), bitwise."""
+    import threading
+
+    eng = TieredCheckpointer(make_config(base, **cfg_kw), node_id=rank)
+    if rank == node:
+        forever = threading.Event()
+        eng.local.survey = lambda: forever.wait()  # type: ignore[method-assign]
+    model, opt = build(seed=123)
+    train_step(model, opt, 999, rank)
+    sd = app_state(model, opt)
+    t0 = time.monotonic()
+    res = eng.restore(sd)
+    wall = time.monotonic() - t0
+    apply_state(model, opt, sd)
+    ref = torch.load(os.path.join(base, "ref", f"rank{rank}.pt"), weights_only=False)
+    assert_bitwise(snapshot(model, opt), ref["snap"])
+    if eng.last_redundancy is not None:
+        eng.last_redundancy.result(timeout=120)
+    eng.close()
+    return {"step": res.step, "wall": wall, "sources": {n: (o.source.kind, o.source.holder) for n, o in res.sources.items()}}

@@ -157,3 +157,14 @@ def test_a_send_whose_read_stalls_mid_stream_completes_the_stream_with_zeros(tmp
     assert send_s < 2.0 + 25 and recv[0] < 2.0 + 25, (send_s, recv)
     assert any("__0_0.distcp: checksum mismatch" in p for p in recv[1]), recv
     assert recv[2] == ["__3_0.distcp"], recv  # only the empty file, which has no chunk, is intact
+
+
+def test_hung_listing_of_a_local_root_is_bounded(saved):
+    """The inventory's listing of a node-local root that hangs is bounded too: that node then
+    holds nothing local, and its state comes from its peer's replica (the restore does not wait
+    for the hung disk, nor end in a collective timeout)."""
+    res = run_world(scenarios_hung.phase_restore_hung_listing, 2, saved, CFG, 1, timeout=240)
+    for r in res:
+        v = r.value
+        assert v["step"] == K and v["sources"][1][0] == "peer-replica" and v["sources"][0][0] == "own-local", v
+        assert v["wall"] < BOUND + SLACK, v

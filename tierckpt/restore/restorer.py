@@ -53,6 +53,7 @@ from tierckpt.restore.plan import (
     Source,
     choose,
 )
+from tierckpt.io.bounded import run_bounded
 from tierckpt.io.memory_read import OwnRead
 from tierckpt.restore.template import check_template
 from tierckpt.restore.pull import Pulled, commit_pull, plan_pulls, record_pulls, run_pulls
@@ -147,11 +148,13 @@ class Restorer:
         their root at all (a stuck local job holds it) and are recorded as such."""
         mine = None
         if self.topo.is_node_leader and self.local is not None and self.topo.node not in unavailable:
-            try:
-                copies, other = self.local.survey()
+            try:  # bounded: a hung node-local disk is a node with nothing local, not a hung restore
+                local = self.local
+                copies, other = run_bounded(lambda progress: local.survey(), self.read_timeout_s,
+                                            f"listing {local.store.url}", name="tierckpt-survey")
                 mine = (self.topo.node, [(c.step, c.node, c.rel, c.nodes, c.world_size, c.replica_of, c.save_id,
                                           c.order) for c in copies], other)
-            except OSError as e:  # a dead local disk: this node simply has nothing local
+            except OSError as e:  # a dead or hung local disk (ReadTimeout): this node has nothing local
                 log.warning("tierckpt restore: cannot list node %d's local root: %s", self.topo.node, e)
         pers = None
         if self.topo.rank == 0 and self.persistent is not None:
