@@ -602,6 +602,7 @@ def check_per_rank_files(copies: list[Copy], base: str) -> list[str]:
             except AssertionError as e:
                 out.append(f"{c.path}: {'the plain copy is not rank 0' if who == 'plain' else 'rank ' + who}'s "
                            f"value of per_rank.{k}: {str(e)[:200]}")
+    return out
 
 
 # a new timeline (a fallback or a rollback) over an old one's step numbers (issue 28)

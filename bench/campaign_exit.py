@@ -17,7 +17,8 @@ Invariants (besides the campaign's restore checks on the restart that follows):
 - every rank exits with the script's own status (0, or 1 for an uncaught exception), within
   the bound; no SIGABRT, no "terminate called" in its output;
 - the ledger has the run's ``run_end`` with ``exit = "without close()"``; ``clean`` exactly
-  when no rank 0 exception ended the run and nothing was left unfinished;
+  when no rank 0 exception ended the run, nothing was left unfinished and a persistent step was
+  committed (the engine's rule for any run that saved);
 - the last step is committed in every tier it was saved to (the local step on every node,
   its replicas, the persistent step) or named in ``run_end.unfinished``; and when committed
   it is the step the restart must restore (checked against the files, independently of the
@@ -161,7 +162,9 @@ def run_exit_phase(plan, base: str, bound: float) -> list[str]:
     if end.get("exit") != "without close()":
         out.append(f"ledger: run_end.exit = {end.get('exit')!r}, want 'without close()'")
     rank0_raised = f["how"] == "raise" or f["how"] == "raise-one"  # a survivor raises on its failed collective
-    if end.get("clean") is not (not rank0_raised and not unfinished):
+    # the engine's own rule too: a run that saved is clean only with a durable (persistent) step
+    durable = any(s <= f["step"] for s in plan.persistent_steps)
+    if end.get("clean") is not (not rank0_raised and not unfinished and durable):
         out.append(f"ledger: run_end.clean = {end.get('clean')} after {f['how']} (unfinished: {sorted(unfinished)})")
     step = f["step"]
     tiers = ["local"] + (["persistent"] if step in plan.persistent_steps else [])
