@@ -77,14 +77,12 @@ def test_in_cluster_after_world_size_change(saved, tmp_path):
 
 
 def test_in_cluster_refused_when_a_ranks_value_is_lost(saved, tmp_path):
-    """2×1 → 4×1 with every copy of node 1 gone: the node-local copies cannot tell rank 1's
-    values, so the in-cluster read is refused and rank 1 reads its own from persistent."""
+    """2×rpn → 4×1 with every copy of node 1 gone: the node-local copies cannot tell node 1's
+    ranks' values, so the in-cluster read is refused and they read their own from persistent."""
     base, rpn = _copy(saved, tmp_path)
-    if rpn != 1:
-        pytest.skip("one case is enough")
     shutil.rmtree(os.path.join(base, "nvme", "node-1"))
     shutil.rmtree(os.path.join(base, "nvme", "node-0", "replicas", "node-1"))
-    out = _restore(base, 4, 1, 2)
+    out = _restore(base, 4, 1, 2 * rpn)
     assert _kinds(out) == {"persistent"}, out
 
 
