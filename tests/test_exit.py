@@ -23,7 +23,7 @@ def run_ranks(base: str, mode: str, world: int = 2, timeout: float = 300) -> lis
     port = free_port()
     procs = []
     for r in range(world):
-        env = {**os.environ, "PYTHONPATH": ROOT, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONFAULTHANDLER": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.exit_script", base, mode], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -40,7 +40,7 @@ from tierckpt import exit as exit_hook
 from tierckpt import startup
 from tierckpt.config import TierConfig, validate_tiers
 from tierckpt.dist.collectives import all_gather, broadcast_from_first
-from tierckpt.dist.topology import Groups, discover, new_groups
+from tierckpt.dist.topology import Groups, discover, new_groups, release_groups
 from tierckpt.errors import ConfigError, TierFailedError
 from tierckpt.gcpause import collector_paused, paused
 from tierckpt.handle import SaveHandle
@@ -797,6 +797,12 @@ class TieredCheckpointer:
             self._optimizer_hook = None
         if not stuck:  # a stuck job may still read its staged buffers: leak them rather than free
             self.pool.close()
+            # nothing uses the engine's groups any more: join their gloo threads now, not while
+            # the interpreter finalises (see release_groups); a stuck job may still be in one
+            release_groups(self.groups, *self._extra_groups.values())
+            self.busy.release()
+            if self.local is not None:
+                self.local.group = None
         self._closed = True
         if clean and raise_failures and failed:
             self._raise_if_failed(failed[0])

@@ -88,6 +88,13 @@ def register_tree(group: dist.ProcessGroup, tree: Tree) -> None:
     _TREES[id(group)] = (group, tree)  # the group is kept alive so its id is never reused
 
 
+def unregister_tree(group: dist.ProcessGroup) -> None:
+    """Forget the tree of ``group`` (and the reference that kept the group alive)."""
+    got = _TREES.get(id(group))
+    if got is not None and got[0] is group:
+        del _TREES[id(group)]
+
+
 def tree_of(group) -> Tree | None:
     """The tree registered for ``group`` (None: the helpers run flat on ``group``)."""
     got = _TREES.get(id(group))

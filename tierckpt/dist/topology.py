@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from tierckpt.dist.collectives import Tree, register_tree
+from tierckpt.dist.collectives import Tree, register_tree, unregister_tree
 from tierckpt.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,45 @@ class Groups:
     control: dist.ProcessGroup
     local_tree: Tree | None = None
     persistent_tree: Tree | None = None
+
+
+def release_groups(*sets: Groups) -> int:
+    """Destroy the engine's gloo groups in ``sets`` and drop every reference they hold (not
+    collective; call when no job can still use them: :meth:`~tierckpt.engine.TieredCheckpointer.close`
+    once every job finished). Returns how many groups were destroyed.
+
+    Why: a gloo group's C++ worker threads keep each finished collective's work (and its
+    tensors) until they pick the next one up; the last of those tensors whose Python object
+    the trainer already dropped is freed on the gloo thread, which takes the GIL for it. When
+    that happens while the interpreter finalises (``close()`` or the exit hook of
+    :mod:`tierckpt.exit` just before the process ends), CPython ends the thread with
+    ``pthread_exit``, whose unwind crosses a ``noexcept`` frame: SIGABRT, "terminate called
+    without an active exception", after every save committed (pytorch/pytorch issue 190489:
+    exiting without ``destroy_process_group``). A destroyed group whose last reference is gone
+    joins its threads at once, while the interpreter is alive. The trainer's own groups are not
+    the engine's to destroy.
+    """
+    pgs: dict[int, dist.ProcessGroup] = {}
+    for gs in sets:
+        trees = [t for t in (gs.local_tree, gs.persistent_tree) if t is not None]
+        for pg in (gs.node, gs.local_world, gs.persistent_world, gs.control,
+                   *(t.node for t in trees), *(t.leaders for t in trees)):
+            if pg is not None:
+                pgs[id(pg)] = pg
+        for pg in (gs.local_world, gs.persistent_world):
+            if pg is not None:
+                unregister_tree(pg)
+        gs.node = gs.local_world = gs.persistent_world = gs.control = None  # type: ignore[assignment]
+        gs.local_tree = gs.persistent_tree = None
+    destroyed = 0
+    for pg in pgs.values():
+        try:
+            dist.destroy_process_group(pg)
+            destroyed += 1
+        except (ValueError, AssertionError, RuntimeError):  # gone already: the trainer destroyed every group
+            pass
+    pgs.clear()
+    return destroyed
 
 
 def discover(jump: int, factor: int, *, node_id: int | None = None, ranks_per_node: int = 0,

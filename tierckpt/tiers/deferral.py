@@ -51,6 +51,10 @@ class BusyPoll:
         self._step: int | None = None  # the step of the answers in _answers
         self._answers: dict[str, tuple[Future, bool]] = {}
 
+
+    def release(self) -> None:
+        """Drop the control group (the engine closed and destroys its groups)."""
+        self._group = None
     def finished(self, tiers: Iterable[str], step: int) -> dict[str, bool]:
         """``{tier: its last job finished on every rank}`` at ``step`` (True for a tier without
         a job). Collective over the control group unless every answer is known already: call
