@@ -100,6 +100,8 @@ def test_the_two_cases_of_the_issue():
         with pytest.raises(ConfigError) as e:
             TierConfig(**BASE, **kw)
         assert e.value.option == option and allowed in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match=r"^staging_buffers: must be an integer >= 1, got True$"):
+        TierConfig(persistent_root="/shared/ckpt", tiers=("persistent",), staging_buffers=True)
     c = TierConfig(**BASE, collective_timeout_s=7 * 86400, staging_buffers=3, preemption_grace_s=60)
     assert (c.collective_timeout_s, c.staging_buffers, c.preemption_grace_s) == (604800.0, 3, 60.0)
     assert isinstance(c.collective_timeout_s, float)

@@ -104,10 +104,15 @@ class Number:
         """
         if value is None and self.none_means is not None:
             return None
-        kind = numbers.Integral if self.integer else numbers.Real
-        if isinstance(value, bool) or not isinstance(value, kind):
+        v: int | float
+        if isinstance(value, bool):  # an int subclass: True would pass as 1
             raise self._fail(value, option)
-        v = int(value) if self.integer else float(value)
+        if isinstance(value, numbers.Integral):  # numpy integers too
+            v = int(value) if self.integer else float(value)
+        elif isinstance(value, numbers.Real) and not self.integer:
+            v = float(value)
+        else:
+            raise self._fail(value, option)
         if not math.isfinite(v):
             raise self._fail(value, option)
         if self.min is not None and (v < self.min or (self.min_open and v == self.min)):
