@@ -114,7 +114,7 @@ def _add_exit_flag(g) -> None:
                    type=_typed("--ckpt-plugin-exit-timeout"), default=None,
                    metavar="SECONDS", help="Longest the process's exit waits for the saves still running when "
                                            "training ends without the plugin's finalize (an exception); then "
-                                           "they stay uncommitted and the ledger names them (default 600).")
+                                           "they stay uncommitted and the ledger names them (default 600; at most 604800).")
 
 
 def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -163,8 +163,8 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Prior MTBF of one GPU for the adaptive scheduler (default: Llama 3's).")
     g.add_argument("--ckpt-plugin-restart-prior", type=_typed("--ckpt-plugin-restart-prior"),
                    default=None, metavar="SECONDS",
-                   help="Restart + restore time the adaptive scheduler assumes until it has seen a "
-                        "restore (default 300).")
+                   help="Restart + restore seconds (>= 0) the adaptive scheduler assumes until it has "
+                        "seen a restore (default 300).")
     g.add_argument("--ckpt-plugin-min-interval", type=_typed("--ckpt-plugin-min-interval"),
                    default=None, metavar="STEPS", help="Lower bound of adaptive intervals (default 1).")
     g.add_argument("--ckpt-plugin-max-interval", type=_typed("--ckpt-plugin-max-interval"),
@@ -174,7 +174,7 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ckpt-plugin-local-wait-timeout",
                    type=_typed("--ckpt-plugin-local-wait-timeout"), default=None,
                    metavar="SECONDS", help="Longest a local save waits for the previous one; then that step "
-                                           "skips the local tier on every rank (default 300; 0 = no limit).")
+                                           "skips the local tier on every rank (default 300; 0 = no limit; at most 604800).")
     _add_restore_args(g)
     _add_exit_flag(g)
     g.add_argument("--ckpt-plugin-busy-tier-policy", choices=("defer", "wait"), default=None,

@@ -128,7 +128,7 @@ def test_number_rule_messages_and_normalisation():
     wait = non_negative_seconds(max=60, note="0 = no limit")
     assert wait(3, "w") == 3.0 and type(wait(3, "w")) is float
     assert wait.describe() == "a number of seconds in [0, 60] (0 = no limit)"
-    assert positive_seconds().describe() == "a positive number of seconds"
+    assert positive_seconds().describe() == "a number of seconds > 0"
     assert fraction().describe() == "a number in (0, 1]"
     with pytest.raises(ConfigError, match=r"in \(0, 1\], got 0"):
         fraction()(0, "f")

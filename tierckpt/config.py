@@ -302,7 +302,7 @@ class TierConfig(_KnownFields):
             At most ``collective_timeout_s / 2``: the peers of a rank that gives up wait for it
             in a collective for the bound plus the rest of the attempt.
         local_wait_timeout_s: longest a local-tier save waits for the previous one (seconds; 0 =
-            no limit). When the previous local save is still running on some rank after this
+            no limit, at most 7 days). When the previous local save is still running on some rank after this
             (a hung or very slow node-local disk), every rank skips the local tier at this step
             with a warning and a ledger record; training and the persistent tier go on.
         exit_timeout_s: longest the interpreter's exit waits for the background saves still

@@ -77,8 +77,6 @@ class Number:
                   f"{self.max_label or _fmt(self.max)}]"
         elif self.min is None:
             rng = ""
-        elif self.min == 0 and self.min_open:
-            noun, rng = "a positive " + noun.removeprefix("an ").removeprefix("a "), ""
         else:
             rng = f" {'>' if self.min_open else '>='} {_fmt(self.min)}"
         text = noun + rng

@@ -124,7 +124,7 @@ class TieredCheckpointManager(CheckpointManager):
         16,384 GPUs x 54 days / 419 interruptions)."""
 
         local_wait_timeout_s: float = 300.0
-        """Longest a local save waits for the previous one, seconds (0 = no limit); then that
+        """Longest a local save waits for the previous one, seconds (0 = no limit, at most 604800); then that
         step skips the local tier on every rank (a hung node-local disk must not stall training)."""
 
         restore_read_timeout_s: float = 0.0
@@ -156,7 +156,7 @@ class TieredCheckpointManager(CheckpointManager):
 
         preemption_grace_s: float = 25.0
         """Seconds the preemption save may take (local tier + replicas first, persistent tier
-        with the rest); keep it under the scheduler's kill delay (Slurm KillWait, torchrun 30 s)."""
+        with the rest); keep it under the scheduler's kill delay (Slurm KillWait, torchrun 30 s). At most 604800."""
 
         warn_only_tiers: list[str] = field(default_factory=lambda: ["local"])
         """Tiers whose failed background save is only logged and recorded ("local",
