@@ -215,7 +215,7 @@ def _plugin_flags_given(args) -> list[str]:
     given = []
     for name, value in vars(args).items():
         if name.startswith("ckpt_plugin_") and name != "ckpt_plugin_enable":
-            if value not in (None, False):
+            if value is not None and value is not False:  # 0 (0 keeps all, ...) is given: 0 == False
                 given.append("--" + name.replace("_", "-"))
     return given
 

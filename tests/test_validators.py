@@ -290,6 +290,17 @@ def test_flags_refuse_values_set_without_the_parser(value):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("flag", ["--ckpt-plugin-local-keep", "--ckpt-plugin-restart-prior"])
+def test_a_zero_flag_without_the_plugin_is_refused(flag):
+    """0 is a value (``0 keeps all``, R = 0 s): given without --ckpt-plugin-enable it is not silently ignored."""
+    from mcore_plugin.args import validate_plugin_args
+    from tests.mcore.test_args import parse
+
+    with pytest.raises(ConfigError) as e:
+        validate_plugin_args(parse(["--save", "/s", "--save-interval", "10", flag, "0"]))
+    assert e.value.option == flag and "--ckpt-plugin-enable" in str(e.value)
+
+
 def test_flags_use_the_engines_rules():
     """Where a flag sets a TierConfig / ScheduleOptions value as is, its rule is the engine's
     (the same object); the exceptions are the flags whose value is not the field's."""
