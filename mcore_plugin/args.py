@@ -31,6 +31,8 @@ import weakref
 from dataclasses import dataclass, field
 
 from tierckpt import TIERS, ConfigError, ScheduleOptions, TierConfig
+from tierckpt.config import RULES, SCHEDULE_RULES
+from tierckpt.validators import Number, non_negative_seconds, positive_number
 
 PREFIX = "--ckpt-plugin-"
 GROUP_TITLE = "tierckpt checkpoint plugin"
@@ -51,44 +53,68 @@ _MEGATRON_FLAG = {
 }
 
 
-def _number(flag: str, cast, what: str, ok, bound: str):
-    """argparse ``type=`` converter: ``cast(text)`` that ``ok(v)`` accepts, else an
-    ``ArgumentTypeError`` naming ``flag`` ("expected <what> <bound>")."""
+# The value rule of every numeric flag: the engine's rule of the field it sets
+# (tierckpt.config.RULES), or, where the flag's value is not that field's value (hours; 0 for
+# "the default"), the flag's own. The parser applies it to the text (an argparse error naming
+# the flag, exit 2) and validate_plugin_args to the value, however it was set (Megatron's
+# args_defaults, a script), as a ConfigError naming the flag.
+FLAG_RULES: dict[str, Number] = {
+    "--ckpt-plugin-replication-jump": RULES["replication_jump"],
+    "--ckpt-plugin-replication-factor": RULES["replication_factor"],
+    "--ckpt-plugin-local-interval": RULES["intervals"],
+    "--ckpt-plugin-persistent-interval": RULES["intervals"],
+    "--ckpt-plugin-gpu-mtbf-hours": positive_number(unit="hours"),
+    "--ckpt-plugin-restart-prior": SCHEDULE_RULES["restart_prior_s"],
+    "--ckpt-plugin-min-interval": SCHEDULE_RULES["min_steps"],
+    "--ckpt-plugin-max-interval": SCHEDULE_RULES["max_steps"],
+    "--ckpt-plugin-local-keep": RULES["keep_latest_k"],
+    "--ckpt-plugin-persistent-keep": RULES["keep_latest_k"],
+    "--ckpt-plugin-local-wait-timeout": RULES["local_wait_timeout_s"],
+    # 0 = None; the engine's bound (<= collective_timeout_s / 2) applies to the value it maps to
+    "--ckpt-plugin-restore-read-timeout": non_negative_seconds(note="0 = the default"),
+    "--ckpt-plugin-exit-timeout": RULES["exit_timeout_s"],
+    "--ckpt-plugin-simulated-ranks-per-node": RULES["simulated_ranks_per_node"],
+}
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _typed(flag: str):
+    """argparse ``type=`` converter of ``flag``: :data:`FLAG_RULES` applied to the text, an
+    ``ArgumentTypeError`` (parser error naming the flag) with the rule's message."""
+    rule = FLAG_RULES[flag]
+
     def conv(text: str):
         try:
-            v = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag}: expected {what} {bound}, got {text!r}") from None
-        if not ok(v):
-            raise argparse.ArgumentTypeError(f"{flag}: expected {what} {bound}, got {v}")
-        return v
+            return rule.parse(text, flag)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag}: ")) from None
 
+    conv.__name__ = f"{_dest(flag)}_value"  # argparse names it in some messages
     return conv
 
 
-def _positive_int(flag: str):
-    return _number(flag, int, "an integer", lambda v: v >= 1, ">= 1")
+def _check_flag_values(args: argparse.Namespace) -> None:
+    """:data:`FLAG_RULES` on the values in ``args`` (None = not given).
 
-
-def _nonneg_int(flag: str, zero_means: str):
-    return _number(flag, int, "an integer", lambda v: v >= 0, f">= 0 ({zero_means})")
-
-
-def _positive_float(flag: str):
-    return _number(flag, float, "a number", lambda v: v > 0, "> 0")
-
-
-def _nonneg_float(flag: str, zero_means: str):
-    return _number(flag, float, "a finite number", lambda v: 0 <= v < float("inf"), f">= 0 ({zero_means})")
+    Raises:
+        ConfigError: naming the flag, with the allowed values.
+    """
+    for flag, rule in FLAG_RULES.items():
+        value = getattr(args, _dest(flag), None)
+        if value is not None:
+            setattr(args, _dest(flag), rule(value, flag))
 
 
 def _add_exit_flag(g) -> None:
     """``--ckpt-plugin-exit-timeout`` (``TierConfig.exit_timeout_s``, :mod:`tierckpt.exit`)."""
     g.add_argument("--ckpt-plugin-exit-timeout",
-                   type=_nonneg_float("--ckpt-plugin-exit-timeout", "0 = do not wait"), default=None,
+                   type=_typed("--ckpt-plugin-exit-timeout"), default=None,
                    metavar="SECONDS", help="Longest the process's exit waits for the saves still running when "
                                            "training ends without the plugin's finalize (an exception); then "
-                                           "they stay uncommitted and the ledger names them (default 600).")
+                                           "they stay uncommitted and the ledger names them (default 600; at most 604800).")
 
 
 def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -109,19 +135,19 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ckpt-plugin-local-root-is-node-private", action="store_true", default=False,
                    help="The local root may omit {node}/{hostname}: each node's path is on its own disk.")
     _add_permissions_arg(g)
-    g.add_argument("--ckpt-plugin-replication-jump", type=_positive_int("--ckpt-plugin-replication-jump"),
+    g.add_argument("--ckpt-plugin-replication-jump", type=_typed("--ckpt-plugin-replication-jump"),
                    default=None, metavar="J",
                    help="J, counted in nodes: node n's local checkpoint is copied to nodes n+J, n+2J, ... "
                         "(default 1, or Megatron's --replication-jump divided by the ranks per node).")
-    g.add_argument("--ckpt-plugin-replication-factor", type=_positive_int("--ckpt-plugin-replication-factor"),
+    g.add_argument("--ckpt-plugin-replication-factor", type=_typed("--ckpt-plugin-replication-factor"),
                    default=None, metavar="F",
                    help="F: copies of each node's local checkpoint, own included; 1 = no replica "
                         "(default 2, or Megatron's --replication-factor with --replication).")
-    g.add_argument("--ckpt-plugin-local-interval", type=_positive_int("--ckpt-plugin-local-interval"),
+    g.add_argument("--ckpt-plugin-local-interval", type=_typed("--ckpt-plugin-local-interval"),
                    default=None, metavar="STEPS",
                    help="Iterations between local-tier saves (default: --non-persistent-save-interval; "
                         "neither = no local tier). The starting value when the local tier is adaptive.")
-    g.add_argument("--ckpt-plugin-persistent-interval", type=_positive_int("--ckpt-plugin-persistent-interval"),
+    g.add_argument("--ckpt-plugin-persistent-interval", type=_typed("--ckpt-plugin-persistent-interval"),
                    default=None, metavar="STEPS",
                    help="Iterations between persistent-tier saves (default: --save-interval). "
                         "The starting value when the persistent tier is adaptive.")
@@ -132,23 +158,23 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Tiers whose failed background save is only logged and recorded in the ledger "
                         "(default: local). A failed save of any other tier stops training at that tier's "
                         "next save or at the end of training.")
-    g.add_argument("--ckpt-plugin-gpu-mtbf-hours", type=_positive_float("--ckpt-plugin-gpu-mtbf-hours"),
+    g.add_argument("--ckpt-plugin-gpu-mtbf-hours", type=_typed("--ckpt-plugin-gpu-mtbf-hours"),
                    default=None, metavar="HOURS",
                    help="Prior MTBF of one GPU for the adaptive scheduler (default: Llama 3's).")
-    g.add_argument("--ckpt-plugin-restart-prior", type=_positive_float("--ckpt-plugin-restart-prior"),
+    g.add_argument("--ckpt-plugin-restart-prior", type=_typed("--ckpt-plugin-restart-prior"),
                    default=None, metavar="SECONDS",
-                   help="Restart + restore time the adaptive scheduler assumes until it has seen a "
-                        "restore (default 300).")
-    g.add_argument("--ckpt-plugin-min-interval", type=_positive_int("--ckpt-plugin-min-interval"),
+                   help="Restart + restore seconds (>= 0) the adaptive scheduler assumes until it has "
+                        "seen a restore (default 300).")
+    g.add_argument("--ckpt-plugin-min-interval", type=_typed("--ckpt-plugin-min-interval"),
                    default=None, metavar="STEPS", help="Lower bound of adaptive intervals (default 1).")
-    g.add_argument("--ckpt-plugin-max-interval", type=_positive_int("--ckpt-plugin-max-interval"),
+    g.add_argument("--ckpt-plugin-max-interval", type=_typed("--ckpt-plugin-max-interval"),
                    default=None, metavar="STEPS", help="Upper bound of adaptive intervals (default: none).")
-    g.add_argument("--ckpt-plugin-local-keep", type=_nonneg_int("--ckpt-plugin-local-keep", "0 keeps all"),
+    g.add_argument("--ckpt-plugin-local-keep", type=_typed("--ckpt-plugin-local-keep"),
                    default=None, metavar="K", help="Committed local steps kept per node and per replica (default 2).")
     g.add_argument("--ckpt-plugin-local-wait-timeout",
-                   type=_nonneg_float("--ckpt-plugin-local-wait-timeout", "0 = no limit"), default=None,
+                   type=_typed("--ckpt-plugin-local-wait-timeout"), default=None,
                    metavar="SECONDS", help="Longest a local save waits for the previous one; then that step "
-                                           "skips the local tier on every rank (default 300; 0 = no limit).")
+                                           "skips the local tier on every rank (default 300; 0 = no limit; at most 604800).")
     _add_restore_args(g)
     _add_exit_flag(g)
     g.add_argument("--ckpt-plugin-busy-tier-policy", choices=("defer", "wait"), default=None,
@@ -163,12 +189,12 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "copied in the background during the next forward/backward; the optimizer step waits "
                         "for them; a write that races the copy fails that save). CUDA tensors are unaffected.")
     g.add_argument("--ckpt-plugin-persistent-keep",
-                   type=_nonneg_int("--ckpt-plugin-persistent-keep", "0 keeps all"),
+                   type=_typed("--ckpt-plugin-persistent-keep"),
                    default=None, metavar="K", help="Committed persistent steps kept (default 3).")
     g.add_argument("--ckpt-plugin-job-id", default=None, metavar="ID", help=(
         "Value of {job} in the local root; keep it stable across restarts (default: SLURM_JOB_ID, else 'job')."))
     g.add_argument("--ckpt-plugin-simulated-ranks-per-node", default=None, metavar="N",
-                   type=_nonneg_int("--ckpt-plugin-simulated-ranks-per-node", "0 = real topology"),
+                   type=_typed("--ckpt-plugin-simulated-ranks-per-node"),
                    help="Simulate nodes on one machine: node = rank // N (tests, demos).")
     return parser
 
@@ -189,7 +215,7 @@ def _plugin_flags_given(args) -> list[str]:
     given = []
     for name, value in vars(args).items():
         if name.startswith("ckpt_plugin_") and name != "ckpt_plugin_enable":
-            if value not in (None, False):
+            if value is not None and value is not False:  # 0 (0 keeps all, ...) is given: 0 == False
                 given.append("--" + name.replace("_", "-"))
     return given
 
@@ -297,7 +323,7 @@ def _agree(args, plugin_dest: str, megatron_dest: str, what: str):
 def _add_restore_args(g) -> None:
     """The flags of the restore (argument group ``g`` of :func:`add_plugin_args`)."""
     g.add_argument("--ckpt-plugin-restore-read-timeout",
-                   type=_nonneg_float("--ckpt-plugin-restore-read-timeout", "0 = the default"), default=None,
+                   type=_typed("--ckpt-plugin-restore-read-timeout"), default=None,
                    metavar="SECONDS", help="Longest a restore waits for a read of a source that makes no progress "
                                            "(a hung disk); that source then counts as failed and the restore "
                                            "falls back to the next one (default min(60, collective timeout / 3)).")
@@ -347,6 +373,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         _set_settings(args, None)
         return None
 
+    _check_flag_values(args)
     _check_megatron_flags(args)
     notes: list[str] = []
     tiers, intervals, adaptive = _tier_intervals(args)
@@ -357,11 +384,8 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
     if hasattr(args, "replication"):
         args.replication = False
 
-    keep = {}
-    if args.ckpt_plugin_local_keep is not None:
-        keep["local"] = int(args.ckpt_plugin_local_keep)
-    if args.ckpt_plugin_persistent_keep is not None:
-        keep["persistent"] = int(args.ckpt_plugin_persistent_keep)
+    keep = {t: k for t, k in (("local", args.ckpt_plugin_local_keep), ("persistent", args.ckpt_plugin_persistent_keep))
+            if k is not None}
 
     args.save_interval = intervals["persistent"]
     if not getattr(args, "load", None):

@@ -43,7 +43,8 @@ def test_precedence_cli_over_toml_over_registry(tmp_path):
     ("[training]\nsteps = true\n", [], "training.steps", "expected an integer"),
     ("[checkpoint]\nadaptive = [\"nvme\"]\n", [], "checkpoint.adaptive", "allowed: local, persistent"),
     ("", ["--checkpoint.restart_prior_s", "-1"], "checkpoint.restart_prior_s", ">= 0"),
-    ("", ["--checkpoint.local_wait_timeout_s", "-2"], "checkpoint.local_wait_timeout_s", ">= 0 (0 = no limit)"),
+    ("", ["--checkpoint.local_wait_timeout_s", "-2"], "checkpoint.local_wait_timeout_s",
+     "[0, 604800] (0 = wait without limit)"),
     ("", ["--checkpoint.busy_tier_policy", "later"], "checkpoint.busy_tier_policy", "'defer' or 'wait'"),
     ("", ["--checkpoint.cpu_staging", "async"], "checkpoint.cpu_staging", "'blocking' or 'overlapped'"),
     ("", ["--checkpoint.restore_read_timeout_s", "-1"], "checkpoint.restore_read_timeout_s", ">= 0 (0 = the default)"),
@@ -83,7 +84,7 @@ def test_scheduler_options_reach_the_engine_config(tmp_path):
 @pytest.mark.parametrize("text,key,fragment", [
     ("local_wait_timeout_s = 1e9\n", "checkpoint.local_wait_timeout_s", "[0, 604800]"),
     ("local_root = \"/nvme/ckpt\"\n", "checkpoint.local_root", "{node}"),
-    ("adaptive = [\"local\"]\ngpu_mtbf_hours = inf\n", "checkpoint.gpu_mtbf_hours", "positive number"),
+    ("adaptive = [\"local\"]\ngpu_mtbf_hours = inf\n", "checkpoint.gpu_mtbf_hours", "hours >= 0"),
 ])
 def test_early_check_and_runtime_builder_give_the_same_error(tmp_path, monkeypatch, text, key, fragment):
     """The TOML check before any process group and the manager's builder at start-up are one
@@ -95,7 +96,13 @@ def test_early_check_and_runtime_builder_give_the_same_error(tmp_path, monkeypat
     with pytest.raises(ConfigError) as early:
         load_config(path)
     assert early.value.option == key and fragment in str(early.value), str(early.value)
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    from titan_plugin.manager import TieredCheckpointManager
+
+    # the section's own __post_init__ runs the same builder: keep torchtitan's checks only
     monkeypatch.setattr(toml, "check_tiers_early", lambda ckpt: None)
+    monkeypatch.setattr(TieredCheckpointManager.Config, "__post_init__", CheckpointManager.Config.__post_init__)
     ckpt = load_config(path).checkpoint
     with pytest.raises(ConfigError) as runtime:
         build_tier_config(ckpt, ckpt.persistent_folder or ckpt.folder)

@@ -5,6 +5,9 @@ normalised in ``__post_init__``: building one raises :class:`ConfigError` naming
 the values it accepts, so every rank rejects a bad config the same way before the engine runs
 any collective. ``dataclasses.replace`` (:meth:`TierConfig.replace`) validates the copy again.
 Mapping fields are :class:`FrozenDict`, so a config cannot be changed through them either.
+Every numeric field has one rule (:data:`RULES`, :data:`SCHEDULE_RULES`, built from
+:mod:`tierckpt.validators`), which the torchtitan and Megatron front ends apply to the keys and
+flags that set it.
 Topology-dependent checks (``replication_factor`` against the node count) run when the
 topology is known, in :mod:`tierckpt.dist.topology`.
 """
@@ -12,7 +15,6 @@ topology is known, in :mod:`tierckpt.dist.topology`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import string
 from collections.abc import Mapping
@@ -21,7 +23,9 @@ from dataclasses import dataclass, field
 from tierckpt.errors import ConfigError
 from tierckpt.io.perms import modes_of
 from tierckpt.preemption import signal_numbers
-from tierckpt.sched.mtbf import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT, prior_params
+from tierckpt.sched.mtbf import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT
+from tierckpt.validators import (Number, boolean, choice, fraction, non_negative_int, non_negative_seconds, optional,
+                                 positive_int, positive_number, positive_seconds)
 
 TIERS = ("local", "persistent")
 """Tiers a save can target. Replication is part of the local tier (F>1), not a tier of its own."""
@@ -33,7 +37,9 @@ BUSY_TIER_POLICIES = ("defer", "wait")
 """Values of ``TierConfig.busy_tier_policy``: what a save does with a tier whose previous save
 still runs."""
 
-MAX_WAIT_S = 7 * 86400.0  # local_wait_timeout_s bound (threading.TIMEOUT_MAX is far above)
+MAX_WAIT_S = 7 * 86400.0
+"""Upper bound of every wait option, seconds (a week; threading.TIMEOUT_MAX and timedelta's range are
+far above, so a valid wait never overflows)."""
 DEFAULT_KEEP_LATEST_K = {"local": 2, "persistent": 3}
 TEMPLATE_FIELDS = ("job", "node", "hostname")
 
@@ -45,6 +51,43 @@ DEFAULT_PERSISTENT_SHARE_WEIGHT = 10.0
 """Strength of that prior, in pseudo-restores (Beta(1, 9) with the defaults)."""
 DEFAULT_EMA_ALPHA = 0.3
 """Weight of the newest sample in the moving averages of δ, C and the step time."""
+
+STEPS = positive_int(unit="steps")
+SECONDS = non_negative_seconds()
+
+RULES: dict[str, Number] = {
+    "replication_jump": positive_int(),
+    "replication_factor": positive_int(),
+    "keep_latest_k": non_negative_int(note="0 keeps all"),  # per tier
+    "transfer_chunk_bytes": Number(integer=True, min=4096, unit="bytes", multiple_of=4096,
+                                   note="O_DIRECT alignment"),
+    "restore_memory_bytes": non_negative_int(unit="bytes", note="0 = restore from disk"),
+    "staging_buffers": positive_int(),
+    "collective_timeout_s": positive_seconds(max=MAX_WAIT_S),
+    # at most collective_timeout_s / 2, applied with that value (TierConfig docs)
+    "restore_read_timeout_s": optional(positive_seconds(), "min(60, collective_timeout_s / 3)"),
+    "local_wait_timeout_s": non_negative_seconds(max=MAX_WAIT_S, note="0 = wait without limit"),
+    "exit_timeout_s": non_negative_seconds(max=MAX_WAIT_S, note="0 = do not wait"),
+    "simulated_ranks_per_node": non_negative_int(note="0 = real topology"),
+    "intervals": STEPS,  # per tier
+    "preemption_grace_s": positive_seconds(max=MAX_WAIT_S),
+}
+"""The rule of every numeric :class:`TierConfig` field (:mod:`tierckpt.validators`): the one
+place its bound is written. The adapters check the TOML keys and ``--ckpt-plugin-*`` flags that
+set these fields with the same rules."""
+
+SCHEDULE_RULES: dict[str, Number] = {
+    "gpu_mtbf_s": positive_seconds(),
+    "mtbf_weight": positive_number(unit="pseudo-failures"),
+    "restart_prior_s": SECONDS,
+    "delta_prior_s": SECONDS,  # per tier
+    "persistent_share": fraction(),
+    "persistent_share_weight": positive_number(unit="pseudo-restores"),
+    "ema_alpha": fraction(),
+    "min_s": SECONDS, "max_s": SECONDS,  # per tier
+    "min_steps": STEPS, "max_steps": STEPS,  # per tier
+}
+"""The rule of every numeric :class:`ScheduleOptions` field, as :data:`RULES`."""
 
 
 def validate_tiers(tiers, option: str = "tiers") -> tuple[str, ...]:
@@ -103,21 +146,11 @@ class _KnownFields:
         return super().__new__(cls)
 
 
-def _number(value, option: str, *, integer: bool) -> int | float:
-    """``value`` as steps (an integer >= 1) or seconds (a finite number >= 0, as float)."""
-    if integer:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(option, f"must be an integer number of steps >= 1, got {value!r}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ConfigError(option, f"must be a number of seconds >= 0, got {value!r}")
-    return float(value)
-
-
-def per_tier(value, option: str, *, integer: bool):
+def per_tier(value, option: str, *, integer: bool | None = None, rule: Number | None = None):
     """Check a per-tier value: None (unset), one value for every tier, or ``{tier: value}``.
 
-    Values are steps (``integer``: integers >= 1) or seconds (numbers >= 0, returned as float).
+    Values follow ``rule``; without one, steps (``integer``: integers >= 1) or seconds (finite
+    numbers >= 0, returned as float).
 
     Returns:
         None, the single value, or a :class:`FrozenDict` ``{tier: value}`` without the tiers
@@ -127,16 +160,17 @@ def per_tier(value, option: str, *, integer: bool):
         ConfigError: naming ``option`` (``option.tier`` for a value of the mapping form), for a
             tier not in :data:`TIERS` or a value out of range.
     """
+    check = rule or (STEPS if integer else SECONDS)
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        return _number(value, option, integer=integer)
+        return check(value, option)
     out = {}
     for tier, v in value.items():
         if tier not in TIERS:
             raise ConfigError(option, f"unknown tier {tier!r}; allowed: {', '.join(TIERS)}")
         if v is not None:
-            out[tier] = _number(v, f"{option}.{tier}", integer=integer)
+            out[tier] = check(v, f"{option}.{tier}")
     return FrozenDict(out)
 
 
@@ -147,13 +181,6 @@ def expand_per_tier(value, tiers: tuple[str, ...]) -> dict:
     if isinstance(value, Mapping):
         return dict(value)
     return {t: value for t in tiers}
-
-
-def _fraction(value, option: str) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value > 1 or value <= 0:
-        raise ConfigError(option, f"must be a number in (0, 1], got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,27 +233,19 @@ class ScheduleOptions(_KnownFields):
         def put(name, value):
             object.__setattr__(self, name, value)
 
-        prior_params(self.gpu_mtbf_s, 1, self.mtbf_weight)  # raises naming gpu_mtbf_s or mtbf_weight
-        put("gpu_mtbf_s", float(self.gpu_mtbf_s))
-        put("mtbf_weight", float(self.mtbf_weight))
-        put("restart_prior_s", _number(self.restart_prior_s, "restart_prior_s", integer=False))
-        put("delta_prior_s", per_tier(self.delta_prior_s, "delta_prior_s", integer=False))
-        put("persistent_share", _fraction(self.persistent_share, "persistent_share"))
-        w = self.persistent_share_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-            raise ConfigError("persistent_share_weight", f"must be a positive number of pseudo-restores, got {w!r}")
-        put("persistent_share_weight", float(w))
-        put("ema_alpha", _fraction(self.ema_alpha, "ema_alpha"))
-        for lo_name, hi_name, integer in (("min_s", "max_s", False), ("min_steps", "max_steps", True)):
-            put(lo_name, per_tier(getattr(self, lo_name), lo_name, integer=integer))
-            put(hi_name, per_tier(getattr(self, hi_name), hi_name, integer=integer))
+        for name in ("gpu_mtbf_s", "mtbf_weight", "restart_prior_s", "persistent_share", "persistent_share_weight",
+                     "ema_alpha"):
+            put(name, SCHEDULE_RULES[name](getattr(self, name), name))
+        put("delta_prior_s", per_tier(self.delta_prior_s, "delta_prior_s", rule=SCHEDULE_RULES["delta_prior_s"]))
+        for lo_name, hi_name in (("min_s", "max_s"), ("min_steps", "max_steps")):
+            put(lo_name, per_tier(getattr(self, lo_name), lo_name, rule=SCHEDULE_RULES[lo_name]))
+            put(hi_name, per_tier(getattr(self, hi_name), hi_name, rule=SCHEDULE_RULES[hi_name]))
             lo, hi = expand_per_tier(getattr(self, lo_name), TIERS), expand_per_tier(getattr(self, hi_name), TIERS)
             for t in TIERS:
                 if t in lo and t in hi and lo[t] > hi[t]:
                     raise ConfigError(lo_name, f"{lo_name} ({lo[t]}) of tier {t!r} exceeds {hi_name} ({hi[t]}); "
                                       f"allowed: {lo_name} <= {hi_name}")
-        if not isinstance(self.interference, bool):
-            raise ConfigError("interference", f"must be true or false, got {self.interference!r}")
+        boolean(self.interference, "interference")
 
 
 @dataclass(frozen=True)
@@ -271,7 +290,8 @@ class TierConfig(_KnownFields):
             detected through the tensors' version counters and fails that step's save
             (:mod:`tierckpt.io.overlap`). CUDA tensors are always copied asynchronously (a side
             stream, the same wait, no version checks).
-        collective_timeout_s: timeout of the engine's own gloo groups (seconds).
+        collective_timeout_s: timeout of the engine's own gloo groups (seconds, in (0,
+            :data:`MAX_WAIT_S`]: a week at most).
         restore_read_timeout_s: longest a restore waits for a read of a source that makes no
             progress (seconds without a byte or a file opened: a hung NFS/NVMe read), for the
             reads of a node's own copy, of a persistent step being verified, and of a replica
@@ -282,7 +302,7 @@ class TierConfig(_KnownFields):
             At most ``collective_timeout_s / 2``: the peers of a rank that gives up wait for it
             in a collective for the bound plus the rest of the attempt.
         local_wait_timeout_s: longest a local-tier save waits for the previous one (seconds; 0 =
-            no limit). When the previous local save is still running on some rank after this
+            no limit, at most 7 days). When the previous local save is still running on some rank after this
             (a hung or very slow node-local disk), every rank skips the local tier at this step
             with a warning and a ledger record; training and the persistent tier go on.
         exit_timeout_s: longest the interpreter's exit waits for the background saves still
@@ -327,8 +347,10 @@ class TierConfig(_KnownFields):
             signals' previous handlers (a framework with its own handler, or plain SIGTERM death).
         preemption_grace_s: seconds the final save of a preemption notice may take before the
             trainer exits anyway: the local tier (+ replicas) is waited for first, the persistent
-            tier with what is left (Slurm's KillWait and torchrun's shutdown default to 30 s).
+            tier with what is left (Slurm's KillWait and torchrun's shutdown default to 30 s);
+            in (0, :data:`MAX_WAIT_S`].
 
+    Numeric fields follow :data:`RULES` (``bool``, NaN, ±inf and strings are refused).
     Sequences are normalised to tuples and mappings to :class:`FrozenDict`.
 
     Raises:
@@ -390,52 +412,44 @@ class TierConfig(_KnownFields):
         if "local" in self.tiers:
             _check_template(self.local_root, self.local_root_is_node_private)
         modes_of(self.local_permissions)  # raises naming local_permissions and the allowed values
+        boolean(self.local_root_is_node_private, "local_root_is_node_private")
         if not self.persistent_root:
             raise ConfigError(
                 "persistent_root",
                 "a shared directory or fsspec URL is required (it holds the persistent tier "
                 "and the ledger)",
             )
-        for name in ("replication_jump", "replication_factor"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(name, f"must be an integer >= 1, got {v!r}")
+        self._check("replication_jump", "replication_factor")
+
+    def _check(self, *names: str) -> None:
+        """Check and normalise the plain numeric fields ``names`` with their :data:`RULES`."""
+        for name in names:
+            self._put(name, RULES[name](getattr(self, name), name))
 
     def _check_retention_and_transfer(self) -> None:
+        if not isinstance(self.keep_latest_k, Mapping):
+            raise ConfigError("keep_latest_k", f"must be a mapping tier -> {RULES['keep_latest_k'].describe()}, "
+                                               f"got {self.keep_latest_k!r}")
         keep = dict(DEFAULT_KEEP_LATEST_K)
-        for tier, k in dict(self.keep_latest_k).items():
+        for tier, k in self.keep_latest_k.items():
             if tier not in TIERS:
                 raise ConfigError(
                     "keep_latest_k", f"unknown tier {tier!r}; allowed: {', '.join(TIERS)}"
                 )
-            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-                raise ConfigError(
-                    f"keep_latest_k.{tier}", f"must be an integer >= 0 (0 keeps all), got {k!r}"
-                )
-            keep[tier] = k
+            keep[tier] = RULES["keep_latest_k"](k, f"keep_latest_k.{tier}")
         self._put("keep_latest_k", FrozenDict(keep))
-        if not isinstance(self.transfer_chunk_bytes, int) or self.transfer_chunk_bytes < 4096 \
-                or self.transfer_chunk_bytes % 4096:
-            raise ConfigError(
-                "transfer_chunk_bytes",
-                f"must be a positive multiple of 4096 bytes (O_DIRECT alignment), got {self.transfer_chunk_bytes!r}",
-            )
-        if isinstance(self.restore_memory_bytes, bool) or not isinstance(self.restore_memory_bytes, int) \
-                or self.restore_memory_bytes < 0:
-            raise ConfigError("restore_memory_bytes",
-                              f"must be an integer number of bytes >= 0 (0 = restore from disk), "
-                              f"got {self.restore_memory_bytes!r}")
+        self._check("transfer_chunk_bytes", "restore_memory_bytes")
 
     def _check_cadence(self) -> None:
         if self.intervals is not None:
             if not isinstance(self.intervals, Mapping):
                 raise ConfigError("intervals", f"must be a mapping tier -> steps, got {self.intervals!r}")
+            out = {}
             for tier, n in self.intervals.items():
                 if tier not in self.tiers:
                     raise ConfigError("intervals", f"tier {tier!r} is not configured; configured: {', '.join(self.tiers)}")
-                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                    raise ConfigError(f"intervals.{tier}", f"must be an integer number of steps >= 1, got {n!r}")
-            self._put("intervals", FrozenDict(self.intervals))
+                out[tier] = RULES["intervals"](n, f"intervals.{tier}")
+            self._put("intervals", FrozenDict(out))
         self._put("adaptive", validate_tiers(self.adaptive, "adaptive"))
         self._put("warn_only", validate_tiers(self.warn_only, "warn_only"))
         for tier in self.adaptive:
@@ -448,39 +462,16 @@ class TierConfig(_KnownFields):
     def _check_preemption(self) -> None:
         self._put("preemption_signals", tuple(self.preemption_signals))
         signal_numbers(self.preemption_signals)
-        g = self.preemption_grace_s
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < float("inf"):
-            raise ConfigError("preemption_grace_s", f"must be seconds > 0, got {g!r}")
+        self._check("preemption_grace_s")
 
     def _check_resources(self) -> None:
-        if isinstance(self.simulated_ranks_per_node, bool) or not isinstance(self.simulated_ranks_per_node, int) \
-                or self.simulated_ranks_per_node < 0:
-            raise ConfigError("simulated_ranks_per_node",
-                              f"must be an integer >= 0 (0 = real topology), got {self.simulated_ranks_per_node!r}")
-        if not isinstance(self.staging_buffers, int) or self.staging_buffers < 1:
-            raise ConfigError("staging_buffers", f"must be an integer >= 1, got {self.staging_buffers!r}")
-        if self.cpu_staging not in CPU_STAGING_MODES:
-            raise ConfigError("cpu_staging", f"must be {' or '.join(repr(m) for m in CPU_STAGING_MODES)}, "
-                              f"got {self.cpu_staging!r}")
-        if not (isinstance(self.collective_timeout_s, (int, float)) and self.collective_timeout_s > 0):
-            raise ConfigError(
-                "collective_timeout_s", f"must be a positive number of seconds, got {self.collective_timeout_s!r}"
-            )
-        r = self.restore_read_timeout_s
-        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r)
-                              or not 0 < r <= self.collective_timeout_s / 2):
-            raise ConfigError("restore_read_timeout_s",
-                              f"must be seconds in (0, collective_timeout_s / 2 = {self.collective_timeout_s / 2:g}] "
-                              f"(or None: min(60, collective_timeout_s / 3)), got {r!r}")
-        w = self.local_wait_timeout_s
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= MAX_WAIT_S:
-            raise ConfigError("local_wait_timeout_s",
-                              f"must be seconds in [0, {MAX_WAIT_S:g}] (0 = wait without limit), got {w!r}")
-        x = self.exit_timeout_s
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= MAX_WAIT_S:
-            raise ConfigError("exit_timeout_s",
-                              f"must be seconds in [0, {MAX_WAIT_S:g}] (0 = do not wait), got {x!r}")
-        if w and "local" in self.tiers and self.staging_buffers < 2:
+        self._check("simulated_ranks_per_node", "staging_buffers", "collective_timeout_s", "local_wait_timeout_s",
+                    "exit_timeout_s")
+        choice(self.cpu_staging, "cpu_staging", CPU_STAGING_MODES)
+        half = self.collective_timeout_s / 2
+        rule = RULES["restore_read_timeout_s"].with_max(half, f"collective_timeout_s / 2 = {half:g}")
+        self._put("restore_read_timeout_s", rule(self.restore_read_timeout_s, "restore_read_timeout_s"))
+        if self.local_wait_timeout_s and "local" in self.tiers and self.staging_buffers < 2:
             raise ConfigError("staging_buffers", "must be >= 2 with a local tier and local_wait_timeout_s > 0: "
                               "a stuck local save keeps its buffer, the other tiers need another "
                               f"(got {self.staging_buffers}; or set local_wait_timeout_s = 0)")
@@ -495,10 +486,8 @@ class TierConfig(_KnownFields):
         for tier, policy in value.items():
             if tier not in TIERS:
                 raise ConfigError("busy_tier_policy", f"unknown tier {tier!r}; allowed: {', '.join(TIERS)}")
-            if policy not in BUSY_TIER_POLICIES:
-                name = "busy_tier_policy" if isinstance(self.busy_tier_policy, str) else f"busy_tier_policy.{tier}"
-                raise ConfigError(name, f"must be {allowed}, got {policy!r}")
-            out[tier] = policy
+            out[tier] = choice(policy, "busy_tier_policy" if isinstance(self.busy_tier_policy, str)
+                               else f"busy_tier_policy.{tier}", BUSY_TIER_POLICIES)
         self._put("busy_tier_policy", FrozenDict(out))
 
     def busy_policy(self, tier: str) -> str:

@@ -5,14 +5,35 @@
 (:func:`titan_plugin.toml.check_tiers_early`, before any process group exists) and the
 manager at start-up both call it, so a bad value fails the same way in both. Errors name the
 ``checkpoint.*`` key the user wrote, through one table from ``TierConfig`` /
-``ScheduleOptions`` field names to those keys (:func:`checkpoint_error`).
+``ScheduleOptions`` field names to those keys (:func:`checkpoint_error`). The section's
+``__post_init__`` (:class:`titan_plugin.manager.TieredCheckpointManager.Config`) calls it too,
+so every rule is the engine's (:data:`tierckpt.config.RULES`) and written once; only the keys
+whose value is not a ``TierConfig`` value (:data:`SECTION_RULES`: 0 for "unset", hours) have
+rules of their own.
 
 This module imports neither torch nor torchtitan.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from tierckpt import ConfigError, ScheduleOptions, TierConfig
+from tierckpt.config import SCHEDULE_RULES, validate_tiers
+from tierckpt.validators import Number, non_negative_int
+
+SECTION_RULES: dict[str, Number] = {
+    "local_interval": non_negative_int(unit="steps", note="0 = no local tier"),
+    "max_interval_steps": non_negative_int(unit="steps", note="0 = none"),
+    "gpu_mtbf_hours": Number(min=0, unit="hours", note="0 = Llama 3's prior"),
+    "restart_prior_s": dataclasses.replace(SCHEDULE_RULES["restart_prior_s"], note="0 = 300 s default"),
+    # the engine's bound (<= collective_timeout_s / 2) applies to the value it maps to
+    "restore_read_timeout_s": Number(min=0, unit="seconds", note="0 = the default"),
+}
+"""Rules of the ``[checkpoint]`` keys that do not map 1:1 onto a ``TierConfig`` /
+``ScheduleOptions`` value: TOML has no None, so 0 stands for "unset", and ``gpu_mtbf_hours``
+is in hours. Checked in the key's own terms before the mapping, so the message shows the value
+the user wrote; every other key is checked by ``TierConfig`` itself."""
 
 # TierConfig / ScheduleOptions field -> [checkpoint] key, where the names differ. A mapping
 # entry ("keep_latest_k.local") is looked up first, then its field ("keep_latest_k").
@@ -57,30 +78,33 @@ def build_tier_config(ckpt, persistent_folder: str) -> TierConfig:
 
     Raises:
         ConfigError: named ``checkpoint.<key>`` (e.g. ``checkpoint.local_wait_timeout_s``), with
-            the allowed values.
+            the allowed values: :data:`SECTION_RULES`, then ``TierConfig``'s own validation.
     """
-    tiers = ("local", "persistent") if ckpt.local_interval > 0 else ("persistent",)
-    sched = {"min_steps": ckpt.min_interval_steps}
-    if ckpt.max_interval_steps:
-        sched["max_steps"] = ckpt.max_interval_steps
-    if ckpt.gpu_mtbf_hours:
-        sched["gpu_mtbf_s"] = ckpt.gpu_mtbf_hours * 3600.0
-    if ckpt.restart_prior_s:
-        sched["restart_prior_s"] = float(ckpt.restart_prior_s)
     try:
+        own = {key: rule(getattr(ckpt, key), key) for key, rule in SECTION_RULES.items()}
+        tiers = ("local", "persistent") if own["local_interval"] else ("persistent",)
+        # unknown tier names fail here, before the tiers that are off are filtered out
+        adaptive, warn_only = validate_tiers(ckpt.adaptive, "adaptive"), validate_tiers(ckpt.warn_only_tiers, "warn_only")
+        sched = {"min_steps": ckpt.min_interval_steps}
+        if own["max_interval_steps"]:
+            sched["max_steps"] = own["max_interval_steps"]
+        if own["gpu_mtbf_hours"]:
+            sched["gpu_mtbf_s"] = own["gpu_mtbf_hours"] * 3600.0
+        if own["restart_prior_s"]:
+            sched["restart_prior_s"] = own["restart_prior_s"]
         return TierConfig(
             local_root=ckpt.local_root, persistent_root=persistent_folder, tiers=tiers,
             replication_jump=ckpt.replication_jump, replication_factor=ckpt.replication_factor,
             keep_latest_k={"local": ckpt.local_keep_latest_k, "persistent": ckpt.keep_latest_k},
             job_id=ckpt.job_id or None, simulated_ranks_per_node=ckpt.simulated_ranks_per_node,
-            intervals={"local": ckpt.local_interval, "persistent": ckpt.interval} if ckpt.local_interval
+            intervals={"local": own["local_interval"], "persistent": ckpt.interval} if own["local_interval"]
             else {"persistent": ckpt.interval},
-            adaptive=tuple(t for t in ckpt.adaptive if t in tiers), schedule=ScheduleOptions(**sched),
-            local_wait_timeout_s=float(ckpt.local_wait_timeout_s), busy_tier_policy=ckpt.busy_tier_policy,
+            adaptive=tuple(t for t in adaptive if t in tiers), schedule=ScheduleOptions(**sched),
+            local_wait_timeout_s=ckpt.local_wait_timeout_s, busy_tier_policy=ckpt.busy_tier_policy,
             cpu_staging=ckpt.cpu_staging, local_permissions=ckpt.local_permissions,
-            restore_read_timeout_s=float(ckpt.restore_read_timeout_s) or None,
-            warn_only=tuple(t for t in ckpt.warn_only_tiers if t in tiers),
-            preemption_signals=tuple(ckpt.preemption_signals), preemption_grace_s=float(ckpt.preemption_grace_s),
+            restore_read_timeout_s=own["restore_read_timeout_s"] or None,
+            warn_only=tuple(t for t in warn_only if t in tiers),
+            preemption_signals=tuple(ckpt.preemption_signals), preemption_grace_s=ckpt.preemption_grace_s,
         )
     except ConfigError as e:
         raise checkpoint_error(e) from None

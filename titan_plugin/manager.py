@@ -124,7 +124,7 @@ class TieredCheckpointManager(CheckpointManager):
         16,384 GPUs x 54 days / 419 interruptions)."""
 
         local_wait_timeout_s: float = 300.0
-        """Longest a local save waits for the previous one, seconds (0 = no limit); then that
+        """Longest a local save waits for the previous one, seconds (0 = no limit, at most 604800); then that
         step skips the local tier on every rank (a hung node-local disk must not stall training)."""
 
         restore_read_timeout_s: float = 0.0
@@ -156,7 +156,7 @@ class TieredCheckpointManager(CheckpointManager):
 
         preemption_grace_s: float = 25.0
         """Seconds the preemption save may take (local tier + replicas first, persistent tier
-        with the rest); keep it under the scheduler's kill delay (Slurm KillWait, torchrun 30 s)."""
+        with the rest); keep it under the scheduler's kill delay (Slurm KillWait, torchrun 30 s). At most 604800."""
 
         warn_only_tiers: list[str] = field(default_factory=lambda: ["local"])
         """Tiers whose failed background save is only logged and recorded ("local",
@@ -170,59 +170,21 @@ class TieredCheckpointManager(CheckpointManager):
         """Upper bound of adaptive intervals, steps (0 = none)."""
 
         def __post_init__(self) -> None:
-            CheckpointManager.Config.__post_init__(self)
-            for name in ("local_interval", "local_keep_latest_k", "simulated_ranks_per_node"):
-                v = getattr(self, name)
-                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    raise ConfigError(f"checkpoint.{name}", f"must be an integer >= 0, got {v!r}")
-            for name in ("replication_jump", "replication_factor"):
-                v = getattr(self, name)
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ConfigError(f"checkpoint.{name}", f"must be an integer >= 1, got {v!r}")
-            for opt in ("adaptive", "warn_only_tiers"):
-                for t in getattr(self, opt):
-                    if t not in ("local", "persistent"):
-                        raise ConfigError(f"checkpoint.{opt}", f"unknown tier {t!r}; allowed: local, persistent")
-            if self.gpu_mtbf_hours < 0:
-                raise ConfigError("checkpoint.gpu_mtbf_hours", f"must be >= 0 (0 = Llama 3 prior), got {self.gpu_mtbf_hours!r}")
-            if isinstance(self.local_wait_timeout_s, bool) or not isinstance(self.local_wait_timeout_s, (int, float)) \
-                    or not 0 <= self.local_wait_timeout_s < float("inf"):
-                raise ConfigError("checkpoint.local_wait_timeout_s",
-                                  f"must be seconds >= 0 (0 = no limit), got {self.local_wait_timeout_s!r}")
-            if isinstance(self.restore_read_timeout_s, bool) or not isinstance(self.restore_read_timeout_s, (int, float)) \
-                    or not 0 <= self.restore_read_timeout_s < float("inf"):
-                raise ConfigError("checkpoint.restore_read_timeout_s",
-                                  f"must be seconds >= 0 (0 = the default), got {self.restore_read_timeout_s!r}")
-            if self.cpu_staging not in ("blocking", "overlapped"):
-                raise ConfigError("checkpoint.cpu_staging",
-                                  f"must be 'blocking' or 'overlapped', got {self.cpu_staging!r}")
-            if self.local_permissions not in ("private", "group"):
-                raise ConfigError("checkpoint.local_permissions",
-                                  f"must be 'private' (0700/0600) or 'group' (0750/0640), got {self.local_permissions!r}")
-            if self.busy_tier_policy not in ("defer", "wait"):
-                raise ConfigError("checkpoint.busy_tier_policy",
-                                  f"must be 'defer' or 'wait', got {self.busy_tier_policy!r}")
-            if isinstance(self.restart_prior_s, bool) or not isinstance(self.restart_prior_s, (int, float)) \
-                    or not self.restart_prior_s >= 0:
-                raise ConfigError("checkpoint.restart_prior_s",
-                                  f"must be seconds >= 0 (0 = 300 s default), got {self.restart_prior_s!r}")
-            if self.min_interval_steps < 1 or self.max_interval_steps < 0 or (
-                    self.max_interval_steps and self.max_interval_steps < self.min_interval_steps):
-                raise ConfigError("checkpoint.max_interval_steps",
-                                  f"need 1 <= min_interval_steps <= max_interval_steps (0 = unbounded), got "
-                                  f"{self.min_interval_steps}, {self.max_interval_steps}")
-            from tierckpt import signal_numbers
+            """torchtitan's checks, then the tier keys through the engine's own validation
+            (:func:`titan_plugin.config.build_tier_config`: ``TierConfig``'s rules, errors named
+            ``checkpoint.<key>``), whether or not checkpointing is enabled.
 
-            signal_numbers(self.preemption_signals, "checkpoint.preemption_signals")
-            g = self.preemption_grace_s
-            if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < float("inf"):
-                raise ConfigError("checkpoint.preemption_grace_s", f"must be seconds > 0, got {g!r}")
+            Raises:
+                ConfigError: naming the ``checkpoint.*`` key and its allowed values.
+                ValueError: torchtitan's own checks (unnamed; the TOML front end names the key).
+            """
+            CheckpointManager.Config.__post_init__(self)
+            # torchtitan's folder (never empty, checked above) stands in for an unset persistent_folder
+            build_tier_config(self, self.persistent_folder or self.folder)
             if self.last_save_model_only and not self.persistent_folder.strip() and (
                     self.last_save_in_hf or self.export_dtype != "float32"):
                 raise ConfigError("checkpoint.persistent_folder", _EXPORT_CLASH.format(dtype=self.export_dtype,
                                                                                         folder=self.folder))
-            if self.local_interval and not self.local_root.strip():
-                raise ConfigError("checkpoint.local_root", "a directory template is required when local_interval > 0")
 
     def __init__(self, config: Config, *, dataloader, model_parts, optimizers, lr_schedulers,
                  states: dict[str, Any], sd_adapter, base_folder: str = "") -> None:

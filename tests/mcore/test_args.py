@@ -187,18 +187,19 @@ def test_invalid_combinations_name_the_flag(argv, option, words):
     (["--ckpt-plugin-adaptive", "replica"], "--ckpt-plugin-adaptive"),
     (["--ckpt-plugin-cpu-staging", "async"], "--ckpt-plugin-cpu-staging"),
     (["--ckpt-plugin-restore-read-timeout", "-2"], "--ckpt-plugin-restore-read-timeout"),
+    # the engine's bounds (TierConfig.local_wait_timeout_s, ScheduleOptions.gpu_mtbf_s), at parse time
+    (["--ckpt-plugin-local-wait-timeout", "1e9"], "--ckpt-plugin-local-wait-timeout"),
+    (["--ckpt-plugin-gpu-mtbf-hours", "inf"], "--ckpt-plugin-gpu-mtbf-hours"),
 ])
 def test_bad_values_are_parser_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
         megatron_like_parser().parse_args(argv)
     assert e.value.code == 2
-    assert flag in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert flag in err and ("must be" in err or "invalid choice" in err), err
 
 
 @pytest.mark.parametrize("extra, flag, words", [
-    (["--ckpt-plugin-local-wait-timeout", "1e9"], "--ckpt-plugin-local-wait-timeout", "[0, 604800]"),
-    (["--ckpt-plugin-adaptive", "local", "--ckpt-plugin-gpu-mtbf-hours", "inf"], "--ckpt-plugin-gpu-mtbf-hours",
-     "positive number"),
     (["--ckpt-plugin-local-root", "/nvme/{rank}/x"], "--ckpt-plugin-local-root", "unknown field"),
     (["--ckpt-plugin-restore-read-timeout", "9999"], "--ckpt-plugin-restore-read-timeout", "collective_timeout_s / 2"),
 ])

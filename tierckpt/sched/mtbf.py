@@ -56,6 +56,7 @@ from typing import Iterable
 
 from tierckpt.errors import ConfigError
 from tierckpt.records import LedgerRecord, RunEndRecord, RunStartRecord, parse_records
+from tierckpt.validators import positive_int, positive_number, positive_seconds
 
 LLAMA3_GPUS = 16384
 """GPUs of the Llama 3 405B pre-training run (Dubey et al. 2024, §3.3.4)."""
@@ -69,20 +70,13 @@ DEFAULT_WEIGHT = 1.0
 """Default prior weight, in pseudo-failures: one observed failure counts as much as the prior."""
 
 
-def _positive(value, option: str, what: str) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(option, f"must be {what}, got {value!r}") from None
-    if isinstance(value, bool) or not math.isfinite(v) or v <= 0:
-        raise ConfigError(option, f"must be {what}, got {value!r}")
-    return v
+_SECONDS = positive_seconds()
+_WEIGHT = positive_number(unit="pseudo-failures")
+_GPUS = positive_int(note="GPUs, or ranks on CPU")
 
 
 def _gpus(value, option: str = "gpus") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(option, f"must be an integer >= 1 (GPUs, or ranks on CPU), got {value!r}")
-    return value
+    return _GPUS(value, option)
 
 
 def prior_params(gpu_mtbf_s: float = DEFAULT_GPU_MTBF_S, gpus: int = 1,
@@ -100,9 +94,9 @@ def prior_params(gpu_mtbf_s: float = DEFAULT_GPU_MTBF_S, gpus: int = 1,
     Raises:
         ConfigError: naming ``gpu_mtbf_s``, ``gpus`` or ``mtbf_weight``.
     """
-    m = _positive(gpu_mtbf_s, "gpu_mtbf_s", "a positive number of seconds")
+    m = _SECONDS(gpu_mtbf_s, "gpu_mtbf_s")
     n = _gpus(gpus)
-    w = _positive(weight, "mtbf_weight", "a positive number of pseudo-failures")
+    w = _WEIGHT(weight, "mtbf_weight")
     return w, w * m / n
 
 
@@ -296,7 +290,7 @@ class MTBFEstimator:
     @classmethod
     def from_job_mtbf(cls, mtbf_s: float, weight: float = DEFAULT_WEIGHT) -> "MTBFEstimator":
         """An estimator whose prior job MTBF is ``mtbf_s`` seconds (gpus = 1)."""
-        _positive(mtbf_s, "mtbf", "a positive number of seconds")
+        _SECONDS(mtbf_s, "mtbf")
         est = cls(gpus=1, gpu_mtbf_s=mtbf_s, weight=weight)
         est.per_gpu = False  # a job-level prior: ledger exposure is not rescaled by world_size
         return est

@@ -72,6 +72,7 @@ from tierckpt.records import (
     parse_records,
 )
 from tierckpt.sched.mtbf import MTBFEstimator
+from tierckpt.validators import non_negative_seconds, positive_seconds
 
 DEFAULT_DELTA_PRIOR_S = {"local": 5.0, "persistent": 60.0}
 """Blocking time assumed for a tier before its first checkpoint is measured, seconds."""
@@ -123,13 +124,11 @@ def format_duration(seconds: float | None) -> str:
 # --------------------------------------------------------------------------------------------
 # formulas
 # --------------------------------------------------------------------------------------------
+_POSITIVE_S, _SECONDS = positive_seconds(), non_negative_seconds()
+
+
 def _check(value, option: str, *, positive: bool = False) -> float:
-    what = "a number of seconds > 0" if positive else "a number of seconds >= 0"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(option, f"must be {what}, got {value!r}")
-    if value < 0 or (positive and value == 0):
-        raise ConfigError(option, f"must be {what}, got {value!r}")
-    return float(value)
+    return (_POSITIVE_S if positive else _SECONDS)(value, option)
 
 
 def young_interval(delta: float, M: float) -> float:

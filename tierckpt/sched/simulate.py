@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 
 from tierckpt.config import ScheduleOptions
 from tierckpt.errors import ConfigError
+from tierckpt.validators import Number, optional, positive_int, positive_number
 from tierckpt.sched.schedule import (
     Scheduler,
     daly_interval,
@@ -96,20 +97,14 @@ class SimParams:
         Raises:
             ConfigError: naming the option (CLI spelling) and its allowed values.
         """
-        for name, opt, positive in (("mtbf_s", "--mtbf", True), ("delta_s", "--delta", False),
-                                    ("restart_s", "--restart", False), ("work_s", "--work", True),
-                                    ("step_s", "--step-time", True), ("fixed_interval_s", "--fixed-interval", True),
-                                    ("prior_weight", "--prior-weight", True)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
-                    or (positive and v == 0):
-                raise ConfigError(opt, f"must be a number {'> 0' if positive else '>= 0'}, got {v!r}")
-        if self.prior_mtbf_s is not None and not (self.prior_mtbf_s > 0 and math.isfinite(self.prior_mtbf_s)):
-            raise ConfigError("--prior-mtbf", f"must be a duration > 0, got {self.prior_mtbf_s!r}")
-        if isinstance(self.runs, bool) or not isinstance(self.runs, int) or self.runs < 1:
-            raise ConfigError("--runs", f"must be an integer >= 1, got {self.runs!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError("--seed", f"must be an integer, got {self.seed!r}")
+        positive, non_negative = positive_number(), Number(min=0)
+        for name, opt, rule in (("mtbf_s", "--mtbf", positive), ("delta_s", "--delta", non_negative),
+                                ("restart_s", "--restart", non_negative), ("work_s", "--work", positive),
+                                ("step_s", "--step-time", positive), ("fixed_interval_s", "--fixed-interval", positive),
+                                ("prior_weight", "--prior-weight", positive),
+                                ("prior_mtbf_s", "--prior-mtbf", optional(positive, "10 x --mtbf")),
+                                ("runs", "--runs", positive_int()), ("seed", "--seed", Number(integer=True))):
+            rule(getattr(self, name), opt)
         if self.step_s > self.work_s:
             raise ConfigError("--step-time", f"must not exceed --work ({self.work_s} s), got {self.step_s}")
         prior = self.prior_mtbf_s if self.prior_mtbf_s is not None else DEFAULT_PRIOR_FACTOR * self.mtbf_s
