@@ -30,7 +30,8 @@ import os
 import weakref
 from dataclasses import dataclass, field
 
-from tierckpt import TIERS, ConfigError, ScheduleOptions, TierConfig
+from tierckpt import ConfigError, ScheduleOptions, TierConfig
+from tierckpt.integration import TIERS
 
 PREFIX = "--ckpt-plugin-"
 GROUP_TITLE = "tierckpt checkpoint plugin"

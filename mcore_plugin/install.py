@@ -610,7 +610,7 @@ def _log_schedule(rt: Runtime, iteration: int) -> None:
     """New interval decisions to Megatron-LM's TensorBoard and W&B writers (the engine hands
     every rank the decisions), as ``tierckpt/<tier>/{tau_steps,tau_s,delta_s,mtbf_s,restart_s,p}``
     at ``iteration``."""
-    from tierckpt import decision_metrics
+    from tierckpt.integration import decision_metrics
 
     recs = rt.tiers.engine.drain_schedule_log()
     if not recs:

@@ -20,7 +20,8 @@ import logging
 
 import torch
 
-from tierckpt import ConfigError, SaveHandle, TierConfig, TieredCheckpointer, all_gather, read_item, validate_tiers
+from tierckpt import ConfigError, SaveHandle, TierConfig, TieredCheckpointer
+from tierckpt.integration import all_gather, read_item, validate_tiers
 from tierckpt.records import GenericRecord
 
 from .convert import (
@@ -283,7 +284,7 @@ class MegatronTiers:
     def read_common(self, step: int | None = None) -> tuple[int, dict] | None:
         """Megatron's common state (``args``, ``iteration``, …) of ``step`` (None: the newest
         step every node can be served from), read from one verified node-local copy instead of
-        a full restore (collective; :func:`tierckpt.read_item`). Megatron-LM's first, "rank0"
+        a full restore (collective; :func:`tierckpt.integration.read_item`). Megatron-LM's first, "rank0"
         load pass needs only this.
 
         Returns:

@@ -47,9 +47,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import DATALOADER, MODEL, CheckpointManager
 
-from tierckpt import (ConfigError, PeerFailure, Preempted, RestoreRecord, TieredCheckpointer, VerificationError,
-                      preempted_by, protect_loader_workers,
-                      all_gather, restore_metrics, run_agreed, write_dcp)
+from tierckpt import ConfigError, Preempted, TieredCheckpointer, preempted_by, protect_loader_workers
+from tierckpt.integration import (PeerFailure, RestoreRecord, VerificationError, all_gather, restore_metrics, run_agreed,
+                                  write_dcp)
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 from titan_plugin.config import build_tier_config, checkpoint_error
@@ -211,7 +211,7 @@ class TieredCheckpointManager(CheckpointManager):
                 raise ConfigError("checkpoint.max_interval_steps",
                                   f"need 1 <= min_interval_steps <= max_interval_steps (0 = unbounded), got "
                                   f"{self.min_interval_steps}, {self.max_interval_steps}")
-            from tierckpt import signal_numbers
+            from tierckpt.integration import signal_numbers
 
             signal_numbers(self.preemption_signals, "checkpoint.preemption_signals")
             g = self.preemption_grace_s

@@ -312,7 +312,7 @@ def check_tiers_early(ckpt) -> None:
     Raises:
         ConfigError: naming the ``checkpoint.*`` key and the allowed values.
     """
-    from tierckpt import check_replication
+    from tierckpt.integration import check_replication
     from titan_plugin.config import build_tier_config, checkpoint_error
 
     seed = ckpt.create_seed_checkpoint

@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from tierckpt import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
+from tierckpt.integration import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
 
 log = logging.getLogger("tierckpt_dev.mcore.cpu")
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from tierckpt import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
+from tierckpt.integration import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
 
 log = logging.getLogger("tierckpt_dev.titan.cpu")
 
