@@ -164,9 +164,9 @@ def persistent_target(engine, step: int | None, change: str) -> int:
         "the persistent tier so that a layout change has a fully_reshardable step to load")
 
 
-def restore_persistent_only(engine, state_dict: dict, step: int, rollback: bool):
-    """Restore ``step`` from the persistent tier only, skipping every node-local, replica and
-    in-cluster source (collective; the engine's ``restore(..., sources=("persistent",))``,
-    whose inventory stays complete, so a rollback still sees the node-local steps). Returns
-    the engine's :class:`tierckpt.RestoreResult`."""
+def restore_persistent_only(engine, state_dict: dict, step: int | None, rollback: bool):
+    """Restore ``step`` (None: the newest) from the persistent tier only, skipping every
+    node-local, replica and in-cluster source (collective; the engine's
+    ``restore(..., sources=("persistent",))``, whose inventory stays complete, so a rollback
+    still sees the node-local steps). Returns the engine's :class:`tierckpt.RestoreResult`."""
     return engine.restore(state_dict, step=step, rollback=rollback, sources=("persistent",))

@@ -88,7 +88,7 @@ def write(scalars: dict[str, float], texts: dict[str, str], iteration: int, tb=N
     if tb is not None:
         for k, v in scalars.items():
             tb.add_scalar(k, v, iteration)
-        for k, v in texts.items():
-            tb.add_text(k, v, iteration)
+        for k, text in texts.items():
+            tb.add_text(k, text, iteration)
     if wb is not None:
         wb.log({**scalars, **texts}, iteration)
