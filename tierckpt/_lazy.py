@@ -30,8 +30,9 @@ def lazy_exports(
         namespace: the module's ``globals()``.
 
     Returns:
-        ``(__getattr__, __dir__)``; ``__getattr__`` raises :class:`AttributeError` for any
-        other name, as a module without it would.
+        ``(__getattr__, __dir__)``; the module's own ``def __getattr__`` must call the first
+        directly (the warning's stack level counts on it). ``__getattr__`` raises
+        :class:`AttributeError` for any other name, as a module without it would.
     """
     moved = dict(moved or {})
     ns = namespace if namespace is not None else {}
@@ -46,7 +47,7 @@ def lazy_exports(
         if new_home is not None:
             warnings.warn(f"'{package}.{name}' is deprecated and will be removed in the next release; "
                           f"import it from '{new_home}' (from {new_home} import {name})",
-                          DeprecationWarning, stacklevel=2)
+                          DeprecationWarning, stacklevel=3)  # the user's line: past the module's __getattr__
             return getattr(importlib.import_module(new_home), name)
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 

@@ -120,19 +120,28 @@ def _covers(paths: list[str], package: str) -> bool:
 
 
 def _package_files(root: Path, package: str) -> list[Path]:
+    """The ``.py`` files of ``package``: in a git work tree the tracked ones and the untracked
+    ones git does not ignore (outputs a test or demo left inside a package are not source);
+    elsewhere every ``.py`` file outside ``__pycache__``."""
+    r = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", f"{package}/"],
+                       cwd=root, capture_output=True, text=True)
+    inside_git = r.returncode == 0 and subprocess.run(
+        ["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True).stdout.strip() == str(
+        root.resolve())
+    if inside_git:
+        return sorted({root / line for line in r.stdout.splitlines() if line.endswith(".py") and (root / line).is_file()})
     return sorted(p for p in (root / package).rglob("*.py") if "__pycache__" not in p.parts)
 
 
 def _package_paths(root: Path, package: str) -> list[str]:
-    """Every folder and ``.py`` file inside ``package``, relative to ``root`` (posix)."""
-    base = root / package
-    out = [package]
-    for p in sorted(base.rglob("*")):
-        if "__pycache__" in p.parts:
-            continue
-        if p.is_dir() or p.suffix == ".py":
-            out.append(p.relative_to(root).as_posix())
-    return out
+    """The package folder, its ``.py`` files and every folder holding one, relative to
+    ``root`` (posix): what a ruff ``exclude`` pattern must not match."""
+    out = {package}
+    for f in _package_files(root, package):
+        rel = f.relative_to(root)
+        out.add(rel.as_posix())
+        out |= {p.as_posix() for p in rel.parents if p.as_posix() not in (".", "")}
+    return sorted(out)
 
 
 def _ruff_pattern_hits(pattern: str, rel: str) -> bool:
