@@ -11,10 +11,13 @@ venv: $(STAMP)
 $(STAMP): requirements-cpu.txt requirements-dev.txt pyproject.toml scripts/setup_venv.sh $(wildcard */__init__.py)
 	PY=$(PY) scripts/setup_venv.sh
 
-# ruff on every Python file of the repo; mypy on the engine package (tierckpt/)
+# ruff on every Python file of the repo; mypy on every package (pyproject [tool.mypy] files);
+# then the shape checks (tierckpt_dev/shape_check.py): tierckpt's public names (≤ 16, typed) and
+# that ruff and mypy cover every package; prints one line per check, fails on a violation
 lint: venv
 	$(VPY) -m ruff check tierckpt titan_plugin mcore_plugin tierckpt_dev tests bench launch scripts
 	$(VPY) -m mypy
+	$(VPY) -m tierckpt_dev.shape_check
 
 test: venv
 	$(VPY) -m pytest tests -q

@@ -202,6 +202,8 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
         transfer_chunk_bytes=args["chunk_bytes"] or TierConfig.transfer_chunk_bytes,
     )
     eng = TieredCheckpointer(cfg, node_id=rank)
+    local = eng.local
+    assert local is not None, "the benchmark's config has the local tier"
     chunk = eng.cfg.transfer_chunk_bytes
     out["chunk_bytes"] = chunk
     out["staging_buffers"] = eng.cfg.staging_buffers
@@ -300,12 +302,12 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
             dist.barrier()
             PROF.reset()
             t0 = time.perf_counter()
-            nb = eng.local.save(staged, s)
+            nb = local.save(staged, s)
             dt = time.perf_counter() - t0
             local_prof.append(PROF.snap())
             ours_s.append(gather_max(dt))
             ours_bytes.append(nb)
-            eng.local.store.rmtree(f"local/step-{s}")
+            local.store.rmtree(f"local/step-{s}")
         settle()
         log0(rank, f"local write {j + 1}/{len(order)} [{'plain' if which == 'B' else 'ours'}]: "
                    f"{(plain_s if which == 'B' else ours_s)[-1]:.2f}s")
@@ -349,11 +351,11 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
         else:
             # a fresh destination, as for a new step in production (replicate() would otherwise
             # first delete the copy of the previous repetition inside the timed region)
-            eng.local.store.rmtree(f"replicas/node-{peer}")
+            local.store.rmtree(f"replicas/node-{peer}")
             settle()
             PROF.reset()
             t0 = time.perf_counter()
-            rep = replicate(eng.local.store, eng.topo, group, eng.groups.node, committed_step, True, chunk)
+            rep = replicate(local.store, eng.topo, group, eng.groups.node, committed_step, True, chunk)
             dt = time.perf_counter() - t0
             rep_prof.append(PROF.snap())
             rep_s.append(gather_max(dt))
@@ -412,10 +414,10 @@ def component_costs(sd: dict, reps: int = 3) -> dict[str, float]:
            "xxh3-64 (manifest checksum)": best(lambda: xxhash.xxh3_64(mv).hexdigest())}
     try:
         torch.serialization.set_crc32_options(True)
-        out["torch.save to a null sink, zip CRC32 on (DCP default)"] = best(lambda: torch.save(t, Sink()))
+        out["torch.save to a null sink, zip CRC32 on (DCP default)"] = best(lambda: torch.save(t, Sink()))  # type: ignore[arg-type]  # a RawIOBase sink is enough
         torch.serialization.set_crc32_options(False)
         out["torch.save to a null sink, zip CRC32 off (no copy: the sink only takes a view)"] = best(
-            lambda: torch.save(t, Sink()))
+            lambda: torch.save(t, Sink()))  # type: ignore[arg-type]
     finally:
         torch.serialization.set_crc32_options(old)
     return out

@@ -200,9 +200,9 @@ def bench_dcp_async_pinned(rank, world, sd, base, saves, dev) -> dict:
                                   async_stager=stager)
             d = time.perf_counter() - t0
             t1 = time.perf_counter()
-            resp.staging_completion.result()
+            resp.staging_completion.result()  # type: ignore[union-attr]  # with async_stager: an AsyncSaveResponse
             s = time.perf_counter() - t1
-            resp.upload_completion.result()
+            resp.upload_completion.result()  # type: ignore[union-attr]
             d, s = _slowest(d), _slowest(s)
             if step > 0:
                 deltas.append(d)
@@ -306,7 +306,7 @@ def _report(name: str, size: int, r: dict) -> None:
     if "delta_s" not in r:
         print(f"[bench-gpu] {size / GiB:g} GiB {name}: {r.get('skipped') or r.get('error')}", flush=True)
         return
-    med = _median(r["delta_s"])
+    med = statistics.median(r["delta_s"])  # "delta_s" holds one value per repetition
     extra = ", ".join(f"{k} {_median(v) if isinstance(v, list) else v}" for k, v in r.items()
                       if k not in ("delta_s", "trace"))
     print(f"[bench-gpu] {size / GiB:g} GiB/rank {name}: δ median {med * 1e3:.2f} ms "
@@ -317,10 +317,10 @@ def _summary_of(r: dict) -> dict:
     """One peer's numbers at one size: medians in the JSON, no trace."""
     if not r.get("delta_s"):
         return {k: v for k, v in r.items() if k != "trace"}
-    out = {"delta_ms_median": round(_median(r["delta_s"]) * 1e3, 3), "delta_ms_max": round(max(r["delta_s"]) * 1e3, 3)}
+    out = {"delta_ms_median": round(statistics.median(r["delta_s"]) * 1e3, 3), "delta_ms_max": round(max(r["delta_s"]) * 1e3, 3)}
     for k, v in r.items():
         if isinstance(v, list) and k != "delta_s" and v:
-            out[f"{k}_median"] = round(_median(v), 4)
+            out[f"{k}_median"] = round(statistics.median(v), 4)
         elif k in ("restore_s", "bitwise", "source", "ok", "restored_step"):
             out[k] = round(v, 4) if isinstance(v, float) else v
     return out

@@ -121,8 +121,8 @@ def cuda_rows(mib: float, reps: int):
     m = statistics.median(d2h)
     tab = Table(title=f"Megatron payload staging on CUDA, {mib:g} MiB, {len(payload.sharded)} sharded objects "
                       f"(synchronous device→host copy {m * 1e3:.1f} ms)")
-    for h in ("measure", "median", "÷ device→host copy"):
-        tab.add_column(h)
+    for col in ("measure", "median", "÷ device→host copy"):
+        tab.add_column(col)
     for n, v in (("stage() holds the caller (δ)", held), ("until the copy is complete", total)):
         x = statistics.median(v)
         tab.add_row(n, f"{x * 1e3:.1f} ms", f"{x / m:.2f}")
@@ -184,8 +184,8 @@ def cpu_rows(mib: float, reps: int):
     m = statistics.median(mem)
     tab = Table(title=f"Megatron payload staging, {mib:g} MiB, {len(payload.sharded)} sharded objects "
                       f"(memcpy of the tensors {m * 1e3:.1f} ms)")
-    for h in ("path", "median", "÷ memcpy"):
-        tab.add_column(h)
+    for col in ("path", "median", "÷ memcpy"):
+        tab.add_column(col)
     for n, v in times.items():
         x = statistics.median(v)
         tab.add_row(n, f"{x * 1e3:.1f} ms", f"{x / m:.2f}")

@@ -542,6 +542,7 @@ def restore_once(rank: int, args: dict) -> dict:
     import torch.distributed as dist
 
     name, base = args["restore_one"], args["base"]
+    system: Tier | Nvrx
     if name in ("tierckpt", FLOOR):
         system = Tier(rank, base, "tierckpt")
     elif name == RAM_TIER:

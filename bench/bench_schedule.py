@@ -77,6 +77,7 @@ import shutil
 import statistics
 import sys
 import time
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -250,7 +251,7 @@ def analyse_policy(name: str, dump: str, fails: list[dict], t_first: float | Non
     committed = max((r["step"] for r in ckpts), default=0)
     excess_s, n_gaps, n_saves = step_excess(times, t_step, save_steps)
     useful_steps = steps if finished else committed
-    res = {
+    res: dict[str, Any] = {
         "policy": name, "finished": finished, "wall_s": W, "attempts": attempts, "failures": len(fails),
         "useful_steps": useful_steps, "t_step": t_step, "quiet_step_s": quiet,
         "waste": 1.0 - useful_steps * t_step / W if W > 0 else float("nan"),
@@ -435,13 +436,14 @@ def theoretical_optimum(delta: float, M: float, R: float) -> dict:
     """Interval (compute seconds) minimising Daly's complete-model waste, by a dense geometric
     scan, and that waste; plus Daly's first-order interval for reference."""
     lo, hi = max(delta, 1e-3) / 10.0, 10.0 * M
-    best = None
+    best: tuple[float, float] | None = None
     n = 4000
     for i in range(n + 1):
         tau = lo * (hi / lo) ** (i / n)
         w = daly_waste_fraction(tau, delta, M, R)
         if best is None or w < best[1]:
             best = (tau, w)
+    assert best is not None  # the scan has n + 1 ≥ 1 points
     return {"tau_opt_s": best[0], "waste_opt": best[1], "tau_daly_s": daly_interval(delta, M, R),
             "delta_s": delta, "M_s": M, "R_s": R}
 

@@ -224,8 +224,8 @@ def check_sources(sources: dict[str, list], step: int, before: list[Copy], save_
     if by_save:
         before = [c for c in before if c.save_id == save_id]
     out = []
-    for n, (kind, holder) in sorted(sources.items(), key=lambda kv: int(kv[0])):
-        n = int(n)
+    for node, (kind, holder) in sorted(sources.items(), key=lambda kv: int(kv[0])):
+        n = int(node)
         if kind == "persistent":
             ok = any(c.holder is None and c.step == step and c.committed for c in before)
         elif kind == "own-local":
@@ -357,7 +357,7 @@ def copy_counts(copies: list[Copy]) -> Counter:
 
 
 def check_no_loss(before: list[Copy], after: list[Copy], *, keep_local: int, keep_persistent: int,
-                  allow_retention: bool, lost_holders: set[int] = frozenset()) -> list[str]:
+                  allow_retention: bool, lost_holders: set[int] | frozenset[int] = frozenset()) -> list[str]:
     """Committed copies present ``before`` (on holders not in ``lost_holders``) still exist
     ``after``, counted per saved node and step (see the module docstring for retention)."""
     cb = copy_counts([c for c in before if c.holder is None or c.holder not in lost_holders])
@@ -489,7 +489,7 @@ def check_ok_records_on_disk(records: list[dict], after: list[Copy], keep_persis
     for r in records:
         if r.get("kind") == "checkpoint" and r.get("tier") == "persistent" and r.get("ok"):
             s = r.get("step")
-            if s not in pfs and len({x for x in pfs if x > s}) < keep_persistent:
+            if s is not None and s not in pfs and len({x for x in pfs if x > s}) < keep_persistent:
                 out.append(f"ledger: persistent step {s} recorded ok, but it is not committed in the persistent root")
     return out
 

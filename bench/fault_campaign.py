@@ -47,6 +47,7 @@ from collections import Counter
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # the script runs from bench/: tests/ and bench/ import from the root
@@ -205,9 +206,10 @@ def make_plan(base_seed: int, index: int, point: str | None = None) -> Plan:
         sub = rng.choice(["inventory", "send", "recv", "pull-commit", "verify", "load"])
         lose = sub in ("send", "recv", "pull-commit") or rng.random() < 0.5
         f.update(victim="all" if rng.random() < 0.25 else "any", sub=sub, k=1)
+        lost = rng.randrange(nodes) if lose else None
         if lose:
-            plan.second = {"kind": "lose-node", "node": rng.randrange(nodes)}
-        plan.script = ["train"] + ([f"wipe:{plan.second['node']}"] if lose else []) + ["restore:fault", "restore"]
+            plan.second = {"kind": "lose-node", "node": lost}
+        plan.script = ["train"] + ([f"wipe:{lost}"] if lose else []) + ["restore:fault", "restore"]
     elif point in ("second-loss-after-restore", "second-loss-of-server"):
         if rng.random() < 0.5:
             plan.persistent_steps = []  # only the node-local tier holds the state (issue 15's case)
@@ -505,7 +507,7 @@ class Injector:
             with orig(fs, path, mode) as s:
                 yield _FaultStream(s, path, inj) if writing else s
 
-        dcp_io.HashingFileSystem.create_stream = create_stream
+        dcp_io.HashingFileSystem.create_stream = create_stream  # type: ignore[assignment]  # fs is self
 
     def on_open(self, path: str) -> None:
         """A DCP file opens for writing: a slow persistent tier waits here; a full or
@@ -641,7 +643,7 @@ class Injector:
                     raise err
                 return os.write(fd, data)
 
-        receive.os = _OsShim()  # the module whose sink writes received chunks
+        receive.os = _OsShim()  # type: ignore[assignment]  # the module whose sink writes received chunks
 
     def _patch_checksum(self) -> None:
         from tierckpt.tiers import commit
@@ -897,7 +899,7 @@ class Injector:
 
                     # armed before the item is queued: the idle worker takes it at once
                     fut: Future = Future()
-                    fut.set_running_or_notify_cancel = die  # type: ignore[method-assign]  # outside the worker's try
+                    fut.set_running_or_notify_cancel = die  # outside the worker's try
                     worker._q.put((fut, fn, args))
                     return fut
             return orig(worker, fn, *args)
@@ -937,12 +939,13 @@ class _FaultStream:
 def _config(base: str, plan: dict):
     from tierckpt.config import TierConfig
 
+    extra: dict[str, Any] = {"restore_read_timeout_s": HUNG_READ_S} if plan["point"] == "hung-read-restore" else {}
     return TierConfig(
         local_root=os.path.join(base, "nvme", "node-{node}"), persistent_root=os.path.join(base, "pfs"),
         job_id="campaign", replication_factor=plan["factor"],
         keep_latest_k={"local": plan["keep_local"], "persistent": plan["keep_persistent"]},
         transfer_chunk_bytes=8192, collective_timeout_s=COLLECTIVE_S, local_wait_timeout_s=LOCAL_WAIT_S,
-        **({"restore_read_timeout_s": HUNG_READ_S} if plan["point"] == "hung-read-restore" else {}))
+        **extra)
 
 
 def hung_dirs(base: str, node: int, target: str) -> list[str]:
@@ -1126,10 +1129,11 @@ def check_signal_tree(plan: Plan, ph: PhaseResult, base: str, lines_before: int)
         out.append(f"ledger preemption records {pre}: want one at step {step} with every tier committed")
     if f["protect"]:
         for r, v in sorted(ph.values.items()):
-            alive = (v or {}).get("workers_alive")
+            v = v or {}
+            alive = v.get("workers_alive")
             if alive is not None and not all(alive):
                 out.append(f"rank {r}: protected loader workers died of the notice: alive {alive}")
-            if (v or {}).get("fetch_failed"):
+            if v.get("fetch_failed"):
                 out.append(f"rank {r}: a protected loader's fetch failed: {v['fetch_failed']}")
     return out
 
@@ -1906,7 +1910,7 @@ def run_trial(plan: Plan, workdir: str) -> TrialResult:
 # --------------------------------------------------------------------------------------------
 def counts_per_point(rows: list[TrialResult]) -> dict[str, Counter]:
     """{point: Counter(trials, ok, VIOLATION, not reached)} over every point (0 for unrun ones)."""
-    out = {p: Counter() for p in POINT_NAMES}
+    out: dict[str, Counter] = {p: Counter() for p in POINT_NAMES}
     for r in rows:
         out[r.point]["trials"] += 1
         out[r.point][r.result] += 1

@@ -55,7 +55,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.mib <= 0 or a.reps <= 0:
         ap.error("--mib and --reps must be positive integers")
-    rows = {k: {"first": [], "rewrite": []} for k in KINDS}
+    rows: dict[str, dict[str, list[float]]] = {k: {"first": [], "rewrite": []} for k in KINDS}
     for _ in range(a.reps):
         for k in KINDS:  # interleaved, so load drifts hit every method alike
             out = subprocess.run([sys.executable, "-c", _CHILD, str(a.mib), k], capture_output=True,

@@ -495,15 +495,15 @@ class LocalLauncher:
                     time.sleep(0.05)
                     continue
                 return rc
-            bad = [i for i, rc in enumerate(a.rcs) if rc not in (None, 0)]
+            bad = [(i, rc) for i, rc in enumerate(a.rcs) if rc is not None and rc != 0]
             if bad:
-                a.failed_node = bad[0]
+                a.failed_node, failed_rc = bad[0]
                 self._stop_nodes(a)  # srun --kill-on-bad-exit=1
                 a.t_end = time.time()
                 with contextlib.suppress(OSError):
                     with open(a.logs[a.failed_node], errors="replace") as f:
                         a.worker_exitcode = root_cause_exitcode(f.read()[-20000:])
-                return a.rcs[a.failed_node]
+                return failed_rc
             if all(rc == 0 for rc in a.rcs):
                 a.t_end = time.time()
                 return 0

@@ -129,7 +129,7 @@ class Job:
     the same thread count).
     """
 
-    def __init__(self, name: str, *, toml: str = DEFAULT_TOML, overrides: list[str] = (), world: int,
+    def __init__(self, name: str, *, toml: str = DEFAULT_TOML, overrides: tuple[str, ...] | list[str] = (), world: int,
                  log_dir: str, restart_count: int = 0, cmd: list[str] | None = None,
                  extra_env: dict[str, str] | None = None):
         self.name = name
@@ -505,7 +505,7 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
 
     # report ------------------------------------------------------------------------------------
     ledger = _jsonl(paths.ledger)
-    run_ids: list[str] = []
+    run_ids: list[str | None] = []
     for r in ledger:
         if r.get("kind") == "run_start" and r.get("run_id") not in run_ids:
             run_ids.append(r.get("run_id"))

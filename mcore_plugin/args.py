@@ -30,8 +30,9 @@ import os
 import weakref
 from dataclasses import dataclass, field
 
-from tierckpt import TIERS, ConfigError, ScheduleOptions, TierConfig
+from tierckpt import ConfigError, ScheduleOptions, TierConfig
 from tierckpt.config import RULES, SCHEDULE_RULES
+from tierckpt.integration import TIERS
 from tierckpt.validators import Number, non_negative_seconds, positive_number
 
 PREFIX = "--ckpt-plugin-"

@@ -18,7 +18,7 @@ import io
 import os
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -188,13 +188,13 @@ class Staged:
     # same sharded layout on, the engine refills its staged copy of this object instead of
     # DCP's deep copy of every ShardedTensor (and may copy the large ones in the background
     # with cpu_staging = "overlapped").
-    def _leaves(self) -> list[tuple[str, object]]:
+    def _leaves(self) -> list[tuple[str, Any]]:
         # the sharded dict is not changed after construction: walked once (per save: key,
         # tensors and refresh read it)
         cached = self.__dict__.get("_leaves_cache")
         if cached is not None:
             return cached
-        out: list[tuple[str, object]] = []
+        out: list[tuple[str, Any]] = []  # Megatron's (untyped) ShardedTensor/ShardedObject leaves
         stack: list[tuple[str, object]] = [("", self.sharded)]
         while stack:
             path, x = stack.pop()
@@ -289,7 +289,8 @@ class RestoreRequest:
         self.sharded_result: dict | None = None
         self.optim_format: str | None = None
         self.source_format: str | None = None
-        self._ctx = None
+        # (format, sharded, flat_mapping, rename, nonpersistent, factories) of the last template
+        self._ctx: tuple[Any, ...] | None = None
 
     def _template(self, fmt: str) -> dict:
         full = self.fn(fmt, True)
@@ -300,6 +301,8 @@ class RestoreRequest:
         return flat
 
     def _finish(self, loaded_flat: dict, common: dict) -> None:
+        if self._ctx is None:
+            raise RuntimeError("RestoreRequest: load before a template was built")
         fmt, sharded, flat_mapping, rename, nonpersistent, factories = self._ctx
         loaded = _replace_sharded_keys_with_state_dict_keys(from_dcp(loaded_flat), flat_mapping, rename)
         _restore_dict_types(loaded, sharded)
@@ -326,8 +329,10 @@ class RestoreRequest:
         """The DCP dict a torch_dist step loads into (persistent optimizer format) and its
         planner: Megatron's global-shape validation plus tierckpt's coverage/dtype check."""
         pyt = to_dcp(self._template(self.persistent_fmt), True, objects_as_bytes=False)
+        assert self._ctx is not None  # set by _template() above
         tensors = [t for t in nested_values(self._ctx[1]) if isinstance(t, ShardedTensor)]
-        planner = _VerifyingMCoreLoadPlanner(
+        # the keywords are MCoreLoadPlanner's (untyped module): mypy sees VerifyingLoadPlanner's
+        planner = _VerifyingMCoreLoadPlanner(  # type: ignore[call-arg]
             shapes_validation_sharded_tensors=[t for t in tensors if not t.allow_shape_mismatch],
             allow_shape_mismatch_sharded_tensors={t.key: t for t in tensors if t.allow_shape_mismatch},
         )

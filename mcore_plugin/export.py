@@ -42,7 +42,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -349,7 +349,7 @@ def _find_layouts(md, common: dict, buckets: dict, group_objs: dict, rep: Export
         except ExportError as e:
             errors.append(f"TP={tp} PP={pp}: {e}")
             continue
-        got = {}
+        got: dict[Any, list[tuple[_Param, int, int, int]]] = {}
         for g in groups:
             unp = group_objs.get(g, {}).get("per_bucket_numel_unpadded")
             try:  # per grad buffer: {(param dtype, grad dtype): [numel of each bucket]}
@@ -361,7 +361,7 @@ def _find_layouts(md, common: dict, buckets: dict, group_objs: dict, rep: Export
             lay = _layout(per_rank[g], list(sizes))
             if lay is None:
                 errors.append(f"TP={tp} PP={pp}: rank {g}'s parameters do not reproduce bucket sizes {sizes}")
-                got = None
+                got = {}
                 break
             got[g] = lay
         if got:

@@ -93,7 +93,7 @@ class HookSpec:
     has_strategies_base: bool
 
 
-HOOK_SPECS = {
+HOOK_SPECS: dict[tuple[int, ...], HookSpec] = {
     (0, 16): HookSpec((0, 16), "get_default_save_sharded_strategy", "get_default_load_sharded_strategy",
                       ("megatron.training.arguments", "megatron.training.initialize"), True),
     (0, 19): HookSpec((0, 19), "TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy",
@@ -343,7 +343,7 @@ def _hook_generate_state_dict(rt: Runtime, ck) -> None:
             rt.save_inputs, rt.save_sd_ref = (a, kw), sd
         return sd
 
-    generate_state_dict.__wrapped__ = orig_gen
+    generate_state_dict.__wrapped__ = orig_gen  # type: ignore[attr-defined]  # inspect.unwrap's link
     _replace(ck, "generate_state_dict", generate_state_dict)
     rt.regenerate = _regenerator(rt, orig_gen)
 
@@ -610,7 +610,7 @@ def _log_schedule(rt: Runtime, iteration: int) -> None:
     """New interval decisions to Megatron-LM's TensorBoard and W&B writers (the engine hands
     every rank the decisions), as ``tierckpt/<tier>/{tau_steps,tau_s,delta_s,mtbf_s,restart_s,p}``
     at ``iteration``."""
-    from tierckpt import decision_metrics
+    from tierckpt.integration import decision_metrics
 
     recs = rt.tiers.engine.drain_schedule_log()
     if not recs:
@@ -703,7 +703,8 @@ def _create_tiers(rt: Runtime, args, checkpointing_context) -> None:
     engine.add_rollback_hook(lambda rb: retrack(engine, args.save, rb.to_step))
     from mcore_plugin.args import settings_of
 
-    for note in settings_of(args).notes:
+    settings = settings_of(args)
+    for note in settings.notes if settings is not None else ():
         log.info("mcore_plugin: %s", note)
     if "local" in cfg.tiers:
         from mcore_plugin.local_manager import TieredLocalCheckpointManager

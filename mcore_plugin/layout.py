@@ -34,7 +34,8 @@ import re
 
 import torch
 
-from tierckpt import NoCheckpointError, read_item
+from tierckpt import NoCheckpointError
+from tierckpt.integration import read_item
 
 LAYOUT_KEY = "tierckpt.layout"
 """Key of the parallel layout inside a local-tier DCP checkpoint (``torch.save`` bytes)."""
@@ -133,7 +134,7 @@ def bucket_change(saved: dict, now_buckets: dict[str, tuple[int, ...]], local_fm
 
 def saved_layout(engine, top_key: str, step: int | None) -> tuple[int, dict] | None:
     """``(step, layout)`` of the step a restore would choose (or ``step``), read from one
-    verified node-local copy (collective, :func:`tierckpt.read_item`); None when no node-local
+    verified node-local copy (collective, :func:`tierckpt.integration.read_item`); None when no node-local
     copy holds it or the step was written before layouts were recorded."""
     if engine.local is None:
         return None
@@ -163,9 +164,9 @@ def persistent_target(engine, step: int | None, change: str) -> int:
         "the persistent tier so that a layout change has a fully_reshardable step to load")
 
 
-def restore_persistent_only(engine, state_dict: dict, step: int, rollback: bool):
-    """Restore ``step`` from the persistent tier only, skipping every node-local, replica and
-    in-cluster source (collective; the engine's ``restore(..., sources=("persistent",))``,
-    whose inventory stays complete, so a rollback still sees the node-local steps). Returns
-    the engine's :class:`tierckpt.RestoreResult`."""
+def restore_persistent_only(engine, state_dict: dict, step: int | None, rollback: bool):
+    """Restore ``step`` (None: the newest) from the persistent tier only, skipping every
+    node-local, replica and in-cluster source (collective; the engine's
+    ``restore(..., sources=("persistent",))``, whose inventory stays complete, so a rollback
+    still sees the node-local steps). Returns the engine's :class:`tierckpt.RestoreResult`."""
     return engine.restore(state_dict, step=step, rollback=rollback, sources=("persistent",))

@@ -161,7 +161,7 @@ class TieredLocalCheckpointManager:
             tierckpt.errors.NoCheckpointError: the explicit step is not committed for every
                 node in any tier (names ``--ckpt-step`` and the committed steps).
         """
-        from tierckpt import plan_restore
+        from tierckpt.integration import plan_restore
 
         eng = self.tiers.engine
         eng.wait()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from tierckpt import record_metrics, result_metrics
+from tierckpt.integration import record_metrics, result_metrics
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def _resolved(handle, tiers: set[str]) -> list:
 
 def restore_scalars(res) -> tuple[dict[str, float], dict[str, str]]:
     """``(scalars, texts)`` of one :class:`tierckpt.RestoreResult`: the shared restore scalars
-    (:func:`tierckpt.result_metrics`) and, as text, each node's source."""
+    (:func:`tierckpt.integration.result_metrics`) and, as text, each node's source."""
     text = ", ".join(f"node {n}: {o.source.kind}" for n, o in sorted(res.sources.items()))
     return result_metrics(res), {"tierckpt/restore/sources": text}
 
@@ -88,7 +88,7 @@ def write(scalars: dict[str, float], texts: dict[str, str], iteration: int, tb=N
     if tb is not None:
         for k, v in scalars.items():
             tb.add_scalar(k, v, iteration)
-        for k, v in texts.items():
-            tb.add_text(k, v, iteration)
+        for k, text in texts.items():
+            tb.add_text(k, text, iteration)
     if wb is not None:
         wb.log({**scalars, **texts}, iteration)

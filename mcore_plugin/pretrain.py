@@ -33,7 +33,8 @@ import runpy
 import sys
 from typing import NoReturn
 
-from tierckpt import ConfigError, accelerator_present
+from tierckpt import ConfigError
+from tierckpt.integration import accelerator_present
 
 USAGE = "usage: python -m mcore_plugin.pretrain <Megatron-LM script.py> [megatron args | @ARGS_FILE] [--ckpt-plugin-* ...]"
 

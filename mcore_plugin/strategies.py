@@ -224,7 +224,7 @@ class TieredSaveStrategy(TorchDistSaveShardedStrategy):
         self._common = None
         received = (sharded, common)
         got = optimizer_format(common)
-        parts = {}
+        parts: dict[str, tuple[dict, dict]] = {}
         for t in due:
             want = self.tiers.format_of(t)
             if self.state_dict_fn is not None and got is not None and got != want:

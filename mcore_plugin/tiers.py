@@ -20,7 +20,8 @@ import logging
 
 import torch
 
-from tierckpt import ConfigError, SaveHandle, TierConfig, TieredCheckpointer, all_gather, read_item, validate_tiers
+from tierckpt import ConfigError, RestoreResult, SaveHandle, TierConfig, TieredCheckpointer
+from tierckpt.integration import all_gather, read_item, validate_tiers
 from tierckpt.records import GenericRecord
 
 from .convert import (
@@ -98,7 +99,7 @@ class MegatronTiers:
 
         optim_state.install()
         self.engine = TieredCheckpointer(config, node_id=node_id, persistent_io=MegatronPersistentIO())
-        self.last_restore = None
+        self.last_restore: RestoreResult | None = None
         self.last_restore_format: str | None = None
         self.last_restore_reason: str | None = None
         self.metrics = TierMetrics()
@@ -150,12 +151,12 @@ class MegatronTiers:
         tiers = self.due(step) if tiers is None else list(validate_tiers(tiers))
         if not tiers:
             return SaveHandle(step, 0.0)
-        parts = {"local": None, "persistent": None}
+        parts: dict[str, tuple[dict, dict]] = {}
         base = split_state_dict(state_dict)
         for t in tiers:
             parts[t] = split_state_dict(persistent_state_dict) if (
                 t == "persistent" and persistent_state_dict is not None) else base
-        return self.save_parts(step, {t: parts[t] for t in tiers})
+        return self.save_parts(step, parts)
 
     def save_parts(self, step: int, parts: dict[str, tuple[dict, dict]], *, wait_previous: bool = False) -> SaveHandle:
         """Like :meth:`save` with already split ``{tier: (sharded, common)}``; tiers sharing
@@ -283,7 +284,7 @@ class MegatronTiers:
     def read_common(self, step: int | None = None) -> tuple[int, dict] | None:
         """Megatron's common state (``args``, ``iteration``, …) of ``step`` (None: the newest
         step every node can be served from), read from one verified node-local copy instead of
-        a full restore (collective; :func:`tierckpt.read_item`). Megatron-LM's first, "rank0"
+        a full restore (collective; :func:`tierckpt.integration.read_item`). Megatron-LM's first, "rank0"
         load pass needs only this.
 
         Returns:

@@ -125,7 +125,7 @@ def test_patches_documented():
 def test_two_rank_training(tmp_path):
     """Real torchtitan run: llama3 debugmodel, FSDP2 over 2 gloo ranks, our corpus/tokenizer
     (built concurrently by both ranks into a fresh directory), 3 steps."""
-    from tierckpt import accelerator_present
+    from tierckpt.integration import accelerator_present
 
     if accelerator_present():
         pytest.skip("checks the CPU patches, which are never applied on an accelerator machine")

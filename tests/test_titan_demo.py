@@ -40,7 +40,7 @@ def test_clear_out_refuses_foreign_directories(tmp_path):
 
 
 def test_demo_short(tmp_path):
-    from tierckpt import accelerator_present
+    from tierckpt.integration import accelerator_present
 
     if accelerator_present():
         pytest.skip("runs the CPU demo config (gloo, simulated nodes); the CPU patches are never applied on an accelerator machine")

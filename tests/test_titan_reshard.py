@@ -138,7 +138,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def test_resume_2_to_1_ranks_resharded_in_cluster_then_persistent(tmp_path):
-    from tierckpt import accelerator_present
+    from tierckpt.integration import accelerator_present
 
     if accelerator_present():
         pytest.skip("runs the CPU demo config (gloo, simulated nodes); the CPU patches are never applied on an accelerator machine")
@@ -215,7 +215,7 @@ def test_resume_in_cluster_on_more_nodes_or_fewer_ranks_per_node(tmp_path, befor
     """torchtitan FSDP2: 2 nodes → 3 nodes (a new empty node), and 2 nodes × 2 ranks → 2 nodes ×
     1 rank (data_parallel_shard_degree 4 → 2): restored in-cluster without a persistent byte, the
     dataloader repositioned, and the fixed-batch loss equal to the saved run's."""
-    from tierckpt import accelerator_present
+    from tierckpt.integration import accelerator_present
 
     if accelerator_present():
         pytest.skip("runs the CPU demo config (gloo, simulated nodes); the CPU patches are never applied on an accelerator machine")

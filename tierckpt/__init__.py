@@ -1,8 +1,20 @@
 """tierckpt: multi-tier checkpointing (node-local, neighbour replicas, persistent) for PyTorch.
 
-The public surface is what this module exports (:data:`__all__`); adapters and users import from
-here. Everything else is internal and may change between releases, except the documented
-extension points: :class:`PersistentIO` (a framework's hooks into the persistent tier), the
+The public surface is what this module exports (:data:`__all__`, 16 names): what a training loop
+that drives the engine needs, namely the engine and its configuration (:class:`TieredCheckpointer`,
+:class:`TierConfig`, :class:`ScheduleOptions`), what its calls return (:class:`SaveHandle`, whose
+futures resolve to a :class:`CheckpointRecord`, and :class:`RestoreResult`), preemption
+(:class:`Preempted`, :data:`PREEMPTED_EXIT`, :func:`protect_loader_workers`, :func:`preempted_by`),
+the persistent-tier extension point (:class:`PersistentIO`), and the errors a loop catches
+(:class:`TierckptError` and :class:`ConfigError`, :class:`NoCheckpointError`,
+:class:`TemplateMismatchError`, :class:`TierFailedError`; the rest, e.g.
+:class:`~tierckpt.errors.VerificationError`, are in :mod:`tierckpt.errors` and derive from
+:class:`TierckptError`). What the framework adapters need beyond that (collectives, restore
+planning, metric helpers, tier names) is :mod:`tierckpt.integration`; a name that moved there
+still resolves from here for one release, with a :class:`DeprecationWarning`.
+
+Everything else is internal and may change between releases, except the documented extension
+points: :class:`PersistentIO` (a framework's hooks into the persistent tier), the
 ``tierckpt.cli`` entry-point group (extra ``tierckpt`` subcommands), and :mod:`tierckpt.io`
 (:mod:`~tierckpt.io.storage`, :mod:`~tierckpt.io.layout`, :mod:`~tierckpt.io.manifest`,
 :mod:`~tierckpt.io.dcp_io`, :mod:`~tierckpt.io.planner`) for adapters and tools that read or
@@ -20,56 +32,74 @@ retention, the shared commit routine), :mod:`tierckpt.dist` (topology, groups, a
 
 from __future__ import annotations
 
-import importlib
+from typing import TYPE_CHECKING
 
+from tierckpt._lazy import lazy_exports as _lazy_exports
+
+# name -> defining module; resolved on first access (PEP 562)
 _EXPORTS = {
     "TieredCheckpointer": "tierckpt.engine",
-    "describe_failure": "tierckpt.tiers.jobs",
     "TierConfig": "tierckpt.config",
     "ScheduleOptions": "tierckpt.config",
-    "TIERS": "tierckpt.config",
-    "validate_tiers": "tierckpt.config",
     "SaveHandle": "tierckpt.handle",
     "CheckpointRecord": "tierckpt.records",
-    "RestoreRecord": "tierckpt.records",
     "RestoreResult": "tierckpt.restore",
-    "plan_restore": "tierckpt.restore",
-    "read_item": "tierckpt.io.peek",
-    "decision_metrics": "tierckpt.sched.cadence",
-    "record_metrics": "tierckpt.metrics",
-    "restore_metrics": "tierckpt.metrics",
-    "result_metrics": "tierckpt.metrics",
     "PersistentIO": "tierckpt.tiers.persistent",
     "Preempted": "tierckpt.preemption",
     "PREEMPTED_EXIT": "tierckpt.preemption",
-    "TierckptError": "tierckpt.errors",
-    "ConfigError": "tierckpt.errors",
-    "VerificationError": "tierckpt.errors",
-    "NoCheckpointError": "tierckpt.errors",
-    "TierFailedError": "tierckpt.errors",
-    "TemplateMismatchError": "tierckpt.errors",
-    "accelerator_present": "tierckpt.dist.accel",
-    "check_replication": "tierckpt.dist.topology",
-    "all_gather": "tierckpt.dist.collectives",
-    "run_agreed": "tierckpt.dist.collectives",
-    "PeerFailure": "tierckpt.dist.collectives",
-    "signal_numbers": "tierckpt.preemption",
     "protect_loader_workers": "tierckpt.loader_signals",
     "preempted_by": "tierckpt.loader_signals",
-    "write_dcp": "tierckpt.tiers.persistent",
+    "TierckptError": "tierckpt.errors",
+    "ConfigError": "tierckpt.errors",
+    "NoCheckpointError": "tierckpt.errors",
+    "TemplateMismatchError": "tierckpt.errors",
+    "TierFailedError": "tierckpt.errors",
 }
 
-__all__ = sorted(_EXPORTS)
+# Public names of earlier releases that moved to tierckpt.integration (adapter plumbing); they
+# resolve from here until the next release, with a DeprecationWarning.
+_MOVED = {name: "tierckpt.integration" for name in (
+    "TIERS", "PeerFailure", "RestoreRecord", "VerificationError", "accelerator_present", "all_gather",
+    "check_replication", "decision_metrics", "describe_failure", "plan_restore", "read_item",
+    "record_metrics", "restore_metrics", "result_metrics", "run_agreed", "signal_numbers",
+    "validate_tiers", "write_dcp")}
+
+if TYPE_CHECKING:  # what mypy and IDEs see; at run time the names resolve lazily
+    from tierckpt.config import ScheduleOptions, TierConfig
+    from tierckpt.engine import TieredCheckpointer
+    from tierckpt.errors import ConfigError, NoCheckpointError, TemplateMismatchError, TierckptError, TierFailedError
+    from tierckpt.handle import SaveHandle
+    from tierckpt.loader_signals import preempted_by, protect_loader_workers
+    from tierckpt.preemption import PREEMPTED_EXIT, Preempted
+    from tierckpt.records import CheckpointRecord
+    from tierckpt.restore import RestoreResult
+    from tierckpt.tiers.persistent import PersistentIO
+
+__all__ = [
+    "CheckpointRecord",
+    "ConfigError",
+    "NoCheckpointError",
+    "PREEMPTED_EXIT",
+    "PersistentIO",
+    "Preempted",
+    "RestoreResult",
+    "SaveHandle",
+    "ScheduleOptions",
+    "TemplateMismatchError",
+    "TierConfig",
+    "TierFailedError",
+    "TieredCheckpointer",
+    "TierckptError",
+    "preempted_by",
+    "protect_loader_workers",
+]
+
+_getattr, _dir = _lazy_exports(__name__, _EXPORTS, _MOVED, globals())
 
 
-def __getattr__(name: str):
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'tierckpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value
-    return value
+def __getattr__(name: str) -> object:
+    return _getattr(name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return _dir()

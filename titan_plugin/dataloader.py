@@ -56,7 +56,8 @@ from typing import Any
 import numpy as np
 from torch.distributed.checkpoint.stateful import Stateful
 
-from tierckpt import ConfigError, all_gather
+from tierckpt import ConfigError
+from tierckpt.integration import all_gather
 
 STATE_KEY = "tierckpt_positions"
 FORMAT = 1

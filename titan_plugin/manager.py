@@ -47,9 +47,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import DATALOADER, MODEL, CheckpointManager
 
-from tierckpt import (ConfigError, PeerFailure, Preempted, RestoreRecord, TieredCheckpointer, VerificationError,
-                      preempted_by, protect_loader_workers,
-                      all_gather, restore_metrics, run_agreed, write_dcp)
+from tierckpt import (ConfigError, Preempted, RestoreResult, SaveHandle, TieredCheckpointer, preempted_by,
+                      protect_loader_workers)
+from tierckpt.integration import (PeerFailure, RestoreRecord, VerificationError, all_gather, restore_metrics, run_agreed,
+                                  write_dcp)
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 from titan_plugin.config import build_tier_config, checkpoint_error
@@ -218,9 +219,9 @@ class TieredCheckpointManager(CheckpointManager):
             self.engine = TieredCheckpointer(tcfg)
         except ConfigError as e:  # topology and writable roots, checked collectively
             raise checkpoint_error(e) from None
-        self.last_restore = None
+        self.last_restore: RestoreResult | None = None
         self._t_step_end: float | None = None
-        self._last_handle = None
+        self._last_handle: SaveHandle | None = None
         self.positions = self._wrap_dataloader(dataloader)
         # a notice sent to the rank's process group (torchrun, Slurm) must not kill the loader's
         # workers: the step would fail before its preemption save
@@ -248,14 +249,25 @@ class TieredCheckpointManager(CheckpointManager):
             self.positions.prepare()
         return self._flattened_model_states_sd()
 
+    @property
+    def _engine(self) -> TieredCheckpointer:
+        """The engine of an enabled manager (what every save and load path runs on).
+
+        Raises:
+            RuntimeError: checkpointing is disabled or this is a seed run (no engine).
+        """
+        if self.engine is None:
+            raise RuntimeError("tierckpt: no engine (checkpoint.enable = false or a seed-checkpoint run)")
+        return self.engine
+
     # -- save ----------------------------------------------------------------------------------
     def _due_tiers(self, curr_step: int, last_step: bool) -> list[str]:
-        tiers = self.engine.due(curr_step)  # fixed or adaptive, the same on every rank
+        tiers = self._engine.due(curr_step)  # fixed or adaptive, the same on every rank
         if curr_step == 1 and self.enable_first_step_checkpoint and "persistent" not in tiers:
             tiers.append("persistent")
         if last_step:  # a planned exit: every tier, the persistent one included (durable)
-            tiers = [t for t in ("local", "persistent") if t in self.engine.cfg.tiers]
-        return [t for t in tiers if t in self.engine.cfg.tiers]
+            tiers = [t for t in ("local", "persistent") if t in self._engine.cfg.tiers]
+        return [t for t in tiers if t in self._engine.cfg.tiers]
 
     @torch.no_grad()
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
@@ -268,12 +280,12 @@ class TieredCheckpointManager(CheckpointManager):
             return self._save_seed(curr_step)
         now = time.perf_counter()
         if self._t_step_end is not None:  # the trainer calls save() after every step
-            self.engine.observe_step(now - self._t_step_end)
+            self._engine.observe_step(now - self._t_step_end)
         try:
             saved = self._save_due(curr_step, last_step)
-            sig = None if last_step else self.engine.preemption_requested()  # agreed on every rank
+            sig = None if last_step else self._engine.preemption_requested()  # agreed on every rank
             if sig is not None:
-                raise self.engine.save_for_preemption(curr_step, self._states_to_save(), sig,
+                raise self._engine.save_for_preemption(curr_step, self._states_to_save(), sig,
                                                       handle=self._last_handle)
             return saved
         finally:
@@ -291,7 +303,7 @@ class TieredCheckpointManager(CheckpointManager):
         the metric logger at ``step`` (:class:`titan_plugin.metrics.TierMetrics`; never waits
         for a background tier)."""
         self._metrics_step = step
-        self.tier_metrics.schedule(self.engine.drain_schedule_log(), step)
+        self.tier_metrics.schedule(self._engine.drain_schedule_log(), step)
         self.tier_metrics.poll(step)
 
     def _save_due(self, curr_step: int, last_step: bool) -> bool:
@@ -300,13 +312,13 @@ class TieredCheckpointManager(CheckpointManager):
         if tiers:
             # raises TierFailedError when a due tier's previous save failed (not warn-only)
             # the last step is a planned exit: it waits for a running save instead of deferring
-            handle = self._last_handle = self.engine.save(curr_step, self._states_to_save(), tiers=tiers,
+            handle = self._last_handle = self._engine.save(curr_step, self._states_to_save(), tiers=tiers,
                                                           wait_previous=last_step)
             log.info("tierckpt: step %d staged for %s in %.3fs", curr_step, "+".join(tiers), handle.blocking_s)
             self.tier_metrics.saved(handle, curr_step)
             saved = True
         if last_step and self.last_save_model_only:
-            self.engine.wait()  # a failure raises at close(), after the export's collectives
+            self._engine.wait()  # a failure raises at close(), after the export's collectives
             if self._export_shares_step_dir:
                 # the committed full step-N is a superset of the fp32 model-only export: model-only
                 # loads (initial_load_model_only) read just the model keys from it
@@ -384,7 +396,7 @@ class TieredCheckpointManager(CheckpointManager):
     # -- load ----------------------------------------------------------------------------------
     def _find_load_step(self, folder: str = "") -> int:
         """Only committed persistent steps count (never torn or model-only folders)."""
-        steps = self.engine.persistent_steps() if self.engine else []
+        steps = self._engine.persistent_steps() if self.engine else []
         return max(steps) if steps else -1
 
     @torch.no_grad()
@@ -404,7 +416,7 @@ class TieredCheckpointManager(CheckpointManager):
         """
         t0 = time.perf_counter()
         if step == SEED_STEP:  # torchtitan: step 0 is the seed, loaded model-only
-            newer = [] if self.load_only else self.engine.all_steps()
+            newer = [] if self.load_only else self._engine.all_steps()
             if newer:  # this run's saves would overwrite and interleave with them
                 raise ConfigError("checkpoint.load_step", f"0 is the seed checkpoint, but committed steps {newer} "
                                   "exist: a training run from the seed would write over them; name one of them, "
@@ -412,12 +424,12 @@ class TieredCheckpointManager(CheckpointManager):
             if self._load_seed(t0):
                 return True
             raise FileNotFoundError(f"checkpoint.load_step=0: no seed checkpoint (step-0) in "
-                                    f"{self.engine.persistent_url()}")
+                                    f"{self._engine.persistent_url()}")
         states = self._states_to_load(model_only=False)
         if self.positions is not None:
             self.positions.loaded = None
         explicit = step != -1
-        res = self.engine.restore(states, step=step if explicit else None,
+        res = self._engine.restore(states, step=step if explicit else None,
                                   rollback=explicit and not self.load_only)
         if res is None:
             if step != -1:
@@ -451,7 +463,7 @@ class TieredCheckpointManager(CheckpointManager):
         Raises:
             VerificationError: the seed is corrupt or incomplete (its creation did not finish).
         """
-        eng = self.engine
+        eng = self._engine
         store, rel, group = eng.persistent.store, layout.persistent_step(SEED_STEP), eng.groups.local_world
         found = None
         if eng.topo.rank == 0:  # one view of the shared folder for every rank
@@ -514,7 +526,7 @@ class TieredCheckpointManager(CheckpointManager):
         trainer.step -= 1  # the failed step never ran its optimizer step: train_state says so
         log.warning("tierckpt: %s: the DataLoader's workers died on the notice while step %d fetched its batch; "
                     "saving step %d for the requeue", sig, trainer.step + 1, trainer.step)
-        return self.engine.save_for_preemption(trainer.step, self._states_to_save(), sig)
+        return self._engine.save_for_preemption(trainer.step, self._states_to_save(), sig)
 
     def _close(self) -> None:
         if self.engine is not None:
@@ -524,8 +536,8 @@ class TieredCheckpointManager(CheckpointManager):
             clean = exc is None or isinstance(exc, Preempted)  # a preemption is a planned exit
             try:  # a clean close raises when a background save failed (TierFailedError), except
                 # after a preemption: its exit status must stay "requeue me" (the ledger has it)
-                self.engine.close(clean=clean, reason=str(exc) if isinstance(exc, Preempted) else repr(exc) if exc else "",
-                                  raise_failures=not isinstance(exc, Preempted))
+                self._engine.close(clean=clean, reason=str(exc) if isinstance(exc, Preempted) else repr(exc) if exc else "",
+                                   raise_failures=not isinstance(exc, Preempted))
             finally:
                 self.tier_metrics.poll(self._metrics_step)  # what finished while close() waited
                 super()._close()

@@ -20,12 +20,12 @@ W&B; a no-op off the metrics rank), all under ``tierckpt/``, seconds and bytes a
 - every save, at its step: ``tierckpt/save/blocking_s`` (δ, this rank's blocking time);
 - every tier's outcome, at the first step that finds its background job finished (training
   never waits for it): ``tierckpt/save/<tier>/...`` of its :class:`~tierckpt.CheckpointRecord`
-  (:func:`tierckpt.record_metrics`; a tier skipped at a step is logged at that step);
+  (:func:`tierckpt.integration.record_metrics`; a tier skipped at a step is logged at that step);
 - every restore, at the restored step: ``tierckpt/restore/...`` of the
-  :class:`~tierckpt.RestoreResult` (:func:`tierckpt.restore_metrics`; the seed load's nodes
+  :class:`~tierckpt.RestoreResult` (:func:`tierckpt.integration.restore_metrics`; the seed load's nodes
   count as ``seed``);
 - interval decisions of adaptive tiers: ``tierckpt/<tier>/{tau_steps, tau_s, delta_s, mtbf_s,
-  restart_s, p}`` (:func:`tierckpt.decision_metrics`).
+  restart_s, p}`` (:func:`tierckpt.integration.decision_metrics`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from typing import Any
 import torch
 from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 
-from tierckpt import RestoreResult, SaveHandle, decision_metrics, record_metrics, result_metrics
+from tierckpt import RestoreResult, SaveHandle
+from tierckpt.integration import decision_metrics, record_metrics, result_metrics
 
 __all__ = ["JsonlMetricsProcessor", "TierMetrics", "read_losses", "read_records"]
 

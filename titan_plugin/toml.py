@@ -312,17 +312,17 @@ def check_tiers_early(ckpt) -> None:
     Raises:
         ConfigError: naming the ``checkpoint.*`` key and the allowed values.
     """
-    from tierckpt import check_replication
+    from tierckpt.integration import check_replication
     from titan_plugin.config import build_tier_config, checkpoint_error
 
     seed = ckpt.create_seed_checkpoint
     if seed:  # as torchtitan.train.main: one process writes the unsharded model and exits
         if not ckpt.enable:
             raise ConfigError("checkpoint.create_seed_checkpoint", "needs checkpoint.enable = true")
-        world = os.environ.get("WORLD_SIZE", "1")
-        if world != "1":
+        seed_world = os.environ.get("WORLD_SIZE", "1")
+        if seed_world != "1":
             raise ConfigError("checkpoint.create_seed_checkpoint",
-                              f"runs on a single rank (the model unsharded); got WORLD_SIZE={world}; allowed: 1")
+                              f"runs on a single rank (the model unsharded); got WORLD_SIZE={seed_world}; allowed: 1")
     if not ckpt.enable:
         return
     tcfg = build_tier_config(ckpt, ckpt.persistent_folder or ckpt.folder)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tierckpt import PREEMPTED_EXIT, ConfigError, Preempted, TierFailedError, accelerator_present
+from tierckpt import PREEMPTED_EXIT, ConfigError, Preempted, TierFailedError
+from tierckpt.integration import accelerator_present
 
 DEV_PACKAGE = "tierckpt_dev"
 

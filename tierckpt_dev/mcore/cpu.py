@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from tierckpt import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
+from tierckpt.integration import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
 
 log = logging.getLogger("tierckpt_dev.mcore.cpu")
 
@@ -121,9 +121,10 @@ def _cuda_runtime_calls() -> None:
     torch.cuda.set_device = lambda device: None
     torch.cuda.empty_cache = lambda: None
     torch.cuda.current_device = lambda: 0
-    torch.cuda.Stream = _NullStream
-    torch.cuda.current_stream = lambda device=None: _NullStream()
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    # null stand-ins, not torch.cuda types: mypy's view of the patched names does not apply
+    torch.cuda.Stream = _NullStream  # type: ignore[misc, assignment]
+    torch.cuda.current_stream = lambda device=None: _NullStream()  # type: ignore[assignment, return-value]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment, misc]
 
 
 class _NullStream:
@@ -206,7 +207,7 @@ def _cuda_rng_tracker() -> None:
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
     torch.cuda.get_rng_state_all = lambda: [torch.get_rng_state()]
-    torch.cuda.set_rng_state_all = lambda states: torch.set_rng_state(states[0])
+    torch.cuda.set_rng_state_all = lambda states: torch.set_rng_state(states[0])  # type: ignore[assignment, index]  # one CPU "device"
 
 
 _TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
@@ -229,8 +230,8 @@ def _tensor_type_names() -> None:
             return _TYPE_NAMES[self.dtype]
         return orig(self, dtype, non_blocking, **kw) if dtype is not None else orig(self)
 
-    type_._tierckpt_orig = orig
-    torch.Tensor.type = type_
+    type_._tierckpt_orig = orig  # type: ignore[attr-defined]  # the unpatched method, to undo the patch
+    torch.Tensor.type = type_  # type: ignore[method-assign]
 
 
 def _async_worker_shims() -> None:
@@ -271,7 +272,7 @@ def async_worker(*args, **kwargs):
     return fn(*args, **kwargs)
 
 
-async_worker._tierckpt_shim = True
+async_worker._tierckpt_shim = True  # type: ignore[attr-defined]  # marks the shim (checked before patching)
 
 _SHIMS = (
     ("cuda_device_to_cpu", _cuda_device_to_cpu),

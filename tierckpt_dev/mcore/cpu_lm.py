@@ -145,7 +145,7 @@ def _training_modules_cuda_view() -> None:
         except ImportError:
             continue
         if getattr(mod, "torch", None) is torch:
-            mod.torch = _TORCH_VIEW
+            setattr(mod, "torch", _TORCH_VIEW)
 
 
 def _no_fused_kernel_build() -> None:
@@ -160,7 +160,7 @@ def _no_fused_kernel_build() -> None:
         fk = importlib.import_module("megatron.legacy.fused_kernels")
     except ImportError:  # Megatron-LM 0.19 dropped megatron/legacy and this build step
         return
-    fk.load = lambda args: None
+    setattr(fk, "load", lambda args: None)
 
 
 _SHIMS = (

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from tierckpt import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
+from tierckpt.integration import accelerator_present  # noqa: F401 - re-exported; apply() decides on it
 
 log = logging.getLogger("tierckpt_dev.titan.cpu")
 
@@ -119,7 +119,7 @@ def _make_cpu_device_module() -> types.ModuleType:
     ):
         setattr(mod, fn.__name__, fn)
     # Anything else (streams, is_initialized, ...) falls through to torch.cpu.
-    mod.__getattr__ = lambda attr: getattr(torch.cpu, attr)  # type: ignore[attr-defined]
+    mod.__getattr__ = lambda attr: getattr(torch.cpu, attr)  # type: ignore[method-assign]  # a module's PEP 562 hook
     return mod
 
 
@@ -153,9 +153,9 @@ def _patch_device_module() -> None:
             continue
         d = getattr(module, "__dict__", {})
         if isinstance(d.get("device_type"), str) and d["device_type"] == old_type:
-            module.device_type = "cpu"
+            setattr(module, "device_type", "cpu")  # any torchtitan module that copied the name
         if d.get("device_module") is old_mod:
-            module.device_module = cpu_mod
+            setattr(module, "device_module", cpu_mod)
     tt_utils.device_type = "cpu"
     tt_utils.device_module = cpu_mod
 
@@ -260,7 +260,7 @@ def _patch_dist_set_timeout() -> None:
     from torch.distributed import distributed_c10d
 
     if not hasattr(dist, "set_timeout"):
-        dist.set_timeout = distributed_c10d._set_pg_timeout
+        dist.set_timeout = distributed_c10d._set_pg_timeout  # type: ignore[attr-defined]  # the name torchtitan calls
 
 
 # ------------------------------------------------------------- FSDP2 reductions on gloo

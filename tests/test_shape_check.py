@@ -1,0 +1,141 @@
+"""tierckpt_dev/shape_check.py (run by ``make lint``): it passes on the repository and fails on
+each kind of bad input, checked on a small copy of the repository's lint configuration."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tierckpt_dev import shape_check as sc
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A minimal repository: the real pyproject.toml, Makefile and lazy-export modules, one
+    file per package, and a ``tierckpt/dist/`` folder (the one ruff's default excluded)."""
+    for name in ("pyproject.toml", "Makefile"):
+        shutil.copy(REPO / name, tmp_path / name)
+    for pkg in sc.PACKAGES + ("tests", "scripts"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "mod.py").write_text("X = 1\n")
+    for rel in sc.LAZY_MODULES:
+        shutil.copy(REPO / rel, tmp_path / rel)
+    (tmp_path / "tierckpt" / "dist").mkdir()
+    (tmp_path / "tierckpt" / "dist" / "collectives.py").write_text("Y = 2\n")
+    (tmp_path / "tierckpt" / "engine.py").write_text("class TieredCheckpointer:\n    def save(self):\n        pass\n")
+    return tmp_path
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, old
+    path.write_text(text.replace(old, new, 1))
+
+
+def _failed(root: Path) -> dict[str, str]:
+    status, results = sc.run(root)
+    failed = {r.name: r.line for r in results if not r.ok and r.enforced}
+    assert status == int(bool(failed))
+    return failed
+
+
+def test_the_repository_passes_and_prints_one_line_per_check(capsys):
+    assert sc.main([str(REPO)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [ln.split(":")[1].strip() for ln in out] == ["public names", "ruff coverage", "mypy coverage",
+                                                         "engine size"]
+    assert re.search(r"public names: ok: tierckpt (\d+),", out[0]) and int(
+        re.search(r"tierckpt (\d+),", out[0]).group(1)) <= sc.MAX_PUBLIC
+    assert "6/6 packages" in out[2]
+
+
+def test_the_minimal_tree_passes(tree):
+    assert _failed(tree) == {}
+
+
+def test_ruff_default_exclude_fails_on_a_dist_folder(tree):
+    """Without its own `exclude`, ruff skips every folder named dist: tierckpt/dist/ unlinted."""
+    _edit(tree / "pyproject.toml", '\nexclude = [".git",', '\nextend-exclude = [".git",')  # ruff's default applies
+    failed = _failed(tree)
+    assert set(failed) == {"ruff coverage"}
+    assert "default `exclude`" in failed["ruff coverage"]
+    assert "ruff does not lint tierckpt/dist/collectives.py" in failed["ruff coverage"]
+
+
+def test_an_exclude_pattern_matching_inside_a_package_fails(tree):
+    _edit(tree / "pyproject.toml", 'exclude = [".git",', 'exclude = ["dist", ".git",')
+    failed = _failed(tree)
+    assert "tierckpt/dist ('dist')" in failed["ruff coverage"], failed
+
+
+def test_make_lint_leaving_a_package_out_of_ruff_fails(tree):
+    _edit(tree / "Makefile", "tierckpt_dev tests bench launch scripts", "tierckpt_dev tests bench scripts")
+    failed = _failed(tree)
+    assert "make lint's ruff call leaves out launch" in failed["ruff coverage"], failed
+
+
+def test_a_package_missing_from_mypy_files_fails(tree):
+    _edit(tree / "pyproject.toml", '"launch", "bench"]', '"launch"]')
+    failed = _failed(tree)
+    assert set(failed) == {"mypy coverage"} and "mypy does not check bench" in failed["mypy coverage"]
+
+
+def test_a_mypy_override_silencing_a_package_fails(tree):
+    with open(tree / "pyproject.toml", "a") as f:
+        f.write('\n[[tool.mypy.overrides]]\nmodule = ["titan_plugin.*"]\nignore_errors = true\n')
+    failed = _failed(tree)
+    assert "silences titan_plugin.*" in failed["mypy coverage"], failed
+
+
+def test_a_mypy_exclude_dropping_a_package_file_fails(tree):
+    _edit(tree / "pyproject.toml", "explicit_package_bases = true", 'explicit_package_bases = true\nexclude = "^bench/"')
+    failed = _failed(tree)
+    assert "drops bench/mod.py" in failed["mypy coverage"], failed
+
+
+def test_mypy_paths_on_the_make_lint_line_replace_the_config(tree):
+    _edit(tree / "Makefile", "$(VPY) -m mypy\n", "$(VPY) -m mypy tierckpt\n")
+    failed = _failed(tree)
+    assert "mypy does not check titan_plugin, mcore_plugin, tierckpt_dev, launch, bench" in failed["mypy coverage"]
+
+
+def test_a_seventeenth_public_name_fails(tree):
+    init = tree / "tierckpt" / "__init__.py"
+    _edit(init, '    "TierFailedError": "tierckpt.errors",\n',
+          '    "TierFailedError": "tierckpt.errors",\n    "StagingError": "tierckpt.errors",\n')
+    _edit(init, "TierckptError, TierFailedError\n", "TierckptError, TierFailedError, StagingError\n")
+    _edit(init, '    "TierFailedError",\n', '    "TierFailedError",\n    "StagingError",\n')
+    failed = _failed(tree)
+    assert set(failed) == {"public names"}
+    assert "tierckpt.__all__ has 17 names, at most 16 allowed" in failed["public names"]
+
+
+def test_an_export_without_its_type_checking_import_fails(tree):
+    _edit(tree / "tierckpt" / "integration.py", "    from tierckpt.io.peek import read_item\n", "")
+    failed = _failed(tree)
+    assert "integration.py: the TYPE_CHECKING imports differ from __all__ (missing: read_item" in failed["public names"]
+
+
+def test_a_name_exported_by_both_modules_fails(tree):
+    integ = tree / "tierckpt" / "integration.py"
+    _edit(integ, '    "VerificationError": "tierckpt.errors",\n',
+          '    "VerificationError": "tierckpt.errors",\n    "ConfigError": "tierckpt.errors",\n')
+    _edit(integ, "    from tierckpt.errors import VerificationError\n",
+          "    from tierckpt.errors import ConfigError, VerificationError\n")
+    _edit(integ, '    "VerificationError",\n', '    "VerificationError",\n    "ConfigError",\n')
+    failed = _failed(tree)
+    assert "exported by tierckpt and tierckpt.integration: ConfigError" in failed["public names"], failed
+
+
+def test_engine_size_only_reports(tree):
+    body = "".join(f"    def m{i}(self):\n        pass\n" for i in range(25))
+    (tree / "tierckpt" / "engine.py").write_text("class TieredCheckpointer:\n" + body + "#\n" * 400)
+    status, results = sc.run(tree)
+    eng = next(r for r in results if r.name == "engine size")
+    assert status == 0 and not eng.ok and not eng.enforced
+    assert "25 methods (target ≤ 20)" in eng.line and "over target (report only)" in eng.render()

@@ -1,0 +1,93 @@
+"""What framework adapters (``titan_plugin``, ``mcore_plugin``, a user's own) need from tierckpt
+beyond the user-facing :mod:`tierckpt` surface: the plumbing an adapter builds on.
+
+- collectives over the engine's gloo group: :func:`all_gather`, :func:`run_agreed` (a call
+  every rank runs, failing on all ranks together) and its :class:`PeerFailure`;
+- topology and environment: :func:`check_replication` (a replication factor/jump that fits the
+  node count), :func:`accelerator_present`, :func:`signal_numbers` (validated preemption signal
+  names);
+- the persistent tier and restore: :func:`write_dcp` (the persistent tier's DCP write),
+  :func:`read_item` (one small item of a committed step), :func:`plan_restore` (which step and
+  source a restore would use), :data:`TIERS`, :func:`validate_tiers`;
+- metrics for a framework's logger: :func:`record_metrics`, :func:`restore_metrics`,
+  :func:`result_metrics`, :func:`decision_metrics`, :func:`describe_failure`;
+- what an adapter writes or raises itself: :class:`RestoreRecord` (a restore's ledger record),
+  :class:`VerificationError`.
+
+Names resolve lazily (PEP 562), as in :mod:`tierckpt`: importing this module does not import
+torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tierckpt._lazy import lazy_exports as _lazy_exports
+
+# name -> defining module; resolved on first access (PEP 562)
+_EXPORTS = {
+    "all_gather": "tierckpt.dist.collectives",
+    "run_agreed": "tierckpt.dist.collectives",
+    "PeerFailure": "tierckpt.dist.collectives",
+    "check_replication": "tierckpt.dist.topology",
+    "accelerator_present": "tierckpt.dist.accel",
+    "signal_numbers": "tierckpt.preemption",
+    "write_dcp": "tierckpt.tiers.persistent",
+    "read_item": "tierckpt.io.peek",
+    "plan_restore": "tierckpt.restore",
+    "TIERS": "tierckpt.config",
+    "validate_tiers": "tierckpt.config",
+    "record_metrics": "tierckpt.metrics",
+    "restore_metrics": "tierckpt.metrics",
+    "result_metrics": "tierckpt.metrics",
+    "decision_metrics": "tierckpt.sched.cadence",
+    "describe_failure": "tierckpt.tiers.jobs",
+    "RestoreRecord": "tierckpt.records",
+    "VerificationError": "tierckpt.errors",
+}
+
+if TYPE_CHECKING:  # what mypy and IDEs see; at run time the names resolve lazily
+    from tierckpt.config import TIERS, validate_tiers
+    from tierckpt.dist.accel import accelerator_present
+    from tierckpt.dist.collectives import PeerFailure, all_gather, run_agreed
+    from tierckpt.dist.topology import check_replication
+    from tierckpt.errors import VerificationError
+    from tierckpt.io.peek import read_item
+    from tierckpt.metrics import record_metrics, restore_metrics, result_metrics
+    from tierckpt.preemption import signal_numbers
+    from tierckpt.records import RestoreRecord
+    from tierckpt.restore import plan_restore
+    from tierckpt.sched.cadence import decision_metrics
+    from tierckpt.tiers.jobs import describe_failure
+    from tierckpt.tiers.persistent import write_dcp
+
+__all__ = [
+    "PeerFailure",
+    "RestoreRecord",
+    "TIERS",
+    "VerificationError",
+    "accelerator_present",
+    "all_gather",
+    "check_replication",
+    "decision_metrics",
+    "describe_failure",
+    "plan_restore",
+    "read_item",
+    "record_metrics",
+    "restore_metrics",
+    "result_metrics",
+    "run_agreed",
+    "signal_numbers",
+    "validate_tiers",
+    "write_dcp",
+]
+
+_getattr, _dir = _lazy_exports(__name__, _EXPORTS, None, globals())
+
+
+def __getattr__(name: str) -> object:
+    return _getattr(name)
+
+
+def __dir__() -> list[str]:
+    return _dir()

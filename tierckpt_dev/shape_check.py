@@ -1,0 +1,356 @@
+"""Shape checks of the repository, run by ``make lint`` (``python -m tierckpt_dev.shape_check``).
+
+Each check is a function ``check_*(root: Path) -> Check`` reading the files under ``root`` (the
+repository, or a temporary tree in the tests); :data:`CHECKS` lists them in the order they run.
+A :class:`Check` carries one printed line and whether it passed; a check with
+``enforced=False`` only reports (a target still being worked towards). The command prints every
+line and exits 1 when an enforced check failed.
+
+Checks today:
+
+- :func:`check_public_names`: ``tierckpt.__all__`` has at most :data:`MAX_PUBLIC` names, and in
+  ``tierckpt`` and ``tierckpt.integration`` alike ``__all__``, the lazy ``_EXPORTS`` table and
+  the ``if TYPE_CHECKING:`` imports name the same set (so mypy and IDEs see every export's real
+  type, and nothing is exported twice);
+- :func:`check_ruff_coverage`: ``make lint`` runs ruff over every package of :data:`PACKAGES`,
+  no ruff ``exclude`` pattern matches a folder or file inside one, and ruff itself
+  (``ruff check --show-files``) lists every ``.py`` file of every package;
+- :func:`check_mypy_coverage`: ``[tool.mypy] files`` names every package, ``make lint`` runs
+  mypy on that configuration, and neither mypy's ``exclude`` nor an ``ignore_errors`` override
+  drops a package's module;
+- :func:`report_engine_size` (report only): ``tierckpt/engine.py``'s lines and the engine class's
+  methods against the targets of issue 30 (≤ :data:`ENGINE_MAX_LINES` lines, ≤
+  :data:`ENGINE_MAX_METHODS` methods).
+
+To add a check, write a ``check_*`` function returning a :class:`Check` and append it to
+:data:`CHECKS`.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+
+PACKAGES = ("tierckpt", "titan_plugin", "mcore_plugin", "tierckpt_dev", "launch", "bench")
+"""Every folder of Python code that ships or runs from the repository (tests/ and scripts/ are
+linted by ruff too, but are not required to pass mypy)."""
+
+MAX_PUBLIC = 16
+"""Most names ``tierckpt.__all__`` may hold (issue 30: about 15 user-facing names)."""
+
+ENGINE_MAX_LINES = 400
+ENGINE_MAX_METHODS = 20
+ENGINE_FILE = "tierckpt/engine.py"
+ENGINE_CLASS = "TieredCheckpointer"
+
+LAZY_MODULES = ("tierckpt/__init__.py", "tierckpt/integration.py")
+
+
+@dataclass
+class Check:
+    """One check's outcome: ``line`` is printed; ``ok`` False fails ``make lint`` unless the
+    check only reports (``enforced`` False)."""
+
+    name: str
+    ok: bool
+    line: str
+    enforced: bool = True
+
+    def render(self) -> str:
+        tag = "ok" if self.ok else ("FAIL" if self.enforced else "over target (report only)")
+        return f"shape: {self.name}: {tag}: {self.line}"
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _pyproject(root: Path) -> dict:
+    with open(root / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def _lint_recipe(root: Path) -> list[str]:
+    """The command lines of the Makefile's ``lint`` target (tab-indented lines after
+    ``lint:``), with make's ``$(VAR)`` references left as they are."""
+    lines = (root / "Makefile").read_text().splitlines()
+    out: list[str] = []
+    inside = False
+    for line in lines:
+        if re.match(r"^lint\s*:", line):
+            inside = True
+            continue
+        if inside:
+            if line.startswith("\t"):
+                out.append(line.strip())
+            elif line.strip() and not line.startswith("#"):
+                break
+    return out
+
+
+def _tool_args(recipe: list[str], tool: list[str]) -> list[str] | None:
+    """The arguments after ``tool`` (e.g. ``["-m", "ruff", "check"]``) on the first recipe line
+    that runs it; None when no line does."""
+    for line in recipe:
+        words = shlex.split(line)
+        for i in range(len(words) - len(tool) + 1):
+            if words[i:i + len(tool)] == tool:
+                return words[i + len(tool):]
+    return None
+
+
+def _covers(paths: list[str], package: str) -> bool:
+    """Whether the path arguments ``paths`` include ``package`` (itself or a folder above)."""
+    for p in paths:
+        p = p.rstrip("/") or "."
+        if p in (".", "./") or p == package or package.startswith(p + "/"):
+            return True
+    return False
+
+
+def _package_files(root: Path, package: str) -> list[Path]:
+    """The ``.py`` files of ``package``: in a git work tree the tracked ones and the untracked
+    ones git does not ignore (outputs a test or demo left inside a package are not source);
+    elsewhere every ``.py`` file outside ``__pycache__``."""
+    r = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", f"{package}/"],
+                       cwd=root, capture_output=True, text=True)
+    inside_git = r.returncode == 0 and subprocess.run(
+        ["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True).stdout.strip() == str(
+        root.resolve())
+    if inside_git:
+        return sorted({root / line for line in r.stdout.splitlines() if line.endswith(".py") and (root / line).is_file()})
+    return sorted(p for p in (root / package).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _package_paths(root: Path, package: str) -> list[str]:
+    """The package folder, its ``.py`` files and every folder holding one, relative to
+    ``root`` (posix): what a ruff ``exclude`` pattern must not match."""
+    out = {package}
+    for f in _package_files(root, package):
+        rel = f.relative_to(root)
+        out.add(rel.as_posix())
+        out |= {p.as_posix() for p in rel.parents if p.as_posix() not in (".", "")}
+    return sorted(out)
+
+
+def _ruff_pattern_hits(pattern: str, rel: str) -> bool:
+    """Whether a ruff ``exclude`` pattern matches ``rel`` (a path relative to the project root):
+    ruff matches a pattern against the full path and against each file or folder name."""
+    pattern = pattern.rstrip("/")
+    parts = rel.split("/")
+    return (fnmatch.fnmatchcase(rel, pattern) or fnmatch.fnmatchcase(rel, pattern + "/*")
+            or any(fnmatch.fnmatchcase(part, pattern) for part in parts))
+
+
+# -- checks ------------------------------------------------------------------------------------
+def _lazy_module_names(path: Path) -> tuple[list[str] | None, set[str] | None, set[str]]:
+    """``(__all__, _EXPORTS keys, names imported under if TYPE_CHECKING:)`` of a lazily
+    exporting module; None for a part that is missing or not a literal."""
+    tree = ast.parse(path.read_text())
+    all_: list[str] | None = None
+    exports: set[str] | None = None
+    typed: set[str] = set()
+    all_from_exports = False
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = {t.id for t in targets if isinstance(t, ast.Name)}
+            value = node.value
+            if "__all__" in names and isinstance(value, (ast.List, ast.Tuple)):
+                if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in value.elts):
+                    all_ = [e.value for e in value.elts]  # type: ignore[attr-defined]
+            if "__all__" in names and isinstance(value, ast.Call) and ast.unparse(value) == "sorted(_EXPORTS)":
+                all_from_exports = True
+            if "_EXPORTS" in names and isinstance(value, ast.Dict):
+                if all(isinstance(k, ast.Constant) for k in value.keys):
+                    exports = {k.value for k in value.keys}  # type: ignore[union-attr]
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for sub in node.body:
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    typed |= {a.asname or a.name.split(".")[-1] for a in sub.names}
+    if all_from_exports and exports is not None:
+        all_ = sorted(exports)
+    return all_, exports, typed
+
+
+def check_public_names(root: Path) -> Check:
+    """``tierckpt.__all__`` ≤ :data:`MAX_PUBLIC` names; in each module of :data:`LAZY_MODULES`,
+    ``__all__`` == ``_EXPORTS`` keys == the ``TYPE_CHECKING`` imports; no name in both."""
+    problems: list[str] = []
+    seen: dict[str, list[str]] = {}
+    for rel in LAZY_MODULES:
+        path = root / rel
+        if not path.is_file():
+            problems.append(f"{rel} is missing")
+            continue
+        all_, exports, typed = _lazy_module_names(path)
+        if all_ is None:
+            problems.append(f"{rel}: __all__ is not a literal list of names")
+            continue
+        seen[rel] = all_
+        if len(set(all_)) != len(all_):
+            problems.append(f"{rel}: __all__ lists a name twice")
+        if exports is None or exports != set(all_):
+            diff = sorted(set(all_) ^ (exports or set()))
+            problems.append(f"{rel}: __all__ and _EXPORTS differ ({', '.join(diff) or '_EXPORTS missing'})")
+        if typed != set(all_):
+            untyped, extra = sorted(set(all_) - typed), sorted(typed - set(all_))
+            problems.append(f"{rel}: the TYPE_CHECKING imports differ from __all__ (missing: "
+                            f"{', '.join(untyped) or '-'}; not exported: {', '.join(extra) or '-'})")
+    public = seen.get(LAZY_MODULES[0], [])
+    if len(public) > MAX_PUBLIC:
+        problems.append(f"tierckpt.__all__ has {len(public)} names, at most {MAX_PUBLIC} allowed")
+    both = sorted(set(public) & set(seen.get(LAZY_MODULES[1], [])))
+    if both:
+        problems.append(f"exported by tierckpt and tierckpt.integration: {', '.join(both)}")
+    counts = ", ".join(f"{rel.removesuffix('.py').removesuffix('/__init__').replace('/', '.')} "
+                       f"{len(names)}" for rel, names in seen.items())
+    line = f"{counts or 'none'} (tierckpt ≤ {MAX_PUBLIC}), each typed under TYPE_CHECKING"
+    return Check("public names", not problems, line + ("" if not problems else "; " + "; ".join(problems)))
+
+
+def check_ruff_coverage(root: Path, ruff: list[str] | None = None) -> Check:
+    """``make lint``'s ruff call names every package, no ``exclude`` pattern of
+    ``[tool.ruff]`` matches inside one, and ``ruff check --show-files`` lists every file.
+
+    Args:
+        ruff: the command that runs ruff (default: this interpreter's ``-m ruff``).
+    """
+    problems: list[str] = []
+    args = _tool_args(_lint_recipe(root), ["-m", "ruff", "check"])
+    if args is None:
+        args = _tool_args(_lint_recipe(root), ["ruff", "check"])
+    paths = [a for a in args or [] if not a.startswith("-")]
+    if args is None:
+        problems.append("the Makefile's lint target does not run `ruff check`")
+    else:
+        missing = [p for p in PACKAGES if not _covers(paths, p)]
+        if missing:
+            problems.append(f"make lint's ruff call leaves out {', '.join(missing)}")
+    cfg = _pyproject(root).get("tool", {}).get("ruff", {})
+    if "exclude" not in cfg:
+        # ruff's default exclude holds generic names ("dist", "build", "venv", ...) that match
+        # package folders; the project overrides it
+        problems.append("[tool.ruff] keeps ruff's default `exclude` (it skips any folder named dist, "
+                        "_build, venv, ...): set `exclude` explicitly")
+    patterns = list(cfg.get("exclude", [])) + list(cfg.get("extend-exclude", []))
+    for pkg in PACKAGES:
+        if not (root / pkg).is_dir():
+            problems.append(f"package folder {pkg}/ is missing")
+            continue
+        hits = sorted({f"{rel} ({pat!r})" for rel in _package_paths(root, pkg) for pat in patterns
+                       if _ruff_pattern_hits(pat, rel)})
+        if hits:
+            problems.append(f"ruff excludes {', '.join(hits[:5])}{' …' if len(hits) > 5 else ''}")
+    checked = 0
+    if paths:
+        cmd = (ruff or [sys.executable, "-m", "ruff"]) + ["check", "--show-files", *paths]
+        r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            problems.append(f"`{' '.join(cmd)}` failed: {r.stderr.strip()[-300:]}")
+        else:
+            listed = {Path(line.strip()).resolve() for line in r.stdout.splitlines() if line.strip()}
+            for pkg in PACKAGES:
+                files = _package_files(root, pkg)
+                checked += len(files)
+                unlisted = [f.relative_to(root).as_posix() for f in files if f.resolve() not in listed]
+                if unlisted:
+                    problems.append(f"ruff does not lint {', '.join(unlisted[:5])}"
+                                    f"{f' and {len(unlisted) - 5} more' if len(unlisted) > 5 else ''}")
+    line = f"{len(PACKAGES)} packages ({', '.join(PACKAGES)}), {checked} files, each listed by `ruff --show-files`"
+    return Check("ruff coverage", not problems, line + ("" if not problems else "; " + "; ".join(problems)))
+
+
+def check_mypy_coverage(root: Path) -> Check:
+    """``[tool.mypy] files`` names every package, ``make lint`` runs mypy on that
+    configuration (or names every package itself), and no ``exclude`` regex or
+    ``ignore_errors`` override drops a package's module."""
+    problems: list[str] = []
+    cfg = _pyproject(root).get("tool", {}).get("mypy", {})
+    files = cfg.get("files", [])
+    files = [f.strip() for f in files.split(",")] if isinstance(files, str) else list(files)
+    args = _tool_args(_lint_recipe(root), ["-m", "mypy"])
+    if args is None:
+        args = _tool_args(_lint_recipe(root), ["mypy"])
+    if args is None:
+        problems.append("the Makefile's lint target does not run mypy")
+        targets = files
+    else:
+        cli_paths = [a for a in args if not a.startswith("-")]
+        targets = cli_paths or files  # paths on the command line replace the config's `files`
+    missing = [p for p in PACKAGES if not _covers(targets, p)]
+    if missing:
+        problems.append(f"mypy does not check {', '.join(missing)} (pyproject [tool.mypy] files: {files})")
+    excludes = cfg.get("exclude", [])
+    excludes = [excludes] if isinstance(excludes, str) else list(excludes)
+    for pkg in PACKAGES:
+        if not (root / pkg).is_dir():
+            continue
+        for f in _package_files(root, pkg):
+            rel = f.relative_to(root).as_posix()
+            hit = next((x for x in excludes if re.search(x, rel)), None)
+            if hit is not None:
+                problems.append(f"mypy's exclude {hit!r} drops {rel}")
+                break
+    for ov in cfg.get("overrides", []):
+        mods = ov.get("module", [])
+        mods = [mods] if isinstance(mods, str) else list(mods)
+        if ov.get("ignore_errors") or ov.get("follow_imports") == "skip":
+            ours = [m for m in mods if m.split(".")[0].rstrip("*") in PACKAGES or m in ("*",)]
+            if ours:
+                problems.append(f"a mypy override silences {', '.join(ours)} (ignore_errors / follow_imports=skip)")
+    line = f"{len(PACKAGES) - len(missing)}/{len(PACKAGES)} packages in mypy's files, none excluded or silenced"
+    return Check("mypy coverage", not problems, line + ("" if not problems else "; " + "; ".join(problems)))
+
+
+def report_engine_size(root: Path) -> Check:
+    """Report only: ``tierckpt/engine.py``'s line count and the number of methods (``def``
+    directly in the class body, properties included) of :data:`ENGINE_CLASS`."""
+    path = root / ENGINE_FILE
+    if not path.is_file():
+        return Check("engine size", False, f"{ENGINE_FILE} is missing", enforced=False)
+    text = path.read_text()
+    lines = len(text.splitlines())
+    methods = 0
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.ClassDef) and node.name == ENGINE_CLASS:
+            methods = sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
+    ok = lines <= ENGINE_MAX_LINES and methods <= ENGINE_MAX_METHODS
+    return Check("engine size", ok, f"{ENGINE_FILE}: {lines} lines (target ≤ {ENGINE_MAX_LINES}), "
+                 f"{ENGINE_CLASS}: {methods} methods (target ≤ {ENGINE_MAX_METHODS})", enforced=False)
+
+
+CHECKS: list[Callable[[Path], Check]] = [check_public_names, check_ruff_coverage, check_mypy_coverage,
+                                         report_engine_size]
+
+
+def run(root: Path = REPO) -> tuple[int, list[Check]]:
+    """Run :data:`CHECKS` on ``root``; ``(exit status, results)``: 1 when an enforced check failed."""
+    results = [c(root) for c in CHECKS]
+    return int(any(not r.ok and r.enforced for r in results)), results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tierckpt_dev.shape_check [ROOT]``: print every check's line; exit 1 on a
+    failed enforced check."""
+    argv = sys.argv[1:] if argv is None else argv
+    root = Path(argv[0]).resolve() if argv else REPO
+    status, results = run(root)
+    for r in results:
+        print(r.render(), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
