@@ -4,6 +4,10 @@ node-local steps of other experiments.
 
 Each check fails with a :class:`~tierckpt.errors.ConfigError` naming the option, on every rank
 (the outcome is all-gathered before anyone raises), so no rank is left waiting in a collective.
+Every step on the node-local root (the purge, the probe, the generation survey) and the
+generation's listing of the persistent root is bounded by ``TierConfig.restore_read_timeout_s``:
+a root that stops answering is warned about and taken as holding nothing (:func:`_bounded_local`),
+never a constructor that waits forever.
 """
 
 from __future__ import annotations
