@@ -121,10 +121,11 @@ class TieredCheckpointer:
         self.persistent = PersistentTier(pstore, persistent_io, lineage=self.lineage)
         startup.check_shared(pstore, run_id, topo.rank, world)
         if self.local is not None:
-            startup.purge_other_lineages(self.local, topo, self.in_use, self.lineage, adopt=adopt, created=created)
+            startup.purge_other_lineages(self.local, topo, self.in_use, self.lineage, adopt=adopt, created=created,
+                                         timeout_s=cfg.read_timeout_s)
         # every copy a save writes records its identity; the generation orders this run's saves
         # after every copy it could see (never by wall clocks: tierckpt/history/timeline.py)
-        self.timeline = Timeline(run_id, startup.agree_generation(self.local, self.persistent, topo, world))
+        self.timeline = Timeline(run_id, startup.agree_generation(self.local, self.persistent, topo, world, cfg.read_timeout_s))
         self.ledger = Ledger(pstore, enabled=topo.rank == 0, run_id=run_id, job=cfg.resolved_job_id())
         self.journal = RunJournal(self.ledger)
         self.journal.run_start(topo, cfg.tiers, self.lineage)
@@ -777,7 +778,8 @@ class TieredCheckpointer:
         stuck = self._finish_jobs(poll=at_exit is not None)
         failed = self.unraised_failures()
         # the newest persistent step of this run that still exists (global rank 0 writes run_end)
-        durable = (self.persistent.newest_still_committed(self.persistent_committed) if self.topo.rank == 0 else
+        durable = (self.persistent.newest_still_committed(self.persistent_committed, self.cfg.read_timeout_s)
+                   if self.topo.rank == 0 else
                    max(self.persistent_committed, default=None))
         not_durable = self._saved_any and "persistent" in self.cfg.tiers and durable is None
         if not_durable:

@@ -74,6 +74,25 @@ class TierFailedError(TierckptError, RuntimeError):
                          f"intact; add {tier!r} to warn_only to let training continue without it)")
 
 
+class TierUnreachableError(TierFailedError):
+    """A restore found nothing to restore from but a tier whose root did not answer (its
+    listing made no progress for ``restore_read_timeout_s``: a hung shared file system).
+    Raised on every rank instead of a fresh start, which would silently discard the progress
+    that tier may hold.
+
+    Attributes:
+        tier: the tier (``"persistent"``); ``step``: -1 (no step is known);
+        path: the root that did not answer; cause: the timeout's message.
+    """
+
+    def __init__(self, tier: str, path: str, cause: str | None):
+        self.tier, self.step, self.cause, self.path = tier, -1, cause, path
+        RuntimeError.__init__(self, f"tierckpt: the {tier} tier's root {path} did not answer ({cause or 'timed out'}) "
+                              "and no other tier holds a restorable step: refusing to start fresh over "
+                              f"checkpoints that may exist there; fix the mount (or remove {tier!r} from tiers "
+                              "to start without it)")
+
+
 class StagingError(TierckptError, RuntimeError):
     """A staged copy is not a snapshot of the state at ``save()`` (``cpu_staging =
     "overlapped"``: a saved tensor was modified in place before the background copy was waited

@@ -164,12 +164,47 @@ def finish(engine: Any, exc: BaseException | None = None) -> list[dict]:
             f"{u['tier']} {u['job']}" + (f" of step {u['step']}" if u["step"] is not None else "") + f" ({u['error']})"
             for u in unfinished))
     reason = "interpreter exit without close()" + (f": {type(exc).__name__}: {exc}" if exc is not None else "")
-    engine.close(clean=exc is None and not unfinished, reason=reason[:2000], raise_failures=False,
-                 at_exit={"exit": EXIT_WITHOUT_CLOSE, "unfinished": unfinished})
+    _close_bounded(engine, max(deadline - time.monotonic(), _CLOSE_FLOOR_S), clean=exc is None and not unfinished,
+                   reason=reason[:2000], raise_failures=False,
+                   at_exit={"exit": EXIT_WITHOUT_CLOSE, "unfinished": unfinished})
     if rank == 0:
         log.info("tierckpt: exit without close(): %s in %.1fs", "every job finished" if not unfinished
                  else f"{len(unfinished)} job(s) left unfinished", time.monotonic() - t0)
     return unfinished
+
+
+#: seconds the close of an exit without close() gets when waiting for the jobs used up
+#: exit_timeout_s (a healthy close takes far less: the jobs are done or abandoned by then)
+_CLOSE_FLOOR_S = 5.0
+
+
+def _close_bounded(engine: Any, timeout_s: float, **close_kw: Any) -> bool:
+    """``engine.close(**close_kw)`` on a daemon helper thread, waited for at most ``timeout_s``
+    seconds: the close reads and writes the persistent root (it confirms ``durable_step``,
+    appends ``run_end``), and a root that stops answering (a hung shared file system) must
+    not keep the process from exiting with its own status. Returns whether the close
+    finished; an error it raised propagates. A close given up on stays on its thread and dies
+    with the process (an error log says so; the ledger then has no ``run_end`` of this run,
+    which counts as a failure)."""
+    box: dict = {}
+    engine.preemption.close()  # its signal handlers go back on this, the main thread (close() repeats it: a no-op)
+
+    def run() -> None:
+        try:
+            engine.close(**close_kw)
+        except BaseException as e:  # re-raised on the exiting thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="tierckpt-exit-close", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        log.error("tierckpt: exit without close(): closing the engine did not finish within %.1fs (the persistent "
+                  "root does not answer?): exiting without the ledger's run_end", timeout_s)
+        return False
+    if "error" in box:
+        raise box["error"]
+    return True
 
 
 def _finished(fut: Future, timeout: float) -> bool:

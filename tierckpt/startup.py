@@ -4,21 +4,27 @@ node-local steps of other experiments.
 
 Each check fails with a :class:`~tierckpt.errors.ConfigError` naming the option, on every rank
 (the outcome is all-gathered before anyone raises), so no rank is left waiting in a collective.
+Every step on the node-local root (the purge, the probe, the generation survey) and the
+generation's listing of the persistent root is bounded by ``TierConfig.restore_read_timeout_s``:
+a root that stops answering is warned about and taken as holding nothing (:func:`_bounded_local`),
+never a constructor that waits forever.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 from tierckpt.config import TierConfig
 import torch.distributed as dist
 
 from tierckpt.dist.collectives import broadcast_from_first, first_by_rank, gather_reduced
 from tierckpt.dist.topology import Topology
-from tierckpt.errors import ConfigError
+from tierckpt.errors import ConfigError, ReadTimeout
 from tierckpt.history import lineage
 from tierckpt.io import layout, perms
+from tierckpt.io.bounded import run_bounded
 from tierckpt.io.perms import modes_of
 from tierckpt.io.storage import Store
 from tierckpt.tiers import ram, retention
@@ -39,22 +45,63 @@ def open_local_tier(cfg: TierConfig, topo: Topology, node_group, in_use: retenti
         return None, None
     root = cfg.local_root_for(topo.node, topo.hostname)
     store = Store(root, modes_of(cfg.local_permissions))
+    bound = cfg.read_timeout_s
     if topo.is_node_leader:
-        try:
+        def clean() -> None:
             retention.purge_local(store, 0, in_use)
             retention.purge_incoming(store)
+
+        try:
+            _bounded_local(store, clean, bound, "cleaning torn steps")
+        except ReadTimeout:
+            pass  # warned; the node is taken as holding nothing local
         except OSError as e:
             log.warning("tierckpt: could not clean torn steps under %s: %s", root, e)
-        tighten_local(store)
+        _bounded_local(store, lambda: tighten_local(store), bound, "setting its modes", check=False)
     err = None
     if topo.is_node_leader and ram.is_ram_root(root):
         log.info("tierckpt: node %d: local_root %s is in host memory (tmpfs): it survives a process "
                  "restart, not a reboot; its footprint is checked at the first local save", topo.node, root)
     try:
-        _probe_writable(store)
+        _bounded_local(store, lambda: _probe_writable(store), bound, "probing it")
+    except ReadTimeout:
+        pass  # a hung disk is not a configuration error: its saves fail (bounded) as tier failures
     except OSError as e:
         err = ConfigError("local_root", f"{root!r} (node {topo.node}) is not writable: {e}")
     return LocalTier(store, topo, node_group), err
+
+
+_hung: weakref.WeakSet[Store] = weakref.WeakSet()  # local roots a start-up step found hung
+
+
+def local_root_hung(store: Store) -> bool:
+    """Whether a start-up step of this process found the node-local root ``store`` hung
+    (:func:`_bounded_local`): the later start-up steps skip it."""
+    return store in _hung
+
+
+def _bounded_local(store: Store, fn, timeout_s: float, what: str, check: bool = True) -> None:
+    """``fn()`` on the node-local root ``store``, bounded by ``timeout_s`` seconds
+    (``TierConfig.restore_read_timeout_s``, :func:`tierckpt.io.bounded.run_bounded`): a root
+    that stops answering (a hung NVMe or NFS mount, a FIFO in place of a manifest) must not
+    hold the engine's constructor forever. On a timeout the root is marked hung (every later
+    start-up step skips it at once, :func:`local_root_hung`), a warning says the node is taken
+    as holding nothing local, and :class:`~tierckpt.errors.ReadTimeout` is raised when
+    ``check`` (else swallowed); ``fn`` is left behind on its daemon thread. A root already
+    marked hung raises (or returns) at once. Other errors of ``fn`` propagate."""
+    if store in _hung:
+        if check:
+            raise ReadTimeout(f"{store.url}: found hung earlier in this start")
+        return
+    try:
+        run_bounded(lambda progress: fn(), timeout_s, f"{what} of the node-local root {store.url}",
+                    name="tierckpt-start")
+    except ReadTimeout as e:
+        _hung.add(store)
+        log.warning("tierckpt: %s; this node is taken as holding nothing local (its saves to the local tier "
+                    "fail as tier failures while it hangs; the persistent tier still restores it)", e)
+        if check:
+            raise
 
 
 def tighten_local(store: Store) -> None:
@@ -142,20 +189,24 @@ def check_shared(store: Store, run_id: str, rank: int, group) -> None:
 
 
 def purge_other_lineages(local: LocalTier, topo: Topology, in_use: retention.InUse, lineage_id: str,
-                         *, adopt: bool, created: bool) -> None:
+                         *, adopt: bool, created: bool, timeout_s: float = 60.0) -> None:
     """Label the local tier with the job's lineage and delete (node leader) the committed local
     steps and replicas of other lineages, and local copies a rollback superseded.
 
     Another experiment's steps are never offered (restore filters them) and are purged so they
     do not fill the disk, but never in the start that created the lineage: a persistent root
     that is new (or, by mistake, empty: an unmounted file system) must not cost the real
-    experiment its node-local steps."""
+    experiment its node-local steps. ``timeout_s``: the purge's bound (:func:`_bounded_local`;
+    a hung root is skipped with a warning)."""
     local.lineage, local.adopt_unlabelled = lineage_id, adopt
-    if not topo.is_node_leader or created:
+    if not topo.is_node_leader or created or local.store in _hung:
         return
     try:
-        retention.purge_local(local.store, 0, in_use, lineage_id=lineage_id, adopt_unlabelled=adopt,
-                              drop_superseded=True)
+        _bounded_local(local.store, lambda: retention.purge_local(
+            local.store, 0, in_use, lineage_id=lineage_id, adopt_unlabelled=adopt, drop_superseded=True),
+            timeout_s, "purging other lineages' steps")
+    except ReadTimeout:
+        pass  # warned
     except OSError as e:
         log.warning("tierckpt: could not purge node-local steps of other lineages under %s: %s", local.store.url, e)
 
@@ -168,22 +219,30 @@ def _probe_writable(store: Store) -> None:
     store.remove(probe)
 
 
-def agree_generation(local: LocalTier | None, persistent, topo: Topology, group) -> int:
+def agree_generation(local: LocalTier | None, persistent, topo: Topology, group, timeout_s: float = 60.0) -> int:
     """The generation of this run's saves (:mod:`tierckpt.history.timeline`): one more than the
     highest generation any committed copy records — the node-local roots (each node leader lists
     its own) and the persistent tier (global rank 0) — the same on every rank (collective over
     ``group``, all ranks). A root that cannot be listed counts as holding nothing: its copies are
     then ordered by their own generation, which this run's saves may tie but never trail (a tie
-    is broken by the save id, the same way on every rank)."""
+    is broken by the save id, the same way on every rank).
+
+    Each listing is bounded by ``timeout_s`` seconds (``TierConfig.restore_read_timeout_s``): a
+    hung node-local root (:func:`_bounded_local`) or persistent root counts as holding nothing."""
     newest = -1
-    if local is not None and topo.is_node_leader:
+    if local is not None and topo.is_node_leader and local.store not in _hung:
+        box: list[int] = []
         try:
-            newest = max((c.order[0] for c in local.survey()[0]), default=-1)
-        except OSError as e:
-            log.warning("tierckpt: could not list %s for the save generation: %s", local.store.url, e)
+            _bounded_local(local.store, lambda: box.append(max((c.order[0] for c in local.survey()[0]), default=-1)),
+                           timeout_s, "listing the save generation")
+            newest = box[0]
+        except OSError as e:  # also ReadTimeout (warned)
+            if not isinstance(e, ReadTimeout):
+                log.warning("tierckpt: could not list %s for the save generation: %s", local.store.url, e)
     if topo.rank == 0 and persistent is not None:
         try:
-            newest = max([newest, *(order[0] for _, order in persistent.committed_saves().values())])
-        except (OSError, ValueError) as e:
+            saves = persistent.committed_saves_bounded(timeout_s)
+            newest = max([newest, *(order[0] for _, order in saves.values())])
+        except (OSError, ValueError) as e:  # also ReadTimeout: a hung shared file system
             log.warning("tierckpt: could not list the persistent tier for the save generation: %s", e)
     return int(gather_reduced(newest, group, max)) + 1

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import DATALOADER, MODEL, CheckpointManager
 
-from tierckpt import (ConfigError, Preempted, RestoreResult, SaveHandle, TieredCheckpointer, preempted_by,
+from tierckpt import (ConfigError, Preempted, RestoreResult, SaveHandle, TieredCheckpointer,
                       protect_loader_workers)
 from tierckpt.integration import (PeerFailure, RestoreRecord, VerificationError, all_gather, restore_metrics, run_agreed,
                                   write_dcp)
@@ -55,6 +55,7 @@ from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 from titan_plugin.config import build_tier_config, checkpoint_error
 from titan_plugin.dataloader import DataloaderPositions
+from titan_plugin.loader_death import agree_loader_death
 from titan_plugin.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
@@ -517,11 +518,17 @@ class TieredCheckpointManager(CheckpointManager):
         """The preemption save for a step that failed because the notice killed the
         DataLoader's workers while the trainer fetched a batch (:func:`tierckpt.preempted_by`):
         the model and optimizer still hold the last finished step, ``trainer.step - 1``, which
-        is saved as a notice at the end of a step would be (collective: every rank's fetch
-        failed). Returns the :class:`~tierckpt.Preempted` to raise, or None when ``exc`` is
-        something else or no step finished in this run."""
-        sig = preempted_by(exc, self.engine.preemption if self.engine is not None else None)
-        if sig is None or trainer.step - 1 < 1:
+        is saved as a notice at the end of a step would be. Every rank that left the loop on an
+        exception calls this: the save runs only when every rank's fetch failed on the notice
+        at the same step, agreed within ``collective_timeout_s``
+        (:func:`titan_plugin.loader_death.agree_loader_death`; a rank already inside a
+        collective must not leave the save hanging). Returns the
+        :class:`~tierckpt.Preempted` to raise, or None when ``exc`` is something else (here or
+        on another rank), no step finished in this run, or no agreement came in time."""
+        if self.engine is None:
+            return None
+        sig = agree_loader_death(self.engine, exc, trainer.step - 1)
+        if sig is None:
             return None
         trainer.step -= 1  # the failed step never ran its optimizer step: train_state says so
         log.warning("tierckpt: %s: the DataLoader's workers died on the notice while step %d fetched its batch; "

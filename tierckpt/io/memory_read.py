@@ -33,7 +33,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from tierckpt.errors import ReadTimeout
 from tierckpt.io import manifest
-from tierckpt.io.bounded import Progress
+from tierckpt.io.bounded import BoundedFile, Progress
 from tierckpt.io.dcp_io import CountingFileSystemReader
 from tierckpt.io.storage import Store
 
@@ -78,12 +78,16 @@ class MemoryFirstFileSystem(FileSystem):
     ``root``: uint8 tensor of the file's bytes}) from memory and every other file from disk,
     or, with ``strict``, raises :class:`NotInMemoryError` for them (a pull's files are not
     written yet: the disk copy must not be read). ``wait(name, end)`` is called before the
-    first ``end`` bytes of a file in memory are used (a pull still arriving)."""
+    first ``end`` bytes of a file in memory are used (a pull still arriving). ``timeout_s``:
+    each open and read of a file from disk is bounded (:class:`~tierckpt.io.bounded.BoundedFile`,
+    :class:`~tierckpt.errors.ReadTimeout` after that many seconds without progress); None:
+    DCP's unbounded reads."""
 
     def __init__(self, root: str, files: dict[str, torch.Tensor], strict: bool = False,
-                 wait: Callable[[str, int], None] | None = None):
+                 wait: Callable[[str, int], None] | None = None, timeout_s: float | None = None):
         super().__init__()
         self.root, self.files, self.strict, self.wait = os.path.abspath(root), files, strict, wait
+        self.timeout_s = timeout_s
 
     def rel(self, path) -> str:
         """``path`` relative to the root, '/'-separated (the key of :attr:`files`)."""
@@ -100,6 +104,10 @@ class MemoryFirstFileSystem(FileSystem):
             return
         if self.strict:
             raise NotInMemoryError(f"{path}: not among the files held in memory ({sorted(self.files)})")
+        if mode == "rb" and self.timeout_s is not None:  # e.g. a replicated value in another rank's file
+            with io.BufferedReader(BoundedFile(path, self.timeout_s), buffer_size=1 << 20) as bounded:
+                yield bounded
+            return
         with super().create_stream(path, mode) as stream:
             yield stream
 
@@ -245,12 +253,12 @@ class MemoryReader(CountingFileSystemReader):
     (``memory``: {file name relative to ``path``: uint8 tensor}). Tensor records of those files
     are decoded in place (:func:`decode_record`) and copied once, into the target; every other
     read goes through DCP's own code over :class:`MemoryFirstFileSystem` (``strict``: files
-    not in memory raise :class:`NotInMemoryError`; ``wait``: as there)."""
+    not in memory raise :class:`NotInMemoryError`; ``wait``, ``timeout_s``: as there)."""
 
     def __init__(self, path: str, memory: dict[str, torch.Tensor], strict: bool = False,
-                 wait: Callable[[str, int], None] | None = None):
+                 wait: Callable[[str, int], None] | None = None, timeout_s: float | None = None):
         super().__init__(path)
-        self.fs = MemoryFirstFileSystem(path, memory, strict, wait)
+        self.fs = MemoryFirstFileSystem(path, memory, strict, wait, timeout_s)
         self.memory, self.wait = memory, wait
 
     def read_data(self, plan, planner):

@@ -56,6 +56,8 @@ class Inventory:
         orders: {save id: (generation, seq)} of every save in ``saves`` or ``persistent_ids``.
         persistent_ids: {persistent step: save id of its copy}.
         save_shapes: {(step, save id): (nodes, world size)} of the job that made that save.
+        persistent_error: why the persistent tier could not be listed (e.g. a hung shared
+            file system: ``ReadTimeout``), or None; the restore does not start fresh then.
     """
 
     local: dict[int, set[int]] = field(default_factory=dict)
@@ -69,6 +71,7 @@ class Inventory:
     orders: dict[str | None, tuple[int, int]] = field(default_factory=dict)
     persistent_ids: dict[int, str | None] = field(default_factory=dict)
     save_shapes: dict[tuple[int, str | None], tuple[int, int]] = field(default_factory=dict)
+    persistent_error: str | None = None
 
     def __post_init__(self) -> None:
         if self.copies:

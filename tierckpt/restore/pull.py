@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from tierckpt.dist.collectives import all_gather
 from tierckpt.dist.topology import Groups, Topology
+from tierckpt.io.bounded import run_bounded
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 from tierckpt.restore.plan import REPLICA, Inventory, Source
@@ -198,12 +199,14 @@ def run_pulls(store: Store, topo: Topology, groups: Groups, in_use: InUse, chunk
     return out
 
 
-def commit_pull(store: Store, topo: Topology, node_group, in_use: InUse, pulled: Pulled) -> None:
+def commit_pull(store: Store, topo: Topology, node_group, in_use: InUse, pulled: Pulled,
+                read_timeout_s: float | None = None) -> None:
     """Phase two of a pull (collective over ``node_group``, every rank of the node; a no-op for
     a pulled step already committed or no pull): write and fsync what :func:`run_pulls` kept
     in memory, commit the received copy and move it into ``local/step-<N>`` (:func:`swap_in`). Sets
     :attr:`Pulled.ok`, ``error`` and ``kept`` the same on every rank of the node, releases the
-    held keys and the received memory. Never raises for a disk problem (it is the error)."""
+    held keys and the received memory. Never raises for a disk problem (it is the error).
+    ``read_timeout_s``: the read of what ``local/step-<N>`` held is bounded (:func:`swap_in`)."""
     if pulled.committed or pulled.step < 0:
         return
     pulled.committed = True
@@ -218,8 +221,8 @@ def commit_pull(store: Store, topo: Topology, node_group, in_use: InUse, pulled:
         if pulled.receiving and topo.is_node_leader:
             if ok:
                 try:
-                    kept, ok_ = swap_in(store, topo.node, s), True
-                except OSError as e:
+                    kept, ok_ = swap_in(store, topo.node, s, read_timeout_s), True
+                except OSError as e:  # also ReadTimeout: the old copy's disk hangs; the pull stays incoming
                     err = f"committed pull not moved into {layout.local_step(s)}: {type(e).__name__}: {e}"
             else:
                 err = "; ".join(bad.values()) or err or "pull failed"
@@ -238,7 +241,7 @@ def _release(pulled: Pulled, in_use: InUse) -> None:
     pulled.keys, pulled.results, pulled.memory = set(), {}, {}
 
 
-def swap_in(store: Store, node: int, s: int) -> tuple[int, str] | None:
+def swap_in(store: Store, node: int, s: int, read_timeout_s: float | None = None) -> tuple[int, str] | None:
     """Replace ``local/step-<s>`` by the committed pull in :func:`~tierckpt.io.layout.incoming_step`.
 
     What ``local/step-<s>`` held is kept when it is another node m's committed copy: renamed to
@@ -248,12 +251,21 @@ def swap_in(store: Store, node: int, s: int) -> tuple[int, str] | None:
 
     Returns:
         (m, directory of m's copy now) when ``local/step-<s>`` held node m's copy, else None.
+    ``read_timeout_s``: the read of what ``local/step-<s>`` holds is bounded
+    (:func:`tierckpt.io.bounded.run_bounded`); None: unbounded.
+
     Raises:
         OSError: a rename or delete failed; no committed copy was deleted before its
             replacement exists.
+        ReadTimeout: what ``local/step-<s>`` holds cannot be read (a hung disk): nothing was
+            moved (it may be another node's committed copy, which must not be deleted unread).
     """
     tmp, dst = layout.incoming_step(s), layout.local_step(s)
-    doc = manifest.read_committed(store, dst)
+    if read_timeout_s is None:
+        doc = manifest.read_committed(store, dst)
+    else:
+        doc = run_bounded(lambda progress: manifest.read_committed(store, dst), read_timeout_s,
+                          f"reading {store.url_of(dst)}", name="tierckpt-swap")
     owner = doc.get("node") if doc is not None else None
     kept = None
     if isinstance(owner, int) and not isinstance(owner, bool) and owner != node:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from tierckpt.dist.collectives import FAILURES, agree, all_gather, gather_leaders, gather_reduced, run_agreed
 from tierckpt.dist.topology import Groups, Topology
-from tierckpt.errors import NoCheckpointError, ReadTimeout, VerificationError
+from tierckpt.errors import NoCheckpointError, ReadTimeout, TierUnreachableError, VerificationError
 from tierckpt.history import lineage
 from tierckpt.io import layout
 from tierckpt.restore.cluster import ClusterLoad, cluster_load
@@ -156,19 +156,22 @@ class Restorer:
                                           c.order) for c in copies], other)
             except OSError as e:  # a dead or hung local disk (ReadTimeout): this node has nothing local
                 log.warning("tierckpt restore: cannot list node %d's local root: %s", self.topo.node, e)
-        pers = None
+        pers, pers_error = None, None
         if self.topo.rank == 0 and self.persistent is not None:
-            try:
-                pers = self.persistent.committed_saves()
+            try:  # bounded: a hung shared file system must not hold the restore (nor its peers) forever
+                pers = self.persistent.committed_saves_bounded(self.read_timeout_s)
+            except ReadTimeout as e:
+                pers_error = f"{type(e).__name__}: {e}"
+                log.warning("tierckpt restore: cannot list the persistent tier: %s", e)
             except (OSError, ValueError) as e:
                 log.warning("tierckpt restore: cannot list the persistent tier: %s", e)
         # only node leaders list (rank 0, a leader, adds the persistent steps): leaders exchange
-        gathered = gather_leaders((mine, pers), self.groups.local_world, self.topo.is_node_leader)
-        inv = Inventory(unavailable=set(unavailable))
+        gathered = gather_leaders((mine, pers, pers_error), self.groups.local_world, self.topo.is_node_leader)
+        inv = Inventory(unavailable=set(unavailable), persistent_error=gathered[0][2])
         for ps, (psid, porder) in (gathered[0][1] or {}).items():
             inv.add_persistent(ps, psid, porder)
         foreign = []
-        for m, _ in gathered:
+        for m, _, _ in gathered:
             if m is None:
                 continue
             holder, copies, other = m
@@ -234,6 +237,7 @@ class Restorer:
         bad: set = set()
         self.last_bad = bad
         if not inv.all_steps():
+            self._raise_if_unlisted(inv, kinds)  # a hung persistent root is not an empty one
             if topo.rank == 0:
                 log.info("tierckpt restore: no committed checkpoint in any tier; starting fresh")
             return None
@@ -254,6 +258,7 @@ class Restorer:
             self.commit_pending()  # the previous round's pulls, before this round plans from them
             choice = choose(inv, topo.nodes, bad, step, world_size=topo.world_size, kinds=kinds)
             if choice is None:
+                self._raise_if_unlisted(inv, kinds)
                 raise NoCheckpointError(_no_checkpoint_message(step, inv, failures))
             s, sources, sid = choice.step, choice.sources, choice.save_id
             self.view, self.view_save = choice.view, sid  # only copies of one save are read, never two runs' mixed
@@ -284,6 +289,13 @@ class Restorer:
                 return res
         self.commit_pending()
         raise NoCheckpointError(f"restore did not converge after {max_attempts} attempts")
+
+    def _raise_if_unlisted(self, inv: Inventory, kinds: tuple[str, ...]) -> None:
+        """Raise :class:`~tierckpt.errors.TierUnreachableError` (every rank: ``inv`` is the
+        same everywhere) when the persistent tier could not be listed in time and nothing else
+        is left to restore from; a fresh start would discard what it holds."""
+        if inv.persistent_error is not None and PERSISTENT in kinds and self.persistent is not None:
+            raise TierUnreachableError("persistent", self.persistent.store.url, inv.persistent_error)
 
     def _collect(self, outcome, loaded: dict[int, NodeOutcome], failures: list[NodeOutcome], bad: set,
                  save_id: str | None) -> None:
@@ -429,7 +441,7 @@ class Restorer:
             else:
                 run_agreed(verify, v_group, f"verify {store.url_of(rel)}")
                 if src.kind == PERSISTENT:
-                    read = self._persistent().load(state_dict, store.url_of(rel), group)
+                    read = self._persistent().load(state_dict, store.url_of(rel), group, self.read_timeout_s)
                     out.persistent_bytes = read
                 else:
                     read = self._load_pulled(state_dict, pulled, group)
@@ -468,9 +480,9 @@ class Restorer:
         ``restore_read_timeout_s`` (:mod:`tierckpt.io.bounded`): the checksum pass runs on a
         helper thread, and the load decodes only pages that thread has read
         (:meth:`~tierckpt.io.memory_read.OwnRead.wait`); a read that makes no progress fails this
-        rank with ``ReadTimeout`` through the same path as a bad checksum. Not bounded: with
-        several ranks per node, a replicated plain value that DCP wrote into another rank's
-        file is read from that file on disk (its owner read it, bounded, just before)."""
+        rank with ``ReadTimeout`` through the same path as a bad checksum. What the load reads
+        from disk besides (with several ranks per node, a replicated plain value that DCP wrote
+        into another rank's file) is bounded the same way (:class:`~tierckpt.io.bounded.BoundedFile`)."""
         topo = self.topo
         problems: list[str] = []
         memory = None
@@ -492,7 +504,7 @@ class Restorer:
                     load_dir(state_dict, store.path(rel), group, strict=True)
                 raise VerificationError("; ".join(problems[:3]))
             read = load_dir(state_dict, store.path(rel), group, memory=memory,
-                            wait=own.wait if own is not None else None)
+                            wait=own.wait if own is not None else None, read_timeout_s=self.read_timeout_s)
             found = own.result()[1] if own is not None else []
             if found:
                 raise VerificationError("; ".join(found[:3]))
@@ -523,11 +535,12 @@ class Restorer:
                 return read
             pulled.settle(group)
             memory = pulled.memory
-        commit_pull(store, self.topo, group, self.in_use, pulled)
+        commit_pull(store, self.topo, group, self.in_use, pulled, self.read_timeout_s)
         if not pulled.ok:
             raise VerificationError(pulled.error or "pull not committed")
         # what this rank received is still read from memory (the same bytes, checksummed)
-        return load_dir(state_dict, store.path(layout.local_step(s)), group, memory=memory)
+        return load_dir(state_dict, store.path(layout.local_step(s)), group, memory=memory,
+                        read_timeout_s=self.read_timeout_s)
 
     def _pull(self, s: int, sources: dict[int, Source], todo: set[int]) -> Pulled:
         """Receive this round's pulls (collective over the restore's groups when any exist);
@@ -548,7 +561,7 @@ class Restorer:
         groups = groups or self.groups
         pending, self.pending = self.pending, []
         for pulled in pending:
-            commit_pull(self._local().store, self.topo, groups.node, self.in_use, pulled)
+            commit_pull(self._local().store, self.topo, groups.node, self.in_use, pulled, self.read_timeout_s)
             if pulled.receiving and pulled.intact and not pulled.ok and self.topo.is_node_leader:
                 log.warning("tierckpt restore: node %d's pulled copy of step %d was not committed: %s; "
                             "its own copy comes back at the next local save", self.topo.node, pulled.step,

@@ -199,7 +199,7 @@ def verify_split(store: Store, rel: str, index: int, count: int, timeout_s: floa
 
 def load_dir(state_dict: dict, path: str, group: dist.ProcessGroup,
              memory: dict[str, torch.Tensor] | None = None, strict: bool = False,
-             wait: Callable[[str, int], None] | None = None) -> int:
+             wait: Callable[[str, int], None] | None = None, read_timeout_s: float | None = None) -> int:
     """DCP-load ``state_dict`` in place from a checkpoint directory over ``group``.
 
     Uses :class:`VerifyingLoadPlanner`: nothing is read unless the checkpoint covers every
@@ -209,9 +209,14 @@ def load_dir(state_dict: dict, path: str, group: dist.ProcessGroup,
     (:class:`~tierckpt.io.memory_read.MemoryReader`); ``strict``: read nothing from disk
     (:class:`~tierckpt.io.memory_read.NotInMemoryError` inside DCP's ``CheckpointException``);
     ``wait(name, end)``: called before bytes ``:end`` of a file in memory are used (a pull
-    still arriving). Returns bytes read by this rank.
+    still arriving); ``read_timeout_s``: every read from disk (files not in ``memory``: with
+    several ranks per node, a replicated value DCP wrote into another rank's file) is bounded
+    (:class:`~tierckpt.io.bounded.BoundedFile`, ``ReadTimeout`` inside DCP's
+    ``CheckpointException`` on every rank). Returns bytes read by this rank.
     """
-    reader = MemoryReader(path, memory or {}, strict, wait) if memory or strict else CountingFileSystemReader(path)
+    bounded = read_timeout_s is not None
+    reader = (MemoryReader(path, memory or {}, strict, wait, read_timeout_s) if memory or strict or bounded
+              else CountingFileSystemReader(path))
     t0 = time.perf_counter()
     dcp.load(state_dict, storage_reader=reader, planner=VerifyingLoadPlanner(), process_group=group)
     log.debug("loaded %s in %.3fs", path, time.perf_counter() - t0)

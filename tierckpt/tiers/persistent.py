@@ -21,6 +21,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from tierckpt.io import layout, manifest
+from tierckpt.io.bounded import BoundedFileSystem, run_bounded
 from tierckpt.io.dcp_io import (
     CountingFileSystemReader,
     CountingFsspecReader,
@@ -30,6 +31,7 @@ from tierckpt.io.dcp_io import (
 )
 from tierckpt.io.planner import PerRankSavePlanner, VerifyingLoadPlanner
 from tierckpt.history.timeline import SaveIdentity, of_manifest
+from tierckpt.errors import ReadTimeout
 from tierckpt.io.storage import Store
 from tierckpt.tiers.commit import save_step
 
@@ -146,10 +148,12 @@ class PersistentTier:
         digests.update(write_dcp(state_dict, url, group, planner))
         return digests
 
-    def load(self, state_dict: dict, url: str, group) -> int:
+    def load(self, state_dict: dict, url: str, group, read_timeout_s: float | None = None) -> int:
         """Collective (over ``group``) verified DCP load of the step at ``url`` into
         ``state_dict`` through the hooks (:meth:`PersistentIO.load_template`,
-        :meth:`PersistentIO.after_load`).
+        :meth:`PersistentIO.after_load`). ``read_timeout_s`` (paths only): each open and read
+        of DCP's is bounded (:class:`~tierckpt.io.bounded.BoundedFileSystem`: ``ReadTimeout``
+        inside DCP's ``CheckpointException`` on every rank); None: unbounded.
 
         Returns:
             bytes this rank read (DCP's byte ranges plus the hooks' side files).
@@ -162,6 +166,8 @@ class PersistentTier:
             raise TypeError(f"{type(self.io).__name__}.load_template must return a VerifyingLoadPlanner, "
                             f"not {type(planner).__name__}")
         reader = CountingFileSystemReader(url) if "://" not in url else CountingFsspecReader(url)
+        if read_timeout_s is not None and isinstance(reader, CountingFileSystemReader):
+            reader.fs = BoundedFileSystem(read_timeout_s)
         dcp.load(target, storage_reader=reader, planner=planner, process_group=group)
         return reader.bytes_read + self.io.after_load(state_dict, target, url, group)
 
@@ -169,24 +175,58 @@ class PersistentTier:
         """Committed steps, ascending."""
         return sorted(self.committed_saves())
 
-    def newest_still_committed(self, steps: list[int]) -> int | None:
+    def newest_still_committed(self, steps: list[int], timeout_s: float | None = None) -> int | None:
         """The newest of ``steps`` whose directory is still committed (each marker read, newest
         first: retention or a rollback may have taken one out since it was committed); None when
-        none is. What a run's ``durable_step`` may name: a step that exists."""
-        for s in sorted(set(steps), reverse=True):
-            try:
-                if manifest.read_committed(self.store, layout.persistent_step(s)) is not None:
-                    return s
-            except OSError:
-                continue
-        return None
+        none is. What a run's ``durable_step`` may name: a step that exists.
 
-    def committed_saves(self) -> dict[int, tuple[str | None, tuple[int, int]]]:
-        """{committed step: (save_id, order)} (:func:`tierckpt.history.timeline.of_manifest`)."""
+        ``timeout_s``: the reads are bounded (:func:`tierckpt.io.bounded.run_bounded`, seconds
+        without progress): when the persistent root stops answering (a hung shared file
+        system), the newest of ``steps`` is returned unverified, with a warning — this run
+        committed it, and a close (or an exit) must not wait forever to confirm it. None:
+        unbounded."""
+        def newest(progress=None) -> int | None:
+            for s in sorted(set(steps), reverse=True):
+                if progress is not None:
+                    progress.tick(self.store.url_of(layout.persistent_step(s)))
+                try:
+                    if manifest.read_committed(self.store, layout.persistent_step(s)) is not None:
+                        return s
+                except OSError:
+                    continue
+            return None
+
+        if timeout_s is None or not steps:
+            return newest()
+        try:
+            return run_bounded(newest, timeout_s, f"confirming the committed steps of {self.store.url}",
+                               name="tierckpt-durable")
+        except ReadTimeout as e:
+            log.warning("tierckpt: %s; naming step %d durable unconfirmed (this run committed it)", e, max(steps))
+            return max(steps)
+
+    def committed_saves_bounded(self, timeout_s: float) -> dict[int, tuple[str | None, tuple[int, int]]]:
+        """:meth:`committed_saves` bounded by ``timeout_s`` seconds without progress (a tick per
+        step directory read).
+
+        Raises:
+            ReadTimeout: the persistent root stopped answering (a hung shared file system); the
+                listing is left behind on its daemon thread.
+            OSError, ValueError: as :meth:`committed_saves`.
+        """
+        return run_bounded(self.committed_saves, timeout_s, f"listing the persistent root {self.store.url}",
+                           name="tierckpt-list")
+
+    def committed_saves(self, progress=None) -> dict[int, tuple[str | None, tuple[int, int]]]:
+        """{committed step: (save_id, order)} (:func:`tierckpt.history.timeline.of_manifest`);
+        ``progress`` (:class:`~tierckpt.io.bounded.Progress`): ticked per step directory read."""
         out = {}
         for name in self.store.listdir(""):
             s = layout.parse_step(name)
+            if progress is not None:
+                progress.tick(self.store.url_of(name))
             doc = manifest.read_committed(self.store, layout.persistent_step(s)) if s is not None else None
             if s is not None and doc is not None:
                 out[s] = of_manifest(doc)
         return out
+
