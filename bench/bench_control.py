@@ -34,7 +34,7 @@ Usage::
 
     .venv/bin/python bench/bench_control.py [--worlds 2 4 8 16] [--rpn 1 2] [--reps 15] [--record]
 
-``--record`` appends the table and the method to bench/RESULTS.md.
+``--record`` appends the table and the method to bench/history/<YYYY-MM>.md.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rpn", type=int, nargs="+", default=[1, 2], help="simulated ranks per node")
     ap.add_argument("--reps", type=int, default=15, help="repetitions of each agreement measurement")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
-    ap.add_argument("--record", action="store_true", help="append the results to bench/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="append the results to bench/history/<YYYY-MM>.md")
     a = ap.parse_args(argv)
     t0 = time.time()
     cores = os.cpu_count() or 1

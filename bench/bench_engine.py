@@ -27,7 +27,7 @@ Usage::
 ``--local-root-base /dev/shm`` puts the local roots (and the plain-write baseline, so the ratio
 stays on one filesystem) in host memory (tmpfs); the persistent root stays under ``--dir``.
 
-``--record`` appends the results (machine, exact command, tables) to bench/RESULTS.md.
+``--record`` appends the results (machine, exact command, tables) to bench/history/<YYYY-MM>.md.
 Everything written under the temp dir is removed at the end (``--keep`` keeps it).
 """
 
@@ -57,7 +57,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-RESULTS_MD = os.path.join(REPO, "bench", "RESULTS.md")
+
+
+def history_md(when: float | None = None) -> str:
+    """The dated notebook a ``--record`` appends to: ``bench/history/<YYYY-MM>.md`` of the run's
+    UTC month. ``bench/RESULTS.md`` holds the current standing, updated by hand from these
+    entries (one table per benchmark and the command that produced it)."""
+    return os.path.join(REPO, "bench", "history", time.strftime("%Y-%m", time.gmtime(when)) + ".md")
+
+
+RESULTS_MD = history_md()  # the name the other bench scripts (and tests) import and patch
 TARGETS = {"delta": 1.5, "local": 0.8, "repl": 0.7}
 GiB = 1 << 30
 
@@ -634,7 +643,8 @@ def record(s, bd, m, dfout, args, r0, r1, cmd, elapsed):
                  + json.dumps(samples, indent=None) + "\n```\n")
     if not os.path.exists(RESULTS_MD):
         with open(RESULTS_MD, "w") as f:
-            f.write("# tierckpt engine benchmark results\n\nRecorded by `bench/bench_engine.py --record`.\n")
+            f.write("# Benchmark notebook\n\nDated entries appended by the bench scripts' `--record`; "
+                    "the current standing is in [../RESULTS.md](../RESULTS.md).\n")
     with open(RESULTS_MD, "a") as f:
         f.write("".join(parts))
     print(f"recorded to {RESULTS_MD}")

@@ -79,7 +79,7 @@ Usage::
         [--cpu-steps 8] [--cpu-reps 6] [--skip-lmr] [--record]
 
 ``--record`` appends machine, command, load average, memory state (free, page cache), method and
-tables to bench/RESULTS.md.
+tables to bench/history/<YYYY-MM>.md.
 """
 
 from __future__ import annotations
@@ -796,7 +796,7 @@ def memory_state() -> str:
 
 
 def record(summaries, m, args, cmd, elapsed, dfout, load0, mem0, failed: str | None = None) -> None:
-    """Append this run to bench/RESULTS.md; ``failed``: why the sizes after the last summary were
+    """Append this run to bench/history/<YYYY-MM>.md; ``failed``: why the sizes after the last summary were
     not measured (a run stopped by an error), written under the command line."""
     when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     parts = [f"\n## bench-peers {when}\n\n",
@@ -860,7 +860,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-lmr", action="store_true", help="leave lm-resiliency out")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     ap.add_argument("--dir", default=None, help="parent of the temp dir (default $TMPDIR or /tmp)")
-    ap.add_argument("--record", action="store_true", help="append the results to bench/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="append the results to bench/history/<YYYY-MM>.md")
     ap.add_argument("--json", default=None, help="write the summaries to this JSON file")
     ap.add_argument("--timeout", type=float, default=3000, help="per run, seconds (default 3000)")
     a = ap.parse_args(argv)

@@ -23,7 +23,7 @@ Usage::
 
     .venv/bin/python bench/bench_reshard.py [--mib-per-rank 256] [--save-nodes 4] [--reps 2] [--record]
 
-``--record`` appends the results to bench/RESULTS.md.
+``--record`` appends the results to bench/history/<YYYY-MM>.md.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tensors", type=int, default=4, help="sharded fp32 tensors (default 4)")
     ap.add_argument("--reps", type=int, default=2, help="restores of each kind, ABBA order (default 2)")
     ap.add_argument("--dir", default=None, help="parent of the temp dir (default: $TMPDIR or /tmp)")
-    ap.add_argument("--record", action="store_true", help="append the results to bench/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="append the results to bench/history/<YYYY-MM>.md")
     ap.add_argument("--timeout", type=float, default=900, help="per-job timeout, seconds (default 900)")
     a = ap.parse_args(argv)
     if a.save_nodes < 3:

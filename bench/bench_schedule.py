@@ -58,7 +58,7 @@ training lasts ``--failures-expected`` MTBFs (4 by default): with fewer failures
 little (a realisation with one early failure measures checkpoint overhead only). The verdict
 says so when a policy saw fewer than 3 failures.
 
-``--record`` appends the result table to bench/RESULTS.md. Outputs go to
+``--record`` appends the result table to bench/history/<YYYY-MM>.md. Outputs go to
 ``outputs/bench-schedule`` (report.json, per-policy dump folders and logs).
 """
 
@@ -87,7 +87,7 @@ from tierckpt.history.ledger import Ledger  # noqa: E402
 from tierckpt.sched.schedule import daly_interval, daly_waste_fraction  # noqa: E402
 from tierckpt.io.storage import Store  # noqa: E402
 
-RESULTS_MD = os.path.join(REPO, "bench", "RESULTS.md")
+RESULTS_MD = os.path.join(REPO, "bench", "history", time.strftime("%Y-%m", time.gmtime()) + ".md")  # dated notebook
 TOML = os.path.join(REPO, "configs", "titan_demo.toml")
 TORCHTITAN_DEFAULT_INTERVAL = 500  # torchtitan.components.checkpointer.base CheckpointManager.Config.interval
 TARGET_VS_OPTIMUM = 1.25
@@ -514,10 +514,10 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="torchtitan-default,fixed-local-10,adaptive")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a first step")
     ap.add_argument("--out", default=os.path.join(REPO, "outputs", "bench-schedule"))
-    ap.add_argument("--record", action="store_true", help="append the results to bench/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="append the results to bench/history/<YYYY-MM>.md")
     ap.add_argument("--reanalyse", metavar="OUT", default=None,
                     help="recompute the report of an earlier run's output folder (no training); "
-                         "with --record, append it to bench/RESULTS.md")
+                         "with --record, append it to bench/history/<YYYY-MM>.md")
     args = ap.parse_args(argv)
     if args.reanalyse:
         report, text = reanalyse(args.reanalyse)
@@ -577,7 +577,7 @@ def main(argv=None) -> int:
 
 
 def _record(title: str, cmd: str, text: str, note: str = "") -> None:
-    """Append a report to bench/RESULTS.md: ``### title``, the command line, ``note``, ``text``."""
+    """Append a report to the month's notebook bench/history/<YYYY-MM>.md: ``### title``, the command line, ``note``, ``text``."""
     with open(RESULTS_MD, "a") as f:
         f.write(f"\n### {title}\n\n`{cmd}`{note}\n\n{text}\n")
 

@@ -558,7 +558,7 @@ def phase_hung_local_disk(rank, world, base, limit):
     close_s = _time.perf_counter() - t0
     # node 0's abandoned job waits for node 1 inside a gloo collective; let both finish before
     # the harness tears the process groups down (exit with a peer still blocked there may
-    # abort the process: see README "hung node-local disk")
+    # abort the process: see docs/design.md, "A hung node-local disk")
     if rank == 1:
         open(release(6), "w").close()
     eng.jobs.pending["local"].result(timeout=60)

@@ -1,4 +1,4 @@
-"""torchtitan workflows of the resume-point contract (README "Resume-point contract"), each
+"""torchtitan workflows of the resume-point contract (docs/resume-contract.md), each
 through ``python -m titan_plugin.train`` on 2 ranks = 2 simulated nodes."""
 
 from __future__ import annotations

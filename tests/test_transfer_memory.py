@@ -1,4 +1,4 @@
-"""Host memory of replication and of a restore (issue 29 E.7; README, "Host memory").
+"""Host memory of replication and of a restore (issue 29 E.7; docs/design.md, "Host memory").
 
 - a replication's chunk buffers are released when it ends: after a save replicated 96 MiB
   with 128 MiB chunks, no rank keeps shared-anonymous memory (the buffers were pinned for the
@@ -58,7 +58,7 @@ def test_restore_peak_stays_within_restore_memory_bytes(saved, tmp_path, memory_
     out = [r.value for r in run_world(scenarios_memory.phase_memory_restore, 2, base, cfg, STATE_MIB, TENSORS,
                                       timeout=300)]
     assert [v["source"] for v in out] == ["own-local", "peer-replica"], out
-    bound = memory_mib * MiB + 2 * RECORD + SLACK  # README, "Host memory"
+    bound = memory_mib * MiB + 2 * RECORD + SLACK  # docs/design.md, "Host memory"
     got = out[1]["peak"]
     assert got <= bound, f"receiving rank's peak +{got / MiB:.0f} MiB > bound {bound / MiB:.0f} MiB"
     for v in out:  # the pull's and the rebuild's buffers are gone
