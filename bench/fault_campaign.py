@@ -1262,7 +1262,7 @@ def _entry(func: str, rank: int, world: int, port: int, base: str, plan: dict, p
     q.close()
     q.join_thread()  # the result must reach the driver before the hard exit below
     # skip interpreter teardown: a peer blocked in gloo, or an abandoned daemon thread, must
-    # not turn a finished rank into a SIGABRT (README, "A hung node-local disk")
+    # not turn a finished rank into a SIGABRT (docs/design.md, "A hung node-local disk")
     os._exit(0)
 
 

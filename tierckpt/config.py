@@ -278,7 +278,7 @@ class TierConfig(_KnownFields):
             and loaded from disk; a larger pull, or one whose buffers the allocator refuses
             (logged), is committed to disk before it is loaded, received in chunks of
             ``min(transfer_chunk_bytes, max(restore_memory_bytes / 4, 1 MiB))`` so its buffers
-            stay within the bound (README, "Host memory").
+            stay within the bound (docs/design.md, "Host memory").
         staging_buffers: host copies of the state kept for overlapping saves (>=1).
         cpu_staging: how ``save()`` copies CPU tensors into a staging buffer. ``"blocking"``
             (default): inside ``save()``; the caller may modify the state at once.

@@ -1,6 +1,6 @@
 """Manifests, commit markers and checksum verification.
 
-Commit protocol of one step directory (README "Architecture", commit protocol):
+Commit protocol of one step directory (docs/design.md, the commit protocol):
 data files written and fsynced → ``tierckpt.manifest.json`` (relative path, size and
 xxh3-64 of every file) written atomically → ``tierckpt.committed`` written by atomic rename
 → directory fsynced. A step directory without a valid marker does not exist for restore or

@@ -95,7 +95,7 @@ class BufferPool:
     made on first use, reused by the batch's streams (one at a time per pool) and unmapped
     once :meth:`release` dropped them and no pending request holds them (the last reference
     unmaps: never closed under a request in flight). Between transfers a process holds none:
-    replication costs its buffers' memory only while it runs (README, "Host memory")."""
+    replication costs its buffers' memory only while it runs (docs/design.md, "Host memory")."""
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[str, int, int], list[torch.Tensor]] = {}
