@@ -804,7 +804,7 @@ class TieredCheckpointer:
             release_groups(self.groups, *self._extra_groups.values())
             self.busy.release()
             if self.local is not None:
-                self.local.group = None
+                self.local.group = None  # type: ignore[assignment]  # closed: its group is destroyed
         self._closed = True
         if clean and raise_failures and failed:
             self._raise_if_failed(failed[0])
