@@ -95,7 +95,7 @@ def phase_loader_death(rank, world, base, cfg_kw, dead_ranks, step):
     model, opt = build(seed=0)
     for s in range(1, step + 1):
         train_step(model, opt, s, rank)
-    manager = types.SimpleNamespace(engine=eng, _states_to_save=lambda: app_state(model, opt))
+    manager = types.SimpleNamespace(engine=eng, _engine=eng, _states_to_save=lambda: app_state(model, opt))
     trainer = types.SimpleNamespace(step=step + 1)
     eng.preemption.received = "SIGTERM"  # the notice reached every rank
     if rank in dead_ranks:
