@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv lint test test-slurm demo demo-elastic bench bench-control bench-gpu bench-peers bench-reshard bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
+.PHONY: venv lint test test-long test-slurm demo demo-elastic bench bench-control bench-gpu bench-peers bench-reshard bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
 
 venv: $(STAMP)
 
@@ -21,6 +21,10 @@ lint: venv
 
 test: venv
 	$(VPY) -m pytest tests -q
+
+# the tests marked slow (pyproject markers): workflows another test of `make test` also covers
+test-long: venv
+	$(VPY) -m pytest tests -q -m slow
 
 demo: venv
 	$(VPY) launch/local_demo.py

@@ -352,10 +352,13 @@ def test_titan_loader_workers_sigterm_to_torchrun_saves_and_resumes_bitwise(tmp_
     assert len(pre) == 1 and pre[0]["signal"] == "SIGTERM", pre
     step = pre[0]["step"]
     assert 3 <= step < 10 and pre[0]["committed"] == {"local": True, "persistent": True}, pre
+    ends = [r for r in _ledger(ckpt) if r["kind"] == "run_end"]
+    assert ends[-1]["clean"] is True and ends[-1]["durable_step"] == step, ends
     r = subprocess.run(cmd("run", "nvme"), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-4000:]
     restores = [x for x in _ledger(ckpt) if x["kind"] == "restore"]
     assert [x["step"] for x in restores] == [step], restores
+    assert {v["source"] for v in restores[0]["sources"].values()} == {"own-local"}, restores
     want = _losses(os.path.join(tmp, "ref", "metrics", "losses.jsonl"))
     got = _losses(os.path.join(tmp, "run", "metrics", "losses.jsonl"))
     assert sorted(got) == list(range(1, 11)), sorted(got)

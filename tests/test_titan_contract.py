@@ -88,6 +88,11 @@ def _losses(dump) -> dict[int, str]:
     return out
 
 
+# `make test-long`: tests/test_preemption_signals.py::test_titan_loader_workers_sigterm_to_torchrun_saves_and_resumes_bitwise
+# runs this workflow in `make test` (the same launches, with DataLoader workers) and asserts
+# the same: both tiers committed at the agreed step, exit 75, a clean run_end at that step,
+# the requeue restoring it from own-local, losses bitwise equal to an uninterrupted run's.
+@pytest.mark.slow
 def test_preemption_signal_saves_every_tier_and_the_requeue_resumes_there(tmp_path):
     """SIGTERM to torchrun (what Slurm sends before SIGKILL; torchrun forwards it to its
     workers) between two checkpoints: every rank saves at the same step, local + replica and

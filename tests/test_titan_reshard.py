@@ -137,25 +137,68 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def test_resume_2_to_1_ranks_resharded_in_cluster_then_persistent(tmp_path):
+def _common(tmp_path: Path) -> list[str]:
+    """The flags every phase of a test shares: its dump folder and node-local roots under
+    ``tmp_path``, both tiers saving a full step K."""
+    return [*TITAN_TEST_ARGS, "--dump_folder", str(tmp_path / "run"), "--training.steps", str(K),
+            "--checkpoint.enable", "true", "--checkpoint.interval", str(K),
+            "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", str(K),
+            "--checkpoint.last_save_model_only", "false",
+            "--checkpoint.local_root", str(tmp_path / "nvme" / "{job}" / "node-{node}"),
+            "--checkpoint.job_id", "reshard"]
+
+
+def _script() -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve())]
+
+
+def _train(tmp_path: Path, world: int, ranks_per_node: int) -> list[dict]:
+    """Phase 1: ``world`` ranks (``ranks_per_node`` per simulated node, 2 replicas) train K
+    steps into ``tmp_path``; returns each rank's result."""
+    ld = _launcher()
+    try:
+        ld.Job("train", world=world, log_dir=str(tmp_path / "logs"),
+               cmd=[*_script(), "--mode", "train", "--result", str(tmp_path / "train.json"), *_common(tmp_path),
+                    "--checkpoint.simulated_ranks_per_node", str(ranks_per_node),
+                    "--checkpoint.replication_factor", "2"]).wait(600)
+    except ld.DemoError as e:
+        pytest.fail(str(e))
+    finally:
+        ld.kill_live_jobs()
+    return [json.loads((tmp_path / f"train.json.rank{r}").read_text()) for r in range(world)]
+
+
+def _skip_on_accelerator():
     from tierckpt.integration import accelerator_present
 
     if accelerator_present():
         pytest.skip("runs the CPU demo config (gloo, simulated nodes); the CPU patches are never applied on an accelerator machine")
+
+
+@pytest.fixture(scope="module")
+def trained_2x1(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One 2-node × 1-rank training (phase 1), shared by the tests that restore it on another
+    layout: each copies its dump folder and node-local roots (:func:`_copy_trained`) and
+    restores, deletes and records in its own copy only."""
+    _skip_on_accelerator()
+    src = tmp_path_factory.mktemp("reshard-2x1")
+    return src, _train(src, 2, 1)
+
+
+def _copy_trained(trained: tuple[Path, list[dict]], tmp_path: Path) -> list[dict]:
+    src, results = trained
+    for d in ("run", "nvme"):
+        shutil.copytree(src / d, tmp_path / d)
+    return results
+
+
+def test_resume_2_to_1_ranks_resharded_in_cluster_then_persistent(tmp_path, trained_2x1):
     ld = _launcher()
     dump, logs = tmp_path / "run", tmp_path / "logs"
-    common = [*TITAN_TEST_ARGS, "--dump_folder", str(dump), "--training.steps", str(K),
-              "--checkpoint.enable", "true", "--checkpoint.interval", str(K),
-              "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", str(K), "--checkpoint.last_save_model_only", "false",
-              "--checkpoint.local_root", str(tmp_path / "nvme" / "{job}" / "node-{node}"),
-              "--checkpoint.job_id", "reshard", "--checkpoint.simulated_ranks_per_node", "1"]
-    script = [sys.executable, str(Path(__file__).resolve())]
+    r2 = _copy_trained(trained_2x1, tmp_path)
     try:
-        two = ld.Job("train-2ranks", world=2, log_dir=str(logs),
-                     cmd=[*script, "--mode", "train", "--result", str(tmp_path / "train.json"), *common,
-                          "--checkpoint.replication_factor", "2"])
-        two.wait(300)
-        restore = [*script, "--mode", "restore", *common, "--checkpoint.replication_factor", "1"]
+        restore = [*_script(), "--mode", "restore", *_common(tmp_path), "--checkpoint.simulated_ranks_per_node", "1",
+                   "--checkpoint.replication_factor", "1"]
         ld.Job("restore-1rank-in-cluster", world=1, log_dir=str(logs), restart_count=1,
                cmd=[*restore, "--result", str(tmp_path / "restore.json")]).wait(300)
         # node 1's shards now exist only in the persistent tier
@@ -167,7 +210,6 @@ def test_resume_2_to_1_ranks_resharded_in_cluster_then_persistent(tmp_path):
     finally:
         ld.kill_live_jobs()
 
-    r2 = [json.loads((tmp_path / f"train.json.rank{r}").read_text()) for r in range(2)]
     r1 = json.loads((tmp_path / "restore.json.rank0").read_text())
     rp = json.loads((tmp_path / "restore-pfs.json.rank0").read_text())
     assert [r["world"] for r in r2] == [2, 2] and r1["world"] == rp["world"] == 1
@@ -211,37 +253,27 @@ def test_resume_2_to_1_ranks_resharded_in_cluster_then_persistent(tmp_path):
 
 @pytest.mark.parametrize("before,after", [((2, 1), (3, 1)), ((4, 2), (2, 1))],
                          ids=["2-to-3-nodes", "2x2-to-2x1-ranks-dp4-to-dp2"])
-def test_resume_in_cluster_on_more_nodes_or_fewer_ranks_per_node(tmp_path, before, after):
+def test_resume_in_cluster_on_more_nodes_or_fewer_ranks_per_node(tmp_path, before, after, request):
     """torchtitan FSDP2: 2 nodes → 3 nodes (a new empty node), and 2 nodes × 2 ranks → 2 nodes ×
     1 rank (data_parallel_shard_degree 4 → 2): restored in-cluster without a persistent byte, the
     dataloader repositioned, and the fixed-batch loss equal to the saved run's."""
-    from tierckpt.integration import accelerator_present
-
-    if accelerator_present():
-        pytest.skip("runs the CPU demo config (gloo, simulated nodes); the CPU patches are never applied on an accelerator machine")
+    _skip_on_accelerator()
     (w0, rpn0), (w1, rpn1) = before, after
+    dump = tmp_path / "run"
+    if (w0, rpn0) == (2, 1):  # the training test_resume_2_to_1_… restores too
+        trained = _copy_trained(request.getfixturevalue("trained_2x1"), tmp_path)
+    else:
+        trained = _train(tmp_path, w0, rpn0)
     ld = _launcher()
-    dump, logs = tmp_path / "run", tmp_path / "logs"
-    common = [*TITAN_TEST_ARGS, "--dump_folder", str(dump), "--training.steps", str(K),
-              "--checkpoint.enable", "true", "--checkpoint.interval", str(K),
-              "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", str(K), "--checkpoint.last_save_model_only", "false",
-              "--checkpoint.local_root", str(tmp_path / "nvme" / "{job}" / "node-{node}"),
-              "--checkpoint.job_id", "reshard"]
-    script = [sys.executable, str(Path(__file__).resolve())]
     try:
-        ld.Job("train", world=w0, log_dir=str(logs),
-               cmd=[*script, "--mode", "train", "--result", str(tmp_path / "train.json"), *common,
-                    "--checkpoint.simulated_ranks_per_node", str(rpn0), "--checkpoint.replication_factor", "2"]
-               ).wait(600)
-        ld.Job("restore", world=w1, log_dir=str(logs), restart_count=1,
-               cmd=[*script, "--mode", "restore", "--result", str(tmp_path / "restore.json"), *common,
+        ld.Job("restore", world=w1, log_dir=str(tmp_path / "logs"), restart_count=1,
+               cmd=[*_script(), "--mode", "restore", "--result", str(tmp_path / "restore.json"), *_common(tmp_path),
                     "--checkpoint.simulated_ranks_per_node", str(rpn1), "--checkpoint.replication_factor", "1"]
                ).wait(600)
     except ld.DemoError as e:
         pytest.fail(str(e))
     finally:
         ld.kill_live_jobs()
-    trained = [json.loads((tmp_path / f"train.json.rank{r}").read_text()) for r in range(w0)]
     restored = [json.loads((tmp_path / f"restore.json.rank{r}").read_text()) for r in range(w1)]
     rec = [r for r in _read_jsonl(dump / "checkpoint" / "tierckpt-ledger.jsonl") if r["kind"] == "restore"][-1]
     assert rec["step"] == K and {v["source"] for v in rec["sources"].values()} == {"in-cluster"}, rec

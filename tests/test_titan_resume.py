@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 
+import pytest
 from pytest import approx
 
 
@@ -107,16 +108,31 @@ def _make_seed(tmp):
     return os.path.join(tmp, "run", "checkpoint", "step-0")
 
 
-def test_seed_checkpoint_is_loaded_model_only_then_resumes_full_state(tmp_path):
+@pytest.fixture(scope="module")
+def seed_run(tmp_path_factory) -> str:
+    """A folder holding the dump folder of one seed-creation run (:func:`_make_seed`), made once
+    for the tests that load it; each copies it (:func:`_copy_seed_run`) and changes its copy only."""
+    src = str(tmp_path_factory.mktemp("seed"))
+    _make_seed(src)
+    return src
+
+
+def _copy_seed_run(src: str, tmp: str) -> str:
+    """``src``'s dump folder copied to ``tmp`` (the state a seed run in ``tmp`` leaves); returns the seed."""
+    shutil.copytree(os.path.join(src, "run"), os.path.join(tmp, "run"))
+    return os.path.join(tmp, "run", "checkpoint", "step-0")
+
+
+def test_seed_checkpoint_is_loaded_model_only_then_resumes_full_state(tmp_path, seed_run):
     from torch.distributed.checkpoint import FileSystemReader
 
     tmp = str(tmp_path)
     ckpt = os.path.join(tmp, "run", "checkpoint")
-    seed = _make_seed(tmp)
+    seed = _copy_seed_run(seed_run, tmp)
     # model only, checksummed, no commit marker (never a resume point), no local tier written
     assert os.path.exists(os.path.join(seed, ".metadata")) and os.path.exists(os.path.join(seed, "tierckpt.seed.json"))
     assert not os.path.exists(os.path.join(seed, "tierckpt.committed"))
-    assert not os.path.exists(os.path.join(tmp, "nvme"))
+    assert not os.path.exists(os.path.join(seed_run, "nvme"))
     keys = FileSystemReader(seed).read_metadata().state_dict_metadata
     assert "tok_embeddings.weight" in keys
     assert not [k for k in keys if k.split(".")[0] in ("optimizer", "dataloader", "lr_scheduler", "train_state")]
@@ -162,9 +178,9 @@ def test_seed_checkpoint_is_loaded_model_only_then_resumes_full_state(tmp_path):
     assert len([x for x in _ledger(ckpt) if x["kind"] == "restore"]) == 2
 
 
-def test_corrupt_seed_checkpoint_stops_the_run(tmp_path):
+def test_corrupt_seed_checkpoint_stops_the_run(tmp_path, seed_run):
     tmp = str(tmp_path)
-    seed = _make_seed(tmp)
+    seed = _copy_seed_run(seed_run, tmp)
     data = os.path.join(seed, "__0_0.distcp")
     with open(data, "r+b") as f:
         f.seek(os.path.getsize(data) // 2)
