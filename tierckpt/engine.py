@@ -178,6 +178,7 @@ class TieredCheckpointer:
         self._jobs = jobs = TierJobs(cfg, topo, groups, self._local, self._persistent, in_use, self._journal,
                                      on_record=gate.after_record, local_anchor=gate.anchor,
                                      interference=schedule.cadence.interference_of if schedule else None)
+        jobs.owner = self  # a running job keeps the engine alive until the exit hook finished it
         gate.attach(jobs, BusyPoll(jobs.lanes, groups.control, topo.rank, self._ledger.append,
                                    stuck_nodes=functools.partial(jobs.stuck_nodes, False)))
         # a repeat within the grace period (+ a margin for the exit) is the same notice

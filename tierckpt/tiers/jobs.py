@@ -58,6 +58,8 @@ class TierJobs:
 
     Attributes:
         lanes: ``{tier: Lane}``, one per configured tier.
+        owner: the engine, set by it: a job running on a lane references these jobs, and so
+            keeps its engine alive for the exit hook to finish (:mod:`tierckpt.exit`).
     """
 
     def __init__(self, cfg: TierConfig, topo: Topology, groups: Groups, local: LocalTier | None,
@@ -69,6 +71,7 @@ class TierJobs:
         self.local, self.persistent, self.in_use, self.journal = local, persistent, in_use, journal
         self._on_record, self._local_anchor = on_record, local_anchor
         self.lanes: dict[str, Lane] = {t: Lane(t) for t in cfg.tiers}
+        self.owner: object = None
 
     def _phase(self, phase: str) -> None:
         """Where this rank's local job is now (named by the hung-disk vote)."""
