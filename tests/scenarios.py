@@ -404,7 +404,7 @@ def phase_adaptive(rank, world, base, clean_end, steps):
             eng.save(s, app_state(model, opt), tiers=tiers)
             saved.append((s, tiers))
         t_prev = _time.perf_counter()
-    tau = dict(eng.cadence.tau)
+    tau = dict(eng.gate.schedule.cadence.tau)
     eng.wait()
     decisions = [(r["tier"], r["tau_steps"], r["trigger"]) for r in eng.drain_schedule_log()]
     if clean_end:
@@ -501,7 +501,7 @@ def phase_retention_anchor(rank, world, base, factor):
     apply_state(m2, o2, sd)
     assert_bitwise(snapshot(m2, o2), ref)
     eng.close()
-    return {"local": local, "anchor": eng.local_anchor, "step": res.step,
+    return {"local": local, "anchor": eng.gate.local_anchor, "step": res.step,
             "sources": {n: res.source_of(n) for n in res.sources}, "persistent_bytes": res.persistent_bytes_read}
 
 

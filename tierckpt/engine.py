@@ -1,37 +1,23 @@
-"""The tiered checkpoint engine: what adapters and users call. This module is the
-orchestration of named steps; each step lives in its wing (docs/architecture.md):
-
-- start (:mod:`tierckpt.startup`): topology and groups, the local root, the persistent root and
-  its lineage, the shared-storage probe, purge of other experiments' node-local steps;
-- ``save()``: the engine's one scheduling object, :class:`~tierckpt.tiers.gate.SaveGate`,
-  decides which tiers start (deferred while the previous save runs, skipped on a hung local
-  disk or a too small RAM root, else waited for; earlier failures raised by the ``warn_only``
-  policy; interval decisions), the state is staged (:mod:`tierckpt.io.staging`; the blocking
-  time δ ends here), and each tier's job is queued on its lane (:mod:`tierckpt.tiers.lanes`);
-- in the background (:mod:`tierckpt.tiers.jobs`, one lane per tier): local tier → replication
-  → agreed record → retention; persistent tier (through the adapter's :class:`PersistentIO`
-  hooks) → agreed record → retention; after each record the gate's bookkeeping;
-- ``restore()``: drain the jobs (the local tier bounded by ``local_wait_timeout_s``, agreed: a
-  stuck node's root is left out and the restore runs on a second set of groups),
-  :class:`~tierckpt.restore.Restorer`, the ledger record, an armed rollback
-  (:mod:`tierckpt.history.rollback`), the restart's interval decision, and the background
-  rebuild of the restored step's replicas (:mod:`tierckpt.restore.redundancy`);
-- ``save_for_preemption()``: :func:`tierckpt.preemption.final_save`;
-- ``close()``: finish the lanes, the ``run_end`` record, raise what was not raised.
+"""The tiered checkpoint engine: what adapters and users call. It orchestrates named steps,
+each in its wing (docs/architecture.md): the start (:mod:`tierckpt.startup`); ``save()``: the
+one scheduling object (:class:`~tierckpt.tiers.gate.SaveGate`) decides which tiers start, the
+state is staged (:mod:`tierckpt.io.staging`; δ ends here) and each tier's job is queued on its
+lane (:mod:`tierckpt.tiers.lanes`, :mod:`tierckpt.tiers.jobs`: local tier → replication →
+agreed record → retention; persistent tier → agreed record → retention); ``restore()``: drain
+the lanes, :class:`~tierckpt.restore.Restorer`, the record, an armed rollback, the restart's
+interval decision, the replica rebuild (:mod:`tierckpt.restore.redundancy`);
+``save_for_preemption()`` (:func:`tierckpt.preemption.final_save`); ``close()``: finish the
+lanes, the ``run_end`` record, raise what was not raised.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 import uuid
-import weakref
 from concurrent.futures import Future
 from typing import Iterable
-
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tierckpt import exit as exit_hook
 from tierckpt import preemption as preempt
@@ -39,7 +25,6 @@ from tierckpt import startup
 from tierckpt.config import TierConfig, validate_tiers
 from tierckpt.dist.collectives import broadcast_from_first
 from tierckpt.dist.topology import SpareGroups, discover
-from tierckpt.errors import TierFailedError
 from tierckpt.gcpause import collector_paused, paused
 from tierckpt.handle import SaveHandle
 from tierckpt.history.journal import RunJournal
@@ -47,6 +32,7 @@ from tierckpt.history.ledger import Ledger
 from tierckpt.history.rollback import EXPLICIT, FALLBACK, RollbackTracker
 from tierckpt.history.timeline import Timeline
 from tierckpt.io import layout
+from tierckpt.io.overlap import wait_before_optimizer_steps
 from tierckpt.io.staging import StagingPool, resolve_stateful
 from tierckpt.io.storage import Store
 from tierckpt.loader_signals import defer_loader_deaths
@@ -54,12 +40,9 @@ from tierckpt.preemption import Preempted, PreemptionWatch, warn_if_launcher_unp
 from tierckpt.records import CheckpointRecord
 from tierckpt.restore import PERSISTENT, Inventory, Restorer, RestoreResult, redundancy
 from tierckpt.restore.plan import KINDS
-from tierckpt.sched.cadence import Cadence
-from tierckpt.sched.driver import ScheduleDriver
-from tierckpt.tiers import ram, retention
-from tierckpt.tiers.deferral import BusyPoll
-from tierckpt.tiers.gate import SaveGate
-from tierckpt.tiers.jobs import TierJobs, describe_failure
+from tierckpt.tiers import retention
+from tierckpt.tiers.gate import build_gate
+from tierckpt.tiers.jobs import describe_failure
 from tierckpt.tiers.persistent import PersistentIO, PersistentTier
 
 __all__ = ["TieredCheckpointer", "describe_failure"]
@@ -67,9 +50,9 @@ __all__ = ["TieredCheckpointer", "describe_failure"]
 log = logging.getLogger(__name__)
 
 
-def _readonly(name: str, doc: str) -> property:
-    """A read-only engine attribute (stored as ``_<name>``) for adapters and tools."""
-    return property(lambda self: getattr(self, "_" + name), doc=doc)
+def _readonly(name: str) -> property:
+    """A read-only engine attribute (stored as ``_<name>``; documented in the class docstring)."""
+    return property(lambda self: getattr(self, "_" + name), doc=f"read-only: see TieredCheckpointer ({name})")
 
 
 class TieredCheckpointer:
@@ -81,11 +64,9 @@ class TieredCheckpointer:
             environment (see :mod:`tierckpt.dist.topology`).
         persistent_io: how persistent steps are written/read (default: plain DCP).
 
-    ``lineage`` is the persistent root's lineage id (:mod:`tierckpt.history.lineage`), the same on every
-    rank; node-local steps of any other lineage are deleted here and never restored.
-
-    Read-only attributes adapters may read (framework hooks such as torchtitan's seed
-    checkpoint); the rest is internal:
+    Read-only attributes (adapters' framework hooks, tools); the rest is internal:
+        lineage: the persistent root's lineage id (:mod:`tierckpt.history.lineage`), the same on
+            every rank; node-local steps of any other lineage are deleted here, never restored.
         cfg: the :class:`~tierckpt.config.TierConfig`.
         topo: the :class:`~tierckpt.dist.topology.Topology` (rank, world_size, node, nodes,
             node_of_rank, local ranks).
@@ -95,13 +76,11 @@ class TieredCheckpointer:
             ``load(state_dict, url, group)``, ``committed_steps()``).
         ledger: the run's :class:`~tierckpt.history.ledger.Ledger` (``append(record)`` of a
             typed record from :mod:`tierckpt.records`; global rank 0 writes).
-        journal, timeline, rollback: the run's record writer, save identities, rollback tracker.
-        preemption: the :class:`~tierckpt.preemption.PreemptionWatch`.
-        pool: the :class:`~tierckpt.io.staging.StagingPool`.
-        restorer: the :class:`~tierckpt.restore.Restorer`.
+        timeline, preemption, pool, restorer: this run's save identities, the
+            :class:`~tierckpt.preemption.PreemptionWatch`, the staging pool, the restorer.
         jobs: the :class:`~tierckpt.tiers.jobs.TierJobs` (``lanes``: one per tier).
-        gate: the :class:`~tierckpt.tiers.gate.SaveGate` (history, local anchor, interval driver).
-        history: this rank's agreed records, in order (ledger lines).
+        gate: the :class:`~tierckpt.tiers.gate.SaveGate` (``history``, ``local_anchor``,
+            ``schedule``); ``history``: this rank's agreed records, in order (ledger lines).
         last_redundancy: Future of the replica rebuild after the last restore (None: none ran).
 
     Raises:
@@ -110,26 +89,12 @@ class TieredCheckpointer:
         RuntimeError: torch.distributed not initialised.
     """
 
-    cfg = _readonly("cfg", "the TierConfig")
-    topo = _readonly("topo", "the Topology")
-    groups = _readonly("groups", "the engine's gloo groups")
-    local = _readonly("local", "the node's LocalTier, or None")
-    persistent = _readonly("persistent", "the PersistentTier")
-    ledger = _readonly("ledger", "the run's Ledger")
-    journal = _readonly("journal", "the run's RunJournal")
-    timeline = _readonly("timeline", "this run's Timeline of save identities")
-    rollback = _readonly("rollback", "the RollbackTracker")
-    preemption = _readonly("preemption", "the PreemptionWatch")
-    pool = _readonly("pool", "the StagingPool")
-    restorer = _readonly("restorer", "the Restorer")
-    jobs = _readonly("jobs", "the TierJobs (one lane per tier)")
-    gate = _readonly("gate", "the SaveGate (the engine's scheduling object)")
-    lineage = _readonly("lineage", "the persistent root's lineage id")
-    last_redundancy = _readonly("last_redundancy", "Future of the rebuild after the last restore, or None")
-    history = property(lambda self: self._gate.history, doc="this rank's agreed records (ledger lines)")
-    local_anchor = property(lambda self: self._gate.local_anchor, doc="newest step every node holds locally")
-    cadence = property(lambda self: self._gate.schedule.cadence if self._gate.schedule else None,
-                       doc="the adaptive Cadence, or None")
+    cfg, topo, groups = _readonly("cfg"), _readonly("topo"), _readonly("groups")
+    local, persistent, ledger = _readonly("local"), _readonly("persistent"), _readonly("ledger")
+    lineage, timeline, preemption = _readonly("lineage"), _readonly("timeline"), _readonly("preemption")
+    pool, restorer, jobs, gate = _readonly("pool"), _readonly("restorer"), _readonly("jobs"), _readonly("gate")
+    last_redundancy = _readonly("last_redundancy")
+    history = property(lambda self: self._gate.history, doc="this rank's agreed records (ledger lines), in order")
 
     @paused  # the restart's critical path, as restore()
     def __init__(self, config: TierConfig, *, node_id: int | None = None,
@@ -162,25 +127,13 @@ class TieredCheckpointer:
         self._journal.run_start(topo, cfg.tiers, self._lineage)
         self._closed, self._preempt_seen, self._unbooked_wait_s = False, False, 0.0
         self._pool = StagingPool(cfg.staging_buffers, overlapped=cfg.cpu_staging == "overlapped")
-        self._optimizer_hook = _wait_before_optimizer_steps(self) if cfg.cpu_staging == "overlapped" else None
+        self._optimizer_hook = wait_before_optimizer_steps(self) if cfg.cpu_staging == "overlapped" else None
         self._rollback = RollbackTracker(
             self._journal, topo.node, self._local.store if (self._local and topo.is_node_leader) else None,
             self._persistent.store if topo.rank == 0 else None)
-        schedule = None
-        if cfg.intervals:
-            schedule = ScheduleDriver(Cadence(cfg.intervals, cfg.adaptive, rank=topo.rank, world_size=topo.world_size,
-                                              options=cfg.schedule), topo.rank, self._ledger, self._journal)
-            schedule.share(world, "start", refresh_ledger=True)
-        # the RAM-root fit check runs once, at the first local save (tiers/ram.py)
-        guard = ram.RamGuard(self._local.store, cfg.keep_latest_k["local"], cfg.replication_jump,
-                             cfg.replication_factor, topo, groups.control) if self._local is not None else None
-        self._gate = gate = SaveGate(cfg, self._rollback, schedule, guard)
-        self._jobs = jobs = TierJobs(cfg, topo, groups, self._local, self._persistent, in_use, self._journal,
-                                     on_record=gate.after_record, local_anchor=gate.anchor,
-                                     interference=schedule.cadence.interference_of if schedule else None)
-        jobs.owner = self  # a running job keeps the engine alive until the exit hook finished it
-        gate.attach(jobs, BusyPoll(jobs.lanes, groups.control, topo.rank, self._ledger.append,
-                                   stuck_nodes=functools.partial(jobs.stuck_nodes, False)))
+        self._gate, self._jobs = build_gate(cfg, topo, groups, self._local, self._persistent, in_use,
+                                            self._journal, self._rollback)
+        self._jobs.owner = self  # a running job keeps the engine alive until the exit hook finished it
         # a repeat within the grace period (+ a margin for the exit) is the same notice
         self._preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0,
                                            on_notice=defer_loader_deaths)
@@ -200,11 +153,9 @@ class TieredCheckpointer:
         """Tiers due at ``step`` under ``TierConfig.intervals`` (same answer on every rank).
 
         A tier whose save was deferred (``busy_tier_policy`` "defer") is due at the first step
-        where its previous save has finished on every rank, then follows its interval again
-        (fixed tiers: the next multiple of the interval; adaptive tiers: τ after that save).
-        While such a tier waits, this is collective over the control group (one all-reduce of
-        4 bytes per waiting tier, once per step however often it is called): every rank calls
-        it at the same steps, as it calls ``save()``.
+        where its previous save finished on every rank, then follows its interval again. While
+        such a tier waits this is collective over the control group (one 4-byte all-reduce per
+        waiting tier and step): every rank calls it at the same steps, as it calls ``save()``.
 
         Raises:
             RuntimeError: no ``intervals`` configured.
@@ -228,17 +179,13 @@ class TieredCheckpointer:
              raise_failures: bool = True, wait_previous: bool = False) -> SaveHandle:
         """Stage ``state_dict`` and start writing it to ``tiers`` in the background.
 
-        Collective: every rank calls it with the same ``step`` and ``tiers``. The bytes
-        written are the values at the time of the call. A state of CPU tensors is copied
-        before this returns (``cpu_staging = "blocking"``, the default), so the caller may
-        modify it immediately. A state holding CUDA tensors (with CUDA available) only has its
-        device→host copies into pinned buffers enqueued on a side stream
-        (:mod:`tierckpt.io.staging`), and with ``cpu_staging = "overlapped"`` a CPU state's
-        large tensors are copied by a background thread (:mod:`tierckpt.io.overlap`): the
-        caller may run forward and backward at once but must call :meth:`wait_for_staging`
-        before it next modifies a saved tensor in place (the optimizer step; a
-        ``torch.optim`` optimizer does it on its own when overlapped), as with DCP's
-        ``async_with_pinned_mem``.
+        Collective: every rank calls it with the same ``step`` and ``tiers``. The bytes written
+        are the values at the time of the call. A CPU state is copied before this returns
+        (``cpu_staging = "blocking"``, the default). CUDA tensors only have their device→host
+        copies enqueued (:mod:`tierckpt.io.staging`), and with ``cpu_staging = "overlapped"``
+        large CPU tensors are copied by a background thread (:mod:`tierckpt.io.overlap`): call
+        :meth:`wait_for_staging` before modifying a saved tensor in place (a ``torch.optim``
+        optimizer does it on its own when overlapped), as with DCP's ``async_with_pinned_mem``.
 
         Args:
             step: training step (>= 0).
@@ -250,17 +197,16 @@ class TieredCheckpointer:
             wait_previous: a planned exit (the run's last save): every tier waits for its
                 previous save as with ``busy_tier_policy = "wait"`` and is never deferred.
         Returns:
-            :class:`~tierckpt.handle.SaveHandle`: ``blocking_s`` (δ, seconds; including the
-            trainer's :meth:`wait_for_staging` time since the previous save) and one future per
-            started tier resolving to its :class:`~tierckpt.records.CheckpointRecord`; in
-            ``skipped`` the tiers deferred (``busy_tier_policy`` "defer": the previous save of
-            the tier still runs on some rank; record ``deferred``, ``running_step``) or skipped
-            (a hung local disk).
+            :class:`~tierckpt.handle.SaveHandle`: ``blocking_s`` (δ, seconds, with the trainer's
+            :meth:`wait_for_staging` time since the previous save), one future per started tier
+            (→ :class:`~tierckpt.records.CheckpointRecord`), and in ``skipped`` the tiers
+            deferred (record ``deferred``, ``running_step``) or skipped (a hung local disk, a
+            too small RAM root).
         Raises:
             ConfigError: unknown or unconfigured tier.
-            TierFailedError: the previous save of a due tier failed and that tier is not in
-                ``TierConfig.warn_only`` (same on every rank: the outcome is agreed). Nothing
-                is staged then; committed steps are untouched.
+            TierFailedError: the previous save of a due tier failed outside ``warn_only``
+                (agreed: on every rank). Nothing is staged; committed steps are untouched.
+            RuntimeError: the engine is closed.
         """
         if self._closed:
             raise RuntimeError("TieredCheckpointer is closed")
@@ -340,7 +286,7 @@ class TieredCheckpointer:
         a tier ``handle`` deferred is saved now. Returns the
         :class:`~tierckpt.preemption.Preempted` for the adapter to raise."""
         self._preempt_seen = True  # close(): what still runs after the grace period is abandoned
-        return preempt.final_save(self, step, state_dict, signal_name, handle)
+        return preempt.final_save(self, self._journal, step, state_dict, signal_name, handle)
 
     def unraised_failures(self) -> list[CheckpointRecord]:
         """Failed, finished saves of tiers outside ``warn_only`` not yet raised (this rank's
@@ -517,58 +463,19 @@ class TieredCheckpointer:
         if not poll:
             self._pool.wait_for_staging()
         stuck = self._jobs.finish(poll)
-        failed, cfg, gate = self._gate.unraised_failures(), self._cfg, self._gate
-        # the newest persistent step of this run that still exists (global rank 0 writes run_end)
-        durable = (self._persistent.newest_still_committed(gate.persistent_committed) if self._topo.rank == 0 else
-                   max(gate.persistent_committed, default=None))
-        not_durable = gate.saved_any and "persistent" in cfg.tiers and durable is None
-        if not_durable:
-            if self._topo.rank == 0:
-                log.error("tierckpt: this run saved checkpoints but committed no persistent step: its "
-                          "progress lives only on node-local disks")
-        ledger_error = None
-        try:
-            self._journal.run_end(clean=bool(clean) and not failed and not not_durable, reason=reason,
-                                 durable_step=durable, stuck_tiers=stuck, failures=failed,
-                                 strict="persistent" in cfg.tiers, **(at_exit or {}))
-        except OSError as e:
-            ledger_error = e
-            log.error("tierckpt: could not write the ledger's run_end: %s", e)
+        failed, durable, ledger_error = self._gate.end_run(self._journal, self._persistent, self._topo.rank,
+                                                           clean, reason, stuck, at_exit)
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
             self._optimizer_hook = None
         if not stuck:  # a stuck job may still read its staged buffers: leak them rather than free
             self._pool.close()
         self._closed = True
-        if clean and raise_failures and failed:
-            gate.raise_if_failed(failed[0])
-        if clean and raise_failures and ledger_error is not None and "persistent" not in cfg.warn_only:
-            # global rank 0 only (the ledger's one writer); the ledger lives in the persistent
-            # root and records what is durable: a failure of the persistent tier, never a raw error
-            raise TierFailedError("persistent", -1 if durable is None else durable,
-                                  f"the ledger's run_end could not be written: {type(ledger_error).__name__}: "
-                                  f"{ledger_error}")
+        if clean and raise_failures:
+            self._gate.raise_at_end(failed, durable, ledger_error)
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
         self.close(clean=exc_type is None, reason=repr(exc) if exc else "")
-
-
-
-def _wait_before_optimizer_steps(engine: TieredCheckpointer):
-    """Overlapped staging: every torch.optim optimizer waits for the copies before it writes the
-    parameters and its states (tierckpt/io/overlap.py). Returns the hook's handle (removed
-    when the engine closes or is collected: an engine never closed must not live on in torch's
-    hook table)."""
-    me = weakref.ref(engine)
-
-    def before_step(_opt, _args, _kwargs) -> None:
-        eng = me()
-        if eng is not None and not eng._closed:
-            eng.wait_for_staging()
-
-    handle = register_optimizer_step_pre_hook(before_step)
-    weakref.finalize(engine, handle.remove)  # also without close()
-    return handle

@@ -258,13 +258,13 @@ def requested(signals: tuple[str, ...], watch: PreemptionWatch, control) -> str 
     return None if idx < 0 else signals[idx]
 
 
-def final_save(engine: Any, step: int, state_dict: dict, signal_name: str, handle: Any = None) -> Preempted:
+def final_save(engine: Any, journal: Any, step: int, state_dict: dict, signal_name: str, handle: Any = None) -> Preempted:
     """The final save of a preemption notice over the engine's public methods (see
     :meth:`tierckpt.engine.TieredCheckpointer.save_for_preemption`; collective): every tier
     at ``step`` (those ``handle``, a :class:`~tierckpt.handle.SaveHandle`, did not start yet,
     with ``wait_previous``), the local tier waited for first, the persistent tier with what is
-    left of ``preemption_grace_s`` (seconds); the ``preemption`` ledger record and the marker
-    file for the launcher. Returns the :class:`Preempted` to raise."""
+    left of ``preemption_grace_s`` (seconds); the ``preemption`` ledger record (``journal``, a
+    :class:`~tierckpt.history.journal.RunJournal`) and the marker file for the launcher. Returns the :class:`Preempted` to raise."""
     from concurrent.futures import TimeoutError as FuturesTimeout
 
     from tierckpt.handle import SaveHandle
@@ -291,7 +291,7 @@ def final_save(engine: Any, step: int, state_dict: dict, signal_name: str, handl
         except FuturesTimeout:
             log.error("tierckpt: preemption: the %s tier did not commit step %d within "
                       "preemption_grace_s = %gs", t, step, cfg.preemption_grace_s)
-    engine.journal.preemption(step, signal_name, committed, time.monotonic() - t0, earlier)
+    journal.preemption(step, signal_name, committed, time.monotonic() - t0, earlier)
     mark_preempted(step, signal_name, committed)  # for a launcher mapping this exit to "requeue me"
     if engine.topo.rank == 0:  # agreed: once per job
         log.warning("tierckpt: %s: step %d saved for the requeue (%s) in %.1fs", signal_name, step,

@@ -13,20 +13,30 @@ persistent steps committed by this run, the armed rollback, the next interval de
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
 from typing import Iterable
 
 from tierckpt.config import TierConfig, validate_tiers
+from tierckpt.dist.topology import Groups, Topology
 from tierckpt.errors import ConfigError, TierFailedError
+from tierckpt.history.journal import RunJournal
 from tierckpt.history.rollback import RollbackTracker
 from tierckpt.records import CheckpointRecord
+from tierckpt.sched.cadence import Cadence
 from tierckpt.sched.driver import ScheduleDriver
+from tierckpt.tiers import retention
 from tierckpt.tiers.deferral import Answer, BusyPoll
 from tierckpt.tiers.jobs import TierJobs
+from tierckpt.tiers.local_tier import LocalTier
+from tierckpt.tiers.persistent import PersistentTier
 from tierckpt.tiers.ram import RamGuard
 
-__all__ = ["SaveGate"]
+__all__ = ["SaveGate", "build_gate"]
+
+log = logging.getLogger(__name__)
 
 
 class SaveGate:
@@ -178,6 +188,50 @@ class SaveGate:
         return [r for r in self.jobs.finished() if r.failed and r.tier not in self.cfg.warn_only
                 and (r.tier, r.step) not in self._raised]
 
+    def durable_step(self, persistent: PersistentTier, rank: int) -> int | None:
+        """The newest persistent step of this run that still exists (global rank 0 checks the
+        shared root: it writes ``run_end``; other ranks take the newest committed)."""
+        if rank == 0:
+            return persistent.newest_still_committed(self.persistent_committed)
+        return max(self.persistent_committed, default=None)
+
+    def end_run(self, journal: RunJournal, persistent: PersistentTier, rank: int, clean: bool, reason: str,
+                stuck: list[str], at_exit: dict | None) -> tuple[list[CheckpointRecord], int | None, OSError | None]:
+        """Write the ``run_end`` record (global rank 0; see
+        :meth:`tierckpt.engine.TieredCheckpointer.close`): ``clean`` only when asked for, no
+        unraised failure outside ``warn_only`` and, when the run saved and the persistent tier is
+        configured, a durable persistent step. Returns (unraised failures, durable step, the
+        error writing the ledger or None)."""
+        failed = self.unraised_failures()
+        durable = self.durable_step(persistent, rank)
+        not_durable = self.saved_any and "persistent" in self.cfg.tiers and durable is None
+        if not_durable and rank == 0:
+            log.error("tierckpt: this run saved checkpoints but committed no persistent step: its "
+                      "progress lives only on node-local disks")
+        try:
+            journal.run_end(clean=bool(clean) and not failed and not not_durable, reason=reason,
+                            durable_step=durable, stuck_tiers=stuck, failures=failed,
+                            strict="persistent" in self.cfg.tiers, **(at_exit or {}))
+        except OSError as e:
+            log.error("tierckpt: could not write the ledger's run_end: %s", e)
+            return failed, durable, e
+        return failed, durable, None
+
+    def raise_at_end(self, failed: list[CheckpointRecord], durable: int | None, ledger_error: OSError | None) -> None:
+        """A clean close's raise: the first unraised failure, else a ``run_end`` the ledger could
+        not take (global rank 0 only, the ledger's one writer; the ledger lives in the persistent
+        root and records what is durable: a failure of the persistent tier, never a raw error).
+
+        Raises:
+            TierFailedError: as described (unless the tier is in ``warn_only``).
+        """
+        if failed:
+            self.raise_if_failed(failed[0])
+        if ledger_error is not None and "persistent" not in self.cfg.warn_only:
+            raise TierFailedError("persistent", -1 if durable is None else durable,
+                                  f"the ledger's run_end could not be written: {type(ledger_error).__name__}: "
+                                  f"{ledger_error}")
+
     def restored(self, step: int, all_local: bool) -> None:
         """A restore served ``step``: the local anchor when every node was served node-locally."""
         with self.lock:  # every node's copy of the step sits on some node's local disk
@@ -206,3 +260,24 @@ class SaveGate:
             self.rollback.finish(tier, step)
         if self.schedule is not None:
             self.schedule.after_record(tier, step, rec, group)
+
+
+def build_gate(cfg: TierConfig, topo: Topology, groups: Groups, local: LocalTier | None, persistent: PersistentTier,
+               in_use: retention.InUse, journal: RunJournal, rollback: RollbackTracker) -> tuple[SaveGate, TierJobs]:
+    """The engine's gate and lanes: the interval driver (``TierConfig.intervals``; its start
+    decision is shared over every rank: collective), the RAM-root guard, one lane per tier and
+    the busy poll over them."""
+    schedule = None
+    if cfg.intervals:
+        schedule = ScheduleDriver(Cadence(cfg.intervals, cfg.adaptive, rank=topo.rank, world_size=topo.world_size,
+                                          options=cfg.schedule), topo.rank, journal.ledger, journal)
+        schedule.share(groups.local_world, "start", refresh_ledger=True)
+    # the RAM-root fit check runs once, at the first local save (tiers/ram.py)
+    guard = RamGuard(local.store, cfg.keep_latest_k["local"], cfg.replication_jump, cfg.replication_factor, topo,
+                     groups.control) if local is not None else None
+    gate = SaveGate(cfg, rollback, schedule, guard)
+    jobs = TierJobs(cfg, topo, groups, local, persistent, in_use, journal, on_record=gate.after_record,
+                    local_anchor=gate.anchor, interference=schedule.cadence.interference_of if schedule else None)
+    gate.attach(jobs, BusyPoll(jobs.lanes, groups.control, topo.rank, journal.ledger.append,
+                               stuck_nodes=functools.partial(jobs.stuck_nodes, False)))
+    return gate, jobs
