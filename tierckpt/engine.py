@@ -80,7 +80,8 @@ class TieredCheckpointer:
             :class:`~tierckpt.preemption.PreemptionWatch`, the staging pool, the restorer.
         jobs: the :class:`~tierckpt.tiers.jobs.TierJobs` (``lanes``: one per tier).
         gate: the :class:`~tierckpt.tiers.gate.SaveGate` (``history``, ``local_anchor``,
-            ``schedule``); ``history``: this rank's agreed records, in order (ledger lines).
+            ``schedule``); ``gate.history``: this rank's agreed records, typed, in order;
+            ``history``: the same as ledger lines (dicts).
         last_redundancy: Future of the replica rebuild after the last restore (None: none ran).
 
     Raises:
@@ -94,7 +95,8 @@ class TieredCheckpointer:
     lineage, timeline, preemption = _readonly("lineage"), _readonly("timeline"), _readonly("preemption")
     pool, restorer, jobs, gate = _readonly("pool"), _readonly("restorer"), _readonly("jobs"), _readonly("gate")
     last_redundancy = _readonly("last_redundancy")
-    history = property(lambda self: self._gate.history, doc="this rank's agreed records (ledger lines), in order")
+    history = property(lambda self: [r.as_ledger() for r in self._gate.history],
+                       doc="this rank's agreed records as ledger lines, in order (typed: gate.history)")
 
     @paused  # the restart's critical path, as restore()
     def __init__(self, config: TierConfig, *, node_id: int | None = None,

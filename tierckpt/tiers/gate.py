@@ -48,8 +48,8 @@ class SaveGate:
         ram_guard: the RAM-root guard of the local tier, or None without a local tier.
 
     Attributes:
-        history: this rank's agreed records, in order (ledger lines; saves, deferred and
-            skipped tiers).
+        history: this rank's agreed :class:`~tierckpt.records.CheckpointRecord` s, in order
+            (saves, deferred and skipped tiers).
         local_anchor: newest step every node committed to its local tier (all-gathered ok
             flags, or a restore served by the local tier); retention keeps it on every node
             beyond ``keep_latest_k``. None: none known.
@@ -62,7 +62,7 @@ class SaveGate:
                  ram_guard: RamGuard | None):
         self.cfg, self.rollback, self.schedule, self._ram = cfg, rollback, schedule, ram_guard
         self.lock = threading.Lock()
-        self.history: list[dict] = []
+        self.history: list[CheckpointRecord] = []
         self.local_anchor: int | None = None
         self.persistent_committed: list[int] = []
         self.saved_any = False
@@ -239,7 +239,7 @@ class SaveGate:
 
     def _remember(self, rec: CheckpointRecord) -> None:
         with self.lock:
-            self.history.append(rec.as_ledger())
+            self.history.append(rec)
 
     # -- tier threads --------------------------------------------------------------------------
     def anchor(self) -> int | None:
@@ -251,7 +251,7 @@ class SaveGate:
         when a scheduler runs): history, local anchor, durable steps, the armed rollback, the
         next interval decision."""
         with self.lock:
-            self.history.append(rec.as_ledger())
+            self.history.append(rec)
             if tier == "local" and rec.ok and (self.local_anchor is None or step > self.local_anchor):
                 self.local_anchor = step
             if tier == "persistent" and rec.ok:
