@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 from concurrent.futures import Future
 from typing import Iterable
 
@@ -23,27 +22,21 @@ from tierckpt import exit as exit_hook
 from tierckpt import preemption as preempt
 from tierckpt import startup
 from tierckpt.config import TierConfig, validate_tiers
-from tierckpt.dist.collectives import broadcast_from_first
-from tierckpt.dist.topology import SpareGroups, discover
+from tierckpt.dist.topology import SpareGroups
 from tierckpt.gcpause import collector_paused, paused
 from tierckpt.handle import SaveHandle
-from tierckpt.history.journal import RunJournal
-from tierckpt.history.ledger import Ledger
 from tierckpt.history.rollback import EXPLICIT, FALLBACK, RollbackTracker
-from tierckpt.history.timeline import Timeline
 from tierckpt.io import layout
 from tierckpt.io.overlap import wait_before_optimizer_steps
 from tierckpt.io.staging import StagingPool, resolve_stateful
-from tierckpt.io.storage import Store
 from tierckpt.loader_signals import defer_loader_deaths
 from tierckpt.preemption import Preempted, PreemptionWatch, warn_if_launcher_unprotected
 from tierckpt.records import CheckpointRecord
 from tierckpt.restore import PERSISTENT, Inventory, Restorer, RestoreResult, redundancy
 from tierckpt.restore.plan import KINDS
-from tierckpt.tiers import retention
 from tierckpt.tiers.gate import build_gate
 from tierckpt.tiers.jobs import describe_failure
-from tierckpt.tiers.persistent import PersistentIO, PersistentTier
+from tierckpt.tiers.persistent import PersistentIO
 
 __all__ = ["TieredCheckpointer", "describe_failure"]
 
@@ -102,45 +95,24 @@ class TieredCheckpointer:
     def __init__(self, config: TierConfig, *, node_id: int | None = None,
                  persistent_io: PersistentIO | None = None):
         self._cfg = cfg = config
-        factor = cfg.replication_factor if "local" in cfg.tiers else 1
-        self._topo, self._groups = topo, groups = discover(
-            cfg.replication_jump, factor, node_id=node_id,
-            ranks_per_node=cfg.simulated_ranks_per_node, timeout_s=cfg.collective_timeout_s,
-            # a rank still waiting for its own stuck local save joins the vote up to
-            # local_wait_timeout_s after its peers: the vote must not time out first
-            control_timeout_s=max(cfg.collective_timeout_s, cfg.local_wait_timeout_s + 120.0),
-        )
-        world, in_use = groups.local_world, retention.InUse()
-        self._local, err = startup.open_local_tier(cfg, topo, groups.node, in_use)
-        pstore, lineage_info, perr = startup.open_persistent_root(cfg, topo.rank) if err is None else \
-            (Store(startup.persistent_root(cfg)), None, None)
-        startup.raise_if_any_failed(err or perr, world)
-        run_id, (self._lineage, created, adopt) = broadcast_from_first(
-            (uuid.uuid4().hex[:12], lineage_info) if topo.rank == 0 else None, world)
-        self._persistent = PersistentTier(pstore, persistent_io, lineage=self._lineage)
-        startup.check_shared(pstore, run_id, topo.rank, world)
-        if self._local is not None:
-            startup.purge_other_lineages(self._local, topo, in_use, self._lineage, adopt=adopt, created=created)
-        # every copy a save writes records its identity; the generation orders this run's saves
-        # after every copy it could see (never by wall clocks: tierckpt/history/timeline.py)
-        self._timeline = Timeline(run_id, startup.agree_generation(self._local, self._persistent, topo, world))
-        self._ledger = Ledger(pstore, enabled=topo.rank == 0, run_id=run_id, job=cfg.resolved_job_id())
-        self._journal = RunJournal(self._ledger)
-        self._journal.run_start(topo, cfg.tiers, self._lineage)
+        run = startup.open_run(cfg, node_id, persistent_io)  # collective: roots, lineage, ledger, run_start
+        topo, groups = run.topo, run.groups
+        self._topo, self._groups, self._local, self._persistent = topo, groups, run.local, run.persistent
+        self._lineage, self._timeline, self._ledger, self._journal = run.lineage, run.timeline, run.ledger, run.journal
         self._closed, self._preempt_seen, self._unbooked_wait_s = False, False, 0.0
         self._pool = StagingPool(cfg.staging_buffers, overlapped=cfg.cpu_staging == "overlapped")
         self._optimizer_hook = wait_before_optimizer_steps(self) if cfg.cpu_staging == "overlapped" else None
         self._rollback = RollbackTracker(
             self._journal, topo.node, self._local.store if (self._local and topo.is_node_leader) else None,
             self._persistent.store if topo.rank == 0 else None)
-        self._gate, self._jobs = build_gate(cfg, topo, groups, self._local, self._persistent, in_use,
+        self._gate, self._jobs = build_gate(cfg, topo, groups, self._local, self._persistent, run.in_use,
                                             self._journal, self._rollback)
         self._jobs.owner = self  # a running job keeps the engine alive until the exit hook finished it
         # a repeat within the grace period (+ a margin for the exit) is the same notice
         self._preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0,
                                            on_notice=defer_loader_deaths)
         warn_if_launcher_unprotected(cfg.preemption_signals)  # a launcher killed by a notice orphans the ranks
-        self._restorer = Restorer(topo, groups, self._local, self._persistent, in_use,
+        self._restorer = Restorer(topo, groups, self._local, self._persistent, run.in_use,
                                   cfg.transfer_chunk_bytes, cfg.restore_memory_bytes, cfg.read_timeout_s)
         self._spare = SpareGroups(topo, cfg.collective_timeout_s, groups.control)  # second groups, on first need
         self._last_redundancy: Future | None = None
@@ -148,7 +120,7 @@ class TieredCheckpointer:
         if topo.is_node_leader:  # once per node
             log.info("tierckpt: node %d/%d (%s), ranks %s, peers %s, local root %s, persistent %s",
                      topo.node, topo.nodes, topo.source, topo.local_ranks, topo.peers(),
-                     self._local.store.url if self._local else None, pstore.url)
+                     self._local.store.url if self._local else None, self._persistent.store.url)
 
     # -- cadence -------------------------------------------------------------------------------
     def due(self, step: int) -> list[str]:
