@@ -446,9 +446,9 @@ class Injector:
     def _patch_stage(self) -> None:
         """The k-th save's staging copy: the early one (a free slot, copied while the busy-tier
         agreement travels) or, when there was none, the blocking one — one count per save."""
-        from tierckpt.engine import TieredCheckpointer
+        from tierckpt.io.staging import StagingPool
 
-        orig, orig_early = TieredCheckpointer._stage, TieredCheckpointer._early_stage
+        orig, orig_early = StagingPool.stage, StagingPool.stage_early
         inj = self
 
         def starting(k: int) -> list[dict]:
@@ -465,18 +465,18 @@ class Injector:
             for f in fs:
                 inj.kill(f, f"staging of save {k}, after the copy")
 
-        def _early_stage(eng, state_dict):
+        def _early_stage(pool, state_dict):
             inj.counts["stage"] += 1
             k = inj.counts["stage"]
             fs = starting(k)
-            out = orig_early(eng, state_dict)
+            out = orig_early(pool, state_dict)
             if out is None:  # no free slot: this save's blocking copy follows
                 inj.tls.staging_k = k
                 return out
             copied(k, fs)
             return out
 
-        def _stage(eng, state_dict, users):
+        def _stage(pool, state_dict, users):
             k = getattr(inj.tls, "staging_k", None)
             inj.tls.staging_k = None
             if k is None:
@@ -485,11 +485,11 @@ class Injector:
                 fs = starting(k)
             else:
                 fs = [f for f in inj.faults_of("kill-staging") if inj.mine(f) and f["step"] == k]
-            out = orig(eng, state_dict, users)
+            out = orig(pool, state_dict, users)
             copied(k, fs)
             return out
 
-        TieredCheckpointer._stage, TieredCheckpointer._early_stage = _stage, _early_stage
+        StagingPool.stage, StagingPool.stage_early = _stage, _early_stage
 
     def _patch_streams(self) -> None:
         """DCP data files: byte-offset kills, ENOSPC, a hung write, a slow open."""

@@ -404,7 +404,7 @@ def phase_adaptive(rank, world, base, clean_end, steps):
             eng.save(s, app_state(model, opt), tiers=tiers)
             saved.append((s, tiers))
         t_prev = _time.perf_counter()
-    tau = dict(eng.cadence.tau)
+    tau = dict(eng.gate.schedule.cadence.tau)
     eng.wait()
     decisions = [(r["tier"], r["tau_steps"], r["trigger"]) for r in eng.drain_schedule_log()]
     if clean_end:
@@ -501,7 +501,7 @@ def phase_retention_anchor(rank, world, base, factor):
     apply_state(m2, o2, sd)
     assert_bitwise(snapshot(m2, o2), ref)
     eng.close()
-    return {"local": local, "anchor": eng.local_anchor, "step": res.step,
+    return {"local": local, "anchor": eng.gate.local_anchor, "step": res.step,
             "sources": {n: res.source_of(n) for n in res.sources}, "persistent_bytes": res.persistent_bytes_read}
 
 
@@ -542,7 +542,7 @@ def phase_hung_local_disk(rank, world, base, limit):
         if s == 4:
             if rank == 1:
                 open(release(2), "w").close()  # the disk comes back
-            eng.jobs.pending["local"].result(timeout=60)  # test only: let the late step-2 job finish
+            eng.jobs.lanes["local"].save.result(timeout=60)  # test only: let the late step-2 job finish
     ref = snapshot(model, opt)
     eng.wait()
     hist = [(h["tier"], h["step"], h["ok"], bool(h.get("skipped"))) for h in eng.history]
@@ -561,8 +561,8 @@ def phase_hung_local_disk(rank, world, base, limit):
     # abort the process: see docs/design.md, "A hung node-local disk")
     if rank == 1:
         open(release(6), "w").close()
-    eng.jobs.pending["local"].result(timeout=60)
-    eng.jobs.workers["local"]._thread.join(timeout=60)
+    eng.jobs.lanes["local"].save.result(timeout=60)
+    eng.jobs.lanes["local"].worker._thread.join(timeout=60)
     return {"blocking": blocking, "history": hist, "step": res.step, "close_s": close_s, "waited3": waited3,
             "sources": {n: res.source_of(n) for n in res.sources}}
 

@@ -128,7 +128,7 @@ def phase_restore_while_local_hangs(rank, world, base, limit):
         train_step(model, opt, s, rank)
     eng.save(3, _state(model, opt, rank))
     ref = snapshot(model, opt)
-    eng.jobs.pending["persistent"].result(timeout=120)
+    eng.jobs.lanes["persistent"].save.result(timeout=120)
     m2, o2 = build(seed=3)
     sd = _state(m2, o2, None)
     t0 = time.perf_counter()
@@ -140,7 +140,7 @@ def phase_restore_while_local_hangs(rank, world, base, limit):
         assert sd["mine"].tolist() == [100 + rank]
     if rank == 1:
         open(release, "w").close()  # the disk comes back
-    eng.jobs.pending["local"].result(timeout=120)  # the late step-3 job finishes on every rank
+    eng.jobs.lanes["local"].save.result(timeout=120)  # the late step-3 job finishes on every rank
     LocalTier.save = original
     eng.close()
     return {"step": res.step, "restore_s": restore_s, "persistent_bytes": res.persistent_bytes_read,

@@ -193,7 +193,7 @@ def test_a_job_that_never_ran_reads_as_a_failed_record():
     thread died before running it (the campaign's dying-writer-thread fault)."""
     from concurrent.futures import Future
 
-    from tierckpt.tiers.jobs import _never_raising
+    from tierckpt.tiers.lanes import _never_raising
 
     inner: Future = Future()
     out = _never_raising(inner, "persistent", 7)

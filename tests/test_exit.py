@@ -104,3 +104,24 @@ def test_exit_without_close_names_a_save_it_gave_up_on(tmp_path):
     res = run_world(phase_restore, 2, base, ("own-local", "peer-replica"), timeout=300)
     for r in res:
         assert r.value["default"] == 30, r.value
+
+
+def test_exit_without_close_names_every_job_a_lane_holds(tmp_path):
+    """The local lane holds two jobs at the exit: the replica rebuild after a restore, hung for
+    good, and the local save of step 30 queued behind it (``local_wait_timeout_s = 0``). Both
+    are named in run_end.unfinished, in queue order (the old exit hook looked at the last job
+    queued only and named the save alone); the persistent step 30 is committed and durable."""
+    base = str(tmp_path)
+    ranks = run_ranks(base, "hung_rebuild")
+    for r, cp in enumerate(ranks):
+        assert "terminate called" not in cp.stdout and cp.returncode == 0, \
+            f"rank {r}: {cp.returncode}\n{cp.stdout[-4000:]}"
+    assert ("left uncommitted: local replica rebuild (still running after exit_timeout_s = 5s); "
+            "local save of step 30 (still running after exit_timeout_s = 5s)") in ranks[0].stdout, ranks[0].stdout[-3000:]
+    assert "persistent" in committed(base)
+    with open(os.path.join(base, "pfs", "tierckpt-ledger.jsonl")) as f:
+        end = [json.loads(x) for x in f if '"run_end"' in x][0]
+    still = "still running after exit_timeout_s = 5s"
+    assert end["unfinished"] == [{"tier": "local", "step": None, "job": "replica rebuild", "error": still},
+                                 {"tier": "local", "step": 30, "job": "save", "error": still}], end
+    assert end["clean"] is False and end["durable_step"] == 30 and end["stuck_tiers"] == ["local"], end

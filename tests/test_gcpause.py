@@ -38,7 +38,7 @@ def phase_collector_states(rank, world, base):
 
     seen: list[tuple[str, bool]] = []
     eng = TieredCheckpointer(scenarios.make_config(base, tiers=("local",), replication_factor=1), node_id=rank)
-    stage, early, load = eng._stage, eng._early_stage, restorer.load_dir
+    stage, early, load = eng.pool.stage, eng.pool.stage_early, restorer.load_dir
 
     def staging(*a, **kw):
         seen.append(("stage", gc.isenabled()))
@@ -52,7 +52,7 @@ def phase_collector_states(rank, world, base):
         seen.append(("load", gc.isenabled()))
         return load(*a, **kw)
 
-    eng._stage, eng._early_stage = staging, staging_early
+    eng.pool.stage, eng.pool.stage_early = staging, staging_early  # type: ignore[method-assign]
     restorer.load_dir = loading
     sd = {"w": torch.arange(1000.0)}
     for user_off in (False, True):

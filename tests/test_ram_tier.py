@@ -90,7 +90,7 @@ def phase_ram_too_small(rank, world, base, shm_dir):
         def emit(self, record):
             seen.append(record.getMessage())
 
-    logging.getLogger("tierckpt.engine").addHandler(Grab())
+    logging.getLogger("tierckpt.tiers.ram").addHandler(Grab())  # the RAM guard (tierckpt/tiers/ram.py)
     eng = TieredCheckpointer(scenarios.make_config(base, **_cfg_kw(shm_dir)), node_id=rank)
     model, opt = scenarios.build(seed=0)
     handles = []

@@ -16,7 +16,8 @@ So an ``atexit`` handler (run after the non-daemon threads were joined and befor
 finalisation, while the tier workers still run) finishes each engine that was created in
 this process and never closed, in order of creation:
 
-1. wait for every tier's queued jobs (a save, a replica rebuild after a restore), all tiers
+1. wait for every job each tier's lane still holds (a save, a replica rebuild after a restore:
+   each one, not only the last queued; :meth:`tierckpt.tiers.lanes.Lane.held`), all tiers
    together at most ``TierConfig.exit_timeout_s`` (the local tier too: unlike ``close()``,
    not only ``local_wait_timeout_s``, since a peer's local job replicates with this one and
    would fail if it were abandoned merely slow); the jobs' own collectives are bounded by
@@ -57,9 +58,9 @@ import sys
 import threading
 import time
 import weakref
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any
+
+from tierckpt.tiers.lanes import finished
 
 __all__ = ["register", "finish", "EXIT_WITHOUT_CLOSE"]
 
@@ -139,26 +140,26 @@ def finish(engine: Any, exc: BaseException | None = None) -> list[dict]:
         nothing of its own; an unexpected error of ``close()`` propagates (the ``atexit``
         handler logs it).
     """
-    cfg, jobs, rank = engine.cfg, engine.jobs, engine.topo.rank
+    cfg, rank = engine.cfg, engine.topo.rank
     t0 = time.monotonic()
     deadline = t0 + cfg.exit_timeout_s
-    queued = {t: f for t in cfg.tiers if (f := jobs.latest(t)) is not None and not f.done()}
-    if queued and rank == 0:
+    # every job a lane still holds, not only the last one queued: a save behind a rebuild (or a
+    # rebuild behind a save) that failed or hangs must be named too
+    held = [(lane.tier, job) for lane in engine.jobs.lanes.values() for job in lane.held()]
+    if held and rank == 0:
         log.warning("tierckpt: the interpreter is exiting without close(): finishing the %s job(s) still running "
-                    "(at most exit_timeout_s = %gs)", "+".join(queued), cfg.exit_timeout_s)
+                    "(at most exit_timeout_s = %gs)", "+".join(dict.fromkeys(t for t, _ in held)), cfg.exit_timeout_s)
     unfinished = []
-    for tier, fut in queued.items():
+    for tier, job in held:
         # not local_wait_timeout_s for the local tier (as close() does): a peer's local job
         # replicates with this rank's, so giving up on a merely slow one here would fail theirs
-        is_save = fut is jobs.pending.get(tier)  # else the replica rebuild after a restore
         error = None
-        if not _finished(fut, max(0.0, deadline - time.monotonic())):
+        if not finished(job.future, max(0.0, deadline - time.monotonic())):
             error = f"still running after exit_timeout_s = {cfg.exit_timeout_s:g}s"
-        elif is_save and not (rec := fut.result()).ok:
-            error = rec.error or "failed"
+        else:
+            error = job.failure()
         if error is not None:
-            unfinished.append({"tier": tier, "step": jobs.pending_step.get(tier) if is_save else None,
-                               "job": "save" if is_save else "replica rebuild", "error": error[:500]})
+            unfinished.append({"tier": tier, "step": job.step, "job": job.kind, "error": error[:500]})
     if unfinished:
         log.warning("tierckpt: exit without close(): left uncommitted: %s", "; ".join(
             f"{u['tier']} {u['job']}" + (f" of step {u['step']}" if u["step"] is not None else "") + f" ({u['error']})"
@@ -206,11 +207,3 @@ def _close_bounded(engine: Any, timeout_s: float, **close_kw: Any) -> bool:
         raise box["error"]
     return True
 
-
-def _finished(fut: Future, timeout: float) -> bool:
-    """Whether ``fut`` finished within ``timeout`` seconds (a job that raised finished too)."""
-    try:
-        fut.exception(timeout=timeout)
-    except FuturesTimeout:
-        return False
-    return True

@@ -239,3 +239,62 @@ def warn_if_launcher_unprotected(signals) -> list[str]:
                     "ignore %s; or narrow preemption_signals", os.getppid(), name, "/".join(bad), wanted,
                     "/".join(bad))
     return bad
+
+
+def requested(signals: tuple[str, ...], watch: PreemptionWatch, control) -> str | None:
+    """Whether any rank received one of ``signals`` (``TierConfig.preemption_signals``): the
+    signal's name (the same answer on every rank) or None. Collective over ``control`` when
+    signals are watched (one 4-byte all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    if not signals:
+        return None
+    got = watch.received
+    idx = signals.index(got) if got in signals else -1
+    flag = torch.tensor([idx], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
+    idx = int(flag.item())
+    return None if idx < 0 else signals[idx]
+
+
+def final_save(engine: Any, journal: Any, step: int, state_dict: dict, signal_name: str, handle: Any = None) -> Preempted:
+    """The final save of a preemption notice over the engine's public methods (see
+    :meth:`tierckpt.engine.TieredCheckpointer.save_for_preemption`; collective): every tier
+    at ``step`` (those ``handle``, a :class:`~tierckpt.handle.SaveHandle`, did not start yet,
+    with ``wait_previous``), the local tier waited for first, the persistent tier with what is
+    left of ``preemption_grace_s`` (seconds); the ``preemption`` ledger record (``journal``, a
+    :class:`~tierckpt.history.journal.RunJournal`) and the marker file for the launcher. Returns the :class:`Preempted` to raise."""
+    from concurrent.futures import TimeoutError as FuturesTimeout
+
+    from tierckpt.handle import SaveHandle
+
+    cfg, t0 = engine.cfg, time.monotonic()
+    earlier = [f"{r.tier} step {r.step}: {r.error}" for r in engine.unraised_failures()]
+    # an earlier failed save must not cancel the final one: it is reported, not raised
+    if handle is None or handle.step != step:
+        handle = engine.save(step, state_dict, raise_failures=False, wait_previous=True)
+    else:  # tiers not saved at this step yet (only the local tier was due, or a tier deferred)
+        missing = [t for t in cfg.tiers if t not in handle.futures
+                   and (t not in handle.skipped or handle.skipped[t].deferred)]
+        if missing:
+            more = engine.save(step, state_dict, tiers=missing, raise_failures=False, wait_previous=True)
+            kept = {t: r for t, r in handle.skipped.items() if t not in missing}
+            handle = SaveHandle(step, handle.blocking_s + more.blocking_s, {**handle.futures, **more.futures},
+                                {**kept, **more.skipped})
+    committed = {t: False for t in cfg.tiers}
+    committed.update({t: r.ok for t, r in handle.skipped.items()})
+    for t in sorted(handle.futures, key=lambda t: t != "local"):
+        left = max(0.0, cfg.preemption_grace_s - (time.monotonic() - t0))
+        try:
+            committed[t] = handle.futures[t].result(timeout=left).ok
+        except FuturesTimeout:
+            log.error("tierckpt: preemption: the %s tier did not commit step %d within "
+                      "preemption_grace_s = %gs", t, step, cfg.preemption_grace_s)
+    journal.preemption(step, signal_name, committed, time.monotonic() - t0, earlier)
+    mark_preempted(step, signal_name, committed)  # for a launcher mapping this exit to "requeue me"
+    if engine.topo.rank == 0:  # agreed: once per job
+        log.warning("tierckpt: %s: step %d saved for the requeue (%s) in %.1fs", signal_name, step,
+                    ", ".join(f"{t} {'committed' if ok else 'NOT committed'}" for t, ok in committed.items()),
+                    time.monotonic() - t0)
+    return Preempted(step, signal_name, committed)

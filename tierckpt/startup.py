@@ -14,21 +14,27 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 import weakref
+from dataclasses import dataclass
 
 from tierckpt.config import TierConfig
 import torch.distributed as dist
 
 from tierckpt.dist.collectives import broadcast_from_first, first_by_rank, gather_reduced
-from tierckpt.dist.topology import Topology
+from tierckpt.dist.topology import Groups, Topology, discover
 from tierckpt.errors import ConfigError, ReadTimeout
 from tierckpt.history import lineage
+from tierckpt.history.journal import RunJournal
+from tierckpt.history.ledger import Ledger
+from tierckpt.history.timeline import Timeline
 from tierckpt.io import layout, perms
 from tierckpt.io.bounded import run_bounded
 from tierckpt.io.perms import modes_of
 from tierckpt.io.storage import Store
 from tierckpt.tiers import ram, retention
 from tierckpt.tiers.local_tier import LocalTier
+from tierckpt.tiers.persistent import PersistentIO, PersistentTier
 
 log = logging.getLogger(__name__)
 
@@ -246,3 +252,56 @@ def agree_generation(local: LocalTier | None, persistent, topo: Topology, group,
         except (OSError, ValueError) as e:  # also ReadTimeout: a hung shared file system
             log.warning("tierckpt: could not list the persistent tier for the save generation: %s", e)
     return int(gather_reduced(newest, group, max)) + 1
+
+
+@dataclass
+class OpenedRun:
+    """What :func:`open_run` opened (the same on every rank where agreed)."""
+
+    topo: Topology
+    groups: Groups
+    local: LocalTier | None
+    persistent: PersistentTier
+    lineage: str
+    timeline: Timeline
+    ledger: Ledger
+    journal: RunJournal
+    in_use: retention.InUse
+
+
+def open_run(cfg: TierConfig, node_id: int | None, persistent_io: PersistentIO | None) -> OpenedRun:
+    """The engine's start (collective): topology and groups, the local root, the persistent root
+    and its lineage (one agreement: every rank raises the same ``ConfigError``), the
+    shared-storage probe, the purge of other lineages' node-local steps, this run's save
+    generation, the ledger and its ``run_start`` record.
+
+    Raises:
+        ConfigError: as :class:`~tierckpt.engine.TieredCheckpointer` documents.
+    """
+    factor = cfg.replication_factor if "local" in cfg.tiers else 1
+    topo, groups = discover(
+        cfg.replication_jump, factor, node_id=node_id,
+        ranks_per_node=cfg.simulated_ranks_per_node, timeout_s=cfg.collective_timeout_s,
+        # a rank still waiting for its own stuck local save joins the vote up to
+        # local_wait_timeout_s after its peers: the vote must not time out first
+        control_timeout_s=max(cfg.collective_timeout_s, cfg.local_wait_timeout_s + 120.0),
+    )
+    world, in_use = groups.local_world, retention.InUse()
+    local, err = open_local_tier(cfg, topo, groups.node, in_use)
+    pstore, lineage_info, perr = open_persistent_root(cfg, topo.rank) if err is None else \
+        (Store(persistent_root(cfg)), None, None)
+    raise_if_any_failed(err or perr, world)
+    run_id, (lineage_id, created, adopt) = broadcast_from_first(
+        (uuid.uuid4().hex[:12], lineage_info) if topo.rank == 0 else None, world)
+    persistent = PersistentTier(pstore, persistent_io, lineage=lineage_id)
+    check_shared(pstore, run_id, topo.rank, world)
+    if local is not None:
+        purge_other_lineages(local, topo, in_use, lineage_id, adopt=adopt, created=created,
+                             timeout_s=cfg.read_timeout_s)
+    # every copy a save writes records its identity; the generation orders this run's saves
+    # after every copy it could see (never by wall clocks: tierckpt/history/timeline.py)
+    timeline = Timeline(run_id, agree_generation(local, persistent, topo, world, cfg.read_timeout_s))
+    ledger = Ledger(pstore, enabled=topo.rank == 0, run_id=run_id, job=cfg.resolved_job_id())
+    journal = RunJournal(ledger)
+    journal.run_start(topo, cfg.tiers, lineage_id)
+    return OpenedRun(topo, groups, local, persistent, lineage_id, timeline, ledger, journal, in_use)

@@ -375,3 +375,24 @@ def new_groups(topo: Topology, timeout_s: float, control: dist.ProcessGroup) -> 
     # the second set's persistent_world only carries point-to-point chunks: no tree needed
     _add_trees(topo, groups, timeout, persistent=False)
     return groups
+
+
+class SpareGroups:
+    """Second sets of the engine's groups by use (:func:`new_groups`), made on first need:
+    ``"restore"`` while a local job is stuck, ``"redundancy"`` for the background rebuild of
+    replicas after a restore. :meth:`get` is collective the first time for each use (every
+    rank at the same point)."""
+
+    def __init__(self, topo: Topology, timeout_s: float, control: dist.ProcessGroup):
+        self._topo, self._timeout_s, self._control = topo, timeout_s, control
+        self._made: dict[str, Groups] = {}
+
+    def get(self, use: str) -> Groups:
+        """The groups of ``use``, created on first call."""
+        if use not in self._made:
+            self._made[use] = new_groups(self._topo, self._timeout_s, self._control)
+        return self._made[use]
+
+    def made(self) -> list[Groups]:
+        """Every set made so far (for :func:`release_groups`)."""
+        return list(self._made.values())

@@ -40,7 +40,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable
+import weakref
+from typing import Any, Callable
 
 import torch
 
@@ -187,3 +188,23 @@ class Copier:
             self._q.put(None)
             t.join()
 
+
+
+def wait_before_optimizer_steps(engine: Any):
+    """Overlapped staging: every ``torch.optim`` optimizer waits for ``engine``'s copies
+    (:meth:`~tierckpt.engine.TieredCheckpointer.wait_for_staging`) before it writes the
+    parameters and its states. Returns the hook's handle; the hook is removed when the engine
+    is collected (an engine never closed must not live on in torch's hook table), and does
+    nothing once the engine is closed."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    me = weakref.ref(engine)
+
+    def before_step(_opt, _args, _kwargs) -> None:
+        eng = me()
+        if eng is not None and not eng._closed:
+            eng.wait_for_staging()
+
+    handle = register_optimizer_step_pre_hook(before_step)
+    weakref.finalize(engine, handle.remove)  # also without close()
+    return handle

@@ -318,6 +318,40 @@ class StagingPool:
         with self._cv:
             return self._free.pop(0) if self._free else None
 
+    def stage_early(self, state_dict: dict[str, Any]) -> tuple[StagingSlot, dict[str, Any]] | None:
+        """(slot, staged) of a copy made before a save's tiers are decided, when a slot is free
+        right now and the state is on the host (the copy is then complete on return, or queued
+        when overlapped), else None. It overlaps the busy-tier agreement (one all-reduce,
+        0.5–8 ms measured under load on 2 cores) with the copy; a save whose every tier is then
+        deferred discards it (:meth:`give_back`), a copy of the same cost as any save's."""
+        if torch.cuda.is_available():  # a device state's copies are enqueued, not made: decide first
+            return None
+        slot = self.try_acquire()
+        if slot is None:
+            return None
+        try:
+            return slot, slot.stage(state_dict, users=1)
+        except BaseException:
+            self.give_back(slot)
+            raise
+
+    def stage(self, state_dict: dict[str, Any], users: int) -> tuple[StagingSlot, dict[str, Any]]:
+        """Copy the state (top-level ``Stateful`` values already resolved, once: a resolved
+        value may itself look ``Stateful``) into a free slot (the blocking copy), held for
+        ``users`` tier jobs; returns (slot, staged). Waits for a slot to be released."""
+        slot = self.acquire()
+        try:
+            return slot, slot.stage(state_dict, users=users)
+        except BaseException:
+            self.give_back(slot)
+            raise
+
+    @staticmethod
+    def give_back(slot: StagingSlot) -> None:
+        """Give an unused staging slot back."""
+        slot.refs = 1
+        slot.release()
+
     def wait_for_staging(self) -> float:
         """Block until every slot's enqueued device→host copy and background host copy is
         complete, and seal the overlapped ones (trainer thread, before it modifies a saved

@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from tierckpt.records import CheckpointRecord
+from tierckpt.tiers.lanes import Lane
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +29,8 @@ class BusyPoll:
     """The agreed "previous save finished" poll and the deferred-save record.
 
     Args:
-        latest: ``latest(tier)``, the last job queued on the tier's worker or None
-            (:meth:`tierckpt.tiers.jobs.TierJobs.latest`).
-        running_step: ``running_step(tier)``, the step of the tier's latest save (None before any).
+        lanes: ``{tier: Lane}`` (:class:`~tierckpt.tiers.lanes.Lane`): each tier's last job
+            queued (``tail``) and the step of its latest save while it runs (``running_step()``).
         group: the control group (every rank; used by the trainer's thread only).
         rank: global rank (rank 0 logs).
         ledger_append: appends a record to the ledger (global rank 0 writes).
@@ -40,10 +40,9 @@ class BusyPoll:
             findable from the ledger).
     """
 
-    def __init__(self, latest: Callable[[str], Future | None], running_step: Callable[[str], int | None], group,
-                 rank: int, ledger_append: Callable[[CheckpointRecord], object],
+    def __init__(self, lanes: Mapping[str, Lane], group, rank: int, ledger_append: Callable[[CheckpointRecord], object],
                  stuck_nodes: Callable[[], list[int]] | None = None):
-        self._latest, self._running_step, self._group = latest, running_step, group
+        self._lanes, self._group = lanes, group
         self._rank, self._append = rank, ledger_append
         self._stuck_nodes = stuck_nodes
         self._stuck: tuple[Future | None, list[int]] | None = None  # (local job, its stuck nodes)
@@ -55,6 +54,7 @@ class BusyPoll:
     def release(self) -> None:
         """Drop the control group (the engine closed and destroys its groups)."""
         self._group = None
+
     def finished(self, tiers: Iterable[str], step: int) -> dict[str, bool]:
         """``{tier: its last job finished on every rank}`` at ``step`` (True for a tier without
         a job). Collective over the control group unless every answer is known already: call
@@ -73,7 +73,7 @@ class BusyPoll:
             self._step, self._answers = step, {}
         out, ask = {}, []
         for t in tiers:
-            fut = self._latest(t)
+            fut = self._lanes[t].tail
             if fut is None or self._done.get(t) is fut:
                 out[t] = True
             elif t in self._answers and self._answers[t][0] is fut:
@@ -90,11 +90,11 @@ class BusyPoll:
         """The agreed record of ``tier``'s save of ``step`` deferred (every rank builds the same
         one from agreed facts); appended to the ledger, one warning from global rank 0.
         ``t0``: ``time.perf_counter()`` when the decision started."""
-        running = self._running_step(tier)
+        running = self._lanes[tier].running_step()
         what = f"its save of step {running}" if running is not None else "its previous job"
         stuck = None
         if tier == "local" and self._stuck_nodes is not None:
-            fut = self._latest(tier)
+            fut = self._lanes[tier].tail
             if self._stuck is None or self._stuck[0] is not fut:  # every rank: same job, same answer
                 self._stuck = (fut, self._stuck_nodes())
             stuck = self._stuck[1]

@@ -15,7 +15,6 @@ import logging
 import shutil
 import time
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Callable, Iterable
 
 import torch
@@ -33,7 +32,7 @@ from tierckpt.tiers import retention
 from tierckpt.tiers.local_tier import LocalTier
 from tierckpt.tiers.persistent import PersistentTier
 from tierckpt.tiers.replication import replicate
-from tierckpt.tiers.workers import DaemonWorker
+from tierckpt.tiers.lanes import Lane, finished
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,8 @@ OnRecord = Callable[[str, int, CheckpointRecord, object], None]
 
 
 class TierJobs:
-    """Background workers and jobs of the configured tiers (one instance per engine).
+    """The configured tiers' lanes (:class:`~tierckpt.tiers.lanes.Lane`) and the jobs they run
+    (one instance per engine).
 
     Args:
         cfg, topo, groups: the engine's configuration, topology and process groups.
@@ -57,8 +57,9 @@ class TierJobs:
             latest job (the adaptive scheduler's measurement), or None.
 
     Attributes:
-        pending: ``{tier: Future of its latest job, or None}``.
-        pending_step: ``{tier: step of its latest job}``.
+        lanes: ``{tier: Lane}``, one per configured tier.
+        owner: the engine, set by it: a job running on a lane references these jobs, and so
+            keeps its engine alive for the exit hook to finish (:mod:`tierckpt.exit`).
     """
 
     def __init__(self, cfg: TierConfig, topo: Topology, groups: Groups, local: LocalTier | None,
@@ -69,16 +70,12 @@ class TierJobs:
         self._interference = interference
         self.local, self.persistent, self.in_use, self.journal = local, persistent, in_use, journal
         self._on_record, self._local_anchor = on_record, local_anchor
-        self.workers = {t: DaemonWorker(f"tierckpt-{t}") for t in cfg.tiers}
-        self.pending: dict[str, Future | None] = {t: None for t in cfg.tiers}
-        self.pending_step: dict[str, int] = {}
-        # the last job queued on each tier's worker (a save, or a redundancy job after a
-        # restore): the worker is FIFO, so waiting for it waits for everything queued
-        self._tail: dict[str, Future] = {}
-        self._local_overdue: Future | None = None  # a local job that outlived a full wait
-        self._local_phase = "done"  # where this rank's local job is (named when it gets stuck)
-        # monotonic (submitted, finished or None) of each tier's latest job
-        self._window: dict[str, tuple[float, float | None]] = {}
+        self.lanes: dict[str, Lane] = {t: Lane(t) for t in cfg.tiers}
+        self.owner: object = None
+
+    def _phase(self, phase: str) -> None:
+        """Where this rank's local job is now (named by the hung-disk vote)."""
+        self.lanes["local"].phase = phase
 
     # -- trainer thread ------------------------------------------------------------------------
     def submit(self, tiers: Iterable[str], staged: dict, step: int, delta: float, t_wait: float,
@@ -90,22 +87,18 @@ class TierJobs:
         futures = {}
         for t in tiers:
             job = self._local_job if t == "local" else self._persistent_job
-            self._window[t] = (time.monotonic(), None)
-            futures[t] = self.pending[t] = _never_raising(
-                self.workers[t].submit(self._guard, job, t, staged, step, delta, t_wait, slot, identity), t, step)
-            self._tail[t] = futures[t]
-            self.pending_step[t] = step
+            futures[t] = self.lanes[t].submit_save(step, self._guard, job, t, staged, step, delta, t_wait, slot,
+                                                   identity)
         return futures
 
     def latest(self, tier: str) -> Future | None:
-        """The last job queued on ``tier``'s worker (a save, or the replica rebuild after a
+        """The last job queued on ``tier``'s lane (a save, or the replica rebuild after a
         restore), None before any; a new save of the tier would start after it."""
-        return self._tail.get(tier)
+        return self.lanes[tier].tail
 
     def previous(self, tier: str) -> CheckpointRecord | None:
-        """Wait for ``tier``'s latest job; its record (None if it never ran)."""
-        fut = self.pending.get(tier)
-        return _record_of(fut, tier, self.pending_step.get(tier)) if fut is not None else None
+        """Wait for ``tier``'s latest save; its record (None if it never ran)."""
+        return self.lanes[tier].latest_record()
 
     def local_ready(self, step: int) -> tuple[bool, float, CheckpointRecord | None]:
         """Whether the local tier saves at ``step``, the seconds spent deciding, and the skipped
@@ -117,22 +110,16 @@ class TierJobs:
         that stays hung costs one wait, not one per interval. Not ready: a warning naming the
         nodes whose disk is stuck and a skipped ``checkpoint`` record in the ledger; a hung
         node-local disk must not stall training."""
-        fut, limit = self._tail.get("local"), self.cfg.local_wait_timeout_s
-        if fut is None or not limit:
+        lane, limit = self.lanes["local"], self.cfg.local_wait_timeout_s
+        if lane.tail is None or not limit:
             return True, 0.0, None  # jobs are queued at the same point on every rank: no collective needed
         t0 = time.perf_counter()
-        try:
-            fut.exception(timeout=0.0 if fut is self._local_overdue else limit)
-            done = 1
-        except FuturesTimeout:
-            done = 0
+        done = int(lane.wait_tail(limit))
         flag = torch.tensor([done], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.groups.control)
         if int(flag.item()) == 1:
-            self._local_overdue = None
+            lane.overdue = None
             return True, time.perf_counter() - t0, None
-        if not done:
-            self._local_overdue = fut
         rec = self._skipped_record(step, done, t0)
         return False, rec.wait_s or 0.0, rec
 
@@ -141,7 +128,7 @@ class TierJobs:
         disk is on the nodes still writing or deleting; their peers merely wait for them."""
         stuck = self.stuck_nodes(bool(done))
         waited = time.perf_counter() - t0
-        error = (f"local save of step {self.pending_step.get('local')} still running on node(s) {stuck} "
+        error = (f"local save of step {self.lanes['local'].step} still running on node(s) {stuck} "
                  f"(local_wait_timeout_s = {self.cfg.local_wait_timeout_s:g}s); local tier skipped")
         if self.topo.rank == 0:  # agreed over every rank: say it once
             log.warning("tierckpt: step %d: %s; training and the persistent tier continue", step, error)
@@ -154,35 +141,32 @@ class TierJobs:
         """The nodes whose local job is stuck, from every rank's phase (collective over the
         control group): the ones writing or deleting in their root; when none is (a hang
         inside a transfer), every node still running. [] when every job finished."""
-        phases = all_gather((self.topo.node, "done" if done else self._local_phase), self.groups.control)
+        phases = all_gather((self.topo.node, "done" if done else self.lanes["local"].phase), self.groups.control)
         return sorted({n for n, ph in phases if ph in ("save", "retention")}) or \
             sorted({n for n, ph in phases if ph != "done"})
 
     def stuck_before_restore(self) -> list[int]:
-        """Wait at most ``local_wait_timeout_s`` for everything queued on the local worker
+        """Wait at most ``local_wait_timeout_s`` for everything queued on the local lane
         before a restore; the nodes whose local job still runs then (agreed: collective over the
         control group once a local job exists; [] when all finished, or without a limit, after
         waiting for them). A job that already outlived a full wait is only polled."""
-        fut, limit = self._tail.get("local"), self.cfg.local_wait_timeout_s
-        if fut is None:
+        lane, limit = self.lanes["local"], self.cfg.local_wait_timeout_s
+        if lane.tail is None:
             return []
         if not limit:
-            _finished(fut, None)
+            lane.wait_tail(None)
             return []
-        done = _finished(fut, 0.0 if fut is self._local_overdue else limit)
-        if not done:
-            self._local_overdue = fut
-        return self.stuck_nodes(done)
+        return self.stuck_nodes(lane.wait_tail(limit))
 
     def submit_pull_commit(self, commit: Callable[[], RedundancyRecord | None]) -> Future:
         """Queue ``commit`` (a restore's :meth:`~tierckpt.restore.restorer.Restorer.commit_pending`
-        then its replica rebuild, over groups no foreground collective uses) on the local worker:
+        then its replica rebuild, over groups no foreground collective uses) on the local lane:
         the pulled copies are written, committed and swapped in while training resumes, before
         any later local save or retention touches the root. Resolves to what ``commit`` returns
         (the ``redundancy`` record, or None); a failure is logged and resolves to None, never
         raised (the state was loaded already; the copies come back at the next local save)."""
         def job() -> RedundancyRecord | None:
-            self._local_phase = "save"  # writes and renames in the root: a hung disk shows here
+            self._phase("save")  # writes and renames in the root: a hung disk shows here
             try:
                 return commit()
             except FAILURES as e:
@@ -190,27 +174,25 @@ class TierJobs:
                             self.topo.node, type(e).__name__, e)
                 return None
             finally:
-                self._local_phase = "done"
+                self._phase("done")
 
-        fut = self._tail["local"] = self.workers["local"].submit(job)
-        return fut
+        return self.lanes["local"].submit_rebuild(job)
 
     def submit_redundancy(self, step: int, pairs: dict[tuple[int, int], str], missing: list[int],
                           groups: Groups) -> Future:
-        """Queue on the local worker the copies a restore left missing: ``pairs`` {(node, peer):
+        """Queue on the local lane the copies a restore left missing: ``pairs`` {(node, peer):
         node's directory of its state of ``step``} (the same on every rank); ``missing``: nodes
         no copy can be made of now. The job runs over ``groups``, which no foreground collective
         uses, and resolves to the agreed :class:`~tierckpt.records.RedundancyRecord` (never raises)."""
-        fut = self._tail["local"] = self.workers["local"].submit(self.redundancy_job, step, pairs, missing, groups)
-        return fut
+        return self.lanes["local"].submit_rebuild(self.redundancy_job, step, pairs, missing, groups)
 
     def redundancy_job(self, step: int, pairs: dict[tuple[int, int], str], missing: list[int],
-                        groups: Groups) -> RedundancyRecord:
+                       groups: Groups) -> RedundancyRecord:
         """Copy ``pairs`` with :func:`~tierckpt.tiers.replication.replicate`, agree on what
         committed and write the ``redundancy`` ledger record."""
         assert self.local is not None  # submitted only when the local tier is configured
         t0 = time.perf_counter()
-        self._local_phase = "redundancy"
+        self._phase("redundancy")
         src_rels = {n: rel for (n, _), rel in pairs.items()}
         keys = ["local:" + rel for n, rel in src_rels.items() if n == self.topo.node]
         for k in keys:  # retention must not delete a source while it is sent
@@ -225,6 +207,12 @@ class TierJobs:
         finally:
             for k in keys:
                 self.in_use.drop(k)
+        rec = self._agree_redundancy(step, pairs, missing, committed, failed, nbytes, groups, t0)
+        self._phase("done")
+        return rec
+
+    def _agree_redundancy(self, step, pairs, missing, committed, failed, nbytes, groups, t0) -> RedundancyRecord:
+        """The agreed ``redundancy`` record of a rebuild (collective over ``groups.local_world``)."""
         try:
             # per node: the copies it committed; per rank: its first error and bytes received
             node = self.topo.node
@@ -245,44 +233,70 @@ class TierJobs:
             log.info("tierckpt: redundancy of restored step %d: %s (copied node(s) %s in %.2fs)%s", step,
                      "back" if rec.ok else f"missing for node(s) {rec.missing}", rec.nodes, rec.seconds,
                      f": {rec.error}" if rec.error else "")
-        self._local_phase = "done"
         return rec
 
     def wait(self, tiers: Iterable[str], step: int | None, bounded: bool) -> dict[str, bool]:
-        """Wait for the latest job of each of ``tiers`` (only jobs started at ``step`` when
+        """Wait for the latest job of each of ``tiers`` (only saves started at ``step`` when
         given); the local tier at most ``local_wait_timeout_s`` when ``bounded``. Returns
         ``{tier: finished}`` for the tiers waited for."""
         out = {}
         for t in tiers:
-            fut = self.pending.get(t) if step is not None else self._tail.get(t)
-            if fut is None or (step is not None and self.pending_step.get(t) != step):
+            lane = self.lanes[t]
+            fut = lane.save if step is not None else lane.tail
+            if fut is None or (step is not None and lane.step != step):
                 continue
             limit = self.cfg.local_wait_timeout_s if (t == "local" and bounded) else 0
-            try:
-                fut.exception(timeout=(0.0 if fut is self._local_overdue else limit) if limit else None)
-                out[t] = True
-            except FuturesTimeout:
-                self._local_overdue = fut
-                out[t] = False
+            out[t] = finished(fut, (0.0 if fut is lane.overdue else limit) if limit else None)
+            if not out[t]:
+                lane.overdue = fut
                 log.warning("tierckpt: the local save of step %s is still running after %gs "
-                            "(local_wait_timeout_s); not waiting for it", self.pending_step.get(t), limit)
+                            "(local_wait_timeout_s); not waiting for it", lane.step, limit)
         return out
 
+    def drain_for_restore(self) -> list[int]:
+        """Wait for the lanes before a restore: the other tiers without limit (the in-cluster
+        read uses the persistent tier's group), the local tier at most ``local_wait_timeout_s``
+        (collective vote). Returns the nodes whose local job still runs (the same on every rank)."""
+        self.wait([t for t in self.cfg.tiers if t != "local"], None, bounded=False)
+        if "local" not in self.cfg.tiers:
+            return []
+        stuck = self.stuck_before_restore()
+        if stuck and self.topo.rank == 0:
+            log.warning("tierckpt: restore: a local-tier job is still running on node(s) %s after "
+                        "local_wait_timeout_s = %gs; restoring without their local roots", stuck,
+                        self.cfg.local_wait_timeout_s)
+        return stuck
+
+    def finish(self, poll: bool) -> list[str]:
+        """Wait for every lane (the local tier at most ``local_wait_timeout_s``; none with
+        ``poll``: after a preemption's grace period or the exit's own wait) and stop the
+        workers; returns the tiers abandoned (their jobs stay uncommitted)."""
+        if poll:
+            finished = {t: lane.tail.done() for t, lane in self.lanes.items() if lane.tail is not None}
+        else:
+            finished = self.wait(self.cfg.tiers, None, bounded=True)
+        stuck = [t for t, ok in finished.items() if not ok]
+        if stuck:
+            log.error("tierckpt: close: abandoning the %s save of step(s) %s, still running (local_wait_timeout_s "
+                      "%gs, or a preemption's grace period); it stays uncommitted", "+".join(stuck),
+                      [self.lanes[t].step for t in stuck], self.cfg.local_wait_timeout_s)
+        self.shutdown(stuck)
+        return stuck
+
     def finished(self) -> list[CheckpointRecord]:
-        """Records of the latest job of each tier that has finished (this rank's view)."""
-        return [_record_of(f, t, self.pending_step.get(t)) for t, f in self.pending.items()
-                if f is not None and f.done()]
+        """Records of the latest save of each tier that has finished (this rank's view)."""
+        return [r for lane in self.lanes.values() if (r := lane.finished_record()) is not None]
 
     def busy_during(self, seconds: float) -> list[str]:
         """Tiers whose job overlapped the last ``seconds`` (for the scheduler's interference)."""
         now = time.monotonic()
-        return [t for t, (t0, t1) in list(self._window.items()) if t0 < now and (t1 is None or t1 > now - seconds)]
+        return [t for t, lane in self.lanes.items() if lane.busy_during(now, seconds)]
 
     def shutdown(self, abandoned: Iterable[str]) -> None:
         """Stop the workers; ``abandoned`` tiers' threads are not joined (daemon threads)."""
         abandoned = set(abandoned)
-        for t, w in self.workers.items():
-            w.shutdown(wait=t not in abandoned)
+        for t, lane in self.lanes.items():
+            lane.shutdown(wait=t not in abandoned)
 
     # -- tier threads --------------------------------------------------------------------------
     def _guard(self, job, tier, staged, step, *args) -> CheckpointRecord:
@@ -298,8 +312,7 @@ class TierJobs:
         """All-gather a job's stats over the tier's world group (the same record on every rank);
         rank 0 writes the ledger; then the engine's bookkeeping."""
         group = self.groups.local_world if tier == "local" else self.groups.persistent_world
-        if tier in self._window:
-            self._window[tier] = (self._window[tier][0], time.monotonic())
+        self.lanes[tier].finished_now()
         parts = [gather_reduced((self.topo.rank, ok, error, nbytes, background_s, delta), group, merge_stats)[1:]]
         rec = self.journal.checkpoint(tier, step, parts, wait_s=t_wait, group=group, extra=extra,
                                       interference_s=self._interference(tier) if self._interference else None)
@@ -318,7 +331,7 @@ class TierJobs:
         key = f"local:local/step-{step}"
         self.in_use.hold(key)
         ok, error, nbytes = True, None, 0
-        self._local_phase = "save"
+        self._phase("save")
         try:
             try:
                 slot.wait_copied()  # CUDA or overlapped staging: the copies may still be running
@@ -330,7 +343,7 @@ class TierJobs:
                                 "the persistent tier still saves: %s", step, self.topo.node, error)
         finally:
             slot.release()
-        self._local_phase = "replicate"
+        self._phase("replicate")
         rep = None
         try:
             rep = replicate(self.local.store, self.topo, self.groups.local_world, self.groups.node,
@@ -339,7 +352,7 @@ class TierJobs:
             log.warning("tierckpt: replication of step %d failed on node %d: %s", step, self.topo.node, e)
         self.in_use.drop(key)
         bg = time.perf_counter() - t0
-        self._local_phase = "record"
+        self._phase("record")
         extra = {"replicas_failed": rep.failed if rep else "replication error"} if (rep is None or rep.failed) else None
         try:
             rec = self._record("local", step, ok, error, delta, t_wait, nbytes if self.topo.is_node_leader else 0,
@@ -348,9 +361,9 @@ class TierJobs:
             log.warning("tierckpt: could not record local step %d: %s", step, e)
             rec = CheckpointRecord(tier="local", step=step, ok=False, error=f"stats exchange failed: {e}",
                                    blocking_s=delta, wait_s=t_wait, background_s=bg)
-        self._local_phase = "retention"
+        self._phase("retention")
         self._local_retention()
-        self._local_phase = "done"
+        self._phase("done")
         return rec
 
     def _local_retention(self) -> None:
@@ -415,37 +428,6 @@ def _merge_redundancy(parts: list[tuple]) -> tuple:
     """``reduce`` of ``({(src, holder) committed}, [(rank, first error)], bytes)``: union, the
     lowest rank's error, sum (the same per node then over nodes as over all ranks at once)."""
     return union([p[0] for p in parts]), first_by_rank(1)([p[1] for p in parts]), sum(p[2] for p in parts)
-
-
-def _finished(fut: Future, timeout: float | None) -> bool:
-    """Whether ``fut`` finished within ``timeout`` seconds (None: no limit); a job that raised
-    finished too."""
-    try:
-        fut.result(timeout=timeout)
-    except FuturesTimeout:
-        return False
-    except BaseException:  # the job's own failure is its record's business, not the wait's
-        pass
-    return True
-
-
-def _never_raising(fut: Future, tier: str, step: int) -> Future:
-    """A Future of ``fut``'s record that resolves to a failed record instead of raising (what
-    a save handle's futures promise), whatever happened to the job's worker thread."""
-    out: Future = Future()
-    out.set_running_or_notify_cancel()
-    fut.add_done_callback(lambda f: out.set_result(_record_of(f, tier, step)))
-    return out
-
-
-def _record_of(fut: Future, tier: str, step: int | None) -> CheckpointRecord:
-    """A finished job's record. ``_guard`` turns every failure of a job into a record, so an
-    exception here means the job never ran (its worker thread died): a failed record too."""
-    try:
-        return fut.result()
-    except BaseException as e:
-        return CheckpointRecord(tier=tier, step=-1 if step is None else step, ok=False,
-                                error=f"the job never ran: {type(e).__name__}: {e}")
 
 
 def describe_failure(e: BaseException, store: Store) -> str:

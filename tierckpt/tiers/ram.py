@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
-from tierckpt.dist.topology import peers
+from tierckpt.dist.collectives import all_gather
+from tierckpt.dist.topology import Topology, peers
+from tierckpt.records import CheckpointRecord
 
 log = logging.getLogger(__name__)
 
@@ -190,3 +192,44 @@ def leader_report(root: str, node: int, sharded: int, replicated: int, is_leader
         log.warning("tierckpt: could not measure the free space of local_root %s: %s", root, e)
         return RankReport(node, sharded, replicated)
     return RankReport(node, sharded, replicated, ram=ram, available=avail)
+
+
+class RamGuard:
+    """The local tier's RAM-root guard: at the first local save (the state size is known only
+    then) every rank agrees, over the control group, whether each tmpfs/ramfs root can hold
+    the local tier's expected footprint. If some cannot, the local tier is off for the rest of
+    the run on every rank (replication pairs nodes, so all nodes stop together), with one
+    warning and a skipped ``checkpoint`` record per save: filling host memory could get the
+    trainer OOM-killed, which a skipped local step never does.
+
+    Args:
+        store: the node-local root's :class:`~tierckpt.io.storage.Store`; keep: ``keep_latest_k["local"]``; jump, factor: the
+        replication layout; topo: the topology; control: the control group (every rank).
+    """
+
+    def __init__(self, store, keep: int, jump: int, factor: int, topo: Topology, control):
+        self._store, self._keep, self._jump, self._factor = store, keep, jump, factor
+        self._topo, self._control = topo, control
+        self._checked = False
+        self.off: str | None = None  # why the local tier is off for this run, or None
+
+    def admit(self, step: int, state_dict: dict) -> CheckpointRecord | None:
+        """Whether the local tier saves ``state_dict`` at ``step``: None if it does, else its
+        skipped record (not yet in the ledger). Collective over the control group at the first
+        call only (every rank calls it at the same local saves)."""
+        if self.off is None and not self._checked:
+            self._checked = True
+            topo = self._topo
+            mine = leader_report(self._store.path(""), topo.node, *state_bytes(state_dict), topo.is_node_leader)
+            reports = all_gather(mine, self._control)
+            short = too_small(reports, self._keep, self._jump, self._factor)
+            if short:
+                self.off = describe(short, self._keep, self._factor)
+                if topo.rank == 0:
+                    log.warning("tierckpt: step %d: %s", step, self.off)
+            elif self._keep == 0 and topo.is_node_leader and next(r for r in reports if r.node == topo.node).ram:
+                log.warning("tierckpt: local_root %s is a RAM root (tmpfs) and keep_latest_k.local = 0 keeps "
+                            "every step: host memory use grows with every local save", self._store.url)
+        if self.off is None:
+            return None
+        return CheckpointRecord(tier="local", step=step, ok=False, skipped=True, error=self.off)
