@@ -58,7 +58,7 @@ from tierckpt.dist.collectives import FAILURES, gather_leaders, gather_reduced, 
 from tierckpt.dist.topology import Topology
 from tierckpt.errors import ReadTimeout
 from tierckpt.io import manifest
-from tierckpt.io.bounded import run_bounded
+from tierckpt.io.bounded import BoundedFileSystem, run_bounded
 from tierckpt.io.storage import Store
 from tierckpt.restore.chunkmap import ClusterLoadPlanner, MissingChunks, Origins, RankIO, assign_reads, merge_metadata
 
@@ -86,7 +86,8 @@ class NodeCopies:
         node: this node's id (the holder named in a :class:`BadCopy`).
         timeout_s: bound of each file's verification (``TierConfig.restore_read_timeout_s``):
             a read without progress for that long makes the copy bad (``ReadTimeout``), and
-            the verified bytes the load reads next are in the page cache. None: unbounded.
+            the verified bytes the load reads next are in the page cache; the load's own reads
+            (:meth:`reader`) are bounded the same way. None: unbounded.
     """
 
     def __init__(self, store: Store | None, rels: dict[int, str], node: int, timeout_s: float | None = None):
@@ -140,6 +141,8 @@ class NodeCopies:
         """DCP reader of saved node ``m``'s copy, with ``storage_data`` (storage index → info)."""
         r = FileSystemReader(self.store.path(self.rels[m]))
         r.storage_data = storage_data
+        if self.timeout_s is not None:  # verified just before, but a disk can hang in between
+            r.fs = BoundedFileSystem(self.timeout_s)
         return r
 
     def read_metadata(self, m: int) -> bytes:
