@@ -131,13 +131,24 @@ def tighten_local(store: Store) -> None:
 def open_persistent_root(cfg: TierConfig, rank: int) -> tuple[Store, tuple | None, ConfigError | None]:
     """The persistent root, its lineage ``(id, created, adopts_unlabelled)`` as read or created
     by global rank 0 (None on other ranks, :func:`tierckpt.history.lineage.ensure`), and this
-    rank's problem with it (``persistent_root``)."""
+    rank's problem with it (``persistent_root``: also a root that makes no progress for
+    ``restore_read_timeout_s`` seconds)."""
     store = Store(persistent_root(cfg))
     if rank != 0:
         return store, None, None
-    try:
+
+    def open_root(progress) -> tuple:
         store.makedirs("")
-        return store, lineage.ensure(store), None
+        return lineage.ensure(store)
+
+    try:
+        # a shared file system that stops answering must not hold the constructor forever
+        # (the other ranks would wait in the agreement until collective_timeout_s, then fail)
+        return store, run_bounded(open_root, cfg.read_timeout_s, f"opening the persistent root {store.url}",
+                                  name="tierckpt-start"), None
+    except ReadTimeout as e:
+        return store, None, ConfigError("persistent_root", f"{cfg.persistent_root!r} does not answer (a hung "
+                                        f"shared file system?): {e}")
     except OSError as e:
         return store, None, ConfigError("persistent_root", f"{cfg.persistent_root!r} cannot be created: {e}")
     except ConfigError as e:
