@@ -446,8 +446,8 @@ class TieredCheckpointer:
             self._pool.close()
             # nothing uses the engine's groups any more: join their gloo threads now, not while
             # the interpreter finalises (see release_groups); a stuck job may still be in one
-            release_groups(self._groups, *self._spare.made())
-            self._gate.busy.release()
+            release_groups(self._groups, *self._spare.release())
+            self._gate.release()
             if self._local is not None:
                 self._local.group = None  # type: ignore[assignment]  # closed: its group is destroyed
         self._closed = True

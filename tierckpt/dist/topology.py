@@ -384,15 +384,20 @@ class SpareGroups:
     rank at the same point)."""
 
     def __init__(self, topo: Topology, timeout_s: float, control: dist.ProcessGroup):
-        self._topo, self._timeout_s, self._control = topo, timeout_s, control
+        self._topo, self._timeout_s = topo, timeout_s
+        self._control: dist.ProcessGroup | None = control
         self._made: dict[str, Groups] = {}
 
     def get(self, use: str) -> Groups:
         """The groups of ``use``, created on first call."""
         if use not in self._made:
+            if self._control is None:
+                raise RuntimeError("tierckpt: the engine is closed (its groups were released)")
             self._made[use] = new_groups(self._topo, self._timeout_s, self._control)
         return self._made[use]
 
-    def made(self) -> list[Groups]:
-        """Every set made so far (for :func:`release_groups`)."""
-        return list(self._made.values())
+    def release(self) -> list[Groups]:
+        """Every set made so far, for :func:`release_groups`; forgets them and the control group
+        (the engine closed: no set is made again)."""
+        made, self._made, self._control = list(self._made.values()), {}, None
+        return made

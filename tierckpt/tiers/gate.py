@@ -85,6 +85,13 @@ class SaveGate:
         assert self._busy is not None, "SaveGate.attach() not called"
         return self._busy
 
+    def release(self) -> None:
+        """Drop every reference to the engine's groups (the engine closed and destroys them)."""
+        if self._busy is not None:
+            self._busy.release()
+        if self._ram is not None:
+            self._ram.release()
+
     # -- trainer thread ------------------------------------------------------------------------
     def check_tiers(self, tiers: Iterable[str] | None) -> tuple[str, ...]:
         """The requested tiers (None: every configured one).

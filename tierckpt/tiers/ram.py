@@ -213,6 +213,10 @@ class RamGuard:
         self._checked = False
         self.off: str | None = None  # why the local tier is off for this run, or None
 
+
+    def release(self) -> None:
+        """Drop the control group (the engine closed and destroys its groups)."""
+        self._control = None
     def admit(self, step: int, state_dict: dict) -> CheckpointRecord | None:
         """Whether the local tier saves ``state_dict`` at ``step``: None if it does, else its
         skipped record (not yet in the ledger). Collective over the control group at the first
