@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
     """A minimal repository: the real pyproject.toml, Makefile and lazy-export modules, one
-    file per package, and a ``tierckpt/dist/`` folder (the one ruff's default excluded)."""
+    file per package, and a ``tierckpt/dist/`` folder (a name ruff's default exclude skips: the
+    package was renamed tierckpt/cluster/, the check still guards any such folder)."""
     for name in ("pyproject.toml", "Makefile"):
         shutil.copy(REPO / name, tmp_path / name)
     for pkg in sc.PACKAGES + ("tests", "scripts"):
@@ -116,7 +117,7 @@ def test_a_seventeenth_public_name_fails(tree):
 
 
 def test_an_export_without_its_type_checking_import_fails(tree):
-    _edit(tree / "tierckpt" / "integration.py", "    from tierckpt.io.peek import read_item\n", "")
+    _edit(tree / "tierckpt" / "integration.py", "    from tierckpt.restore.peek import read_item\n", "")
     failed = _failed(tree)
     assert "integration.py: the TYPE_CHECKING imports differ from __all__ (missing: read_item" in failed["public names"]
 

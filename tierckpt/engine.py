@@ -1,7 +1,7 @@
 """The tiered checkpoint engine: what adapters and users call. It orchestrates named steps,
 each in its wing (docs/architecture.md): the start (:mod:`tierckpt.startup`); ``save()``: the
 one scheduling object (:class:`~tierckpt.tiers.gate.SaveGate`) decides which tiers start, the
-state is staged (:mod:`tierckpt.io.staging`; δ ends here) and each tier's job is queued on its
+state is staged (:mod:`tierckpt.staging.pool`; δ ends here) and each tier's job is queued on its
 lane (:mod:`tierckpt.tiers.lanes`, :mod:`tierckpt.tiers.jobs`: local tier → replication →
 agreed record → retention; persistent tier → agreed record → retention); ``restore()``: drain
 the lanes, :class:`~tierckpt.restore.Restorer`, the record, an armed rollback, the restart's
@@ -22,13 +22,13 @@ from tierckpt import exit as exit_hook
 from tierckpt import preemption as preempt
 from tierckpt import startup
 from tierckpt.config import TierConfig, validate_tiers
-from tierckpt.dist.topology import SpareGroups, release_groups
+from tierckpt.cluster.topology import SpareGroups, release_groups
 from tierckpt.gcpause import collector_paused, paused
 from tierckpt.handle import SaveHandle
 from tierckpt.history.rollback import EXPLICIT, FALLBACK, RollbackTracker
 from tierckpt.io import layout
-from tierckpt.io.overlap import wait_before_optimizer_steps
-from tierckpt.io.staging import StagingPool, resolve_stateful
+from tierckpt.staging.overlap import wait_before_optimizer_steps
+from tierckpt.staging.pool import StagingPool, resolve_stateful
 from tierckpt.loader_signals import defer_loader_deaths
 from tierckpt.preemption import Preempted, PreemptionWatch, warn_if_launcher_unprotected
 from tierckpt.records import CheckpointRecord
@@ -54,14 +54,14 @@ class TieredCheckpointer:
     Args:
         config: tiers, roots, J/F, retention (validated when it was built).
         node_id: explicit node id of this rank (simulation/tests); otherwise from the
-            environment (see :mod:`tierckpt.dist.topology`).
+            environment (see :mod:`tierckpt.cluster.topology`).
         persistent_io: how persistent steps are written/read (default: plain DCP).
 
     Read-only attributes (adapters' framework hooks, tools); the rest is internal:
         lineage: the persistent root's lineage id (:mod:`tierckpt.history.lineage`), the same on
             every rank; node-local steps of any other lineage are deleted here, never restored.
         cfg: the :class:`~tierckpt.config.TierConfig`.
-        topo: the :class:`~tierckpt.dist.topology.Topology` (rank, world_size, node, nodes,
+        topo: the :class:`~tierckpt.cluster.topology.Topology` (rank, world_size, node, nodes,
             node_of_rank, local ranks).
         groups: the engine's gloo groups (``local_world``: every rank; ``node``: this node's).
         local: the node's :class:`~tierckpt.tiers.local_tier.LocalTier` (``store``), or None.
@@ -156,8 +156,8 @@ class TieredCheckpointer:
         Collective: every rank calls it with the same ``step`` and ``tiers``. The bytes written
         are the values at the time of the call. A CPU state is copied before this returns
         (``cpu_staging = "blocking"``, the default). CUDA tensors only have their device→host
-        copies enqueued (:mod:`tierckpt.io.staging`), and with ``cpu_staging = "overlapped"``
-        large CPU tensors are copied by a background thread (:mod:`tierckpt.io.overlap`): call
+        copies enqueued (:mod:`tierckpt.staging.pool`), and with ``cpu_staging = "overlapped"``
+        large CPU tensors are copied by a background thread (:mod:`tierckpt.staging.overlap`): call
         :meth:`wait_for_staging` before modifying a saved tensor in place (a ``torch.optim``
         optimizer does it on its own when overlapped), as with DCP's ``async_with_pinned_mem``.
 
@@ -231,7 +231,7 @@ class TieredCheckpointer:
         ``maybe_wait_for_staging()`` before ``optimizers.step()``; overlapped, every
         ``torch.optim`` optimizer's step calls it through a global step pre-hook). A blocking
         CPU stage was copied inside ``save()``: returns at once. Overlapped copies are checked
-        here for in-place writes since ``save()`` (:mod:`tierckpt.io.overlap`): a copy that
+        here for in-place writes since ``save()`` (:mod:`tierckpt.staging.overlap`): a copy that
         raced one fails its step's save.
 
         Returns:
