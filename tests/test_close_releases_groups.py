@@ -40,7 +40,7 @@ def phase_close(rank, world, base, stuck_restore):
     eng.save(1, scenarios.app_state(model, opt))
     eng.wait(bounded=False)
     if stuck_restore:  # the second set of groups (a restore beside a stuck job) is the engine's too
-        eng._second_groups("restore")
+        eng._spare.get("restore")
     during = _threads()
     eng.close()
     gc.collect()

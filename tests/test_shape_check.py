@@ -136,13 +136,27 @@ def test_a_name_exported_by_both_modules_fails(tree):
     assert "exported by tierckpt and tierckpt.integration: ConfigError" in failed["public names"], failed
 
 
-def test_engine_size_only_reports(tree):
-    body = "".join(f"    def m{i}(self):\n        pass\n" for i in range(25))
-    (tree / "tierckpt" / "engine.py").write_text("class TieredCheckpointer:\n" + body + "#\n" * 400)
-    status, results = sc.run(tree)
-    eng = next(r for r in results if r.name == "engine size")
-    assert status == 0 and not eng.ok and not eng.enforced
-    assert "25 methods (target ≤ 20)" in eng.line and "over target (report only)" in eng.render()
+@pytest.mark.parametrize("methods, extra_lines, expect", [
+    (21, 0, "21 methods (≤ 20)"),  # one method too many
+    (20, 400 - 41 + 1, "401 lines (≤ 400)"),  # one line too many (20 methods: 41 lines)
+])
+def test_an_engine_over_its_size_fails(tree, methods, extra_lines, expect):
+    """Issue 30's figures are enforced: one method or one line over fails make lint."""
+    body = "".join(f"    def m{i}(self):\n        pass\n" for i in range(methods))
+    (tree / "tierckpt" / "engine.py").write_text("class TieredCheckpointer:\n" + body + "#\n" * extra_lines)
+    failed = _failed(tree)
+    assert set(failed) == {"engine size"} and expect in failed["engine size"], failed
+
+
+def test_an_engine_at_its_size_passes(tree):
+    body = "".join(f"    def m{i}(self):\n        pass\n" for i in range(20))
+    (tree / "tierckpt" / "engine.py").write_text("class TieredCheckpointer:\n" + body + "#\n" * (400 - 41))
+    assert _failed(tree) == {}
+
+
+def test_the_repository_engine_is_within_issue_30s_figures():
+    eng = sc.check_engine_size(REPO)
+    assert eng.ok and eng.enforced, eng.line
 
 
 def _wings(tree: Path, files: dict[str, str]) -> dict[str, str]:
