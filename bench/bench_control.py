@@ -5,13 +5,13 @@ plane: the collectives that plan and agree, not the bytes of a checkpoint. For e
 W in ``--worlds`` (default 2 4 8 16 gloo processes on this machine) and every simulated node
 size R in ``--rpn`` (default 1 and 2 ranks per node; N = W / R nodes), one job measures:
 
-- **start-up**: ``tierckpt.dist.topology.discover`` (label all-gather + creation of the
+- **start-up**: ``tierckpt.cluster.topology.discover`` (label all-gather + creation of the
   engine's gloo groups: 3 all-ranks groups, N node groups, and with R > 1 the leaders groups
   and the persistent worker's node groups), then the whole ``TieredCheckpointer(...)``
   construction (discover again + roots, lineage, shared-storage probe, ``run_start``);
 - **save agreement**: the records exchange of one local-tier save as the engine runs it now
   (``replicate``'s node flags + ``TierJobs._record``'s stats, both through
-  :func:`tierckpt.dist.collectives.gather_reduced` over ``local_world``, node-leader exchange
+  :func:`tierckpt.cluster.collectives.gather_reduced` over ``local_world``, node-leader exchange
   when R > 1), and the same two exchanges as flat ``all_gather_object`` over ``local_world``
   (what the code did before), alternated A B A B in the same run;
 - **restore planning**: ``engine.inventory()`` (leaders' listings exchanged) +
@@ -68,8 +68,8 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
     import torch.distributed as dist
 
     from tierckpt import TierConfig, TieredCheckpointer
-    from tierckpt.dist.collectives import all_gather, gather_reduced
-    from tierckpt.dist.topology import discover
+    from tierckpt.cluster.collectives import all_gather, gather_reduced
+    from tierckpt.cluster.topology import discover
     from tierckpt.restore.plan import plan_restore
     from tierckpt.tiers.jobs import merge_stats
     from tierckpt.tiers.replication import _and_by_node

@@ -110,7 +110,8 @@ def install_probes():
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
-    from tierckpt.tiers import commit, local_tier, replication, transfer
+    from tierckpt.tiers import commit, local_tier, replication
+    from tierckpt.transport import transfer
     from tierckpt.io import manifest
     from tierckpt.io.storage import Store
 
@@ -168,7 +169,7 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from tierckpt.dist.collectives import all_gather
+    from tierckpt.cluster.collectives import all_gather
     from tierckpt.config import TierConfig
     from tierckpt.engine import TieredCheckpointer
     from tierckpt.tiers.replication import replicate

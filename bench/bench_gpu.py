@@ -7,7 +7,7 @@ steady-state saves (after one warm-up save that allocates and pins the host buff
 
 - **tierckpt**: δ = wall time of ``TieredCheckpointer.save(step, sd, tiers=["local"])`` (CUDA
   tensors enqueued for copy into pinned host buffers on a side stream,
-  :mod:`tierckpt.io.staging`); ``staging_s`` = time of the following ``wait_for_staging()``
+  :mod:`tierckpt.staging.pool`); ``staging_s`` = time of the following ``wait_for_staging()``
   (what a trainer waits before its optimizer step if the copy has not finished by then);
   ``background_s`` until the local step is committed; ``restore_s`` = ``restore()`` of the
   newest step into the CUDA tensors (checked bitwise against the saved values);

@@ -3,7 +3,7 @@
 The Megatron adapter hands the engine one object (``mcore_plugin.convert.Staged``: a sharded
 state dict of ``ShardedTensor``/``ShardedObject`` objects plus the common state). Its first
 stage into a staging buffer is DCP's deep copy of the object; from the second on, the copy plan
-refills the buffer (``tierckpt.io.copy_plan.TensorHolder``). One process, no process group:
+refills the buffer (``tierckpt.staging.copy_plan.TensorHolder``). One process, no process group:
 the state is bench_peers' 324 tensors per rank (4 large fp32 with 3/4 of the bytes, 280 small,
 40 int64 scalars) as ShardedTensors with global offsets on a DP-sharded axis (the scalars as
 ShardedObjects holding small lists, as Megatron's per-bucket numel metadata), plus a common
@@ -92,7 +92,7 @@ def cuda_rows(mib: float, reps: int):
     import torch
     from rich.table import Table
 
-    from tierckpt.io.staging import StagingPool
+    from tierckpt.staging.pool import StagingPool
 
     payload, plain = megatron_payload(mib, "cuda")
     dst = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in plain.items()}
@@ -134,7 +134,7 @@ def cpu_rows(mib: float, reps: int):
     import torch
     from rich.table import Table
 
-    from tierckpt.io.staging import StagingPool
+    from tierckpt.staging.pool import StagingPool
 
     payload, plain = megatron_payload(mib)
     dst = {k: torch.empty_like(v) for k, v in plain.items()}

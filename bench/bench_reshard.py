@@ -123,7 +123,7 @@ def rank_restore(rank: int, world: int, args: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from tierckpt.dist.collectives import all_gather
+    from tierckpt.cluster.collectives import all_gather
     from tierckpt.engine import TieredCheckpointer
 
     tiers = ("local", "persistent") if args["mode"] == "in-cluster" else ("persistent",)

@@ -446,7 +446,7 @@ class Injector:
     def _patch_stage(self) -> None:
         """The k-th save's staging copy: the early one (a free slot, copied while the busy-tier
         agreement travels) or, when there was none, the blocking one — one count per save."""
-        from tierckpt.io.staging import StagingPool
+        from tierckpt.staging.pool import StagingPool
 
         orig, orig_early = StagingPool.stage, StagingPool.stage_early
         inj = self
@@ -591,7 +591,7 @@ class Injector:
         """Commit files, side files and the replica receiver's os.write obey the full /
         read-only flags."""
         from tierckpt.io.storage import Store
-        from tierckpt.tiers import receive
+        from tierckpt.transport import receive
 
         inj = self
         orig_atomic, orig_open = Store.write_atomic, Store.open
@@ -709,7 +709,7 @@ class Injector:
     def _patch_transfer(self) -> None:
         """Kills at the start, in the middle (the j-th chunk request) or at the end of a send
         or a receive (replication in the faulty run, pulls in a restore)."""
-        from tierckpt.tiers import transfer, wire
+        from tierckpt.transport import transfer, wire
 
         inj = self
         orig_send, orig_recv, orig_work = transfer.send_step, transfer.recv_step, wire.work

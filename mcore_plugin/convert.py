@@ -184,7 +184,7 @@ class Staged:
     def load_state_dict(self, state_dict) -> None:  # pragma: no cover - Stateful protocol
         raise RuntimeError("a staged save payload is never loaded")
 
-    # The engine's copy plan (tierckpt.io.copy_plan.TensorHolder): from the second save of the
+    # The engine's copy plan (tierckpt.staging.copy_plan.TensorHolder): from the second save of the
     # same sharded layout on, the engine refills its staged copy of this object instead of
     # DCP's deep copy of every ShardedTensor (and may copy the large ones in the background
     # with cpu_staging = "overlapped").

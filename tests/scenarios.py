@@ -568,14 +568,14 @@ def phase_hung_local_disk(rank, world, base, limit):
 
 
 def phase_peek(rank, world, base):
-    """tierckpt.io.peek.read_item: one item of a step from a verified node-local copy, falling over
+    """tierckpt.restore.peek.read_item: one item of a step from a verified node-local copy, falling over
     corrupt copies to the next copy and the next node; None when no node-local copy is usable."""
     import json as _json
 
     from torch.distributed.checkpoint import FileSystemReader
 
     from tierckpt.io import layout
-    from tierckpt.io.peek import read_item
+    from tierckpt.restore.peek import read_item
 
     eng = TieredCheckpointer(make_config(base), node_id=rank)
     model, opt = build(seed=0)

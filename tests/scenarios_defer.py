@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tests.scenarios import app_state, apply_state, assert_bitwise, build, make_config, snapshot, train_step
 from tierckpt.engine import TieredCheckpointer
-from tierckpt.io.staging import StagingSlot
+from tierckpt.staging.pool import StagingSlot
 from tierckpt.tiers.local_tier import LocalTier
 from tierckpt.tiers.persistent import PersistentTier
 

@@ -68,8 +68,8 @@ def phase_send_stalls_mid_stream(rank, world, base, bound):
 
     from tests.test_transfer_failures import CHUNK, _commit_step
     from tierckpt.io.storage import Store
-    from tierckpt.tiers import bounded_send
-    from tierckpt.tiers.transfer import Transfer, start_transfers
+    from tierckpt.transport import bounded_send
+    from tierckpt.transport.transfer import Transfer, start_transfers
 
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
     store = Store(os.path.join(base, f"node-{rank}"))

@@ -33,7 +33,7 @@ def phase_node_loss(rank, world, base, rpn, k, extra_steps, cfg_kw=None, drop_me
     ran, that node 1 holds a committed, intact copy of step ``k`` of its own again.
     ``no_memory``: node 1's allocator refuses the buffers of a kept receive."""
     if no_memory and rank // rpn == 1:
-        from tierckpt.tiers import receive
+        from tierckpt.transport import receive
 
         def refuse(size):
             raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {size} bytes")
@@ -56,7 +56,7 @@ def phase_node_loss(rank, world, base, rpn, k, extra_steps, cfg_kw=None, drop_me
     count = _Count()
     logging.getLogger("tierckpt.restore.restorer").addHandler(count)
     logging.getLogger("tierckpt.restore.restorer").setLevel(logging.INFO)
-    logging.getLogger("tierckpt.tiers.receive").addHandler(count)
+    logging.getLogger("tierckpt.transport.receive").addHandler(count)
     node = rank // rpn
     eng = TieredCheckpointer(make_config(base, **(cfg_kw or {})), node_id=node)
     model, opt = build(seed=123)

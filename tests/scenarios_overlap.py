@@ -1,5 +1,5 @@
 """Rank functions for overlapped CPU staging (``cpu_staging = "overlapped"``,
-tierckpt/io/overlap.py), run through tests.harness.run_world."""
+tierckpt/staging/overlap.py), run through tests.harness.run_world."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 from tests.scenarios import app_state, apply_state, assert_bitwise, build, make_config, snapshot, train_step
 from tierckpt.engine import TieredCheckpointer
-from tierckpt.io import overlap, staging
+from tierckpt.staging import overlap, pool as staging
 
 
 def _pendings(eng):

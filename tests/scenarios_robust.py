@@ -82,7 +82,7 @@ def phase_restore(rank, world, base, cfg_kw, fail_first_receive=False):
     """One restart that restores. ``fail_first_receive``: rank 0's first file receive fails
     after the stream arrived (as a gloo "Pair is not connected" would)."""
     if fail_first_receive and rank == 0:
-        from tierckpt.tiers import transfer
+        from tierckpt.transport import transfer
 
         real = transfer.recv_step
 

@@ -1,4 +1,4 @@
-"""close() joins the engine's gloo threads (tierckpt/dist/topology.py: release_groups): a gloo
+"""close() joins the engine's gloo threads (tierckpt/cluster/topology.py: release_groups): a gloo
 thread that outlives close() may free a collective's tensors while the interpreter finalises and
 abort the process (SIGABRT, "terminate called without an active exception") after every save
 committed. Counted as this process's OS threads (Linux ``/proc/self/task``)."""

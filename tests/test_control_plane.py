@@ -1,4 +1,4 @@
-"""The node-leader exchange (tierckpt.dist.collectives: gather_reduced, gather_leaders,
+"""The node-leader exchange (tierckpt.cluster.collectives: gather_reduced, gather_leaders,
 broadcast_from_first) gives exactly what the flat all-gathers it replaced gave."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 from tests.harness import run_world
-from tierckpt.dist.collectives import first_by_rank, union
+from tierckpt.cluster.collectives import first_by_rank, union
 from tierckpt.tiers.jobs import _merge_redundancy, merge_stats
 from tierckpt.tiers.replication import _and_by_node
 
@@ -58,14 +58,14 @@ def _exchange(rank, world):
     """Each helper through the trees (node ids interleaved: node = 1 - rank % 2) and flat."""
     import torch.distributed as dist
 
-    from tierckpt.dist.collectives import (
+    from tierckpt.cluster.collectives import (
         all_gather,
         broadcast_from_first,
         gather_leaders,
         gather_reduced,
         tree_of,
     )
-    from tierckpt.dist.topology import discover
+    from tierckpt.cluster.topology import discover
 
     topo, groups = discover(1, 2, node_id=1 - rank % 2, timeout_s=60)
     g = groups.local_world

@@ -1,4 +1,4 @@
-"""Overlapped CPU staging (``TierConfig.cpu_staging = "overlapped"``, tierckpt/io/overlap.py):
+"""Overlapped CPU staging (``TierConfig.cpu_staging = "overlapped"``, tierckpt/staging/overlap.py):
 large tensors copied by a background thread after ``save()`` returns, small ones inside it;
 the copy is a snapshot of the state at ``save()`` as long as the trainer waits before writing,
 and a write that races the copy fails that step's save on every tier (never committed). The
@@ -16,8 +16,8 @@ from tests import scenarios_overlap as so
 from tests.harness import run_world
 from tierckpt.config import TierConfig
 from tierckpt.errors import ConfigError, StagingError
-from tierckpt.io import overlap
-from tierckpt.io.staging import StagingPool
+from tierckpt.staging import overlap
+from tierckpt.staging.pool import StagingPool
 
 BIG = overlap.OVERLAP_MIN_BYTES // 4  # float32 elements of a tensor that is deferred
 

@@ -11,7 +11,7 @@ from tierckpt.errors import ConfigError
 from tierckpt.restore import Inventory, Source, plan_restore
 from tierckpt.tiers.retention import InUse, purge_dir, purge_persistent
 from tierckpt.io.storage import Store
-from tierckpt.dist.topology import Topology, _local_node_label, check_replication, clique, peers
+from tierckpt.cluster.topology import Topology, _local_node_label, check_replication, clique, peers
 
 
 def test_cliques_follow_jump_and_factor():
@@ -289,7 +289,7 @@ def test_leftover_pulls_are_purged(tmp_path):
 
 
 def test_a_transfer_to_itself_is_a_failed_receive_not_an_exception(tmp_path):
-    from tierckpt.tiers.transfer import Transfer, run_transfers
+    from tierckpt.transport.transfer import Transfer, run_transfers
 
     # nothing is sent or received (no process group needed): both sides refuse it
     t = Transfer(src_rank=0, dst_rank=0, src_rel="local/step-3", dst_rel=layout.incoming_step(3), tag="pull node-0")

@@ -45,7 +45,7 @@ def test_tierckpt_exports_the_user_facing_names_and_integration_the_plumbing():
     for name in integration.__all__:
         assert getattr(integration, name) is not None
     from tierckpt.config import TierConfig
-    from tierckpt.dist.collectives import all_gather
+    from tierckpt.cluster.collectives import all_gather
 
     assert tierckpt.TierConfig is TierConfig and integration.all_gather is all_gather
     with pytest.raises(AttributeError, match="no attribute 'nope'"):

@@ -17,16 +17,18 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
     """A minimal repository: the real pyproject.toml, Makefile and lazy-export modules, one
-    file per package, and a ``tierckpt/dist/`` folder (the one ruff's default excluded)."""
+    file per package (``tierckpt``'s is ``errors.py``, a module of the lowest wing), and a
+    ``launch/dist/`` folder (a name ruff's default exclude skips: it skipped ``tierckpt/dist/``,
+    renamed ``tierckpt/cluster/`` since; the check still guards any package folder so named)."""
     for name in ("pyproject.toml", "Makefile"):
         shutil.copy(REPO / name, tmp_path / name)
     for pkg in sc.PACKAGES + ("tests", "scripts"):
         (tmp_path / pkg).mkdir()
-        (tmp_path / pkg / "mod.py").write_text("X = 1\n")
+        (tmp_path / pkg / ("errors.py" if pkg == "tierckpt" else "mod.py")).write_text("X = 1\n")
     for rel in sc.LAZY_MODULES:
         shutil.copy(REPO / rel, tmp_path / rel)
-    (tmp_path / "tierckpt" / "dist").mkdir()
-    (tmp_path / "tierckpt" / "dist" / "collectives.py").write_text("Y = 2\n")
+    (tmp_path / "launch" / "dist").mkdir()
+    (tmp_path / "launch" / "dist" / "collectives.py").write_text("Y = 2\n")
     (tmp_path / "tierckpt" / "engine.py").write_text("class TieredCheckpointer:\n    def save(self):\n        pass\n")
     return tmp_path
 
@@ -48,10 +50,12 @@ def test_the_repository_passes_and_prints_one_line_per_check(capsys):
     assert sc.main([str(REPO)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[1].strip() for ln in out] == ["public names", "ruff coverage", "mypy coverage",
-                                                         "engine size"]
+                                                         "wing order", "engine size"]
     assert re.search(r"public names: ok: tierckpt (\d+),", out[0]) and int(
         re.search(r"tierckpt (\d+),", out[0]).group(1)) <= sc.MAX_PUBLIC
     assert "6/6 packages" in out[2]
+    assert "base < cluster < io < config < sched < staging < transport < history < tiers < restore" in out[3]
+    assert out[3].endswith(", 0 upward"), out[3]
 
 
 def test_the_minimal_tree_passes(tree):
@@ -59,18 +63,18 @@ def test_the_minimal_tree_passes(tree):
 
 
 def test_ruff_default_exclude_fails_on_a_dist_folder(tree):
-    """Without its own `exclude`, ruff skips every folder named dist: tierckpt/dist/ unlinted."""
+    """Without its own `exclude`, ruff skips every folder named dist: launch/dist/ unlinted."""
     _edit(tree / "pyproject.toml", '\nexclude = [".git",', '\nextend-exclude = [".git",')  # ruff's default applies
     failed = _failed(tree)
     assert set(failed) == {"ruff coverage"}
     assert "default `exclude`" in failed["ruff coverage"]
-    assert "ruff does not lint tierckpt/dist/collectives.py" in failed["ruff coverage"]
+    assert "ruff does not lint launch/dist/collectives.py" in failed["ruff coverage"]
 
 
 def test_an_exclude_pattern_matching_inside_a_package_fails(tree):
     _edit(tree / "pyproject.toml", 'exclude = [".git",', 'exclude = ["dist", ".git",')
     failed = _failed(tree)
-    assert "tierckpt/dist ('dist')" in failed["ruff coverage"], failed
+    assert "launch/dist ('dist')" in failed["ruff coverage"], failed
 
 
 def test_make_lint_leaving_a_package_out_of_ruff_fails(tree):
@@ -116,7 +120,7 @@ def test_a_seventeenth_public_name_fails(tree):
 
 
 def test_an_export_without_its_type_checking_import_fails(tree):
-    _edit(tree / "tierckpt" / "integration.py", "    from tierckpt.io.peek import read_item\n", "")
+    _edit(tree / "tierckpt" / "integration.py", "    from tierckpt.restore.peek import read_item\n", "")
     failed = _failed(tree)
     assert "integration.py: the TYPE_CHECKING imports differ from __all__ (missing: read_item" in failed["public names"]
 
@@ -132,10 +136,81 @@ def test_a_name_exported_by_both_modules_fails(tree):
     assert "exported by tierckpt and tierckpt.integration: ConfigError" in failed["public names"], failed
 
 
-def test_engine_size_only_reports(tree):
-    body = "".join(f"    def m{i}(self):\n        pass\n" for i in range(25))
-    (tree / "tierckpt" / "engine.py").write_text("class TieredCheckpointer:\n" + body + "#\n" * 400)
-    status, results = sc.run(tree)
-    eng = next(r for r in results if r.name == "engine size")
-    assert status == 0 and not eng.ok and not eng.enforced
-    assert "25 methods (target ≤ 20)" in eng.line and "over target (report only)" in eng.render()
+@pytest.mark.parametrize("methods, extra_lines, expect", [
+    (21, 0, "21 methods (≤ 20)"),  # one method too many
+    (20, 400 - 41 + 1, "401 lines (≤ 400)"),  # one line too many (20 methods: 41 lines)
+])
+def test_an_engine_over_its_size_fails(tree, methods, extra_lines, expect):
+    """Issue 30's figures are enforced: one method or one line over fails make lint."""
+    body = "".join(f"    def m{i}(self):\n        pass\n" for i in range(methods))
+    (tree / "tierckpt" / "engine.py").write_text("class TieredCheckpointer:\n" + body + "#\n" * extra_lines)
+    failed = _failed(tree)
+    assert set(failed) == {"engine size"} and expect in failed["engine size"], failed
+
+
+def test_an_engine_at_its_size_passes(tree):
+    body = "".join(f"    def m{i}(self):\n        pass\n" for i in range(20))
+    (tree / "tierckpt" / "engine.py").write_text("class TieredCheckpointer:\n" + body + "#\n" * (400 - 41))
+    assert _failed(tree) == {}
+
+
+def test_the_repository_engine_is_within_issue_30s_figures():
+    eng = sc.check_engine_size(REPO)
+    assert eng.ok and eng.enforced, eng.line
+
+
+def _wings(tree: Path, files: dict[str, str]) -> dict[str, str]:
+    for rel, text in files.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(text)
+    return _failed(tree)
+
+
+def test_imports_down_the_wings_pass(tree):
+    """history imports io and cluster (below it), restore imports tiers, a relative import inside
+    a wing, a base module, and the engine (top) imports any wing."""
+    assert _wings(tree, {
+        "tierckpt/io/__init__.py": "", "tierckpt/io/layout.py": "from tierckpt.errors import X\n",
+        "tierckpt/cluster/__init__.py": "", "tierckpt/cluster/topology.py": "Y = 1\n",
+        "tierckpt/history/__init__.py": "",
+        "tierckpt/history/ledger.py": "from tierckpt.io import layout\nfrom tierckpt.cluster.topology import Y\n"
+                                      "from .journal import Z\n",
+        "tierckpt/history/journal.py": "Z = 1\n",
+        "tierckpt/tiers/__init__.py": "", "tierckpt/tiers/jobs.py": "from tierckpt.history import ledger\n",
+        "tierckpt/restore/__init__.py": "",
+        "tierckpt/restore/pull.py": "def f():\n    from tierckpt.tiers.jobs import Z\n",
+        "tierckpt/engine.py": "from tierckpt import startup\nfrom tierckpt.restore import pull\n"
+                              "class TieredCheckpointer:\n    pass\n",
+    }) == {}
+
+
+@pytest.mark.parametrize("rel, text, expect", [
+    # issue 30's three back-edges, as they were
+    ("tierckpt/config.py", "from tierckpt.sched.mtbf import DEFAULT_WEIGHT\n",
+     "tierckpt.config (config) imports tierckpt.sched.mtbf (sched, above)"),
+    ("tierckpt/history/rollback.py", "from tierckpt.restore import Inventory\n",
+     "tierckpt.history.rollback (history) imports tierckpt.restore (restore, above)"),
+    ("tierckpt/io/peek.py", "from tierckpt.restore import plan_restore\n",
+     "tierckpt.io.peek (io) imports tierckpt.restore (restore, above)"),
+    # lazy, TYPE_CHECKING-only and relative imports count too
+    ("tierckpt/transport/wire.py", "def f():\n    from tierckpt.tiers import jobs\n",
+     "tierckpt.transport.wire (transport) imports tierckpt.tiers.jobs (tiers, above)"),
+    ("tierckpt/cluster/topology.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                     "    from tierckpt.engine import TieredCheckpointer\n",
+     "tierckpt.cluster.topology (cluster) imports tierckpt.engine (top, above)"),
+    ("tierckpt/io/manifest.py", "from ..staging import pool\n",
+     "tierckpt.io.manifest (io) imports tierckpt.staging.pool (staging, above)"),
+    # a base module importing the package's lazy exports is an upward import
+    ("tierckpt/records.py", "from tierckpt import TieredCheckpointer\n",
+     "tierckpt.records (base) imports tierckpt (top, above)"),
+    # a new wing must be placed in the order
+    ("tierckpt/newwing/thing.py", "X = 1\n", "tierckpt.newwing.thing is in no wing"),
+])
+def test_an_import_up_the_wings_fails(tree, rel, text, expect):
+    (tree / "tierckpt" / "staging").mkdir()
+    (tree / "tierckpt" / "staging" / "pool.py").write_text("X = 1\n")
+    (tree / "tierckpt" / "tiers").mkdir()
+    (tree / "tierckpt" / "tiers" / "jobs.py").write_text("X = 1\n")
+    failed = _wings(tree, {rel: text})
+    assert set(failed) == {"wing order"}, failed
+    assert expect in failed["wing order"], failed["wing order"]

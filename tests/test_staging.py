@@ -1,4 +1,4 @@
-"""Staging of the state into host buffers (tierckpt/io/staging.py): which path a state takes,
+"""Staging of the state into host buffers (tierckpt/staging/pool.py): which path a state takes,
 the CPU path (synchronous copy, pageable buffers without CUDA), and on a CUDA device the
 asynchronous device→host copies into pinned buffers."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierckpt.io import staging
-from tierckpt.io.staging import CUDA_ASYNC, SYNC, StagingPool, staging_mode
+from tierckpt.staging import pool as staging
+from tierckpt.staging.pool import CUDA_ASYNC, SYNC, StagingPool, staging_mode
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -65,7 +65,7 @@ def test_cpu_path_is_a_complete_synchronous_copy(monkeypatch):
 
 
 def test_tensors_walks_nested_state():
-    from tierckpt.io.staging import _tensors
+    from tierckpt.staging.pool import _tensors
 
     a, b, c = torch.zeros(1), torch.ones(2), torch.full((3,), 2.0)
     got = list(_tensors({"x": a, "y": [b, {"z": (c, 5)}], "s": "text"}))

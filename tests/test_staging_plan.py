@@ -1,4 +1,4 @@
-"""The staging slot's copy plan (tierckpt/io/copy_plan.py): from the second save of one structure on, a slot refills its
+"""The staging slot's copy plan (tierckpt/staging/copy_plan.py): from the second save of one structure on, a slot refills its
 last staged copy instead of deep-copying through DCP's stager. Every case asserts the staged
 values equal the live ones at the time of the call and stay isolated from later changes."""
 
@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from tierckpt.io.staging import StagingPool
+from tierckpt.staging.pool import StagingPool
 
 
 def _state(scale: float = 1.0) -> dict:
@@ -111,7 +111,7 @@ def test_slots_keep_separate_copies():
 
 
 def test_resolve_stateful_resolves_only_stateful_values():
-    from tierckpt.io.staging import resolve_stateful
+    from tierckpt.staging.pool import resolve_stateful
 
     class App:
         def state_dict(self):
@@ -171,7 +171,7 @@ class _Holder:
 
 
 def test_tensor_holders_take_the_plan_and_refresh_their_metadata():
-    from tierckpt.io.copy_plan import TensorHolder
+    from tierckpt.staging.copy_plan import TensorHolder
 
     slot = StagingPool(1).acquire()
     live = {"payload": _Holder({"w": torch.arange(6.0), "b": torch.ones(2, dtype=torch.bfloat16)},

@@ -1,5 +1,5 @@
 """The receiving side of a transfer never leaves its sender waiting, and a file that fails on
-the receiver's disk is a reported problem, never a hung receive (tierckpt/tiers/receive.py)."""
+the receiver's disk is a reported problem, never a hung receive (tierckpt/transport/receive.py)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def phase_transfer(rank, world, base, fault, keep):
     (seconds the run took, problems, files rank 1 wrote intact)."""
     import torch.distributed as dist
 
-    from tierckpt.tiers import receive
-    from tierckpt.tiers.transfer import Transfer, run_transfers
+    from tierckpt.transport import receive
+    from tierckpt.transport.transfer import Transfer, run_transfers
 
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
     store = Store(os.path.join(base, f"node-{rank}"))

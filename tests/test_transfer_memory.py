@@ -9,7 +9,7 @@
   ``restore_memory_bytes + 2 × the largest record + slack`` (it was the whole share, +100 MiB);
   a pull that fits is kept in memory within the same bound; after the background commit and
   the replica rebuild, no buffer is left;
-- units: the pull chunk size, and a :class:`~tierckpt.tiers.wire.BufferPool` unmapping its
+- units: the pull chunk size, and a :class:`~tierckpt.transport.wire.BufferPool` unmapping its
   buffers on release (only once no request holds them).
 """
 
@@ -23,7 +23,7 @@ import pytest
 from tests import scenarios_memory
 from tests.harness import run_world
 from tierckpt.restore.pull import pull_chunk_bytes
-from tierckpt.tiers import wire
+from tierckpt.transport import wire
 
 MiB = 1 << 20
 STATE_MIB, TENSORS = 96, 24  # per rank, in records of 4 MiB

@@ -527,7 +527,9 @@ def test_on_disk_names_are_stable():
 def test_package_structure_rules():
     """Issue 11's rules, checked on the source: tierckpt/ imports no adapter or framework (not
     even lazily), no import cycle between its modules, and no function in the shipped packages
-    is longer than 80 lines."""
+    is longer than 80 lines. Issue 30's: every module is in a wing of the order
+    (tierckpt_dev/shape_check.py: WING_ORDER, docs/architecture.md) and a wing imports only
+    wings below it (or its own)."""
     import ast
     import pathlib
 
@@ -547,6 +549,17 @@ def test_package_structure_rules():
                 deps |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
         graph[name] = deps
     graph = {k: {d for d in v if d in graph and d != k and not k.startswith(d + ".")} for k, v in graph.items()}
+    from tierckpt_dev.shape_check import WING_ORDER
+
+    level = {member: i for i, (_, members) in enumerate(WING_ORDER) for member in members}
+
+    def wing(module: str) -> int:
+        first = module.split(".")[1] if "." in module else "__init__"
+        assert first in level, f"{module} is in no wing of WING_ORDER"
+        return level[first]
+
+    upward = sorted(f"{k} -> {d}" for k, v in graph.items() for d in v if wing(d) > wing(k))
+    assert not upward, f"imports up the wing order: {upward}"
     state: dict[str, int] = {}
 
     def visit(v, path):

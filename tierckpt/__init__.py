@@ -25,7 +25,7 @@ torch.distributed until an engine class is used.
 
 Wings (see docs/architecture.md): :mod:`tierckpt.io` (storage, layout, manifests, DCP glue,
 planners, staging), :mod:`tierckpt.tiers` (local tier, persistent tier, replication, transfer,
-retention, the shared commit routine), :mod:`tierckpt.dist` (topology, groups, agreement),
+retention, the shared commit routine), :mod:`tierckpt.cluster` (topology, groups, agreement),
 :mod:`tierckpt.sched` (Young/Daly intervals, MTBF, simulation), :mod:`tierckpt.history`
 (ledger, lineage, rollback), :mod:`tierckpt.cli`.
 """

@@ -9,7 +9,7 @@ Every numeric field has one rule (:data:`RULES`, :data:`SCHEDULE_RULES`, built f
 :mod:`tierckpt.validators`), which the torchtitan and Megatron front ends apply to the keys and
 flags that set it.
 Topology-dependent checks (``replication_factor`` against the node count) run when the
-topology is known, in :mod:`tierckpt.dist.topology`.
+topology is known, in :mod:`tierckpt.cluster.topology`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from tierckpt.errors import ConfigError
 from tierckpt.io.perms import modes_of
 from tierckpt.preemption import signal_numbers
-from tierckpt.sched.mtbf import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT
+from tierckpt.priors import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT
 from tierckpt.validators import (Number, boolean, choice, fraction, non_negative_int, non_negative_seconds, optional,
                                  positive_int, positive_number, positive_seconds)
 
@@ -194,7 +194,7 @@ class ScheduleOptions(_KnownFields):
 
     Attributes:
         gpu_mtbf_s: prior MTBF of one GPU (one rank on CPU), seconds, > 0; the job's prior is
-            this over the GPU count (default: Llama 3's, :data:`tierckpt.sched.mtbf.DEFAULT_GPU_MTBF_S`).
+            this over the GPU count (default: Llama 3's, :data:`tierckpt.priors.DEFAULT_GPU_MTBF_S`).
         mtbf_weight: strength of that prior, pseudo-failures, > 0.
         restart_prior_s: restart time R assumed until one is observed, seconds, >= 0.
         delta_prior_s: blocking time δ per tier until one is measured, seconds, >= 0 (None:
@@ -288,7 +288,7 @@ class TierConfig(_KnownFields):
             ``wait_for_staging()`` before its next in-place write (installed for every
             ``torch.optim`` optimizer as a global step pre-hook); a copy that raced a write is
             detected through the tensors' version counters and fails that step's save
-            (:mod:`tierckpt.io.overlap`). CUDA tensors are always copied asynchronously (a side
+            (:mod:`tierckpt.staging.overlap`). CUDA tensors are always copied asynchronously (a side
             stream, the same wait, no version checks).
         collective_timeout_s: timeout of the engine's own gloo groups (seconds, in (0,
             :data:`MAX_WAIT_S`]: a week at most).

@@ -1,10 +1,10 @@
 """The tiered checkpoint engine: what adapters and users call. It orchestrates named steps,
-each in its wing (docs/architecture.md): the start (:mod:`tierckpt.startup`); ``save()``: the
-one scheduling object (:class:`~tierckpt.tiers.gate.SaveGate`) decides which tiers start, the
-state is staged (:mod:`tierckpt.io.staging`; δ ends here) and each tier's job is queued on its
+each in its wing (docs/architecture.md): the start (:mod:`tierckpt.startup`); ``save()``
+(:class:`~tierckpt.tiers.saving.Saver`): the one scheduling object (:class:`~tierckpt.tiers.gate.SaveGate`) decides which tiers start, the
+state is staged (:mod:`tierckpt.staging.pool`; δ ends here) and each tier's job is queued on its
 lane (:mod:`tierckpt.tiers.lanes`, :mod:`tierckpt.tiers.jobs`: local tier → replication →
-agreed record → retention; persistent tier → agreed record → retention); ``restore()``: drain
-the lanes, :class:`~tierckpt.restore.Restorer`, the record, an armed rollback, the restart's
+agreed record → retention; persistent tier → agreed record → retention); ``restore()``
+(:class:`~tierckpt.restore.resume.Resume`): drain the lanes, :class:`~tierckpt.restore.Restorer`, the record, an armed rollback, the restart's
 interval decision, the replica rebuild (:mod:`tierckpt.restore.redundancy`);
 ``save_for_preemption()`` (:func:`tierckpt.preemption.final_save`); ``close()``: finish the
 lanes, the ``run_end`` record, raise what was not raised.
@@ -12,31 +12,29 @@ lanes, the ``run_end`` record, raise what was not raised.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
-from concurrent.futures import Future
 from typing import Iterable
 
 from tierckpt import exit as exit_hook
 from tierckpt import preemption as preempt
 from tierckpt import startup
 from tierckpt.config import TierConfig, validate_tiers
-from tierckpt.dist.topology import SpareGroups, release_groups
-from tierckpt.gcpause import collector_paused, paused
+from tierckpt.cluster.topology import SpareGroups, release_groups
+from tierckpt.gcpause import paused
 from tierckpt.handle import SaveHandle
-from tierckpt.history.rollback import EXPLICIT, FALLBACK, RollbackTracker
+from tierckpt.history.rollback import RollbackTracker
 from tierckpt.io import layout
-from tierckpt.io.overlap import wait_before_optimizer_steps
-from tierckpt.io.staging import StagingPool, resolve_stateful
+from tierckpt.staging.overlap import wait_before_optimizer_steps
+from tierckpt.staging.pool import StagingPool
 from tierckpt.loader_signals import defer_loader_deaths
 from tierckpt.preemption import Preempted, PreemptionWatch, warn_if_launcher_unprotected
 from tierckpt.records import CheckpointRecord
-from tierckpt.restore import PERSISTENT, Inventory, Restorer, RestoreResult, redundancy
-from tierckpt.restore.plan import KINDS
+from tierckpt.restore import Inventory, Restorer, RestoreResult
+from tierckpt.restore.resume import Resume
 from tierckpt.tiers.gate import build_gate
 from tierckpt.tiers.jobs import describe_failure
 from tierckpt.tiers.persistent import PersistentIO
+from tierckpt.tiers.saving import Saver
 
 __all__ = ["TieredCheckpointer", "describe_failure"]
 
@@ -54,14 +52,14 @@ class TieredCheckpointer:
     Args:
         config: tiers, roots, J/F, retention (validated when it was built).
         node_id: explicit node id of this rank (simulation/tests); otherwise from the
-            environment (see :mod:`tierckpt.dist.topology`).
+            environment (see :mod:`tierckpt.cluster.topology`).
         persistent_io: how persistent steps are written/read (default: plain DCP).
 
     Read-only attributes (adapters' framework hooks, tools); the rest is internal:
         lineage: the persistent root's lineage id (:mod:`tierckpt.history.lineage`), the same on
             every rank; node-local steps of any other lineage are deleted here, never restored.
         cfg: the :class:`~tierckpt.config.TierConfig`.
-        topo: the :class:`~tierckpt.dist.topology.Topology` (rank, world_size, node, nodes,
+        topo: the :class:`~tierckpt.cluster.topology.Topology` (rank, world_size, node, nodes,
             node_of_rank, local ranks).
         groups: the engine's gloo groups (``local_world``: every rank; ``node``: this node's).
         local: the node's :class:`~tierckpt.tiers.local_tier.LocalTier` (``store``), or None.
@@ -87,7 +85,8 @@ class TieredCheckpointer:
     local, persistent, ledger = _readonly("local"), _readonly("persistent"), _readonly("ledger")
     lineage, timeline, preemption = _readonly("lineage"), _readonly("timeline"), _readonly("preemption")
     pool, restorer, jobs, gate = _readonly("pool"), _readonly("restorer"), _readonly("jobs"), _readonly("gate")
-    last_redundancy = _readonly("last_redundancy")
+    last_redundancy = property(lambda self: self._resume.last_redundancy,
+                               doc="read-only: see TieredCheckpointer (last_redundancy)")
     history = property(lambda self: [r.as_ledger() for r in self._gate.history],
                        doc="this rank's agreed records as ledger lines, in order (typed: gate.history)")
 
@@ -99,7 +98,7 @@ class TieredCheckpointer:
         topo, groups = run.topo, run.groups
         self._topo, self._groups, self._local, self._persistent = topo, groups, run.local, run.persistent
         self._lineage, self._timeline, self._ledger, self._journal = run.lineage, run.timeline, run.ledger, run.journal
-        self._closed, self._preempt_seen, self._unbooked_wait_s = False, False, 0.0
+        self._closed, self._preempt_seen = False, False
         self._pool = StagingPool(cfg.staging_buffers, overlapped=cfg.cpu_staging == "overlapped")
         self._optimizer_hook = wait_before_optimizer_steps(self) if cfg.cpu_staging == "overlapped" else None
         self._rollback = RollbackTracker(
@@ -108,6 +107,7 @@ class TieredCheckpointer:
         self._gate, self._jobs = build_gate(cfg, topo, groups, self._local, self._persistent, run.in_use,
                                             self._journal, self._rollback)
         self._jobs.owner = self  # a running job keeps the engine alive until the exit hook finished it
+        self._saver = Saver(self._gate, self._jobs, self._pool, self._timeline)
         # a repeat within the grace period (+ a margin for the exit) is the same notice
         self._preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0,
                                            on_notice=defer_loader_deaths)
@@ -115,7 +115,9 @@ class TieredCheckpointer:
         self._restorer = Restorer(topo, groups, self._local, self._persistent, run.in_use,
                                   cfg.transfer_chunk_bytes, cfg.restore_memory_bytes, cfg.read_timeout_s)
         self._spare = SpareGroups(topo, cfg.collective_timeout_s, groups.control)  # second groups, on first need
-        self._last_redundancy: Future | None = None
+        self._resume = Resume(restorer=self._restorer, jobs=self._jobs, gate=self._gate, pool=self._pool,
+                              journal=self._journal, timeline=self._timeline, rollback=self._rollback,
+                              groups=groups, spare=self._spare, local=self._local is not None)
         exit_hook.register(self)  # a script that ends without close() still finishes its saves
         if topo.is_node_leader:  # once per node
             log.info("tierckpt: node %d/%d (%s), ranks %s, peers %s, local root %s, persistent %s",
@@ -156,8 +158,8 @@ class TieredCheckpointer:
         Collective: every rank calls it with the same ``step`` and ``tiers``. The bytes written
         are the values at the time of the call. A CPU state is copied before this returns
         (``cpu_staging = "blocking"``, the default). CUDA tensors only have their device→host
-        copies enqueued (:mod:`tierckpt.io.staging`), and with ``cpu_staging = "overlapped"``
-        large CPU tensors are copied by a background thread (:mod:`tierckpt.io.overlap`): call
+        copies enqueued (:mod:`tierckpt.staging.pool`), and with ``cpu_staging = "overlapped"``
+        large CPU tensors are copied by a background thread (:mod:`tierckpt.staging.overlap`): call
         :meth:`wait_for_staging` before modifying a saved tensor in place (a ``torch.optim``
         optimizer does it on its own when overlapped), as with DCP's ``async_with_pinned_mem``.
 
@@ -184,44 +186,7 @@ class TieredCheckpointer:
         """
         if self._closed:
             raise RuntimeError("TieredCheckpointer is closed")
-        tiers = self._gate.check_tiers(tiers)
-        if not tiers:
-            return SaveHandle(step, 0.0)
-        # no collector pass inside δ (tierckpt/gcpause.py); a planned exit may wait long: left as is
-        with contextlib.nullcontext() if wait_previous else collector_paused():
-            t0 = time.perf_counter()
-            self._pool.wait_for_staging()  # the previous save's copies: part of this δ if still running
-            with self._gate.lock:  # the trainer's waits for the previous save's copies stall training too
-                carried, self._unbooked_wait_s = self._unbooked_wait_s, 0.0
-            t0 -= carried
-            state_dict = resolve_stateful(state_dict)  # once: the RAM-root check and staging read it
-            defer, answer = self._gate.begin(tiers, step, wait_previous)  # the agreement travels while we copy
-            t_copy = time.perf_counter()
-            # not while every due tier is sure to be deferred (its job still runs here): a copy
-            # each step of a long deferral would only be dropped
-            early = None if answer.busy_here.issuperset(tiers) else self._pool.stage_early(state_dict)
-            t_copy = time.perf_counter() - t_copy
-            try:
-                tiers, skipped, t_skip = self._gate.decide(step, tiers, state_dict, raise_failures, defer, answer)
-            except BaseException:
-                if early is not None:
-                    self._pool.give_back(early[0])
-                raise
-            # a skipped local tier's wait is the local tier's cost: keep it out of the other tiers' δ
-            t_wait = time.perf_counter() - t0 - t_skip - t_copy
-            self._gate.skipped(skipped, step)
-            if not tiers:
-                if early is not None:  # every tier deferred or skipped: the copy is not needed
-                    self._pool.give_back(early[0])
-                return SaveHandle(step, time.perf_counter() - t0, skipped=skipped)
-            if early is not None:
-                early[0].refs = len(tiers)
-            slot, staged = early if early is not None else self._pool.stage(state_dict, len(tiers))
-            blocked = time.perf_counter() - t0
-            self._gate.started(tiers, step)
-            futures = self._jobs.submit(tiers, staged, step, blocked - t_skip, t_wait, slot,
-                                        self._timeline.for_step(step))
-            return SaveHandle(step, blocked, futures, skipped=skipped)
+        return self._saver.save(step, state_dict, tiers, raise_failures, wait_previous)
 
     def wait_for_staging(self) -> float:
         """Block until the staging copies of every save are complete (not collective).
@@ -231,16 +196,13 @@ class TieredCheckpointer:
         ``maybe_wait_for_staging()`` before ``optimizers.step()``; overlapped, every
         ``torch.optim`` optimizer's step calls it through a global step pre-hook). A blocking
         CPU stage was copied inside ``save()``: returns at once. Overlapped copies are checked
-        here for in-place writes since ``save()`` (:mod:`tierckpt.io.overlap`): a copy that
+        here for in-place writes since ``save()`` (:mod:`tierckpt.staging.overlap`): a copy that
         raced one fails its step's save.
 
         Returns:
             seconds waited (added to the next save's δ: the adaptive scheduler sees the stall).
         """
-        waited = self._pool.wait_for_staging()
-        with self._gate.lock:  # the hook may fire in another thread's optimizer
-            self._unbooked_wait_s += waited
-        return waited
+        return self._saver.trainer_wait()
 
     # -- preemption ----------------------------------------------------------------------------
     def preemption_requested(self) -> str | None:
@@ -335,36 +297,7 @@ class TieredCheckpointer:
                 shape), found before any source is read; on every rank.
             ValueError: ``rollback`` without ``step``, or an unknown source kind.
         """
-        if rollback and step is None:
-            raise ValueError("restore(rollback=True) needs the step rolled back to")
-        kinds = KINDS if sources is None else tuple(sources)
-        if not set(kinds) <= set(KINDS) or not kinds:
-            raise ValueError(f"restore(sources={sources!r}): allowed source kinds are {list(KINDS)}")
-        self._pool.wait_for_staging()  # the load writes into tensors a pending device→host copy reads
-        stuck = self._jobs.drain_for_restore()
-        groups = self._spare.get("restore") if stuck else self._groups
-        # pulled copies are committed in the background, on the local lane of every rank; with
-        # a local job stuck on some node that lane is blocked there: commit them now instead
-        res = self._restorer.restore(state_dict, step, kinds=kinds, groups=groups, unavailable=frozenset(stuck),
-                                     defer_commit=self._local is not None and not stuck)
-        if res is None:
-            return None
-        self._journal.restore(res)
-        self._timeline.restored()
-        if rollback or step is None:
-            # a training run from an older save starts a new timeline: by name, or because the
-            # newest save could not be served (a fallback); saves passed over are superseded at
-            # this run's first commit (tierckpt/history/rollback.py)
-            self._rollback.arm(res.step, self._restorer.last_inventory, res.save_id, self._timeline.run,
-                               self._timeline.next_seq, EXPLICIT if rollback else FALLBACK)
-        self._gate.restored(res.step, all(o.source.kind != PERSISTENT for o in res.sources.values()))
-        if self._gate.schedule is not None:
-            self._gate.schedule.after_restore(res.step, groups.local_world)
-        self._last_redundancy = None
-        self._last_redundancy = redundancy.rebuild(res, stuck, restorer=self._restorer, jobs=self._jobs,
-                                                   journal=self._journal, spare=self._spare,
-                                                   local=self._local is not None)
-        return res
+        return self._resume.restore(state_dict, step, rollback, sources)
 
     # -- queries for adapters -------------------------------------------------------------------
     @property
@@ -386,11 +319,6 @@ class TieredCheckpointer:
         restore plans it (:func:`tierckpt.restore.plan_restore`). Collective: every rank calls
         it (one all-gather of each node's listing)."""
         return self._restorer.inventory()
-
-    def all_steps(self) -> list[int]:
-        """Every step some tier of some node holds committed, ascending (collective, as
-        :meth:`inventory`)."""
-        return sorted(self.inventory().all_steps())
 
     def add_rollback_hook(self, fn) -> None:
         """Call ``fn(rollback)`` (a :class:`~tierckpt.history.rollback.PendingRollback`) once an

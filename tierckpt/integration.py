@@ -26,14 +26,14 @@ from tierckpt._lazy import lazy_exports as _lazy_exports
 
 # name -> defining module; resolved on first access (PEP 562)
 _EXPORTS = {
-    "all_gather": "tierckpt.dist.collectives",
-    "run_agreed": "tierckpt.dist.collectives",
-    "PeerFailure": "tierckpt.dist.collectives",
-    "check_replication": "tierckpt.dist.topology",
-    "accelerator_present": "tierckpt.dist.accel",
+    "all_gather": "tierckpt.cluster.collectives",
+    "run_agreed": "tierckpt.cluster.collectives",
+    "PeerFailure": "tierckpt.cluster.collectives",
+    "check_replication": "tierckpt.cluster.topology",
+    "accelerator_present": "tierckpt.cluster.accel",
     "signal_numbers": "tierckpt.preemption",
     "write_dcp": "tierckpt.tiers.persistent",
-    "read_item": "tierckpt.io.peek",
+    "read_item": "tierckpt.restore.peek",
     "plan_restore": "tierckpt.restore",
     "TIERS": "tierckpt.config",
     "validate_tiers": "tierckpt.config",
@@ -48,11 +48,11 @@ _EXPORTS = {
 
 if TYPE_CHECKING:  # what mypy and IDEs see; at run time the names resolve lazily
     from tierckpt.config import TIERS, validate_tiers
-    from tierckpt.dist.accel import accelerator_present
-    from tierckpt.dist.collectives import PeerFailure, all_gather, run_agreed
-    from tierckpt.dist.topology import check_replication
+    from tierckpt.cluster.accel import accelerator_present
+    from tierckpt.cluster.collectives import PeerFailure, all_gather, run_agreed
+    from tierckpt.cluster.topology import check_replication
     from tierckpt.errors import VerificationError
-    from tierckpt.io.peek import read_item
+    from tierckpt.restore.peek import read_item
     from tierckpt.metrics import record_metrics, restore_metrics, result_metrics
     from tierckpt.preemption import signal_numbers
     from tierckpt.records import RestoreRecord

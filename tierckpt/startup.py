@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from tierckpt.config import TierConfig
 import torch.distributed as dist
 
-from tierckpt.dist.collectives import broadcast_from_first, first_by_rank, gather_reduced
-from tierckpt.dist.topology import Groups, Topology, discover
+from tierckpt.cluster.collectives import broadcast_from_first, first_by_rank, gather_reduced
+from tierckpt.cluster.topology import Groups, Topology, discover
 from tierckpt.errors import ConfigError, ReadTimeout
 from tierckpt.history import lineage
 from tierckpt.history.journal import RunJournal

@@ -18,9 +18,12 @@ Checks today:
 - :func:`check_mypy_coverage`: ``[tool.mypy] files`` names every package, ``make lint`` runs
   mypy on that configuration, and neither mypy's ``exclude`` nor an ``ignore_errors`` override
   drops a package's module;
-- :func:`report_engine_size` (report only): ``tierckpt/engine.py``'s lines and the engine class's
-  methods against the targets of issue 30 (≤ :data:`ENGINE_MAX_LINES` lines, ≤
-  :data:`ENGINE_MAX_METHODS` methods).
+- :func:`check_wing_order`: every module of ``tierckpt/`` belongs to one wing of
+  :data:`WING_ORDER`, and no import (module level, lazy or under ``TYPE_CHECKING``) reaches a
+  wing above the importing module's own (docs/architecture.md shows the order);
+- :func:`check_engine_size`: ``tierckpt/engine.py`` has at most :data:`ENGINE_MAX_LINES` lines
+  and the engine class at most :data:`ENGINE_MAX_METHODS` methods (issue 30; a new feature gets
+  its own module, not more engine).
 
 To add a check, write a ``check_*`` function returning a :class:`Check` and append it to
 :data:`CHECKS`.
@@ -58,6 +61,27 @@ ENGINE_FILE = "tierckpt/engine.py"
 ENGINE_CLASS = "TieredCheckpointer"
 
 LAZY_MODULES = ("tierckpt/__init__.py", "tierckpt/integration.py")
+
+WING_ORDER: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("errors", "validators", "records", "priors", "handle", "preemption", "loader_signals", "gcpause",
+              "_lazy")),
+    ("cluster", ("cluster",)),
+    ("io", ("io",)),
+    ("config", ("config",)),
+    ("sched", ("sched",)),
+    ("staging", ("staging",)),
+    ("transport", ("transport",)),
+    ("history", ("history",)),
+    ("tiers", ("tiers",)),
+    ("restore", ("restore",)),
+    ("cli", ("cli",)),
+    ("top", ("metrics", "startup", "exit", "engine", "integration", "launch", "__init__")),
+)
+"""The wings of ``tierckpt/``, lowest first (issue 30: the order a save flows through them): each
+entry names a wing and the first component under ``tierckpt.`` of its modules (a subpackage, or a
+top-level module). A module imports only its own wing and the wings listed before it; ``top`` (the
+engine, its start and exit, the package's lazy exports and the adapters' integration surface)
+may import any wing."""
 
 
 @dataclass
@@ -314,12 +338,13 @@ def check_mypy_coverage(root: Path) -> Check:
     return Check("mypy coverage", not problems, line + ("" if not problems else "; " + "; ".join(problems)))
 
 
-def report_engine_size(root: Path) -> Check:
-    """Report only: ``tierckpt/engine.py``'s line count and the number of methods (``def``
-    directly in the class body, properties included) of :data:`ENGINE_CLASS`."""
+def check_engine_size(root: Path) -> Check:
+    """``tierckpt/engine.py``'s line count ≤ :data:`ENGINE_MAX_LINES` and the number of methods
+    (``def`` directly in the class body, properties and dunders included) of
+    :data:`ENGINE_CLASS` ≤ :data:`ENGINE_MAX_METHODS`."""
     path = root / ENGINE_FILE
     if not path.is_file():
-        return Check("engine size", False, f"{ENGINE_FILE} is missing", enforced=False)
+        return Check("engine size", False, f"{ENGINE_FILE} is missing")
     text = path.read_text()
     lines = len(text.splitlines())
     methods = 0
@@ -327,12 +352,73 @@ def report_engine_size(root: Path) -> Check:
         if isinstance(node, ast.ClassDef) and node.name == ENGINE_CLASS:
             methods = sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
     ok = lines <= ENGINE_MAX_LINES and methods <= ENGINE_MAX_METHODS
-    return Check("engine size", ok, f"{ENGINE_FILE}: {lines} lines (target ≤ {ENGINE_MAX_LINES}), "
-                 f"{ENGINE_CLASS}: {methods} methods (target ≤ {ENGINE_MAX_METHODS})", enforced=False)
+    return Check("engine size", ok, f"{ENGINE_FILE}: {lines} lines (≤ {ENGINE_MAX_LINES}), "
+                 f"{ENGINE_CLASS}: {methods} methods (≤ {ENGINE_MAX_METHODS})")
+
+
+def _wing_of(module: str) -> str | None:
+    """The wing of :data:`WING_ORDER` holding ``module`` (dotted, ``tierckpt`` itself: ``top``)."""
+    first = module.split(".")[1] if "." in module else "__init__"
+    return next((wing for wing, members in WING_ORDER if first in members), None)
+
+
+def _tierckpt_modules(root: Path) -> dict[str, Path]:
+    """``{dotted module name: file}`` of every module under ``root/tierckpt``."""
+    out: dict[str, Path] = {}
+    for f in _package_files(root, "tierckpt"):
+        parts = list(f.relative_to(root).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def _imported(module: str, is_package: bool, node: ast.AST, known: set[str]) -> list[str]:
+    """The ``tierckpt`` modules an import statement ``node`` of ``module`` reaches (relative
+    imports resolved; ``from pkg import name`` reaches ``pkg.name`` when that is a module)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "tierckpt"]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[:len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    if target.split(".")[0] != "tierckpt":
+        return []
+    subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
+    # `from tierckpt import startup` reaches the module, not the package's lazy exports
+    return subs if subs and len(subs) == len(node.names) else [target] + subs
+
+
+def check_wing_order(root: Path) -> Check:
+    """Every ``tierckpt`` module is in a wing of :data:`WING_ORDER` and imports no wing above its
+    own (any import statement: module level, inside a function, under ``TYPE_CHECKING``)."""
+    modules = _tierckpt_modules(root)
+    rank = {wing: i for i, (wing, _) in enumerate(WING_ORDER)}
+    problems: list[str] = []
+    edges = 0
+    for name, path in sorted(modules.items()):
+        wing = _wing_of(name)
+        if wing is None:
+            problems.append(f"{name} is in no wing (add it to WING_ORDER in tierckpt_dev/shape_check.py)")
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in _imported(name, path.name == "__init__.py", node, set(modules)):
+                other = _wing_of(target)
+                if other is None or other == wing:
+                    continue
+                edges += 1
+                if rank[other] > rank[wing]:
+                    problems.append(f"{name} ({wing}) imports {target} ({other}, above)")
+    order = " < ".join(wing for wing, _ in WING_ORDER)
+    line = f"{order}; {len(modules)} modules, {edges} imports across wings, {len(problems)} upward"
+    return Check("wing order", not problems, line + ("" if not problems else "; " + "; ".join(problems[:8])
+                                                     + (" …" if len(problems) > 8 else "")))
 
 
 CHECKS: list[Callable[[Path], Check]] = [check_public_names, check_ruff_coverage, check_mypy_coverage,
-                                         report_engine_size]
+                                         check_wing_order, check_engine_size]
 
 
 def run(root: Path = REPO) -> tuple[int, list[Check]]:

@@ -417,7 +417,7 @@ class TieredCheckpointManager(CheckpointManager):
         """
         t0 = time.perf_counter()
         if step == SEED_STEP:  # torchtitan: step 0 is the seed, loaded model-only
-            newer = [] if self.load_only else self._engine.all_steps()
+            newer = [] if self.load_only else sorted(self._engine.inventory().all_steps())
             if newer:  # this run's saves would overwrite and interleave with them
                 raise ConfigError("checkpoint.load_step", f"0 is the seed checkpoint, but committed steps {newer} "
                                   "exist: a training run from the seed would write over them; name one of them, "

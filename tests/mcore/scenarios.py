@@ -402,7 +402,7 @@ def phase_overlapped_staging(rank: int, world: int, base: str) -> dict:
     staging buffer's second save; the threshold is lowered to 1 KiB, the test model's tensors
     being 4 KiB at most). Iteration 3 restores bitwise into a fresh model from its own local
     copy. Returns the facts the test asserts."""
-    import tierckpt.io.staging as staging
+    import tierckpt.staging.pool as staging
     from tests.scenarios import assert_bitwise
 
     staging.OVERLAP_MIN_BYTES = 1024

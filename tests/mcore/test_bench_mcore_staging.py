@@ -15,7 +15,7 @@ import bench_mcore_staging as bms  # noqa: E402
 
 
 def test_runs_and_the_payload_takes_the_plan(capsys):
-    from tierckpt.io.staging import StagingPool
+    from tierckpt.staging.pool import StagingPool
 
     payload, plain = bms.megatron_payload(1)
     assert len(payload.sharded) == 324 and len(plain) == 284
@@ -48,7 +48,7 @@ def test_two_leaves_under_one_dotted_path_take_the_full_copy():
     # keys 0 and "0" name the same dotted path: the plan could not tell their tensors apart
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from tierckpt.io.staging import StagingPool
+    from tierckpt.staging.pool import StagingPool
 
     x, y = torch.zeros(4), torch.zeros(4)
 
@@ -69,7 +69,7 @@ def test_a_refresh_that_fails_falls_back_to_the_full_copy(caplog):
     # copy.deepcopy refuses a non-leaf tensor that DCP's stager copies: every save still works
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from tierckpt.io.staging import StagingPool
+    from tierckpt.staging.pool import StagingPool
 
     w, p = torch.zeros(4), torch.ones(2, requires_grad=True)
 

@@ -17,7 +17,7 @@ from typing import Iterable
 
 import torch.distributed as dist
 
-from tierckpt.dist.collectives import first_by_rank, gather_reduced
+from tierckpt.cluster.collectives import first_by_rank, gather_reduced
 from tierckpt.history.ledger import Ledger
 from tierckpt.io.layout import LEDGER
 from tierckpt.records import (
@@ -50,7 +50,7 @@ class RunJournal:
         self.started: float | None = None
 
     def run_start(self, topo, tiers: Iterable[str], lineage: str | None) -> None:
-        """Append ``run_start`` for ``topo`` (a :class:`tierckpt.dist.topology.Topology`:
+        """Append ``run_start`` for ``topo`` (a :class:`tierckpt.cluster.topology.Topology`:
         world_size, nodes, ranks_per_node, jump, factor) and start the exposure clock."""
         self.started = time.time()
         self.ledger.append(RunStartRecord(

@@ -28,15 +28,29 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Protocol
 
 from tierckpt.history.timeline import of_manifest, run_of, seq_of
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
-from tierckpt.restore import Inventory
 
 log = logging.getLogger(__name__)
 
 EXPLICIT, FALLBACK = "rollback", "fallback"
+
+
+class Inventory(Protocol):
+    """What a rollback reads of the restore's inventory (:class:`tierckpt.restore.Inventory`,
+    the restore wing above this one: history does not import it; fields as documented there)."""
+
+    local: dict[int, set[int]]
+    replicas: dict[int, dict[int, set[int]]]
+    persistent: set[int]
+    dirs: dict[int, set[tuple[int, str]]]
+    saves: dict[int, dict[str | None, dict[int, dict[int, str]]]]
+    persistent_ids: dict[int, str | None]
+
+    def all_steps(self) -> set[int]: ...
 
 
 class PendingRollback:

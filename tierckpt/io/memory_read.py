@@ -1,7 +1,7 @@
 """Loading a DCP checkpoint whose files are in memory: the restore's fast path.
 
 A restore has the files it loads in memory twice over: a pull receives a peer's replica into
-memory (checksummed on receipt, :mod:`tierckpt.tiers.transfer`), and a node restoring its own
+memory (checksummed on receipt, :mod:`tierckpt.transport.transfer`), and a node restoring its own
 copy reads and checksums its share in one pass (:func:`read_verified`) while the pulls run.
 :class:`MemoryReader` then loads from those bytes. DCP's ``FileSystemReader`` would
 ``torch.load`` each tensor record from a stream (parse the zip, copy the bytes into a new

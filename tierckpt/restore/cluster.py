@@ -29,7 +29,7 @@ more nodes, or another rank count, reads it like this (every rank of the job tak
 
 Ordering of the exchange: every rank runs its sends on a helper thread and its receives on the
 calling thread, each in increasing transfer index; a wait-for chain always ends at the lowest
-index, so no set of transfers deadlocks (the argument of :mod:`tierckpt.tiers.transfer`).
+index, so no set of transfers deadlocks (the argument of :mod:`tierckpt.transport.transfer`).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierckpt.dist.collectives import FAILURES, gather_leaders, gather_reduced, union
-from tierckpt.dist.topology import Topology
+from tierckpt.cluster.collectives import FAILURES, gather_leaders, gather_reduced, union
+from tierckpt.cluster.topology import Topology
 from tierckpt.errors import ReadTimeout
 from tierckpt.io import manifest
 from tierckpt.io.bounded import BoundedFileSystem, run_bounded

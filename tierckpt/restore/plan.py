@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from tierckpt.dist.topology import peers
+from tierckpt.cluster.topology import peers
 from tierckpt.history.timeline import LEGACY_ORDER, sort_key
 from tierckpt.io import layout
 

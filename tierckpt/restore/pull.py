@@ -23,16 +23,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tierckpt.dist.collectives import all_gather
-from tierckpt.dist.topology import Groups, Topology
+from tierckpt.cluster.collectives import all_gather
+from tierckpt.cluster.topology import Groups, Topology
 from tierckpt.io.bounded import run_bounded
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 from tierckpt.restore.plan import REPLICA, Inventory, Source
-from tierckpt.tiers.receive import RECV_BUFFERS
+from tierckpt.transport.receive import RECV_BUFFERS
 from tierckpt.tiers.replication import commit_received
 from tierckpt.tiers.retention import InUse
-from tierckpt.tiers.transfer import Received, Transfer, start_transfers
+from tierckpt.transport.transfer import Received, Transfer, start_transfers
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class Pulled:
 
     def wait_bytes(self, path: str, end: int) -> None:
         """Block until the first ``end`` bytes of ``path`` (a file of :attr:`memory`) arrived
-        (see :meth:`~tierckpt.tiers.transfer.Received.wait_bytes`)."""
+        (see :meth:`~tierckpt.transport.transfer.Received.wait_bytes`)."""
         for r in self.results.values():
             if path in r.memory:
                 r.wait_bytes(path, end)
@@ -121,7 +121,7 @@ def pull_chunk_bytes(chunk_bytes: int, memory_bytes: int) -> int:
     """Chunk size of a restore's pulls (bytes, a multiple of 4096): ``chunk_bytes``
     (``TierConfig.transfer_chunk_bytes``), capped so that a pull received to disk (a share above
     ``memory_bytes``, ``TierConfig.restore_memory_bytes``) holds at most
-    ``max(memory_bytes, 4 MiB)`` in its :data:`~tierckpt.tiers.receive.RECV_BUFFERS` receive
+    ``max(memory_bytes, 4 MiB)`` in its :data:`~tierckpt.transport.receive.RECV_BUFFERS` receive
     buffers: the restore's memory bound holds whichever way the share is received. Every rank
     computes the same value from the same configuration (sender and receiver must agree)."""
     cap = max(PULL_CHUNK_MIN, memory_bytes // RECV_BUFFERS // 4096 * 4096)
@@ -156,7 +156,7 @@ def run_pulls(store: Store, topo: Topology, groups: Groups, in_use: InUse, chunk
     ``memory_bytes``: the most a rank receives into memory (``TierConfig.restore_memory_bytes``);
     a larger share is received to disk in chunks of :func:`pull_chunk_bytes`.
     ``read_timeout_s``: a sender's reads of its copy are bounded (``TierConfig.restore_read_timeout_s``,
-    see :func:`~tierckpt.tiers.transfer.send_step`): a hung read fails the pull, never the restore.
+    see :func:`~tierckpt.transport.transfer.send_step`): a hung read fails the pull, never the restore.
     When every rank of the node keeps its whole share, this returns once the receives are
     posted: :attr:`Pulled.memory` fills as the bytes arrive (:meth:`Pulled.wait_bytes`) and
     :meth:`Pulled.settle` (collective over the node) says whether they were intact; otherwise

@@ -15,7 +15,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from tierckpt.dist.topology import Groups, SpareGroups
+from tierckpt.cluster.topology import Groups, SpareGroups
 from tierckpt.history.journal import RunJournal
 from tierckpt.records import RedundancyRecord
 from tierckpt.restore.plan import missing_replicas

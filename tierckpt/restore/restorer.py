@@ -36,8 +36,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from tierckpt.dist.collectives import FAILURES, agree, all_gather, gather_leaders, gather_reduced, run_agreed
-from tierckpt.dist.topology import Groups, Topology
+from tierckpt.cluster.collectives import FAILURES, agree, all_gather, gather_leaders, gather_reduced, run_agreed
+from tierckpt.cluster.topology import Groups, Topology
 from tierckpt.errors import NoCheckpointError, ReadTimeout, TierUnreachableError, VerificationError
 from tierckpt.history import lineage
 from tierckpt.io import layout
@@ -473,7 +473,7 @@ class Restorer:
         load, then one agreement — so a failure on one rank alone (a disk error while
         hashing, a ``Stateful`` refusing its state after DCP's last collective) cannot leave
         the node's ranks in different collectives. Returns bytes read; raises
-        :class:`~tierckpt.dist.collectives.PeerFailure` naming the cause on every rank of the
+        :class:`~tierckpt.cluster.collectives.PeerFailure` naming the cause on every rank of the
         node when any rank failed (→ next source).
 
         The reads of this rank's share and of ``.metadata`` are bounded by

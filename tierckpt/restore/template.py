@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from tierckpt.dist.collectives import FAILURES, gather_leaders, gather_reduced
-from tierckpt.dist.topology import Groups, Topology
+from tierckpt.cluster.collectives import FAILURES, gather_leaders, gather_reduced
+from tierckpt.cluster.topology import Groups, Topology
 from tierckpt.errors import TemplateMismatchError
 from tierckpt.io import layout, manifest
 from tierckpt.io.bounded import run_bounded

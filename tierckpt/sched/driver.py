@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from tierckpt.dist.collectives import broadcast_from_first
+from tierckpt.cluster.collectives import broadcast_from_first
 from tierckpt.records import CheckpointRecord
 from tierckpt.sched.cadence import Cadence
 

@@ -55,21 +55,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from tierckpt.errors import ConfigError
+from tierckpt.priors import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT
 from tierckpt.records import LedgerRecord, RunEndRecord, RunStartRecord, parse_records
 from tierckpt.validators import positive_int, positive_number, positive_seconds
 
-LLAMA3_GPUS = 16384
-"""GPUs of the Llama 3 405B pre-training run (Dubey et al. 2024, §3.3.4)."""
-LLAMA3_DAYS = 54
-"""Length of the Llama 3 snapshot in which interruptions were counted, days."""
-LLAMA3_INTERRUPTIONS = 419
-"""Unexpected interruptions in that snapshot."""
-DEFAULT_GPU_MTBF_S = LLAMA3_GPUS * LLAMA3_DAYS * 86400 / LLAMA3_INTERRUPTIONS
-"""Per-GPU MTBF derived from Llama 3, seconds: 16384 · 54 · 86400 / 419 ≈ 1.824e8 s."""
-DEFAULT_WEIGHT = 1.0
-"""Default prior weight, in pseudo-failures: one observed failure counts as much as the prior."""
-
-
+# the prior's defaults live below every wing (tierckpt/priors.py): TierConfig reads them too
 _SECONDS = positive_seconds()
 _WEIGHT = positive_number(unit="pseudo-failures")
 _GPUS = positive_int(note="GPUs, or ranks on CPU")

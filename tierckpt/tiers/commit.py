@@ -2,7 +2,7 @@
 
 One routine (:func:`save_step`) for the local tier (over a node's ranks, into the node-local
 root) and the persistent tier (over all ranks, into the shared root); each phase after the
-write is agreed over the group (:func:`tierckpt.dist.collectives.run_agreed`), so a failure on
+write is agreed over the group (:func:`tierckpt.cluster.collectives.run_agreed`), so a failure on
 any rank leaves the step uncommitted — invisible to restore and retention — on every rank. The
 commit protocol itself (manifest, then marker) is :mod:`tierckpt.io.manifest`.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tierckpt.dist.collectives import all_gather, gather_reduced, run_agreed, union
+from tierckpt.cluster.collectives import all_gather, gather_reduced, run_agreed, union
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 
@@ -51,7 +51,7 @@ def save_step(store: Store, rel: str, write: Callable[[], dict[str, tuple[int, s
             roots, so ``tierckpt ls`` shows a save in flight).
         before_commit: run on every rank in an agreed phase of its own before the write and
             again after it (overlapped staging's snapshot check,
-            :meth:`tierckpt.io.staging.StagingSlot.check_intact`); raising on any rank leaves
+            :meth:`tierckpt.staging.pool.StagingSlot.check_intact`); raising on any rank leaves
             the step unwritten or uncommitted on every rank of ``group``.
         manifest_fields: recorded in the manifest (:func:`tierckpt.io.manifest.commit`).
 

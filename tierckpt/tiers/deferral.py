@@ -3,7 +3,7 @@ now, so a slow write never stalls training.
 
 :class:`BusyPoll` answers "has the tier's last job finished on every rank?" with one all-reduce
 (MIN of one int32 done flag per tier asked) over the control group, the group the trainer's
-thread alone uses (:class:`tierckpt.dist.topology.Groups`). The answer is the same on every
+thread alone uses (:class:`tierckpt.cluster.topology.Groups`). The answer is the same on every
 rank, so every rank takes the same save-or-defer decision and the tier collectives stay in
 step. A job agreed finished stays finished: later questions about it cost no collective, and
 answers are kept for the rest of the step so repeated ``due()`` calls of one step agree.

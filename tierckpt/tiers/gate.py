@@ -20,7 +20,7 @@ import time
 from typing import Iterable
 
 from tierckpt.config import TierConfig, validate_tiers
-from tierckpt.dist.topology import Groups, Topology
+from tierckpt.cluster.topology import Groups, Topology
 from tierckpt.errors import ConfigError, TierFailedError
 from tierckpt.history.journal import RunJournal
 from tierckpt.history.rollback import RollbackTracker

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from tierckpt.config import TierConfig
-from tierckpt.dist.collectives import FAILURES, all_gather, first_by_rank, gather_reduced, union
-from tierckpt.dist.topology import Groups, Topology
+from tierckpt.cluster.collectives import FAILURES, all_gather, first_by_rank, gather_reduced, union
+from tierckpt.cluster.topology import Groups, Topology
 from tierckpt.history.journal import RunJournal
 from tierckpt.history.timeline import SaveIdentity
-from tierckpt.io.staging import StagingSlot
+from tierckpt.staging.pool import StagingSlot
 from tierckpt.io.storage import Store
 from tierckpt.records import CheckpointRecord, RedundancyRecord
 from tierckpt.tiers import retention
@@ -413,7 +413,7 @@ class TierJobs:
 
 
 def merge_stats(parts: list[tuple]) -> tuple:
-    """A ``reduce`` for :func:`~tierckpt.dist.collectives.gather_reduced` of save stats
+    """A ``reduce`` for :func:`~tierckpt.cluster.collectives.gather_reduced` of save stats
     ``(rank, ok, error, bytes, background_s, blocking_s)``: ok of all, the error of the lowest
     rank that has one (its rank leads; else the lowest rank), bytes summed, seconds the
     slowest. Applied per node, then over the nodes, it gives what one flat gather gives, so

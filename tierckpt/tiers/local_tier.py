@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from tierckpt.dist.topology import Topology
+from tierckpt.cluster.topology import Topology
 from tierckpt.history import lineage
 from tierckpt.history.timeline import LEGACY_ORDER, SaveIdentity, of_manifest
 from tierckpt.io import layout, manifest

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from tierckpt.dist.collectives import all_gather
-from tierckpt.dist.topology import Topology, peers
+from tierckpt.cluster.collectives import all_gather
+from tierckpt.cluster.topology import Topology, peers
 from tierckpt.records import CheckpointRecord
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from tierckpt.dist.collectives import all_gather, gather_reduced
-from tierckpt.dist.topology import Topology, clique
+from tierckpt.cluster.collectives import all_gather, gather_reduced
+from tierckpt.cluster.topology import Topology, clique
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
-from tierckpt.tiers.transfer import Received, Transfer, run_transfers
+from tierckpt.transport.transfer import Received, Transfer, run_transfers
 
 log = logging.getLogger(__name__)
 

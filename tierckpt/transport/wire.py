@@ -1,7 +1,7 @@
-"""The wire of a file transfer between two ranks (:mod:`tierckpt.tiers.transfer`): what a
+"""The wire of a file transfer between two ranks (:mod:`tierckpt.transport.transfer`): what a
 stream is (:class:`Transfer`), its JSON header framing, the point-to-point request helper and
 the chunk buffers of a batch of transfers (:class:`BufferPool`). Shared by the sending and the receiving side
-(:mod:`tierckpt.tiers.receive`); fault injection patches :func:`work` here to reach both."""
+(:mod:`tierckpt.transport.receive`); fault injection patches :func:`work` here to reach both."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ pages faulted in ahead of the network by a prefetch thread, so gloo's send threa
 a page fault on a hung disk. When the prefetch makes no progress for the bound, the rest of
 the stream is sent as zeros (the receiver's checksum rejects it: the pull fails, agreed, like
 a corrupt one) and the prefetch thread is left behind; it stops at its next step and sends
-nothing. Same stream, same header, same chunking as :func:`tierckpt.tiers.transfer.send_step`.
+nothing. Same stream, same header, same chunking as :func:`tierckpt.transport.transfer.send_step`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from tierckpt.io import manifest
 from tierckpt.io.bounded import Progress, run_bounded
 from tierckpt.io.memory_read import map_readonly, touch_share
 from tierckpt.io.storage import Store
-from tierckpt.tiers import wire
-from tierckpt.tiers.wire import SHARED_MAX, Transfer
+from tierckpt.transport import wire
+from tierckpt.transport.wire import SHARED_MAX, Transfer
 
 log = logging.getLogger(__name__)
 _AHEAD = 3  # chunks mapped and read ahead of the network
@@ -127,7 +127,7 @@ class _Prefetch:
 
 
 def send_step_bounded(store: Store, t: Transfer, group, chunk_bytes: int, timeout_s: float) -> int:
-    """:func:`~tierckpt.tiers.transfer.send_step` with every read of the local copy bounded by
+    """:func:`~tierckpt.transport.transfer.send_step` with every read of the local copy bounded by
     ``timeout_s`` seconds without progress (see the module docstring). Returns bytes sent
     (zeros included); never leaves the receiver waiting for a chunk."""
     dst = wire.group_rank(t.dst_rank, group)

@@ -5,7 +5,7 @@ restore pulls (a peer's replica → the node that lost its disk). A file never s
 memory: the receiver holds four buffers of ``chunk_bytes`` (a sender reading a local disk sends
 from page-cache mappings, one chunk at a time; from any other store through two buffers) and
 pipelines disk I/O with the network (read/hash/write chunk k while chunk k+1 is in flight). The
-buffers live as long as one batch of transfers (:class:`~tierckpt.tiers.wire.BufferPool`):
+buffers live as long as one batch of transfers (:class:`~tierckpt.transport.wire.BufferPool`):
 a process holds none between replications. The receiver checks every
 file's size and xxh3-64 against the source manifest before anything is committed.
 
@@ -15,7 +15,7 @@ receiver busy with a lower index, whose sender is busy with a lower index still,
 wait-for chain always ends (no deadlock for any set of transfers).
 
 This module is the sending side and the driver; the receiving side is
-:mod:`tierckpt.tiers.receive`, the stream's framing :mod:`tierckpt.tiers.wire`.
+:mod:`tierckpt.transport.receive`, the stream's framing :mod:`tierckpt.transport.wire`.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ import threading
 
 import torch.distributed as dist
 
-from tierckpt.dist.collectives import FAILURES
+from tierckpt.cluster.collectives import FAILURES
 from tierckpt.io import manifest
 from tierckpt.io.memory_read import map_readonly
 from tierckpt.io.storage import Store
-from tierckpt.tiers import wire
-from tierckpt.tiers.bounded_send import send_step_bounded
-from tierckpt.tiers.receive import Received, recv_step
-from tierckpt.tiers.wire import SHARED_MAX, Transfer
+from tierckpt.transport import wire
+from tierckpt.transport.bounded_send import send_step_bounded
+from tierckpt.transport.receive import Received, recv_step
+from tierckpt.transport.wire import SHARED_MAX, Transfer
 
 __all__ = ["SHARED_MAX", "Received", "Transfer", "recv_step", "run_transfers", "send_step", "start_transfers"]
 
@@ -50,7 +50,7 @@ def send_step(store: Store, t: Transfer, group, chunk_bytes: int, read_timeout_s
     never waits forever; a file that shrank is padded with zeros, which the receiver's
     checksum rejects. ``read_timeout_s`` (a restore's pull, local store): every read of the
     copy is bounded, a hung one fails the transfer instead of stalling the stream
-    (:func:`~tierckpt.tiers.bounded_send.send_step_bounded`). ``pool``: where the two send
+    (:func:`~tierckpt.transport.bounded_send.send_step_bounded`). ``pool``: where the two send
     buffers of a non-local store come from (the caller releases it); None: buffers of this call only.
     """
     if read_timeout_s is not None and store.local:
@@ -196,7 +196,7 @@ def start_transfers(transfers: list[Transfer], rank: int, store: Store, group, c
     the thread before this rank's next transfer (two streams to one peer must not interleave)
     and before a collective over ``group``; it may do other work meanwhile (a restore
     loads its own copy). The sends' and the receives' chunk buffers are released when each
-    side is done (:class:`~tierckpt.tiers.wire.BufferPool`). ``read_timeout_s``: bound the
+    side is done (:class:`~tierckpt.transport.wire.BufferPool`). ``read_timeout_s``: bound the
     sends' reads (see :func:`send_step`)."""
     sends = [t for t in transfers if t.src_rank == rank and t.dst_rank != rank]
 

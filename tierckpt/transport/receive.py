@@ -1,4 +1,4 @@
-"""The receiving side of a file transfer (:mod:`tierckpt.tiers.transfer`): chunks received,
+"""The receiving side of a file transfer (:mod:`tierckpt.transport.transfer`): chunks received,
 hashed and written on a writer thread (:func:`recv_step`), or, for a restore, kept in memory
 and used as they arrive (a streamed receive, :class:`Received`)."""
 
@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from tierckpt.dist.collectives import FAILURES
+from tierckpt.cluster.collectives import FAILURES
 from tierckpt.io import manifest
 from tierckpt.io.storage import Store
-from tierckpt.tiers import wire
-from tierckpt.tiers.wire import Transfer
+from tierckpt.transport import wire
+from tierckpt.transport.wire import Transfer
 
 log = logging.getLogger(__name__)
 _ALIGN = 4096

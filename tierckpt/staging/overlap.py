@@ -8,7 +8,7 @@ Language Models", HPDC 2024; on CUDA the same contract as DCP's async staging an
 torchtitan's ``async_with_pinned_mem``). ``save()`` then copies only the small tensors
 (below :data:`OVERLAP_MIN_BYTES`, where buffers that forward updates in place live: norm
 statistics, MoE token counts, FP8 scaling history) and hands the large ones to one copy thread
-per :class:`~tierckpt.io.staging.StagingPool` (``torch._foreach_copy_`` releases the GIL).
+per :class:`~tierckpt.staging.pool.StagingPool` (``torch._foreach_copy_`` releases the GIL).
 
 The trainer's side of the contract is a wait before the next in-place update
 (:meth:`tierckpt.TieredCheckpointer.wait_for_staging`); the engine installs it as a global

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from tierckpt.dist.collectives import FAILURES
+from tierckpt.cluster.collectives import FAILURES
 from tierckpt.io import layout, manifest, per_rank
 from tierckpt.io.storage import Store
 from tierckpt.restore import Inventory, plan_restore

@@ -8,10 +8,10 @@ later saves of the same state reuse the same host buffers (no host-memory growth
 per-save host allocations are a known source of RSS growth in async checkpointing).
 
 From the second save of the same structure on, a slot skips DCP's per-object deep copy: it
-keeps the staged structure of its last save and a :class:`~tierckpt.io.copy_plan.CopyPlan`
+keeps the staged structure of its last save and a :class:`~tierckpt.staging.copy_plan.CopyPlan`
 naming, leaf by leaf, where each live value goes, checks that the new state dict has the same
 structure (keys, container lengths, each tensor's type, dtype, shape and DTensor spec, each
-:class:`~tierckpt.io.copy_plan.TensorHolder`'s key), and copies every tensor with one
+:class:`~tierckpt.staging.copy_plan.TensorHolder`'s key), and copies every tensor with one
 ``torch._foreach_copy_`` call (the per-tensor Python work of the deep copy was most of the
 blocking time above one memcpy of the state: bench/RESULTS.md). Any difference falls back to
 DCP's stager, which rebuilds the plan. CPU tensors only (plain tensors, DTensors' local
@@ -45,7 +45,7 @@ A state with no CUDA tensor (``"sync"``) is copied synchronously, in ``save()``,
 ``StagingPool(overlapped=True)`` (``TierConfig.cpu_staging = "overlapped"``) the large tensors
 of a state whose copy plan is known (second save on) are copied by a background thread instead,
 under the same wait contract as CUDA staging, with in-place writes detected
-(:mod:`tierckpt.io.overlap`).
+(:mod:`tierckpt.staging.overlap`).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from tierckpt.io.copy_plan import CopyPlan, walk
-from tierckpt.io.overlap import OVERLAP_MIN_BYTES, Copier, PendingCopy
+from tierckpt.staging.copy_plan import CopyPlan, walk
+from tierckpt.staging.overlap import OVERLAP_MIN_BYTES, Copier, PendingCopy
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def resolve_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
 def _tensors(v: Any) -> Iterator[torch.Tensor]:
     """Every tensor holding data in a (nested dict/list/tuple) state: plain tensors, DTensors'
     local tensors, ShardedTensors' local shards. Not the tensors inside objects, including
-    :class:`~tierckpt.io.copy_plan.TensorHolder` ones: a state whose CUDA tensors are all
+    :class:`~tierckpt.staging.copy_plan.TensorHolder` ones: a state whose CUDA tensors are all
     inside objects (the Megatron payload) takes the synchronous path, its copy complete when
     ``save()`` returns — Megatron's training loop calls no ``wait_for_staging()``."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -146,7 +146,7 @@ class StagingSlot:
         """Copy ``state_dict`` into this slot's host buffers; ``users`` jobs will release it.
 
         ``"sync"``: the copy is complete on return, except in an overlapped pool, where the
-        tensors of at least :data:`~tierckpt.io.overlap.OVERLAP_MIN_BYTES` may still be copying.
+        tensors of at least :data:`~tierckpt.staging.overlap.OVERLAP_MIN_BYTES` may still be copying.
         ``"cuda-async"``: the copies are enqueued. Either way readers call :meth:`check_intact`
         first and the trainer calls :meth:`StagingPool.wait_for_staging` before modifying a
         saved tensor in place."""
@@ -184,7 +184,7 @@ class StagingSlot:
         return staged
 
     def _plan_failed(self, e: Exception) -> None:
-        """Drop the copy plan after ``e`` (raised by a :class:`~tierckpt.io.copy_plan.TensorHolder`
+        """Drop the copy plan after ``e`` (raised by a :class:`~tierckpt.staging.copy_plan.TensorHolder`
         or the walk); this save takes DCP's full copy. Warned once per pool: the saves stay
         correct, but pay the full copy's time."""
         self._plan = None
@@ -244,7 +244,7 @@ class StagingSlot:
         state at ``save()``. Tier jobs call it before reading the copy and before committing.
 
         Raises:
-            StagingError: see :meth:`tierckpt.io.overlap.PendingCopy.check`.
+            StagingError: see :meth:`tierckpt.staging.overlap.PendingCopy.check`.
         """
         self.wait_copied()
         p = self._pending
@@ -252,7 +252,7 @@ class StagingSlot:
             p.check()
 
     def seal(self) -> None:
-        """Trainer side of an overlapped stage (:meth:`tierckpt.io.overlap.PendingCopy.seal`)."""
+        """Trainer side of an overlapped stage (:meth:`tierckpt.staging.overlap.PendingCopy.seal`)."""
         p = self._pending
         if p is not None:
             p.seal()

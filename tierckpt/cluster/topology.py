@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from tierckpt.dist.collectives import Tree, register_tree, unregister_tree
+from tierckpt.cluster.collectives import Tree, register_tree, unregister_tree
 from tierckpt.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -213,11 +213,11 @@ class Groups:
         control: all ranks; used by the trainer's thread only (agreeing to skip a tier whose
             previous save is still running), never by a background worker.
         local_tree, persistent_tree: the node-leader exchange
-            (:class:`~tierckpt.dist.collectives.Tree`) under ``local_world`` (its node group is
+            (:class:`~tierckpt.cluster.collectives.Tree`) under ``local_world`` (its node group is
             ``node``: both belong to the local worker and the restore) and under
             ``persistent_world`` (a node group and a leaders group of its own, for the
             persistent worker); registered, so the helpers of
-            :mod:`tierckpt.dist.collectives` route those groups' agreements through them.
+            :mod:`tierckpt.cluster.collectives` route those groups' agreements through them.
             None with one rank per node, where every rank is a leader and flat is the same.
     """
 

@@ -1,0 +1,1 @@
+"""cluster: topology (nodes, ranks, groups, cliques), collectives, accelerator detection."""

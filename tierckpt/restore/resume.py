@@ -1,0 +1,79 @@
+"""The engine's ``restore()`` as one sequence (:meth:`Resume.restore`): the pending staging copies,
+the lanes drained (a node whose local job is stuck is restored without its local root, on second
+groups), the :class:`~tierckpt.restore.Restorer`, the ``restore`` record, an armed rollback
+(:mod:`tierckpt.history.rollback`), the restart's interval decision and the rebuild of the
+restored step's replicas (:mod:`tierckpt.restore.redundancy`)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from tierckpt.history.rollback import EXPLICIT, FALLBACK
+from tierckpt.restore import redundancy
+from tierckpt.restore.plan import KINDS, PERSISTENT
+from tierckpt.restore.restorer import RestoreResult
+
+if TYPE_CHECKING:
+    from tierckpt.cluster.topology import Groups, SpareGroups
+    from tierckpt.history.journal import RunJournal
+    from tierckpt.history.rollback import RollbackTracker
+    from tierckpt.history.timeline import Timeline
+    from tierckpt.restore.restorer import Restorer
+    from tierckpt.staging.pool import StagingPool
+    from tierckpt.tiers.gate import SaveGate
+    from tierckpt.tiers.jobs import TierJobs
+
+__all__ = ["Resume"]
+
+
+class Resume:
+    """Runs one rank's part of a collective restore over the engine's parts (each documented on
+    :class:`tierckpt.TieredCheckpointer`); ``last_redundancy``: the Future of the replica rebuild
+    started by the last restore (None: none ran, or the last restore found nothing)."""
+
+    def __init__(self, *, restorer: Restorer, jobs: TierJobs, gate: SaveGate, pool: StagingPool,
+                 journal: RunJournal, timeline: Timeline, rollback: RollbackTracker, groups: Groups,
+                 spare: SpareGroups, local: bool):
+        self.restorer, self.jobs, self.gate, self.pool = restorer, jobs, gate, pool
+        self.journal, self.timeline, self.rollback = journal, timeline, rollback
+        self.groups, self.spare, self.local = groups, spare, local
+        self.last_redundancy: Future | None = None
+
+    def restore(self, state_dict: dict, step: int | None, rollback: bool,
+                sources: tuple[str, ...] | None) -> RestoreResult | None:
+        """:meth:`tierckpt.TieredCheckpointer.restore` (its documentation holds: arguments, result,
+        ``NoCheckpointError``, ``TemplateMismatchError``).
+
+        Raises:
+            ValueError: ``rollback`` without ``step``, or an unknown (or no) source kind.
+        """
+        if rollback and step is None:
+            raise ValueError("restore(rollback=True) needs the step rolled back to")
+        kinds = KINDS if sources is None else tuple(sources)
+        if not set(kinds) <= set(KINDS) or not kinds:
+            raise ValueError(f"restore(sources={sources!r}): allowed source kinds are {list(KINDS)}")
+        self.pool.wait_for_staging()  # the load writes into tensors a pending device→host copy reads
+        stuck = self.jobs.drain_for_restore()
+        groups = self.spare.get("restore") if stuck else self.groups
+        # pulled copies are committed in the background, on the local lane of every rank; with
+        # a local job stuck on some node that lane is blocked there: commit them now instead
+        res = self.restorer.restore(state_dict, step, kinds=kinds, groups=groups, unavailable=frozenset(stuck),
+                                    defer_commit=self.local and not stuck)
+        if res is None:
+            return None
+        self.journal.restore(res)
+        self.timeline.restored()
+        if rollback or step is None:
+            # a training run from an older save starts a new timeline: by name, or because the
+            # newest save could not be served (a fallback); saves passed over are superseded at
+            # this run's first commit (tierckpt/history/rollback.py)
+            self.rollback.arm(res.step, self.restorer.last_inventory, res.save_id, self.timeline.run,
+                              self.timeline.next_seq, EXPLICIT if rollback else FALLBACK)
+        self.gate.restored(res.step, all(o.source.kind != PERSISTENT for o in res.sources.values()))
+        if self.gate.schedule is not None:
+            self.gate.schedule.after_restore(res.step, groups.local_world)
+        self.last_redundancy = None
+        self.last_redundancy = redundancy.rebuild(res, stuck, restorer=self.restorer, jobs=self.jobs,
+                                                  journal=self.journal, spare=self.spare, local=self.local)
+        return res

@@ -1,0 +1,1 @@
+"""staging: host staging buffers and refills of a saved state (pool, copy plan, overlapped copies)."""
