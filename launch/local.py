@@ -32,6 +32,30 @@ wait instead of stopping the other nodes.
 :class:`LocalLauncher` is the Python API (``launch/local_demo.py`` uses it to kill a node's
 training process mid-run).
 
+**Warm processes** (default; ``--cold`` for the torchrun path above). Instead of a torchrun
+per node and attempt, the launcher starts one node agent per simulated node for the whole run
+(``python -m tierckpt.recovery.agent``; :mod:`tierckpt.recovery`), which imports the trainer's
+modules once (``--preload``, default from the command: torch, torchtitan and the plugin for
+``-m titan_plugin.train``) and forks each attempt's ranks from that warm interpreter, with the
+environment torchrun would give them. A failed attempt's ranks are SIGKILLed at once (their
+state is in the tiers; a torn save is never visible) and the next attempt starts within
+milliseconds: survivors and replacement pay no interpreter start and no imports. The agents
+also watch their ranks' beacons: a node whose ranks stop ticking (SIGSTOP, a frozen host) for
+``--hang-timeout`` seconds (default 10) is killed and restarted or replaced, and with
+``--progress-timeout`` a job in which no rank reports a new step for that long is restarted.
+Nothing in an agent initialises CUDA or NCCL (:mod:`tierckpt.recovery.warm` checks it before
+every fork).
+
+**Spare nodes** (``--spares S``): S more agents start idle. When a node is lost for good (or
+hangs and is killed), a spare takes over its node id at the next attempt, with an empty local
+root: it restores its shards from its peers' replicas, and the job keeps its world size. With
+no spare left, ``--min-nodes`` decides as below.
+
+**Recovery timeline.** Each rank of an attempt that follows a failed one gets
+``$TIERCKPT_RECOVERY`` (JSON: attempt, cause, failed_nodes, failure_noticed, survivors_stopped,
+launched, warm, replaced; UNIX seconds) and ``$TIERCKPT_PROCESS_STARTED``; the engine writes the
+phases into the ledger's ``recovery`` record (:mod:`tierckpt.recovery.timeline`).
+
 **Losing a node for good** (:meth:`LocalLauncher.lose_node`, ``--lose-node NODE@SECONDS``): its
 processes are SIGKILLed and its local root (``--local-root``, a template with ``{node}``) is
 deleted. With ``--min-nodes M`` (default ``$TIERCKPT_MIN_NODES``, else every node is needed) the
@@ -65,6 +89,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_ERROR = 2  # exit status of titan_plugin.train / the mcore launcher on an invalid configuration
 PREEMPTED_EXIT = 75  # tierckpt.PREEMPTED_EXIT: the ranks saved on a preemption notice ("requeue me")
 MIN_NODES_ENV = "TIERCKPT_MIN_NODES"
+if REPO not in sys.path:  # run as a script: the repository's packages (tierckpt.recovery)
+    sys.path.insert(0, REPO)
+
+from tierckpt.recovery.nodes import AgentAttempt  # noqa: E402 - after the path fix above
+from tierckpt.recovery.pool import AgentPool, HangWatch, PoolError  # noqa: E402
+
+
+def default_preload(command: list[str]) -> list[str]:
+    """Modules a node agent imports before forking ranks of ``command``: what the trainer's
+    entry point imports anyway (torch, the framework, the plugin, the engine), never anything
+    that initialises CUDA or a process group at import."""
+    base = ["torch", "torch.distributed.checkpoint", "tierckpt.engine"]
+    if command[:2] == ["-m", "titan_plugin.train"]:
+        extra = ["torchtitan.train", "titan_plugin.train", "titan_plugin.manager", "titan_plugin.toml"]
+        return base + extra + ["tierckpt_dev.titan", "tierckpt_dev.titan.cpu"]
+    if command[:2] == ["-m", "mcore_plugin.pretrain"]:
+        return base + ["megatron.core", "megatron.training", "mcore_plugin.pretrain"]
+    return base
 
 
 class LaunchError(RuntimeError):
@@ -178,6 +220,15 @@ class Attempt:
         lost: slots lost for good during this attempt.
         notice_at: UNIX seconds of the preemption notice (forwarded, or a node's exit 75), or None.
         preempted: every node exited 75 after saving on the notice.
+        warm: its ranks were forked by warm node agents (None: not known yet / cold).
+        cause: why it failed: "node-failure" (a rank exited non-zero), "hang" or "stall"
+            (:class:`tierckpt.recovery.pool.HangWatch`), "lost-node" (:meth:`LocalLauncher.lose_node`).
+        failed_nodes: node ids blamed for the failure.
+        failure_noticed, survivors_stopped: UNIX seconds the launcher saw the failure and
+            every process of the attempt was gone.
+        replaced: {node id: slot} of the spares that took over a node id for this attempt.
+        agent: the attempt on the node agents (warm), else None.
+        hang_detail: what the hang verdict saw (warm, cause "hang" or "stall").
     """
 
     index: int
@@ -196,6 +247,14 @@ class Attempt:
     lost: list[int] = field(default_factory=list)
     notice_at: float | None = None
     preempted: bool = False
+    warm: bool | None = None
+    cause: str | None = None
+    failed_nodes: list[int] = field(default_factory=list)
+    failure_noticed: float | None = None
+    survivors_stopped: float | None = None
+    replaced: dict[int, int] = field(default_factory=dict)
+    agent: AgentAttempt | None = None
+    hang_detail: str = ""
 
     @property
     def ok(self) -> bool:
@@ -227,17 +286,32 @@ class LocalLauncher:
             ends with status 2).
         notice_grace_s: seconds the nodes get to save and exit after a preemption notice
             before they are SIGKILLed (> ``preemption_grace_s`` + one step).
+        warm: run the ranks in warm node agents (module docstring); False: one torchrun per
+            node and attempt.
+        spares: idle nodes (agents, when warm) that take over the id of a node lost for good
+            or killed for hanging (≥ 0).
+        preload: modules the agents import before forking ranks (None: :func:`default_preload`).
+        hang_timeout_s: seconds after which a node whose agent or ranks stopped ticking is
+            hung (warm only; 0 disables; else ≥ 2).
+        progress_timeout_s: seconds without a new training step on any rank (once one was
+            reported) after which the attempt is restarted (warm only; 0, the default, disables:
+            set it above the longest evaluation or final save).
+        agent_ready_timeout_s: seconds the agents get to start and import (warm only).
 
     Raises:
         ValueError: a count < 1, ``min_nodes`` outside 1..nodes (or a bad
-            ``$TIERCKPT_MIN_NODES``), a ``local_root`` without ``{node}``, or an empty command.
+            ``$TIERCKPT_MIN_NODES``), a ``local_root`` without ``{node}``, an empty command,
+            ``spares`` < 0, or a bad timeout.
     """
 
     def __init__(self, command: list[str], *, nodes: int, nproc_per_node: int = 1, max_attempts: int = 3,
                  log_dir: str, name: str = "job", env: dict[str, str] | None = None,
                  state_dir: str | None = None, kill_grace_s: float = 5.0, cwd: str = REPO,
                  min_nodes: int | None = None, local_root: str | None = None,
-                 reconfigure: Callable[[int, int], list[str]] | None = None, notice_grace_s: float = 120.0):
+                 reconfigure: Callable[[int, int], list[str]] | None = None, notice_grace_s: float = 120.0,
+                 warm: bool = True, spares: int = 0, preload: list[str] | None = None,
+                 hang_timeout_s: float = 10.0, progress_timeout_s: float = 0.0,
+                 agent_ready_timeout_s: float = 600.0):
         for opt, v in (("nodes", nodes), ("nproc_per_node", nproc_per_node), ("max_attempts", max_attempts)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{opt} must be an integer >= 1, got {v!r}")
@@ -260,6 +334,14 @@ class LocalLauncher:
         self.notice_grace_s = notice_grace_s
         self._notice: str | None = None
         self.attempts: list[Attempt] = []
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise ValueError(f"spares must be an integer >= 0, got {spares!r}")
+        self.warm, self.preload = bool(warm), list(preload) if preload is not None else default_preload(command)
+        self.spares = list(range(nodes, nodes + spares))  # idle slots, taken in order
+        self.watch = HangWatch(hang_timeout_s, progress_timeout_s) if warm else None  # ValueError on bad input
+        self.agent_ready_timeout_s = agent_ready_timeout_s
+        self.pool: AgentPool | None = None
+        self._pending_replace: dict[int, int] = {}  # node id -> spare slot, for the next attempt
         os.makedirs(log_dir, exist_ok=True)
 
     # -- commands ------------------------------------------------------------------------------
@@ -297,8 +379,11 @@ class LocalLauncher:
         env.update(self.extra_env)
         env["TIERCKPT_RESTART_COUNT"] = str(a.restart_count)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+        a.replaced, self._pending_replace = dict(self._pending_replace), {}
         a.t_start = time.time()
         self.attempts.append(a)
+        if self.warm:
+            return self._start_warm(a, env)
         for node in range(self.nodes):
             path = os.path.join(self.log_dir, f"{self.name}-attempt{a.index + 1}-node{node}.log")
             a.logs.append(path)
@@ -310,11 +395,63 @@ class LocalLauncher:
         a.rcs = [None] * self.nodes
         return a
 
+    def _recovery(self, a: Attempt) -> dict | None:
+        """``$TIERCKPT_RECOVERY`` of attempt ``a``: the failure of the attempt before it."""
+        prev = self.attempts[a.index - 1] if a.index > 0 else None
+        if prev is None or prev.failure_noticed is None:
+            return None
+        return {"attempt": a.index, "cause": prev.cause or "node-failure", "failed_nodes": list(prev.failed_nodes),
+                "failure_noticed": prev.failure_noticed, "survivors_stopped": prev.survivors_stopped,
+                "warm": self.warm, "replaced": {str(n): f"spare slot {s}" for n, s in a.replaced.items()}}
+
+    def _start_warm(self, a: Attempt, env: dict[str, str]) -> Attempt:
+        """Start attempt ``a`` in the node agents (one per slot of this attempt)."""
+        assert self.pool is not None
+        try:
+            self.pool.wait_ready(self.slots, self.agent_ready_timeout_s)  # a restarted agent imports first
+        except PoolError as e:
+            raise LaunchError(str(e)) from None
+        a.logs = [os.path.join(self.log_dir, f"{self.name}-attempt{a.index + 1}-node{n}.log") for n in range(self.nodes)]
+        for path in a.logs:
+            open(path, "w").close()
+        a.agent = AgentAttempt(self.pool, a.index, self.slots, self.nproc_per_node, self.watch)
+        a.rcs = [None] * self.nodes
+        unreachable = a.agent.start(self.command + a.extra_args, env, master_addr="127.0.0.1", master_port=a.port,
+                                    logs=a.logs, cwd=self.cwd, recovery=self._recovery(a))
+        for node in unreachable:
+            a.rcs[node] = 1
+        return a
+
+    def _launch_agent(self, slot: int) -> None:
+        """Start the node agent of ``slot`` (its log: ``<name>-agent<slot>.log``)."""
+        assert self.pool is not None
+        env = dict(os.environ)
+        env.pop("TIERCKPT_NODE_ID", None)
+        env.update(self.extra_env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+        self.pool.launch_local(slot, preload=self.preload, env=env, cwd=self.cwd, preexec_fn=_term_with_parent,
+                               log_path=os.path.join(self.log_dir, f"{self.name}-agent{slot}.log"))
+
+    def _ensure_agents(self) -> None:
+        """Start the agents of every node and spare, and wait until they imported."""
+        if not self.warm or self.pool is not None:
+            return
+        self.pool = AgentPool()
+        slots = [*self.slots, *self.spares]
+        for slot in slots:
+            self._launch_agent(slot)
+        try:
+            self.pool.wait_ready(slots, self.agent_ready_timeout_s)
+        except PoolError as e:
+            raise LaunchError(str(e)) from None
+
     # -- processes -----------------------------------------------------------------------------
     def workers(self, node: int) -> list[int]:
         """PIDs of the training processes (torchrun's children) of ``node`` in the current attempt."""
         if not self.attempts:
             return []
+        if self.attempts[-1].agent is not None:
+            return self.attempts[-1].agent.workers(node)
         p = self.attempts[-1].procs[node]
         if p.poll() is not None:
             return []
@@ -328,7 +465,18 @@ class LocalLauncher:
 
     def _stop_nodes(self, a: Attempt) -> None:
         """SIGTERM every running torchrun of ``a`` (it stops its workers), SIGKILL what is left
-        after the grace period, the workers included."""
+        after the grace period, the workers included. Warm: SIGKILL every rank through its
+        agent; an agent that does not confirm is killed (its node is then hung: replaced by a
+        spare, or its agent restarted)."""
+        if a.agent is not None:
+            if self.pool is None:  # the run ended: its agents, and their ranks, are gone
+                return
+            for node in a.agent.kill(timeout=max(3.0, self.kill_grace_s)):
+                if a.agent.slots[node] == self.slots[node] and a.agent.slots[node] not in self.lost:
+                    self._agent_died(a, node)  # not a node already lost or replaced
+            if a.survivors_stopped is None:
+                a.survivors_stopped = time.time()
+            return
         tree = {i: [p.pid, *descendants(p.pid)] for i, p in enumerate(a.procs) if p.poll() is None}
         for i in tree:
             with contextlib.suppress(ProcessLookupError):
@@ -358,10 +506,17 @@ class LocalLauncher:
         if not isinstance(node, int) or not 0 <= node < self.nodes:
             raise ValueError(f"node must be a node id in 0..{self.nodes - 1}, got {node!r}")
         a = self.attempts[-1] if self.attempts else None
-        if a is not None and a.t_end is None and node < len(a.procs) and a.procs[node].poll() is None:
+        if self.pool is not None:
+            self.pool.terminate(self.slots[node])  # the host is gone: its agent and ranks too
+        elif a is not None and a.t_end is None and node < len(a.procs) and a.procs[node].poll() is None:
             for pid in [*descendants(a.procs[node].pid), a.procs[node].pid]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+        if a is not None and a.t_end is None:
+            a.cause = a.cause or "lost-node"
+        if self.spares:
+            self._take_spare(node, a)
+            return
         slot = self.slots.pop(node)
         self.lost.append(slot)
         if a is not None and a.t_end is None:
@@ -369,6 +524,33 @@ class LocalLauncher:
         self.nodes = len(self.slots)
         if self.local_root is not None:
             shutil.rmtree(self.local_root.format(node=self._dir_id.pop(slot)), ignore_errors=True)
+
+    def _take_spare(self, node: int, a: Attempt | None) -> None:
+        """Node ``node``'s host is lost (its disk with it): the next spare slot takes over its
+        id from the next attempt on, with an empty local root."""
+        slot, spare = self.slots[node], self.spares.pop(0)
+        self.lost.append(slot)
+        if a is not None and a.t_end is None:
+            a.lost.append(slot)
+        self.slots[node] = spare
+        self._pending_replace[node] = spare
+        if self.local_root is not None:
+            shutil.rmtree(self.local_root.format(node=self._dir_id.pop(slot)), ignore_errors=True)
+            self._dir_id[spare] = node
+
+    def _agent_died(self, a: Attempt, node: int) -> None:
+        """``node``'s agent hung or vanished: kill it; a spare takes the node over (its host is
+        out: its disk is not read again), else a fresh agent restarts on the same host, disk
+        kept (a reboot), cold."""
+        assert self.pool is not None
+        slot = self.slots[node]
+        self.pool.terminate(slot)
+        if node not in a.failed_nodes:
+            a.failed_nodes.append(node)
+        if self.spares:
+            self._take_spare(node, a)
+        else:
+            self._launch_agent(slot)
 
     def _relocate_disks(self) -> None:
         """Rename each survivor's local root to its node id of the next attempt (ids only go
@@ -425,6 +607,11 @@ class LocalLauncher:
         deadline = None if timeout is None else time.time() + timeout
         rc = 1
         try:
+            if self.warm and self.pool is None:
+                t0 = time.time()
+                self._ensure_agents()
+                say(f"{len(self.slots) + len(self.spares)} node agents ready (warm: {', '.join(self.preload)} "
+                    f"imported) in {time.time() - t0:.1f} s" + (f"; spare slots {self.spares}" if self.spares else ""))
             while True:
                 if self.nodes < self.min_nodes:
                     say(f"giving up: node(s) {self.lost} lost for good, {self.nodes} left, fewer than the minimum "
@@ -451,11 +638,16 @@ class LocalLauncher:
                         f"node {a.failed_node} exited {rc}; not retrying")
                     return rc
                 code = a.worker_exitcode
-                say(f"attempt {a.index + 1} failed: node {a.failed_node} exited {rc}"
-                    + (f" (worker {'killed by signal ' + str(-code) if code < 0 else 'exit ' + str(code)})"
-                       if code is not None else ""))
+                if a.cause in ("hang", "stall"):
+                    say(f"attempt {a.index + 1} failed: {a.cause}: {a.hang_detail}")
+                else:
+                    say(f"attempt {a.index + 1} failed: node {a.failed_node} exited {rc}"
+                        + (f" (worker {'killed by signal ' + str(-code) if code < 0 else 'exit ' + str(code)})"
+                           if code is not None else ""))
                 if a.lost:
                     say(f"node(s) on simulated host(s) {a.lost} lost for good; {self.nodes} node(s) left")
+                for node, spare in self._pending_replace.items():
+                    say(f"spare slot {spare} takes over node {node} ({len(self.spares)} spare(s) left)")
                 if code == CONFIG_ERROR:
                     say("invalid configuration: not retrying")
                     return CONFIG_ERROR
@@ -464,6 +656,9 @@ class LocalLauncher:
                     return rc
         finally:
             self.stop()
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
 
     def _fit(self, say: Callable[[str], None]) -> list[str]:
         """Before an attempt: move the survivors' disks to their ids; the reconfigure
@@ -475,20 +670,60 @@ class LocalLauncher:
         say(f"{self.nodes} of {self.initial_nodes} nodes: appending {' '.join(extra) or 'nothing'}")
         return extra
 
+    def _poll_nodes(self, a: Attempt) -> None:
+        """Refresh ``a.rcs`` (and, warm, the agents' events and the failing worker's status)."""
+        if a.agent is None:
+            for i, p in enumerate(a.procs):
+                a.rcs[i] = p.poll()
+            return
+        assert self.pool is not None
+        for ev in self.pool.poll(0.0):
+            if ev.get("ev") == "notice" and self._notice is None:  # a signal reached an agent itself
+                self._notice = signal.Signals(int(ev["sig"])).name
+        for i in range(len(a.rcs)):
+            if a.rcs[i] is None:
+                st = a.agent.status(i)
+                a.rcs[i] = st.code
+                if st.code not in (None, 0, PREEMPTED_EXIT) and a.worker_exitcode is None:
+                    a.worker_exitcode = st.worker_exitcode
+        if a.warm is None and a.agent.started():
+            a.warm = a.agent.warm()
+
+    def _forward_notice(self, a: Attempt) -> None:
+        if a.agent is not None:
+            a.agent.signal(signal.SIGTERM)
+            return
+        for p in a.procs:  # torchrun forwards it to its ranks (tierckpt.launch: SIGUSR1 too)
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+
+    def _failed(self, a: Attempt, node: int, cause: str) -> None:
+        """Attempt ``a`` failed at ``node``: note when, stop every process, note when."""
+        a.failure_noticed = a.failure_noticed or time.time()
+        a.failed_node = node if a.failed_node is None else a.failed_node
+        a.cause = a.cause or cause
+        if node not in a.failed_nodes:
+            a.failed_nodes.append(node)
+        self._stop_nodes(a)  # srun --kill-on-bad-exit=1
+        a.t_end = time.time()
+        if a.agent is None:
+            with contextlib.suppress(OSError):
+                with open(a.logs[a.failed_node], errors="replace") as f:
+                    a.worker_exitcode = root_cause_exitcode(f.read()[-20000:])
+
     def _wait(self, a: Attempt, deadline: float | None, monitor) -> int:
         while True:
             if monitor is not None:
                 monitor(self, a)
-            for i, p in enumerate(a.procs):
-                a.rcs[i] = p.poll()
+            self._poll_nodes(a)
             if self._notice is not None and a.notice_at is None:
                 a.notice_at = time.time()
-                for p in a.procs:  # torchrun forwards it to its ranks (tierckpt.launch: SIGUSR1 too)
-                    if p.poll() is None:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(p.pid, signal.SIGTERM)
+                self._forward_notice(a)
             if a.notice_at is None and PREEMPTED_EXIT in a.rcs:
                 a.notice_at = time.time()  # the notice reached the ranks directly: the others save too
+                if a.agent is not None:  # torchrun's nodes hear it from the ranks; agents forward it
+                    a.agent.signal(signal.SIGTERM)
             if a.notice_at is not None:
                 rc = self._wait_preempted(a)
                 if rc is None:
@@ -497,13 +732,12 @@ class LocalLauncher:
                 return rc
             bad = [(i, rc) for i, rc in enumerate(a.rcs) if rc is not None and rc != 0]
             if bad:
-                a.failed_node, failed_rc = bad[0]
-                self._stop_nodes(a)  # srun --kill-on-bad-exit=1
-                a.t_end = time.time()
-                with contextlib.suppress(OSError):
-                    with open(a.logs[a.failed_node], errors="replace") as f:
-                        a.worker_exitcode = root_cause_exitcode(f.read()[-20000:])
-                return failed_rc
+                self._failed(a, bad[0][0], "lost-node" if a.lost else "node-failure")
+                return a.rcs[a.failed_node] or 1
+            verdict = a.agent.verdict() if a.agent is not None else None
+            if verdict is not None:
+                self._hung(a, verdict)
+                return 1
             if all(rc == 0 for rc in a.rcs):
                 a.t_end = time.time()
                 return 0
@@ -512,6 +746,26 @@ class LocalLauncher:
                 raise LaunchError(f"{self.name}: not finished within the timeout (attempt {a.index + 1}); "
                                   f"logs: {a.logs}")
             time.sleep(0.05)
+
+    def _hung(self, a: Attempt, verdict) -> None:
+        """A hang or stall verdict on attempt ``a``: the blamed nodes failed (an agent that
+        itself went silent is killed and its node replaced or its agent restarted)."""
+        assert self.pool is not None
+        a.failure_noticed = time.time()
+        a.cause, a.failed_nodes = verdict.cause, list(verdict.slots)
+        a.failed_node = verdict.slots[0]
+        a.worker_exitcode = None
+        silent = [n for n in verdict.slots if verdict.cause == "hang"
+                  and time.monotonic() - self.pool.handles[self.slots[n]].last_heard > (self.watch.hang_timeout_s
+                                                                                      if self.watch else 0)]
+        for n in silent:
+            self._agent_died(a, n)
+        self._stop_nodes(a)
+        for n in a.failed_nodes:
+            if a.rcs[n] is None:
+                a.rcs[n] = 1
+        a.t_end = time.time()
+        a.hang_detail = verdict.detail
 
     def _wait_preempted(self, a: Attempt) -> int | None:
         """After a notice: None while nodes still run within ``notice_grace_s``; then the
@@ -523,7 +777,7 @@ class LocalLauncher:
         if running:
             self._stop_nodes(a)
             for i in running:
-                a.rcs[i] = a.procs[i].returncode
+                a.rcs[i] = a.procs[i].returncode if a.agent is None else 1
         a.t_end = time.time()
         a.preempted = all(rc == PREEMPTED_EXIT for rc in a.rcs)
         if a.preempted:
@@ -535,9 +789,10 @@ class LocalLauncher:
             a.preempted = not all(rc == 0 for rc in a.rcs)
             return PREEMPTED_EXIT if a.preempted else 0
         a.failed_node = bad[0]
-        with contextlib.suppress(OSError):
-            with open(a.logs[a.failed_node], errors="replace") as f:
-                a.worker_exitcode = root_cause_exitcode(f.read()[-20000:])
+        if a.agent is None:
+            with contextlib.suppress(OSError):
+                with open(a.logs[a.failed_node], errors="replace") as f:
+                    a.worker_exitcode = root_cause_exitcode(f.read()[-20000:])
         return a.rcs[a.failed_node] or 1
 
     def failure_text(self, a: Attempt | None = None, chars: int = 4000) -> str:
@@ -596,6 +851,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local-root", default=None,
                     help="the nodes' local-root directory with {node}: deleted for a lost node, renamed for a "
                          "survivor whose id changes")
+    ap.add_argument("--cold", action="store_true",
+                    help="one torchrun per node and attempt (new interpreters) instead of warm node agents")
+    ap.add_argument("--spares", type=int, default=0,
+                    help="idle nodes that take over the id of a node lost for good or killed for hanging")
+    ap.add_argument("--preload", default=None,
+                    help="comma-separated modules the node agents import before forking ranks (default: from the "
+                         "command; e.g. torch, torchtitan and the plugin for -m titan_plugin.train)")
+    ap.add_argument("--hang-timeout", type=float, default=10.0,
+                    help="seconds after which a node whose agent or ranks stopped ticking is killed and restarted or "
+                         "replaced (0: off)")
+    ap.add_argument("--progress-timeout", type=float, default=0.0,
+                    help="seconds without a new training step on any rank after which the attempt is restarted "
+                         "(0: off; set it above the longest evaluation or final save)")
     ap.add_argument("--lose-node", default=None, metavar="NODE@SECONDS",
                     help="lose node NODE for good SECONDS after the first attempt starts (a trial of --min-nodes)")
     if "--" not in argv:
@@ -608,7 +876,10 @@ def main(argv: list[str] | None = None) -> int:
         launcher = LocalLauncher(command, nodes=args.nodes, nproc_per_node=args.nproc_per_node,
                                  max_attempts=args.max_attempts, log_dir=args.log_dir, name=args.name,
                                  state_dir=args.state_dir, kill_grace_s=args.kill_grace, min_nodes=args.min_nodes,
-                                 local_root=args.local_root, reconfigure=fit, notice_grace_s=args.notice_grace)
+                                 local_root=args.local_root, reconfigure=fit, notice_grace_s=args.notice_grace,
+                                 warm=not args.cold, spares=args.spares,
+                                 preload=None if args.preload is None else [m for m in args.preload.split(",") if m],
+                                 hang_timeout_s=args.hang_timeout, progress_timeout_s=args.progress_timeout)
         monitor = _lose_node_monitor(args.lose_node, args.nodes)
     except ValueError as e:
         ap.error(str(e))
