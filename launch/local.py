@@ -229,6 +229,8 @@ class Attempt:
         replaced: {node id: slot} of the spares that took over a node id for this attempt.
         agent: the attempt on the node agents (warm), else None.
         hang_detail: what the hang verdict saw (warm, cause "hang" or "stall").
+        restarted_agents: node ids whose agent was killed in this attempt (replaced by a spare,
+            or restarted).
     """
 
     index: int
@@ -255,6 +257,7 @@ class Attempt:
     replaced: dict[int, int] = field(default_factory=dict)
     agent: AgentAttempt | None = None
     hang_detail: str = ""
+    restarted_agents: set[int] = field(default_factory=set)
 
     @property
     def ok(self) -> bool:
@@ -472,8 +475,8 @@ class LocalLauncher:
             if self.pool is None:  # the run ended: its agents, and their ranks, are gone
                 return
             for node in a.agent.kill(timeout=max(3.0, self.kill_grace_s)):
-                if a.agent.slots[node] == self.slots[node] and a.agent.slots[node] not in self.lost:
-                    self._agent_died(a, node)  # not a node already lost or replaced
+                if node not in a.restarted_agents and a.agent.slots[node] not in self.lost:
+                    self._agent_died(a, node)  # not a node already lost, replaced or restarted
             if a.survivors_stopped is None:
                 a.survivors_stopped = time.time()
             return
@@ -545,6 +548,7 @@ class LocalLauncher:
         assert self.pool is not None
         slot = self.slots[node]
         self.pool.terminate(slot)
+        a.restarted_agents.add(node)
         if node not in a.failed_nodes:
             a.failed_nodes.append(node)
         if self.spares:
@@ -755,10 +759,7 @@ class LocalLauncher:
         a.cause, a.failed_nodes = verdict.cause, list(verdict.slots)
         a.failed_node = verdict.slots[0]
         a.worker_exitcode = None
-        silent = [n for n in verdict.slots if verdict.cause == "hang"
-                  and time.monotonic() - self.pool.handles[self.slots[n]].last_heard > (self.watch.hang_timeout_s
-                                                                                      if self.watch else 0)]
-        for n in silent:
+        for n in verdict.silent:
             self._agent_died(a, n)
         self._stop_nodes(a)
         for n in a.failed_nodes:

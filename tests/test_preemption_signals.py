@@ -300,17 +300,21 @@ def test_sigusr1_to_tierckpt_launch_exits_75_and_resumes_bitwise(tmp_path, refer
     _check_preempted_and_resume(base, reference, "SIGUSR1")
 
 
-def test_sigusr1_to_the_local_launcher_exits_75_without_a_retry(tmp_path, reference):
-    """``launch/local.py`` (2 nodes): SIGUSR1 used to kill it with 138 and leave the ranks
-    running; now both nodes save on the forwarded notice, nothing is retried, exit 75."""
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_sigusr1_to_the_local_launcher_exits_75_without_a_retry(tmp_path, reference, mode):
+    """``launch/local.py`` (2 nodes; warm node agents, or ``--cold`` torchruns): SIGUSR1 used to
+    kill it with 138 and leave the ranks running; now both nodes save on the forwarded notice,
+    nothing is retried, exit 75."""
     base = str(tmp_path)
     logs = os.path.join(base, "logs")
     cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), "--nodes", "2", "--max-attempts", "3",
-           "--log-dir", logs, "--", TRAINER, base, "14"]
+           "--log-dir", logs, *(["--cold"] if mode == "cold" else []), "--", TRAINER, base, "14"]
     rc, out = _interrupted(cmd, base, signal.SIGUSR1, "launcher.log")
     assert rc == 75, (rc, out[-4000:])
     assert "preempted (SIGUSR1): every node saved" in out, out[-3000:]
-    assert sorted(os.listdir(logs)) == ["job-attempt1-node0.log", "job-attempt1-node1.log"], os.listdir(logs)
+    assert sorted(n for n in os.listdir(logs) if "attempt" in n) == ["job-attempt1-node0.log",
+                                                                      "job-attempt1-node1.log"], os.listdir(logs)
+    assert ("node agents ready" in out) == (mode == "warm"), out[-3000:]
     _check_preempted_and_resume(base, reference, "SIGTERM")  # forwarded to the nodes as SIGTERM
 
 

@@ -154,10 +154,12 @@ class AgentAttempt:
         return [self.slots.index(s) for s in slow]
 
     def verdict(self) -> Verdict | None:
-        """A hang or stall of this attempt (None: none); its ``slots`` are node ids here."""
+        """A hang or stall of this attempt (None: none); its ``slots`` and ``silent`` are node
+        ids here."""
         if self.watch is None:
             return None
         v = self.watch.check(self.pool, self.slots, self.index)
         if v is None:
             return None
-        return Verdict(v.cause, tuple(self.slots.index(s) for s in v.slots), v.detail)
+        return Verdict(v.cause, tuple(self.slots.index(s) for s in v.slots), v.detail,
+                       tuple(self.slots.index(s) for s in v.silent))

@@ -351,11 +351,14 @@ class Verdict:
         slots: the slots to blame (for a stall: those whose ranks are furthest behind; every
             slot of the attempt when all are at the same step).
         detail: one line for the log.
+        silent: the blamed slots whose agent itself went silent (a frozen host: kill the agent
+            too); the others' agents still answer.
     """
 
     cause: str
     slots: tuple[int, ...]
     detail: str
+    silent: tuple[int, ...] = ()
 
 
 class HangWatch:
@@ -389,7 +392,7 @@ class HangWatch:
         now = time.monotonic()
         if attempt != self._attempt:
             self._attempt, self._best, self._best_at = attempt, -1, now
-        hung, detail = [], []
+        hung, silent_slots, detail = [], [], []
         steps: dict[int, int] = {}
         for s in slots:
             h = pool.handles[s]
@@ -398,6 +401,7 @@ class HangWatch:
             silent = now - h.last_heard
             if self.hang_timeout_s and silent > self.hang_timeout_s:
                 hung.append(s)
+                silent_slots.append(s)
                 detail.append(f"slot {s}: agent silent for {silent:.1f}s")
                 continue
             ranks = (h.beat or {}).get("ranks", []) if (h.beat or {}).get("attempt") == attempt else []
@@ -409,7 +413,7 @@ class HangWatch:
             if ranks:
                 steps[s] = min(int(r["step"]) for r in ranks)
         if hung:
-            return Verdict("hang", tuple(hung), "; ".join(detail))
+            return Verdict("hang", tuple(hung), "; ".join(detail), tuple(silent_slots))
         best = max(steps.values(), default=-1)
         if best > self._best:
             self._best, self._best_at = best, now
