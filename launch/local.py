@@ -16,7 +16,14 @@ Same semantics as the sbatch scripts (see launch/README.md):
   status 2 (invalid configuration) is not retried;
 - ``TIERCKPT_RESTART_COUNT`` = attempts launched before this one (counted across launcher
   runs in ``--state-dir/attempts`` when given), which the engine writes into the ledger's
-  ``run_start``; a failed attempt's run has no clean ``run_end`` there.
+  ``run_start``; a failed attempt's run has no clean ``run_end`` there;
+- ``TIERCKPT_RECOVERY`` for an attempt that follows a failed one (:func:`recovery_info`: the
+  JSON object of ``tierckpt/recovery/timeline.py`` with the attempt, the cause
+  ``node-failure`` or ``lost-node``, the failed node ids, when the failure was noticed, when
+  the survivors were stopped and when the new attempt was launched, ``warm`` false); the
+  restarted job's ``recovery`` ledger record times its phases from it.
+  ``TIERCKPT_PROCESS_STARTED`` is not set: torchrun creates the ranks, whose ``/proc``
+  creation time the engine reads instead.
 
 Nothing is requeued (there is no allocation to lose). The command's output goes to one log
 per node and attempt (``<log-dir>/<name>-attempt<k>-node<n>.log``). Exit status: 0 when an
@@ -65,6 +72,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_ERROR = 2  # exit status of titan_plugin.train / the mcore launcher on an invalid configuration
 PREEMPTED_EXIT = 75  # tierckpt.PREEMPTED_EXIT: the ranks saved on a preemption notice ("requeue me")
 MIN_NODES_ENV = "TIERCKPT_MIN_NODES"
+RECOVERY_ENV = "TIERCKPT_RECOVERY"  # tierckpt.recovery.timeline: the failure an attempt recovers from
+PROCESS_STARTED_ENV = "TIERCKPT_PROCESS_STARTED"  # ... and when the launcher created a rank's process
 
 
 class LaunchError(RuntimeError):
@@ -111,6 +120,24 @@ def root_cause_exitcode(log_text: str) -> int | None:
     i = log_text.rfind("Root Cause")
     m = re.search(r"exitcode\s*:\s*(-?\d+)", log_text[i:]) if i >= 0 else None
     return int(m.group(1)) if m else None
+
+
+def recovery_info(failed: Attempt, new: Attempt) -> dict | None:
+    """The ``TIERCKPT_RECOVERY`` object of attempt ``new`` after attempt ``failed`` (the contract
+    of ``tierckpt/recovery/timeline.py``), or None when ``failed`` did not fail (no failure
+    noticed). Cold path: every process is new, so ``warm`` is false; ``TIERCKPT_PROCESS_STARTED``
+    is not set (torchrun creates the ranks, so their ``/proc`` creation time is the true one).
+
+    ``cause``: ``"lost-node"`` when nodes were lost for good during ``failed``, else
+    ``"node-failure"``; ``failed_nodes``: node ids in ``failed`` (the lost ones and the first to
+    exit non-zero)."""
+    if failed.failure_noticed is None:
+        return None
+    nodes = sorted({*(failed.slots.index(s) for s in failed.lost if s in failed.slots),
+                    *(() if failed.failed_node is None else (failed.failed_node,))})
+    return {"attempt": new.index, "cause": "lost-node" if failed.lost else "node-failure", "failed_nodes": nodes,
+            "failure_noticed": failed.failure_noticed, "survivors_stopped": failed.survivors_stopped,
+            "launched": new.t_start, "warm": False}
 
 
 def _min_nodes(value: int | None, nodes: int) -> int:
@@ -178,6 +205,9 @@ class Attempt:
         lost: slots lost for good during this attempt.
         notice_at: UNIX seconds of the preemption notice (forwarded, or a node's exit 75), or None.
         preempted: every node exited 75 after saving on the notice.
+        failure_noticed: UNIX seconds the launcher saw a node fail (None: it did not).
+        survivors_stopped: UNIX seconds every process of the attempt was gone after that.
+        recovery: the ``TIERCKPT_RECOVERY`` object this attempt ran with (None: first attempt).
     """
 
     index: int
@@ -196,6 +226,9 @@ class Attempt:
     lost: list[int] = field(default_factory=list)
     notice_at: float | None = None
     preempted: bool = False
+    failure_noticed: float | None = None
+    survivors_stopped: float | None = None
+    recovery: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -294,10 +327,15 @@ class LocalLauncher:
                     nodes=self.nodes, slots=list(self.slots), extra_args=list(extra_args))
         env = dict(os.environ)
         env.pop("TIERCKPT_NODE_ID", None)  # one value cannot be right for every node: use GROUP_RANK
+        for k in (RECOVERY_ENV, PROCESS_STARTED_ENV):  # this launcher's own, or none (not an outer job's)
+            env.pop(k, None)
         env.update(self.extra_env)
         env["TIERCKPT_RESTART_COUNT"] = str(a.restart_count)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
         a.t_start = time.time()
+        a.recovery = recovery_info(self.attempts[-1], a) if self.attempts else None
+        if a.recovery is not None:
+            env[RECOVERY_ENV] = json.dumps(a.recovery)
         self.attempts.append(a)
         for node in range(self.nodes):
             path = os.path.join(self.log_dir, f"{self.name}-attempt{a.index + 1}-node{node}.log")
@@ -498,8 +536,9 @@ class LocalLauncher:
             bad = [(i, rc) for i, rc in enumerate(a.rcs) if rc is not None and rc != 0]
             if bad:
                 a.failed_node, failed_rc = bad[0]
+                a.failure_noticed = time.time()
                 self._stop_nodes(a)  # srun --kill-on-bad-exit=1
-                a.t_end = time.time()
+                a.t_end = a.survivors_stopped = time.time()
                 with contextlib.suppress(OSError):
                     with open(a.logs[a.failed_node], errors="replace") as f:
                         a.worker_exitcode = root_cause_exitcode(f.read()[-20000:])
