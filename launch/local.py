@@ -16,7 +16,12 @@ Same semantics as the sbatch scripts (see launch/README.md):
   status 2 (invalid configuration) is not retried;
 - ``TIERCKPT_RESTART_COUNT`` = attempts launched before this one (counted across launcher
   runs in ``--state-dir/attempts`` when given), which the engine writes into the ledger's
-  ``run_start``; a failed attempt's run has no clean ``run_end`` there.
+  ``run_start``; a failed attempt's run has no clean ``run_end`` there;
+- ``TIERCKPT_RECOVERY`` for an attempt that follows a failed one (:func:`recovery_info`: the
+  JSON object of ``tierckpt/recovery/timeline.py`` with the attempt, the cause, the failed
+  node ids, when the failure was noticed, when the survivors were stopped and when the new
+  attempt was launched, whether its ranks are warm, the spares that took over); the
+  restarted job's ``recovery`` ledger record times its phases from it.
 
 Nothing is requeued (there is no allocation to lose). The command's output goes to one log
 per node and attempt (``<log-dir>/<name>-attempt<k>-node<n>.log``). Exit status: 0 when an
@@ -50,11 +55,6 @@ every fork).
 hangs and is killed), a spare takes over its node id at the next attempt, with an empty local
 root: it restores its shards from its peers' replicas, and the job keeps its world size. With
 no spare left, ``--min-nodes`` decides as below.
-
-**Recovery timeline.** Each rank of an attempt that follows a failed one gets
-``$TIERCKPT_RECOVERY`` (JSON: attempt, cause, failed_nodes, failure_noticed, survivors_stopped,
-launched, warm, replaced; UNIX seconds) and ``$TIERCKPT_PROCESS_STARTED``; the engine writes the
-phases into the ledger's ``recovery`` record (:mod:`tierckpt.recovery.timeline`).
 
 **Losing a node for good** (:meth:`LocalLauncher.lose_node`, ``--lose-node NODE@SECONDS``): its
 processes are SIGKILLed and its local root (``--local-root``, a template with ``{node}``) is
@@ -92,8 +92,9 @@ MIN_NODES_ENV = "TIERCKPT_MIN_NODES"
 if REPO not in sys.path:  # run as a script: the repository's packages (tierckpt.recovery)
     sys.path.insert(0, REPO)
 
-from tierckpt.recovery.nodes import AgentAttempt  # noqa: E402 - after the path fix above
+from tierckpt.recovery.nodes import RECOVERY_ENV, AgentAttempt  # noqa: E402 - after the path fix above
 from tierckpt.recovery.pool import AgentPool, HangWatch, PoolError  # noqa: E402
+from tierckpt.recovery.warm import PROCESS_STARTED_ENV  # noqa: E402
 
 
 def default_preload(command: list[str]) -> list[str]:
@@ -153,6 +154,26 @@ def root_cause_exitcode(log_text: str) -> int | None:
     i = log_text.rfind("Root Cause")
     m = re.search(r"exitcode\s*:\s*(-?\d+)", log_text[i:]) if i >= 0 else None
     return int(m.group(1)) if m else None
+
+
+def recovery_info(failed: Attempt, new: Attempt, warm: bool) -> dict | None:
+    """The ``TIERCKPT_RECOVERY`` object of attempt ``new`` after attempt ``failed`` (the contract
+    of ``tierckpt/recovery/timeline.py``), or None when ``failed`` did not fail (no failure
+    noticed).
+
+    ``cause``: what ``failed`` recorded (``"node-failure"``, ``"lost-node"``, ``"hang"``,
+    ``"stall"``); ``failed_nodes``: node ids in ``failed`` (the lost ones, the blamed ones);
+    ``replaced``: the spares that took over a node id for ``new``; ``warm``: the ranks are forked
+    by warm node agents (which also set ``TIERCKPT_PROCESS_STARTED`` at the fork; torchrun's
+    ranks are new processes whose ``/proc`` creation time the engine reads instead)."""
+    if failed.failure_noticed is None:
+        return None
+    nodes = sorted({*(failed.slots.index(s) for s in failed.lost if s in failed.slots), *failed.failed_nodes,
+                    *(() if failed.failed_node is None else (failed.failed_node,))})
+    return {"attempt": new.index, "cause": failed.cause or ("lost-node" if failed.lost else "node-failure"),
+            "failed_nodes": nodes, "failure_noticed": failed.failure_noticed,
+            "survivors_stopped": failed.survivors_stopped, "launched": new.t_start, "warm": warm,
+            "replaced": {str(n): f"spare slot {s}" for n, s in sorted(new.replaced.items())}}
 
 
 def _min_nodes(value: int | None, nodes: int) -> int:
@@ -231,6 +252,7 @@ class Attempt:
         hang_detail: what the hang verdict saw (warm, cause "hang" or "stall").
         restarted_agents: node ids whose agent was killed in this attempt (replaced by a spare,
             or restarted).
+        recovery: the ``TIERCKPT_RECOVERY`` object this attempt ran with (None: first attempt).
     """
 
     index: int
@@ -258,6 +280,7 @@ class Attempt:
     agent: AgentAttempt | None = None
     hang_detail: str = ""
     restarted_agents: set[int] = field(default_factory=set)
+    recovery: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -379,13 +402,19 @@ class LocalLauncher:
                     nodes=self.nodes, slots=list(self.slots), extra_args=list(extra_args))
         env = dict(os.environ)
         env.pop("TIERCKPT_NODE_ID", None)  # one value cannot be right for every node: use GROUP_RANK
+        for k in (RECOVERY_ENV, PROCESS_STARTED_ENV):  # this launcher's own, or none (not an outer job's)
+            env.pop(k, None)
         env.update(self.extra_env)
         env["TIERCKPT_RESTART_COUNT"] = str(a.restart_count)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
         a.replaced, self._pending_replace = dict(self._pending_replace), {}
         a.t_start = time.time()
+        a.recovery = recovery_info(self.attempts[-1], a, self.warm) if self.attempts else None
+        if a.recovery is not None:
+            env[RECOVERY_ENV] = json.dumps(a.recovery)
         self.attempts.append(a)
         if self.warm:
+            env.pop(RECOVERY_ENV, None)  # the agents add it, with the instant they were asked
             return self._start_warm(a, env)
         for node in range(self.nodes):
             path = os.path.join(self.log_dir, f"{self.name}-attempt{a.index + 1}-node{node}.log")
@@ -397,15 +426,6 @@ class LocalLauncher:
                                                 start_new_session=True, preexec_fn=_term_with_parent))
         a.rcs = [None] * self.nodes
         return a
-
-    def _recovery(self, a: Attempt) -> dict | None:
-        """``$TIERCKPT_RECOVERY`` of attempt ``a``: the failure of the attempt before it."""
-        prev = self.attempts[a.index - 1] if a.index > 0 else None
-        if prev is None or prev.failure_noticed is None:
-            return None
-        return {"attempt": a.index, "cause": prev.cause or "node-failure", "failed_nodes": list(prev.failed_nodes),
-                "failure_noticed": prev.failure_noticed, "survivors_stopped": prev.survivors_stopped,
-                "warm": self.warm, "replaced": {str(n): f"spare slot {s}" for n, s in a.replaced.items()}}
 
     def _start_warm(self, a: Attempt, env: dict[str, str]) -> Attempt:
         """Start attempt ``a`` in the node agents (one per slot of this attempt)."""
@@ -420,7 +440,7 @@ class LocalLauncher:
         a.agent = AgentAttempt(self.pool, a.index, self.slots, self.nproc_per_node, self.watch)
         a.rcs = [None] * self.nodes
         unreachable = a.agent.start(self.command + a.extra_args, env, master_addr="127.0.0.1", master_port=a.port,
-                                    logs=a.logs, cwd=self.cwd, recovery=self._recovery(a))
+                                    logs=a.logs, cwd=self.cwd, recovery=a.recovery)
         for node in unreachable:
             a.rcs[node] = 1
         return a
@@ -711,6 +731,7 @@ class LocalLauncher:
             a.failed_nodes.append(node)
         self._stop_nodes(a)  # srun --kill-on-bad-exit=1
         a.t_end = time.time()
+        a.survivors_stopped = a.survivors_stopped or a.t_end
         if a.agent is None:
             with contextlib.suppress(OSError):
                 with open(a.logs[a.failed_node], errors="replace") as f:
@@ -766,6 +787,7 @@ class LocalLauncher:
             if a.rcs[n] is None:
                 a.rcs[n] = 1
         a.t_end = time.time()
+        a.survivors_stopped = a.survivors_stopped or a.t_end
         a.hang_detail = verdict.detail
 
     def _wait_preempted(self, a: Attempt) -> int | None:

@@ -30,7 +30,9 @@ The report (printed, and ``<out>/report.json``) compares every loss logged after
 with the reference's loss of the same step, exactly (``float.hex``, from the exact per-step
 ``metrics/losses.jsonl``), takes the restore sources, persistent bytes and checkpoint timings
 from tierckpt's ledger, measures the recovery from the kill to the first post-restore step's
-log time, and compares the final step's full checkpoints (model, optimizer, lr_scheduler,
+log time, reports the ledger's ``recovery`` record (``recovery_phases``: failure noticed,
+survivors stopped, launched, processes started, imports, process groups, model built,
+restore, first step; with the demo's kill → failure-noticed gap), and compares the final step's full checkpoints (model, optimizer, lr_scheduler,
 dataloader, train_state) of both runs bitwise. Exit status 1 unless
 the losses are bitwise equal, node ``--victim`` came back from ``peer-replica`` and 0 persistent
 bytes were read (2: the scenario could not run).
@@ -518,6 +520,7 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
 
     ledger_runs = [{"attempt": attempt_of.get(r["run_id"]), "restart_count": r["restart_count"], "clean": r["clean"]}
                    for r in summarize(ledger)["runs"]]
+    phases = recovery_phases(ledger, t_kill)
     restores = [r for r in ledger if r.get("kind") == "restore"]
     restore = restores[-1] if restores else None
     if restore is None:
@@ -547,6 +550,7 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
         "restore_source": sources,
         "persistent_bytes_read_on_restore": pbytes,
         "recovery_seconds": None if recovery is None else round(recovery, 3),
+        "recovery_phases": phases,
         "saves": saves,
         "ledger_runs": ledger_runs,
         "restored_step": rstep,
@@ -595,6 +599,38 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
     return report
 
 
+def recovery_phases(ledger: list[dict], t_kill: float | None) -> dict | None:
+    """The ``recovery_phases`` of a report: the last ``recovery`` record of the ledger (the
+    restarted attempt's timeline: tierckpt/recovery/timeline.py) as its ledger line, plus
+    ``kill_to_failure_noticed_s``, the demo's own kill → the launcher noticing it (seconds;
+    None when either is unknown). None when the ledger has no recovery record."""
+    from tierckpt.records import RecoveryRecord
+
+    line = next((r for r in reversed(ledger) if r.get("kind") == "recovery"), None)
+    if line is None:
+        return None
+    rec = RecoveryRecord.from_ledger(line)
+    noticed = rec.phases.get("failure_noticed") if isinstance(rec, RecoveryRecord) else None
+    gap = None if t_kill is None or not isinstance(noticed, (int, float)) else round(noticed - t_kill, 3)
+    return {**rec.as_line(), "kill_to_failure_noticed_s": gap}
+
+
+def print_recovery(con, phases: dict | None) -> None:
+    """The recovery's phases (``report["recovery_phases"]``) as a table, with the kill →
+    failure-noticed gap; a line saying it is missing when the ledger had no record."""
+    if phases is None:
+        con.print("[yellow]recovery phases: no recovery record in the ledger[/]")
+        return
+    from tierckpt.cli.recovery import recovery_view
+    from tierckpt.records import RecoveryRecord
+
+    rec = RecoveryRecord.from_ledger({k: v for k, v in phases.items() if k != "kill_to_failure_noticed_s"})
+    if isinstance(rec, RecoveryRecord):
+        con.print(recovery_view(rec, title="recovery phases (tierckpt ledger)"))
+    gap = phases.get("kill_to_failure_noticed_s")
+    con.print(f"demo: SIGKILL → failure noticed by the launcher: {'-' if gap is None else f'{gap:.2f}'} s")
+
+
 def print_report(con, report: dict, paths: Paths) -> None:
     from rich.table import Table
 
@@ -628,6 +664,7 @@ def print_report(con, report: dict, paths: Paths) -> None:
     t.add_row("wall time", f"{sec['wall']:.0f} s (reference {sec['reference_run']:.0f} s, attempt 1 "
               f"{sec['attempt_1_until_kill']:.0f} s, attempt 2 {sec['attempt_2']:.0f} s)")
     con.print(t)
+    print_recovery(con, report.get("recovery_phases"))
     st = Table(title="checkpoints (tierckpt ledger)")
     for c in ("attempt", "tier", "step", "blocking δ (ms)", "background (ms)", "bytes", "ok"):
         st.add_column(c, justify="left" if c == "tier" else "right")

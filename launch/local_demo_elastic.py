@@ -32,7 +32,10 @@ could change, and the report says whether the losses were bitwise equal.
 ``<out>/report.json`` (default ``outputs/demo-elastic``): ``nodes_before``, ``nodes_after``,
 ``persistent_bytes_read_on_restore`` (must be 0), ``restore_seconds``, ``restore_sources``,
 ``resharded``, ``first_step_loss`` (elastic and reference, bitwise flag, relative difference,
-tolerance), ``state_after_restore`` (dump comparisons), ``dataloader`` and ``ok``. Exit 1
+tolerance), ``state_after_restore`` (dump comparisons), ``dataloader``, ``recovery_phases``
+(the ledger's ``recovery`` record of attempt 2 — cause ``lost-node``, every phase from the
+launcher noticing the loss to the first step — with the lose → failure-noticed gap; not a
+check) and ``ok``. Exit 1
 unless all checks hold (2: the scenario could not run).
 """
 
@@ -220,6 +223,7 @@ def _run(p: ElasticParams, paths: Paths, con) -> dict:
     if rrc != 0:
         raise demo.DemoError(ref.failure_text())
     report = _report(p, paths, job, mon, restore, src)
+    report["recovery_phases"] = demo.recovery_phases(ledger, mon.t_lost)  # the restart's timeline
     demo._write_json(os.path.join(paths.out, "report.json"), report)
     if con is not None:
         print_report(con, report)
@@ -305,6 +309,7 @@ def print_report(con, r: dict) -> None:
     t.add_row("dataloader", str(r["dataloader"]))
     t.add_row("verdict", "[green]PASS[/]" if r["ok"] else "[red]FAIL[/]")
     con.print(t)
+    demo.print_recovery(con, r.get("recovery_phases"))
 
 
 def clear_out(out: str) -> None:

@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tierckpt.integration import mark_phase
+
 log = logging.getLogger("mcore_plugin.install")
 
 SUPPORTED = ((0, 16), (0, 19))
@@ -423,8 +425,8 @@ def _hook_checkpoint_and_decide_exit(rt: Runtime, tr) -> None:
         if not _plugin_on(args) or rt.tiers is None:
             return orig_decide(model, optimizer, opt_param_scheduler, iteration, *a, **kw)
         now = time.monotonic()
-        if rt.last_step_end is not None:
-            rt.tiers.observe_step(now - rt.last_step_end)
+        # the first iteration's time is not known (0); it still ends the recovery timeline
+        rt.tiers.observe_step(0.0 if rt.last_step_end is None else now - rt.last_step_end)
         due = _due_at(rt, args, iteration)
         saved = (args.save_interval, getattr(args, "non_persistent_save_interval", None))
         # Megatron's loop saves when `iteration % interval == 0`: point its two paths at this
@@ -469,6 +471,7 @@ def _hook_pretrain(rt: Runtime, tr) -> None:
     orig_pretrain = tr.pretrain
 
     def pretrain(*a, **kw):
+        mark_phase("imports_done")  # the script imported everything it needs: pretrain() starts the job
         try:
             out = orig_pretrain(*a, **kw)
         except SystemExit as e:

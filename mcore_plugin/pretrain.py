@@ -34,7 +34,7 @@ import sys
 from typing import NoReturn
 
 from tierckpt import ConfigError
-from tierckpt.integration import accelerator_present
+from tierckpt.integration import accelerator_present, install_process_group_hook
 
 USAGE = "usage: python -m mcore_plugin.pretrain <Megatron-LM script.py> [megatron args | @ARGS_FILE] [--ckpt-plugin-* ...]"
 
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     script = prepare(argv)
 
     apply_cpu_shims()
+    install_process_group_hook()  # the recovery timeline's process_group_up (tierckpt.recovery.timeline)
     from mcore_plugin import install
 
     try:

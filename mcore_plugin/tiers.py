@@ -21,7 +21,7 @@ import logging
 import torch
 
 from tierckpt import ConfigError, RestoreResult, SaveHandle, TierConfig, TieredCheckpointer
-from tierckpt.integration import all_gather, read_item, validate_tiers
+from tierckpt.integration import all_gather, mark_phase, read_item, validate_tiers
 from tierckpt.records import GenericRecord
 
 from .convert import (
@@ -122,7 +122,8 @@ class MegatronTiers:
         return self.engine.due(step)
 
     def observe_step(self, seconds: float) -> None:
-        """Report a training step's wall time (seconds) to the adaptive scheduler."""
+        """Report a training step's wall time (seconds; 0: not known) to the adaptive scheduler
+        (:meth:`tierckpt.TieredCheckpointer.observe_step`: every rank, every step)."""
         self.engine.observe_step(seconds)
 
     def checkpoint_dir(self, step: int) -> str:
@@ -225,6 +226,7 @@ class MegatronTiers:
             NoCheckpointError: checkpoints exist but none could be restored; or the layout
                 changed and the persistent tier holds no step to load (the message names it).
         """
+        mark_phase("model_built")  # Megatron built model and optimizer before its load (the recovery timeline)
         state_dict_fn, reason = self._layout_changed(state_dict_fn, step)
         self.last_restore_reason = reason
         req = RestoreRequest(state_dict_fn, self.local_fmt, self.persistent_fmt)

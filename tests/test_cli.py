@@ -16,7 +16,7 @@ from tierckpt import cli
 from tierckpt.io import manifest
 from tierckpt.io.layout import LEDGER, MANIFEST, local_step, persistent_step, replica_step
 from tierckpt.history.ledger import Ledger
-from tierckpt.records import CheckpointRecord, RestoreRecord, RunEndRecord, RunStartRecord
+from tierckpt.records import RECOVERY_PHASES, CheckpointRecord, RecoveryRecord, RestoreRecord, RunEndRecord, RunStartRecord
 from tierckpt.io.storage import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -264,6 +264,53 @@ def test_ledger_json_counts_failure(ledger_root, capsys):
     assert (local["count"], local["ok"], local["failed"], local["last_step"]) == (2, 2, 0, 20)
     assert summary["checkpoints"]["persistent"]["failed"] == 1
     assert len(summary["restores"]) == 1 and summary["restores"][0]["step"] == 10
+
+
+def _recovery_ledger(tmp_path: Path) -> Store:
+    store = Store(str(tmp_path / "rec"))
+    led = Ledger(store, enabled=True, run_id="run-r", job="j1")
+    led.append(RunStartRecord(world_size=2, nodes=2, ranks_per_node=1, restart_count=1, host="h0"))
+    secs = [0.0, 0.25, 0.5, 1.5, 9.5, 10.0, 11.0, 11.5, 14.25]
+    led.append(RecoveryRecord(step=6, cause="node-failure", attempt=1, restart_count=1, failed_nodes=[1], warm=False,
+                              replaced={"1": "spare slot 3"}, origin="failure_noticed",
+                              phases={p: 1.7e9 + x for p, x in zip(RECOVERY_PHASES, secs)},
+                              phases_s=dict(zip(RECOVERY_PHASES, secs)), total_s=14.25,
+                              nodes={"0": {"source": "own-local", "holder": 0, "bytes": 3 << 20,
+                                           "processes_started_s": 1.2, "imports_done_s": 9.1},
+                                     "1": {"source": "peer-replica", "holder": 0, "bytes": 3 << 20,
+                                           "processes_started_s": 1.5, "imports_done_s": 9.5}},
+                              notes=["processes_started was 0.004 s before launched (clock skew): clamped"]))
+    led.append(RecoveryRecord(step=9, cause="restart", origin="processes_started",
+                              phases_s={"processes_started": 0.0, "imports_done": 8.0, "first_step_done": 12.0}))
+    return store
+
+
+def test_ledger_shows_each_recovery_phase(tmp_path, capsys):
+    store = _recovery_ledger(tmp_path)
+    assert cli.main(["ledger", store.root]) == 0
+    out = capsys.readouterr().out
+    assert "recovery: step 6, node-failure, attempt 1, failed nodes [1]" in out
+    first = out[out.index("recovery: step 6"):out.index("recovery: step 9")]
+    lines = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:4]]
+             for ln in first.splitlines() if ln.count("│") >= 4}
+    assert list(lines) == [p.replace("_", " ") for p in RECOVERY_PHASES]
+    assert lines["failure noticed"] == ["0.00", "-"]
+    assert lines["survivors stopped"] == ["0.25", "0.25"]
+    assert lines["imports done"] == ["9.50", "8.00"]
+    assert "s since failure noticed" in out and "s since process start" in out
+    assert "total (failure noticed → first step): 14.25 s, cold processes" in out.replace("\n", " ")
+    assert "node 1: peer-replica@0, 3.0 MiB, started 1.50 s, imports 9.50 s" in out
+    assert "node 1 replaced by spare slot 3" in out and "note: processes_started was 0.004 s" in out
+    # the manual restart: no launcher phases, counted from the process start
+    assert "step 9, restart" in out and "total (failure noticed → first step): - s" in out
+    assert out.index("step 6, node-failure") < out.index("step 9, restart")
+
+
+def test_ledger_json_lists_recoveries(tmp_path, capsys):
+    rc, summary = run_json(capsys, "ledger", _recovery_ledger(tmp_path).root)
+    assert rc == 0 and [r["step"] for r in summary["recoveries"]] == [6, 9]
+    assert summary["recoveries"][0]["phases_s"]["first_step_done"] == 14.25
+    assert summary["recoveries"][0]["kind"] == "recovery" and summary["recoveries"][1]["total_s"] is None
 
 
 def test_ledger_append_after_torn_line_stays_parseable(ledger_root, capsys):

@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 WORKER = r"""
 import json, os, signal, sys, time
 rec = {k: os.environ.get(k) for k in ("RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                      "MASTER_PORT", "TIERCKPT_RESTART_COUNT", "TIERCKPT_NODE_ID")}
+                                      "MASTER_PORT", "TIERCKPT_RESTART_COUNT", "TIERCKPT_NODE_ID",
+                                      "TIERCKPT_RECOVERY", "TIERCKPT_PROCESS_STARTED")}
 rec["pid"] = os.getpid()
 rec["argv"] = sys.argv[2:]
 with open(sys.argv[1], "a") as f:
@@ -64,6 +65,8 @@ def test_retry_restart_count_and_config_error(tmp_path, monkeypatch):
     worker.write_text(WORKER)
     rec, state = tmp_path / "rec.jsonl", tmp_path / "state"
     monkeypatch.setenv("TIERCKPT_NODE_ID", "7")  # must not reach the nodes: GROUP_RANK is the node
+    monkeypatch.setenv("TIERCKPT_RECOVERY", "{}")  # nor an outer job's recovery variables
+    monkeypatch.setenv("TIERCKPT_PROCESS_STARTED", "1.0")
     lines: list[str] = []
 
     # run 1: node 1's worker is SIGKILLed in the first attempt; the second attempt succeeds
@@ -79,8 +82,16 @@ def test_retry_restart_count_and_config_error(tmp_path, monkeypatch):
     for r in recs:
         assert r["WORLD_SIZE"] == "2" and r["LOCAL_WORLD_SIZE"] == "1" and r["MASTER_ADDR"] == "127.0.0.1"
         assert r["MASTER_PORT"] == str((a1, a2)[int(r["TIERCKPT_RESTART_COUNT"])].port)
-        assert r["TIERCKPT_NODE_ID"] is None
+        assert r["TIERCKPT_NODE_ID"] is None and r["TIERCKPT_PROCESS_STARTED"] is None
+        assert (r["TIERCKPT_RECOVERY"] is None) == (r["TIERCKPT_RESTART_COUNT"] == "0")
     assert (tmp_path / "logs" / "one-attempt2-node1.log").exists()
+    # the second attempt's processes learn what they recover from (tierckpt/recovery/timeline.py)
+    recovery = [json.loads(r["TIERCKPT_RECOVERY"]) for r in recs if r["TIERCKPT_RESTART_COUNT"] == "1"]
+    assert recovery[0] == recovery[1] == a2.recovery
+    rv = recovery[0]
+    assert (rv["attempt"], rv["cause"], rv["failed_nodes"], rv["warm"]) == (1, "node-failure", [1], False)
+    assert a1.t_start < rv["failure_noticed"] <= rv["survivors_stopped"] <= rv["launched"] == a2.t_start
+    assert (rv["failure_noticed"], rv["survivors_stopped"]) == (a1.failure_noticed, a1.survivors_stopped)
 
     # run 2 (same state dir: restart count 2): node 0 reports a configuration error while node 1
     # hangs; no retry, exit status 2, the hanging worker is stopped
@@ -143,6 +154,8 @@ def test_lose_node_continues_on_fewer_nodes(tmp_path, monkeypatch):
     assert sorted(p.name for p in nvme.iterdir()) == ["node-0", "node-1"]
     assert [(nvme / f"node-{n}" / "host").read_text() for n in (0, 1)] == ["slot 0", "slot 2"]
     assert any("lost for good; 2 node(s) left" in x for x in lines), lines
+    assert (a2.recovery["cause"], a2.recovery["failed_nodes"], a2.recovery["attempt"]) == ("lost-node", [1], 1)
+    assert all(json.loads(r["TIERCKPT_RECOVERY"]) == a2.recovery for r in second)
 
 
 def test_lose_node_below_minimum_gives_up(tmp_path):

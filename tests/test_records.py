@@ -16,9 +16,11 @@ from tierckpt.io.storage import Store
 from tierckpt.records import (
     CHECKPOINT_SCHEMA,
     KINDS,
+    RECOVERY_PHASES,
     CheckpointRecord,
     GenericRecord,
     PreemptionRecord,
+    RecoveryRecord,
     RedundancyRecord,
     RestoreRecord,
     RollbackRecord,
@@ -81,6 +83,18 @@ GOLDEN = [
      ["step", "ok", "nodes", "missing", "seconds", "bytes", "error"]),
     (RedundancyRecord(step=3, ok=False, missing=[0, 1, 2], reason="resharded restore"),
      ["step", "ok", "nodes", "missing", "seconds", "bytes", "error", "reason"]),
+    (RecoveryRecord(step=6, cause="node-failure", attempt=1, restart_count=1, failed_nodes=[1], warm=False,
+                    replaced={}, origin="failure_noticed",
+                    phases={p: 1.7e9 + i for i, p in enumerate(RECOVERY_PHASES)},
+                    phases_s={p: float(i) for i, p in enumerate(RECOVERY_PHASES)}, total_s=8.0,
+                    nodes={"0": {"source": "own-local", "holder": 0, "bytes": 10, "seconds": 0.2,
+                                 "processes_started_s": 3.0, "imports_done_s": 4.0}}),
+     ["step", "cause", "attempt", "restart_count", "failed_nodes", "warm", "replaced", "origin", "phases",
+      "phases_s", "total_s", "nodes"]),
+    (RecoveryRecord(step=6, cause="restart", origin="processes_started", phases_s={"processes_started": 0.0},
+                    notes=["imports_done was 0.002 s before processes_started (clock skew across hosts): clamped"]),
+     ["step", "cause", "attempt", "restart_count", "failed_nodes", "warm", "replaced", "origin", "phases",
+      "phases_s", "total_s", "nodes", "notes"]),
 ]
 
 
@@ -231,3 +245,18 @@ def test_journal_writes_the_engine_events(tmp_path):
     assert lines[2]["failures"] == [{"node": 1, "source": "peer-replica", "holder": 0, "step": 3, "error": "bad"}]
     assert lines[7]["failures"] == [{"tier": "local", "step": 3, "error": "OSError: x"}]
     assert lines[7]["exposure_s"] >= 0 and "stuck_tiers" not in lines[7]
+
+
+def test_recovery_record_reader_is_tolerant():
+    line = {"kind": "recovery", "time": 5.0, "run_id": "r", "job": "j", "step": "six", "cause": 3, "attempt": -1,
+            "total_s": -2.0, "phases": [1], "phases_s": {"failure_noticed": 0.0, "launched": "soon", "later": 1.5},
+            "warm": "no", "notes": "x", "future_key": 1}
+    rec = record_from_ledger(line)
+    assert isinstance(rec, RecoveryRecord)
+    assert (rec.step, rec.cause, rec.attempt, rec.total_s, rec.phases, rec.warm, rec.notes) == (
+        None, "unknown", None, None, {}, None, [])
+    assert rec.extra == {"future_key": 1}
+    rows = dict(rec.phase_rows())
+    assert list(rows)[:len(RECOVERY_PHASES)] == list(RECOVERY_PHASES) and list(rows)[-1] == "later"
+    assert rows["failure_noticed"] == 0.0 and rows["launched"] is None and rows["later"] == 1.5
+    assert rows["first_step_done"] is None

@@ -15,7 +15,7 @@ from tierckpt.config import ScheduleOptions
 from tierckpt.errors import ConfigError
 from tierckpt.io.layout import LEDGER
 from tierckpt.history.ledger import Ledger
-from tierckpt.records import CheckpointRecord, RunStartRecord
+from tierckpt.records import CheckpointRecord, RunStartRecord, parse_records
 from tierckpt.sched.mtbf import MTBFEstimator, evidence_from_ledger
 from tierckpt.sched.schedule import (
     Scheduler,
@@ -649,6 +649,38 @@ def test_ledger_delta_includes_interference_and_R_counts_from_process_start():
     off = _scheduler(("local",), gpus=1, interference=False)
     off.update_from_ledger(recs, current_run_id="b", now=210.0)
     assert off.delta_s("local")[0] == pytest.approx(0.1)
+
+
+def test_R_is_the_recovery_records_total_when_a_run_has_one():
+    """A run's recovery record (failure noticed → first step after the restore) replaces its
+    restore's process-start sample; runs without one keep that sample; p is unchanged."""
+    local_src = {"0": {"source": "own-local", "holder": 0}, "1": {"source": "peer-replica", "holder": 0}}
+    pers_src = {"0": {"source": "own-local", "holder": 0}, "1": {"source": "persistent", "holder": None}}
+    recs = (_run("a", 0, H, clean=False, rc=0)
+            + _run("b", 2 * H, H, clean=False, rc=1, restore=(100, 30.0, local_src))
+            + _run("c", 4 * H, H, clean=True, rc=2, restore=(200, 60.0, pers_src))
+            + _run("d", 6 * H, 0, clean=None, rc=3, restore=(300, 90.0, pers_src)))
+    s = _sched(persistent_share=0.1, persistent_share_weight=10.0)
+    s.update_from_ledger(recs, current_run_id="d")
+    before = (s.restart_s, s.persistent_share)
+    assert before[0] == pytest.approx((100 + 200 + 300) / 3)
+    # run b measured its recovery (14 s, teardown and relaunch included); run c wrote a record
+    # without a launcher failure (total_s None: a manual restart) and keeps its sample
+    i_b = next(i for i, r in enumerate(recs) if r["run_id"] == "b" and r["kind"] == "restore")
+    recs.insert(i_b + 1, {"kind": "recovery", "time": 2 * H + 101, "run_id": "b", "job": "j", "step": 10,
+                          "cause": "node-failure", "total_s": 14.0})
+    i_c = next(i for i, r in enumerate(recs) if r["run_id"] == "c" and r["kind"] == "restore")
+    recs.insert(i_c + 1, {"kind": "recovery", "time": 4 * H + 201, "run_id": "c", "job": "j", "step": 10,
+                          "cause": "restart", "total_s": None})
+    s.update_from_ledger(recs, current_run_id="d")
+    assert s.restart_s == pytest.approx((14 + 200 + 300) / 3)
+    assert s.persistent_share == pytest.approx(before[1])  # the p evidence is the restores', as before
+    assert s.interval("local").sources["R"] == "ledger"
+    # a recovery record in a run whose restore gave no sample still counts, once
+    only = [{"kind": "run_start", "time": 10.0, "run_id": "e", "job": "j"},
+            {"kind": "recovery", "time": 20.0, "run_id": "e", "job": "j", "total_s": 4.0},
+            {"kind": "recovery", "time": 21.0, "run_id": "e", "job": "j", "total_s": 99.0}]
+    assert schedule._restarts_and_fallbacks(parse_records(only))[0] == [4.0]
 
 
 def test_restarted_scheduler_takes_step_time_from_the_ledger():

@@ -39,6 +39,30 @@ def test_clear_out_refuses_foreign_directories(tmp_path):
     assert out.is_dir() and not any(out.iterdir())
 
 
+def test_recovery_phases_of_the_report(capsys):
+    """The report's ``recovery_phases``: the ledger's last recovery record and the kill →
+    failure-noticed gap, printed as a table after the main one (both demos)."""
+    from rich.console import Console
+
+    from tierckpt.records import RECOVERY_PHASES, RecoveryRecord
+
+    ld = _launcher()
+    assert ld.recovery_phases([{"kind": "restore", "step": 3}], 1.0) is None
+    rec = RecoveryRecord(step=3, cause="node-failure", attempt=1, failed_nodes=[1],
+                         phases={p: 100.0 + i for i, p in enumerate(RECOVERY_PHASES)},
+                         phases_s={p: float(i) for i, p in enumerate(RECOVERY_PHASES)}, total_s=8.0)
+    ledger = [{"kind": "run_start"}, rec.as_line()]
+    got = ld.recovery_phases(ledger, 99.5)
+    assert got["kill_to_failure_noticed_s"] == 0.5 and got["total_s"] == 8.0 and got["kind"] == "recovery"
+    con = Console(width=100, force_terminal=False)
+    ld.print_recovery(con, got)
+    ld.print_recovery(con, None)
+    out = capsys.readouterr().out
+    assert "recovery phases (tierckpt ledger)" in out and "first step done" in out and "8.00" in out
+    assert "SIGKILL → failure noticed by the launcher: 0.50 s" in out
+    assert "no recovery record in the ledger" in out
+
+
 def test_demo_short(tmp_path):
     from tierckpt.integration import accelerator_present
 
@@ -74,6 +98,20 @@ def test_demo_short(tmp_path):
     assert report["losses_before_failure_equal_reference"] is True
     assert report["final_state_bitwise_equal"] is True, report["final_state_comparison"]
     assert report["recovery_seconds"] > 0
+    # the restarted attempt's recovery record (tierckpt/recovery/timeline.py): the launcher's
+    # TIERCKPT_RECOVERY, every rank-side phase stamped through torchtitan, in order
+    ph = report["recovery_phases"]
+    assert (ph["kind"], ph["cause"], ph["attempt"], ph["failed_nodes"], ph["warm"]) == (
+        "recovery", "node-failure", 1, [1], False), ph
+    assert ph["step"] == rstep and ph["restart_count"] == 1 and ph["origin"] == "failure_noticed"
+    secs = list(ph["phases_s"].values())
+    assert list(ph["phases_s"]) == ["failure_noticed", "survivors_stopped", "launched", "processes_started",
+                                    "imports_done", "process_group_up", "model_built", "restore_done",
+                                    "first_step_done"]
+    assert None not in secs and secs == sorted(secs) and secs[0] == 0.0, ph
+    assert ph["total_s"] == ph["phases_s"]["first_step_done"] > 0
+    assert {n: v["source"] for n, v in ph["nodes"].items()} == report["restore_source"]
+    assert 0 <= ph["kill_to_failure_noticed_s"] < 30
     assert report["ok"] is True
 
     saves = {(s["tier"], s["step"]) for s in report["saves"] if s["ok"]}

@@ -29,6 +29,7 @@ from tierckpt.staging.pool import StagingPool
 from tierckpt.loader_signals import defer_loader_deaths
 from tierckpt.preemption import Preempted, PreemptionWatch, warn_if_launcher_unprotected
 from tierckpt.records import CheckpointRecord
+from tierckpt.recovery.timeline import RecoveryTimeline
 from tierckpt.restore import Inventory, Restorer, RestoreResult
 from tierckpt.restore.resume import Resume
 from tierckpt.tiers.gate import build_gate
@@ -118,6 +119,7 @@ class TieredCheckpointer:
         self._resume = Resume(restorer=self._restorer, jobs=self._jobs, gate=self._gate, pool=self._pool,
                               journal=self._journal, timeline=self._timeline, rollback=self._rollback,
                               groups=groups, spare=self._spare, local=self._local is not None)
+        self._recovery = RecoveryTimeline(topo, groups.control, self._ledger)  # the restart's phases, once
         exit_hook.register(self)  # a script that ends without close() still finishes its saves
         if topo.is_node_leader:  # once per node
             log.info("tierckpt: node %d/%d (%s), ranks %s, peers %s, local root %s, persistent %s",
@@ -139,9 +141,10 @@ class TieredCheckpointer:
         return self._gate.due(step)
 
     def observe_step(self, seconds: float) -> None:
-        """Report one training step's wall time (seconds, without checkpoint stalls) to the
-        adaptive scheduler. Cheap; call every step, right after the step ends. Tiers whose
-        background work overlapped the step are charged its slowdown (:mod:`tierckpt.sched.schedule`)."""
+        """Report a step's wall time (seconds, no checkpoint stalls; 0: unknown) to the scheduler, every step on
+        every rank, right after it (overlapping tiers are charged its slowdown: :mod:`tierckpt.sched.schedule`).
+        Cheap; the first call after a restore is collective: the ``recovery`` record (:mod:`tierckpt.recovery`)."""
+        self._recovery.step_done(self._resume)
         if self._gate.schedule is not None:
             self._gate.schedule.cadence.record_step(seconds, self._jobs.busy_during(seconds))
 

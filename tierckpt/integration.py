@@ -12,7 +12,10 @@ beyond the user-facing :mod:`tierckpt` surface: the plumbing an adapter builds o
 - metrics for a framework's logger: :func:`record_metrics`, :func:`restore_metrics`,
   :func:`result_metrics`, :func:`decision_metrics`, :func:`describe_failure`;
 - what an adapter writes or raises itself: :class:`RestoreRecord` (a restore's ledger record),
-  :class:`VerificationError`.
+  :class:`VerificationError`;
+- the recovery timeline's phase stamps (:mod:`tierckpt.recovery.timeline`): :func:`mark_phase`
+  (``imports_done``, ``model_built``) and :func:`install_process_group_hook`
+  (``process_group_up``), from the adapter's entry point.
 
 Names resolve lazily (PEP 562), as in :mod:`tierckpt`: importing this module does not import
 torch.distributed.
@@ -44,6 +47,8 @@ _EXPORTS = {
     "describe_failure": "tierckpt.tiers.jobs",
     "RestoreRecord": "tierckpt.records",
     "VerificationError": "tierckpt.errors",
+    "mark_phase": "tierckpt.recovery.timeline",
+    "install_process_group_hook": "tierckpt.recovery.timeline",
 }
 
 if TYPE_CHECKING:  # what mypy and IDEs see; at run time the names resolve lazily
@@ -56,6 +61,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time the names resolve lazil
     from tierckpt.metrics import record_metrics, restore_metrics, result_metrics
     from tierckpt.preemption import signal_numbers
     from tierckpt.records import RestoreRecord
+    from tierckpt.recovery.timeline import install_process_group_hook, mark_phase
     from tierckpt.restore import plan_restore
     from tierckpt.sched.cadence import decision_metrics
     from tierckpt.tiers.jobs import describe_failure
@@ -71,6 +77,8 @@ __all__ = [
     "check_replication",
     "decision_metrics",
     "describe_failure",
+    "install_process_group_hook",
+    "mark_phase",
     "plan_restore",
     "read_item",
     "record_metrics",

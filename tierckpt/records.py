@@ -24,6 +24,8 @@ Kinds (class, fields in the order they are written):
   earlier_failures.
 - ``redundancy`` (:class:`RedundancyRecord`): step, ok, nodes, missing, seconds, bytes, error;
   reason only when set.
+- ``recovery`` (:class:`RecoveryRecord`): step, cause, attempt, restart_count, failed_nodes,
+  warm, replaced, origin, phases, phases_s, total_s, nodes; notes only when not empty.
 
 Schema versions: a line states its layout version in a ``schema`` key only for kinds whose
 layout changed since the ledger began (``checkpoint``: version 1, lines without the key are
@@ -556,10 +558,75 @@ class RedundancyRecord(LedgerRecord):
     reason: str = ""
 
 
+#: phases of a recovery, in the order they happen: the launcher's three, then the ranks' own
+#: (:mod:`tierckpt.recovery.timeline` documents each one)
+RECOVERY_PHASES = ("failure_noticed", "survivors_stopped", "launched", "processes_started", "imports_done",
+                   "process_group_up", "model_built", "restore_done", "first_step_done")
+
+
+@dataclass(frozen=True)
+class RecoveryRecord(LedgerRecord):
+    """``recovery``: the timeline of one restart, from the launcher noticing the failure to the
+    first training step after the restore (:mod:`tierckpt.recovery.timeline`; global rank 0
+    writes it once per run that restored, at that first step).
+
+    Attributes:
+        step: the restored step.
+        cause: the launcher's cause (``"node-failure"``, ``"hang"``, ``"lost-node"``, ...);
+            ``"restart"`` for a run that restored without a launcher failure (a requeue, a
+            manual restart); ``"unknown"`` when ``TIERCKPT_RECOVERY`` was unreadable.
+        attempt: the launcher's 0-based attempt index (None: not given).
+        restart_count: the run's restart count (as ``run_start``; None when no launcher set one).
+        failed_nodes: node ids of the failed attempt the launcher named.
+        warm: the processes were forked from pre-imported workers (None: not said).
+        replaced: ``{node id: what took it over}`` (e.g. ``"spare slot 3"``).
+        origin: the phase ``phases_s`` counts from: ``"failure_noticed"``, else
+            ``"processes_started"`` (the earliest rank's; a run without a launcher failure).
+        phases: ``{phase: UNIX seconds or None}`` for every :data:`RECOVERY_PHASES` entry: the
+            launcher's phases, then each rank-side phase's latest rank; unknown phases None.
+            Clamped so that no phase precedes the one before it (see ``notes``).
+        phases_s: ``{phase: seconds since origin or None}``, the same phases.
+        total_s: ``first_step_done − failure_noticed``, seconds; None without a launcher
+            failure (or when either phase is unknown).
+        nodes: ``{node (str): {"source", "holder", "bytes", "seconds", "processes_started_s",
+            "imports_done_s"}}``: the restore's source per node, its bytes and seconds, and the
+            node's latest rank's process start and imports, seconds since origin.
+        notes: what was clamped or unknown, and why (clock skew across hosts, a bad
+            ``TIERCKPT_RECOVERY``); written only when not empty.
+    """
+
+    KIND: ClassVar[str] = "recovery"
+    _READERS = {"step": _count, "cause": _str, "attempt": _count, "restart_count": _count, "failed_nodes": _list,
+                "warm": _bool, "replaced": _dict, "origin": _str, "phases": _dict, "phases_s": _dict,
+                "total_s": _seconds, "nodes": _dict, "notes": _list}
+    _OMIT_FALSY = ("notes",)
+
+    step: int | None = None
+    cause: str = "unknown"
+    attempt: int | None = None
+    restart_count: int | None = None
+    failed_nodes: list[int] = field(default_factory=list)
+    warm: bool | None = None
+    replaced: dict = field(default_factory=dict)
+    origin: str = "failure_noticed"
+    phases: dict = field(default_factory=dict)
+    phases_s: dict = field(default_factory=dict)
+    total_s: float | None = None
+    nodes: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def phase_rows(self) -> list[tuple[str, float | None]]:
+        """``(phase, seconds since origin or None)`` for every :data:`RECOVERY_PHASES` entry, in
+        order, then any other phase the line names (a newer writer's); a value that is not a
+        finite number reads as None."""
+        names = list(RECOVERY_PHASES) + [p for p in self.phases_s if p not in RECOVERY_PHASES]
+        return [(p, _real(self.phases_s.get(p))) for p in names]
+
+
 #: record class of each known kind
 KINDS: dict[str, type[LedgerRecord]] = {c.KIND: c for c in (
     RunStartRecord, RunEndRecord, CheckpointRecord, RestoreRecord, ScheduleRecord, RollbackRecord,
-    PreemptionRecord, RedundancyRecord)}
+    PreemptionRecord, RedundancyRecord, RecoveryRecord)}
 
 
 def record_from_ledger(line: dict) -> LedgerRecord:

@@ -74,6 +74,7 @@ WING_ORDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("history", ("history",)),
     ("tiers", ("tiers",)),
     ("restore", ("restore",)),
+    ("recovery", ("recovery",)),
     ("cli", ("cli",)),
     ("top", ("metrics", "startup", "exit", "engine", "integration", "launch", "__init__")),
 )

@@ -49,8 +49,8 @@ from torchtitan.components.checkpoint import DATALOADER, MODEL, CheckpointManage
 
 from tierckpt import (ConfigError, Preempted, RestoreResult, SaveHandle, TieredCheckpointer,
                       protect_loader_workers)
-from tierckpt.integration import (PeerFailure, RestoreRecord, VerificationError, all_gather, restore_metrics, run_agreed,
-                                  write_dcp)
+from tierckpt.integration import (PeerFailure, RestoreRecord, VerificationError, all_gather, mark_phase, restore_metrics,
+                                  run_agreed, write_dcp)
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 from titan_plugin.config import build_tier_config, checkpoint_error
@@ -190,6 +190,7 @@ class TieredCheckpointManager(CheckpointManager):
 
     def __init__(self, config: Config, *, dataloader, model_parts, optimizers, lr_schedulers,
                  states: dict[str, Any], sd_adapter, base_folder: str = "") -> None:
+        mark_phase("model_built")  # torchtitan builds the manager after model, optimizers and dataloader
         super().__init__(config, dataloader=dataloader, model_parts=model_parts, optimizers=optimizers,
                          lr_schedulers=lr_schedulers, states=states, sd_adapter=sd_adapter,
                          base_folder=base_folder)
@@ -280,8 +281,9 @@ class TieredCheckpointManager(CheckpointManager):
         if self.seed_run:
             return self._save_seed(curr_step)
         now = time.perf_counter()
-        if self._t_step_end is not None:  # the trainer calls save() after every step
-            self._engine.observe_step(now - self._t_step_end)
+        # the trainer calls save() after every step; the first one's time is not known (0), but
+        # it ends the recovery timeline after a restore (tierckpt.recovery.timeline)
+        self._engine.observe_step(0.0 if self._t_step_end is None else now - self._t_step_end)
         try:
             saved = self._save_due(curr_step, last_step)
             sig = None if last_step else self._engine.preemption_requested()  # agreed on every rank

@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from tierckpt import PREEMPTED_EXIT, ConfigError, Preempted, TierFailedError
-from tierckpt.integration import accelerator_present
+from tierckpt.integration import accelerator_present, install_process_group_hook, mark_phase
 
 DEV_PACKAGE = "tierckpt_dev"
 
@@ -87,6 +87,7 @@ def run(config) -> None:
         ConfigError: a seed run on more than one rank or with checkpointing disabled.
         CpuShimsMissing: no accelerator and no ``tierckpt_dev`` (:func:`apply_cpu_shims`).
     """
+    install_process_group_hook()  # the recovery timeline's process_group_up (tierckpt.recovery.timeline)
     import torch
     from torchtitan.tools.logging import init_logger, logger
 
@@ -94,6 +95,7 @@ def run(config) -> None:
     apply_cpu_shims()
     trainer = None
     try:
+        mark_phase("imports_done")  # the trainer's imports are done; config.build() starts the job
         trainer = config.build()
         if config.checkpoint.create_seed_checkpoint:
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

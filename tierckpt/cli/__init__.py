@@ -5,7 +5,7 @@ Subcommands::
     tierckpt ls <root> [--json] [--lineage ROOT|ID]
                                        every step directory under <root>, by tier and node
     tierckpt verify <root> [--json]    re-hash every committed step; exit 1 if one is corrupt
-    tierckpt ledger <root> [--json]    runs, failures, checkpoints and restores of the ledger
+    tierckpt ledger <root> [--json]    runs, failures, checkpoints, restores and recovery phases of the ledger
     tierckpt interval --delta S --mtbf D   the Young/Daly interval, waste and lost work
     tierckpt simulate [...]            waste of fixed, adaptive and oracle intervals (simulated)
 
@@ -30,7 +30,8 @@ before :func:`main` runs, or — from another distribution — declare it in the
 this package never imports an adapter.
 
 Modules: :mod:`tierckpt.cli.common` (exit codes, output), :mod:`tierckpt.cli.steps` (``ls``,
-``verify``, ``ledger``), :mod:`tierckpt.cli.interval`, :mod:`tierckpt.cli.simulate`.
+``verify``, ``ledger``), :mod:`tierckpt.cli.recovery` (a recovery's phases as a table),
+:mod:`tierckpt.cli.interval`, :mod:`tierckpt.cli.simulate`.
 """
 
 from __future__ import annotations

@@ -29,11 +29,12 @@ from tierckpt.cli.common import (
 )
 from tierckpt.errors import ConfigError
 from tierckpt.history import lineage
+from tierckpt.cli.recovery import recovery_view
 from tierckpt.history.ledger import Ledger, summarize
 from tierckpt.io import manifest
 from tierckpt.io.layout import LEDGER, LINEAGE, MARKER, parse_node, parse_step
 from tierckpt.io.storage import Store
-from tierckpt.records import RestoreRecord
+from tierckpt.records import RecoveryRecord, RestoreRecord
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,6 +468,9 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                 human_bytes(r.persistent_bytes),
             )
     con.print(rest)
+    for r in records:  # each restart's phases (tierckpt/recovery/timeline.py)
+        if isinstance(r, RecoveryRecord):
+            con.print(recovery_view(r))
     con.print(f"runs: {len(summary['runs'])}, failures (no clean end): {len(summary['failures'])}")
     return EXIT_OK
 
@@ -510,7 +514,8 @@ def _register_verify(subparsers) -> None:
 def _register_ledger(subparsers) -> None:
     p = subparsers.add_parser(
         "ledger", help="summarise the ledger of a persistent root",
-        description=f"Summarise ROOT/{LEDGER}: runs and failures, checkpoints per tier, restores.",
+        description=f"Summarise ROOT/{LEDGER}: runs and failures, checkpoints per tier, restores, and each "
+        "recovery's phases (failure noticed → first step after the restore).",
     )
     _add_root_and_json(p)
     p.set_defaults(func=cmd_ledger)

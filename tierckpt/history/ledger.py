@@ -22,7 +22,8 @@ from typing import Iterable
 
 from tierckpt.io.layout import LEDGER
 from tierckpt.io.storage import Store
-from tierckpt.records import CheckpointRecord, LedgerRecord, RestoreRecord, RunEndRecord, RunStartRecord, parse_records
+from tierckpt.records import (CheckpointRecord, LedgerRecord, RecoveryRecord, RestoreRecord, RunEndRecord, RunStartRecord,
+                              parse_records)
 
 log = logging.getLogger(__name__)
 
@@ -161,12 +162,13 @@ def summarize(records: Iterable[dict | LedgerRecord]) -> dict:
         started and did not end cleanly, the one in progress included), ``checkpoints`` (per
         tier: count, ok, failed (skipped included), deferred (``busy_tier_policy``), mean_blocking_s, mean_background_s (seconds, None without a
         committed step), last_bytes, last_step of the newest committed step), ``restores``
-        (the ``restore`` lines, :meth:`~tierckpt.records.LedgerRecord.as_line`).
+        (the ``restore`` lines, :meth:`~tierckpt.records.LedgerRecord.as_line`), ``recoveries``
+        (the ``recovery`` lines: each restart's phases, :class:`~tierckpt.records.RecoveryRecord`).
     """
     runs: dict[str, dict] = {}
     tiers: dict[str, dict] = defaultdict(lambda: {"count": 0, "ok": 0, "failed": 0, "deferred": 0, "blocking_s": [],
                                                   "background_s": [], "last_bytes": 0, "last_step": None})
-    restores = []
+    restores, recoveries = [], []
     for r in parse_records(records):
         rid = "?" if r.run_id is None else r.run_id
         run = runs.setdefault(rid, {"run_id": rid, "start": None, "end": None, "clean": None, "exposure_s": None,
@@ -182,13 +184,15 @@ def summarize(records: Iterable[dict | LedgerRecord]) -> dict:
         elif isinstance(r, RestoreRecord):
             run["restores"] += 1
             restores.append(r.as_line())
+        elif isinstance(r, RecoveryRecord):
+            recoveries.append(r.as_line())
     run_list = list(runs.values())
     for run in run_list:
         if run["exposure_s"] is None and run["start"] is not None and run["last_time"] is not None:
             run["exposure_s"] = run["last_time"] - run["start"]
     failures = [r for r in run_list if r["start"] is not None and r["clean"] is not True]
     return {"runs": run_list, "failures": failures, "checkpoints": {name: _tier_summary(t) for name, t in tiers.items()},
-            "restores": restores}
+            "restores": restores, "recoveries": recoveries}
 
 
 def _count_checkpoint(t: dict, r: CheckpointRecord) -> None:

@@ -2,10 +2,12 @@
 the lanes drained (a node whose local job is stuck is restored without its local root, on second
 groups), the :class:`~tierckpt.restore.Restorer`, the ``restore`` record, an armed rollback
 (:mod:`tierckpt.history.rollback`), the restart's interval decision and the rebuild of the
-restored step's replicas (:mod:`tierckpt.restore.redundancy`)."""
+restored step's replicas (:mod:`tierckpt.restore.redundancy`). Its end (``last_result``,
+``restored_mono``) is the recovery timeline's ``restore_done`` (:mod:`tierckpt.recovery.timeline`)."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -30,7 +32,9 @@ __all__ = ["Resume"]
 class Resume:
     """Runs one rank's part of a collective restore over the engine's parts (each documented on
     :class:`tierckpt.TieredCheckpointer`); ``last_redundancy``: the Future of the replica rebuild
-    started by the last restore (None: none ran, or the last restore found nothing)."""
+    started by the last restore (None: none ran, or the last restore found nothing);
+    ``last_result``: the last restore's :class:`~tierckpt.restore.RestoreResult` that loaded a
+    step (None before), ended at ``restored_mono`` (``time.monotonic()``)."""
 
     def __init__(self, *, restorer: Restorer, jobs: TierJobs, gate: SaveGate, pool: StagingPool,
                  journal: RunJournal, timeline: Timeline, rollback: RollbackTracker, groups: Groups,
@@ -39,6 +43,8 @@ class Resume:
         self.journal, self.timeline, self.rollback = journal, timeline, rollback
         self.groups, self.spare, self.local = groups, spare, local
         self.last_redundancy: Future | None = None
+        self.last_result: RestoreResult | None = None
+        self.restored_mono: float | None = None
 
     def restore(self, state_dict: dict, step: int | None, rollback: bool,
                 sources: tuple[str, ...] | None) -> RestoreResult | None:
@@ -76,4 +82,5 @@ class Resume:
         self.last_redundancy = None
         self.last_redundancy = redundancy.rebuild(res, stuck, restorer=self.restorer, jobs=self.jobs,
                                                   journal=self.journal, spare=self.spare, local=self.local)
+        self.last_result, self.restored_mono = res, time.monotonic()
         return res

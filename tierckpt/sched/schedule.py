@@ -65,6 +65,7 @@ from tierckpt.errors import ConfigError
 from tierckpt.records import (
     CheckpointRecord,
     LedgerRecord,
+    RecoveryRecord,
     RestoreRecord,
     RunEndRecord,
     RunStartRecord,
@@ -316,10 +317,13 @@ def _restarts_and_fallbacks(records: list[LedgerRecord]) -> tuple[list[float], i
     """R samples and p evidence of a ledger (rules in :meth:`Scheduler.update_from_ledger`).
 
     Returns:
-        (restart times in seconds, one per ``restore``; k, restores that read the persistent
+        (restart times in seconds, one per ``restore``, the first of a run replaced by its
+        ``recovery`` record's ``total_s`` when it has one; k, restores that read the persistent
         tier among n, the first restore of each run that follows a run without a clean end).
     """
     starts: dict[str, float] = {}
+    first_sample: dict[str, int] = {}  # run -> index in restarts of its first restore's sample
+    measured: set[str] = set()  # runs whose recovery record gave their sample
     clean_end: dict[str, bool] = {}  # run -> has a clean run_end (so far)
     after_failure: dict[str, bool] = {}  # run -> the run before it did not end cleanly
     restarts: list[float] = []
@@ -338,11 +342,19 @@ def _restarts_and_fallbacks(records: list[LedgerRecord]) -> tuple[list[float], i
             starts[rid] = ps if ps is not None and 0 < ps <= t else t
         elif isinstance(r, RunEndRecord):
             clean_end[rid] = r.clean
+        elif isinstance(r, RecoveryRecord):
+            if r.total_s is not None and rid not in measured:
+                measured.add(rid)
+                if rid in first_sample:
+                    restarts[first_sample[rid]] = r.total_s
+                else:
+                    restarts.append(r.total_s)
         elif isinstance(r, RestoreRecord):
-            if rid in starts and t is not None and t >= starts[rid]:
-                restarts.append(t - starts[rid])
-            elif r.seconds is not None:
-                restarts.append(r.seconds)
+            sample = t - starts[rid] if rid in starts and t is not None and t >= starts[rid] else r.seconds
+            if sample is not None:
+                if rid not in first_sample and rid not in measured:
+                    first_sample[rid] = len(restarts)
+                restarts.append(sample)
             if rid not in counted and after_failure[rid]:
                 counted.add(rid)
                 n += 1
@@ -475,11 +487,15 @@ class Scheduler:
 
         - M: :meth:`tierckpt.sched.mtbf.MTBFEstimator.from_ledger` (``gpus`` rebuilds the prior for a
           new job size; ``now`` extends the current run's exposure).
-        - R: per ``restore`` record, its time minus its run's start: the ``process_start`` of the
-          ``run_start`` record (when the trainer process was created, so interpreter start,
-          imports and model construction count), else the record's own time; the restore's
-          ``seconds`` if neither is known. R is their mean.
-          Queueing time before the new allocation started is not in the ledger and not counted.
+        - R: per run that restored, the ``total_s`` of its ``recovery`` record when it has one
+          (:mod:`tierckpt.recovery.timeline`: the launcher noticing the failure → the first
+          step after the restore, so teardown, relaunch, imports, process groups, model build,
+          restore and the first step count); otherwise per ``restore`` record its time minus its
+          run's start: the ``process_start`` of the ``run_start`` record (when the trainer
+          process was created, so interpreter start, imports and model construction count),
+          else the record's own time; the restore's ``seconds`` if neither is known. R is
+          their mean. Queueing time before the new allocation started is not in the ledger and
+          not counted.
         - p: restores in a run that follows a run without a clean end are failure recoveries;
           those whose ``sources`` include ``"persistent"`` are fallbacks.
         - δ, C: EMA over the tier's successful ``checkpoint`` records, used only until this
