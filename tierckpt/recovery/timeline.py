@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from tierckpt.cluster.collectives import gather_reduced
+from tierckpt.recovery import beacon
 from tierckpt.history.journal import process_start_time, restart_count
 from tierckpt.records import RECOVERY_PHASES, RecoveryRecord
 
@@ -480,11 +481,14 @@ class RecoveryTimeline:
     Attributes:
         record: the :class:`~tierckpt.records.RecoveryRecord` once written (on every rank;
             None before, and in a run that did not restore).
+        steps: training steps ended in this run (reported to a node agent's beacon,
+            :func:`tierckpt.recovery.beacon.report_progress`, for its stall detection).
     """
 
     def __init__(self, topo: Topology, group, ledger: Ledger):
         self.topo, self.group, self.ledger = topo, group, ledger
         self.record: RecoveryRecord | None = None
+        self.steps = 0
         self._done = False
 
     def step_done(self, resume) -> RecoveryRecord | None:
@@ -497,6 +501,8 @@ class RecoveryTimeline:
             the record when this call wrote it, else None. A failure to gather or write is a
             warning, never raised (the trainer's own collectives report a lost peer).
         """
+        self.steps += 1
+        beacon.report_progress(self.steps)  # a node agent's stall detection counts steps too
         res = getattr(resume, "last_result", None)
         if self._done or res is None:
             return None
