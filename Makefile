@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv lint test test-long test-slurm demo demo-elastic bench bench-control bench-gpu bench-peers bench-reshard bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
+.PHONY: venv lint test test-long test-slurm demo demo-elastic demo-spare bench bench-control bench-gpu bench-peers bench-reshard bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
 
 venv: $(STAMP)
 
@@ -33,6 +33,11 @@ demo: venv
 # the second act: 3 nodes → 2 after a node is lost for good, restored in-cluster (outputs/demo-elastic)
 demo-elastic: venv
 	$(VPY) launch/local_demo_elastic.py
+
+# the same loss with a spare node (3 nodes + 1 spare): the spare takes over the lost node's id and
+# restores its shards from the replicas; the job stays at 3 nodes (outputs/demo-spare)
+demo-spare: venv
+	$(VPY) launch/local_demo_elastic.py --spares 1 --out outputs/demo-spare
 
 bench: venv
 	$(VPY) bench/bench_engine.py

@@ -29,6 +29,14 @@ reduction order, so they are expected bitwise equal; the check allows a relative
 of 1e-5 (about a hundred fp32 ulps), the order of what a different all-reduce summation order
 could change, and the report says whether the losses were bitwise equal.
 
+**With a spare** (``--spares 1``, ``make demo-spare``; output ``outputs/demo-spare``): the job
+runs on 3 nodes plus an idle spare node agent. When node 2 is lost, the spare takes over its
+node id at once (warm: its processes are forked, nothing imported), restores node 2's shards
+from the replicas the other nodes hold (``peer-replica``, no persistent byte) and the job
+goes on at 3 nodes: no reshard, the same parallelism. The reference is then a 3-node run
+loading the persistent step, and every entry of the restored state must be bitwise equal to
+it (the dataloader positions too) and to the persistent step.
+
 ``<out>/report.json`` (default ``outputs/demo-elastic``): ``nodes_before``, ``nodes_after``,
 ``persistent_bytes_read_on_restore`` (must be 0), ``restore_seconds``, ``restore_sources``,
 ``resharded``, ``first_step_loss`` (elastic and reference, bitwise flag, relative difference,
@@ -73,6 +81,7 @@ class ElasticParams:
     persistent_interval: int = 10
     nodes: int = 3
     victim: int = 2
+    spares: int = 0
     toml: str = demo.DEFAULT_TOML
     timeout: float = 600.0
     extra: list[str] = field(default_factory=list)
@@ -84,6 +93,12 @@ class ElasticParams:
             raise ValueError("--kill-after must be a local and a persistent step (a multiple of both intervals)")
         if not 0 < self.kill_after < self.steps:
             raise ValueError("need 0 < --kill-after < --steps")
+        if self.spares not in (0, 1):
+            raise ValueError("--spares must be 0 (go on with 2 nodes) or 1 (a spare takes over the lost node)")
+
+    @property
+    def nodes_after(self) -> int:
+        return self.nodes if self.spares else self.nodes - 1
 
 
 @dataclass
@@ -177,7 +192,9 @@ def run_demo(out: str, params: ElasticParams | None = None, console=None) -> dic
 
 def _launch(lo, p: ElasticParams, paths: Paths, name: str, nodes: int, train_args: list[str], dump: str, **kw):
     cmd = ["-m", "tierckpt_dev.titan.probe", "--dump-restored", paths.dumps(dump), *train_args]
-    job = lo.LocalLauncher(cmd, nodes=nodes, log_dir=paths.logs, name=name, env=demo.RUN_ENV,
+    # the probe wraps titan_plugin.train: the agents import what a torchtitan run imports
+    preload = [*lo.default_preload(["-m", "titan_plugin.train"]), "tierckpt_dev.titan.probe"]
+    job = lo.LocalLauncher(cmd, nodes=nodes, log_dir=paths.logs, name=name, env=demo.RUN_ENV, preload=preload,
                            reconfigure=lo.titan_reconfigure(["-m", "titan_plugin.train", *train_args]), **kw)
     demo._LIVE.append(job)
     return job
@@ -189,17 +206,18 @@ def _run(p: ElasticParams, paths: Paths, con) -> dict:
     ensure_assets()
     lo = demo.local_launcher()
     # 1.+2. elastic run ----------------------------------------------------------------------------
-    demo._say(con, f"[cyan]1/2[/] elastic run on {p.nodes} nodes; node {p.victim} is lost for good after step "
-                   f"{p.kill_after}, the job goes on with {p.nodes - 1} …")
+    demo._say(con, f"[cyan]1/2[/] elastic run on {p.nodes} nodes" + (" + 1 spare" if p.spares else "")
+              + f"; node {p.victim} is lost for good after step {p.kill_after}, the job goes on with "
+              + (f"the spare in its place ({p.nodes} nodes) …" if p.spares else f"{p.nodes - 1} …"))
     job = _launch(lo, p, paths, "elastic", p.nodes, _train_args(p, paths, paths.elastic, False), paths.elastic,
-                  max_attempts=2, min_nodes=p.nodes - 1, local_root=paths.nvme_template)
+                  max_attempts=2, min_nodes=p.nodes - 1, local_root=paths.nvme_template, spares=p.spares)
     mon = _LoseNode(p, paths, con)
     try:
         rc = job.run(timeout=2 * p.timeout, monitor=mon, log=lambda line: demo._say(con, f"    [dim]launcher: {line}[/]"))
     except lo.LaunchError as e:
         raise demo.DemoError(str(e)) from None
-    if rc != 0 or len(job.attempts) != 2 or job.attempts[1].nodes != p.nodes - 1:
-        raise demo.DemoError(f"the elastic run did not finish on {p.nodes - 1} nodes in attempt 2 (exit {rc})\n"
+    if rc != 0 or len(job.attempts) != 2 or job.attempts[1].nodes != p.nodes_after:
+        raise demo.DemoError(f"the elastic run did not finish on {p.nodes_after} nodes in attempt 2 (exit {rc})\n"
                              f"{job.failure_text()}")
     ledger = demo._jsonl(paths.ledger(paths.elastic))
     restore = next((r for r in reversed(ledger) if r.get("kind") == "restore"), None)
@@ -207,7 +225,7 @@ def _run(p: ElasticParams, paths: Paths, con) -> dict:
         raise demo.DemoError(f"attempt 2 recorded no restore in {paths.ledger(paths.elastic)}")
     rstep = int(restore["step"])
     # 3. reference -------------------------------------------------------------------------------
-    demo._say(con, f"[cyan]2/2[/] reference: {p.nodes - 1} nodes load step {rstep} from the persistent tier only "
+    demo._say(con, f"[cyan]2/2[/] reference: {p.nodes_after} nodes load step {rstep} from the persistent tier only "
                    "and train one step …")
     src = os.path.join(paths.elastic, "checkpoint", f"step-{rstep}")
     if not os.path.isdir(src):
@@ -215,7 +233,7 @@ def _run(p: ElasticParams, paths: Paths, con) -> dict:
     shutil.copytree(src, os.path.join(paths.reference, "checkpoint", f"step-{rstep}"))
     ref_args = _train_args(p, paths, paths.reference, True)
     ref_args[ref_args.index("--training.steps") + 1] = str(rstep + 1)
-    ref = _launch(lo, p, paths, "reference", p.nodes - 1, ref_args, paths.reference, max_attempts=1)
+    ref = _launch(lo, p, paths, "reference", p.nodes_after, ref_args, paths.reference, max_attempts=1)
     try:
         rrc = ref.run(timeout=p.timeout)
     except lo.LaunchError as e:
@@ -261,14 +279,18 @@ def _report(p: ElasticParams, paths: Paths, job, mon: _LoseNode, restore: dict, 
     states = {}
     for name, (a, b) in {"elastic_vs_reference": (e_dump, r_dump),
                          "elastic_vs_persistent_step": (e_dump, persistent_step)}.items():
+        # with a spare the layout stays: the restored dataloader positions equal the reference's
+        # (the persistent step keeps the plugin's per-layout table, which a dump does not)
+        same = p.spares and name == "elastic_vs_reference"
         try:
-            states[name] = demo.compare_final_states(a, b, exclude=NOT_COMPARED)
+            states[name] = demo.compare_final_states(a, b, exclude=() if same else NOT_COMPARED)
         except Exception as e:  # a missing dump: the check fails, the report says why
             states[name] = {"equal": False, "error": f"{type(e).__name__}: {e}"}
     first_after = min((r["time"] for r in demo._jsonl(paths.losses(paths.elastic)) if r["time"] >= a2.t_start),
                       default=None)
     report = {
         "nodes_before": a1.nodes, "nodes_after": a2.nodes, "lost_node": p.victim, "lost_at_step": mon.lost_at,
+        "spares": p.spares, "replaced": {str(n): s for n, s in a2.replaced.items()}, "warm": a2.warm,
         "restored_step": rstep, "restore_sources": sources, "persistent_bytes_read_on_restore": pbytes,
         "restore_seconds": restore.get("seconds"), "resharded": restore.get("resharded"),
         "recovery_seconds": (first_after - mon.t_lost) if first_after and mon.t_lost else None,
@@ -282,7 +304,12 @@ def _report(p: ElasticParams, paths: Paths, job, mon: _LoseNode, restore: dict, 
         "state_after_restore": states,
         "dataloader": _dataloader_line(a2.logs),
     }
-    report["ok"] = bool(a2.nodes == p.nodes - 1 and pbytes == 0 and set(sources.values()) == {"in-cluster"}
+    if p.spares:  # the spare restores the lost node's shards from its peers' replicas, no reshard
+        want = {str(n): "peer-replica" if n == p.victim else "own-local" for n in range(p.nodes)}
+        served = sources == want and a2.replaced == {p.victim: p.nodes}
+    else:
+        served = set(sources.values()) == {"in-cluster"}
+    report["ok"] = bool(a2.nodes == p.nodes_after and pbytes == 0 and served
                         and rel is not None and rel <= LOSS_RTOL and all(s.get("equal") for s in states.values()))
     return report
 
@@ -292,8 +319,9 @@ def print_report(con, r: dict) -> None:
 
     yes = lambda ok: "[green]yes[/]" if ok else "[red]NO[/]"  # noqa: E731
     t = Table(title="tierckpt elastic demo", show_header=False)
+    spare = f", spare slot {r['replaced'][str(r['lost_node'])]} took over" if r.get("replaced") else ""
     t.add_row("nodes", f"{r['nodes_before']} → {r['nodes_after']} (node {r['lost_node']} lost for good at step "
-                       f"{r['lost_at_step']})")
+                       f"{r['lost_at_step']}{spare}; processes warm: {r.get('warm')})")
     t.add_row("restored step", f"{r['restored_step']} from {sorted(set(r['restore_sources'].values()))}, "
                                f"resharded {r['resharded']}")
     t.add_row("persistent bytes read", f"{r['persistent_bytes_read_on_restore']} "
@@ -329,12 +357,14 @@ def main(argv=None) -> int:
     ap.add_argument("--local-interval", type=int, default=d.local_interval, help="checkpoint.local_interval")
     ap.add_argument("--persistent-interval", type=int, default=d.persistent_interval, help="checkpoint.interval")
     ap.add_argument("--victim", type=int, default=d.victim, help="node lost for good (0..2)")
+    ap.add_argument("--spares", type=int, default=d.spares,
+                    help="1: a spare node takes over the lost node's id and the job stays at 3 nodes")
     ap.add_argument("--timeout", type=float, default=d.timeout, help="per attempt, seconds")
     args, extra = ap.parse_known_args(argv)
     if any(not a.startswith("--") for a in extra[:1]):
         ap.error(f"unrecognized arguments: {extra}")
     params = ElasticParams(steps=args.steps, kill_after=args.kill_after, local_interval=args.local_interval,
-                           persistent_interval=args.persistent_interval, victim=args.victim,
+                           persistent_interval=args.persistent_interval, victim=args.victim, spares=args.spares,
                            toml=os.path.abspath(args.toml), timeout=args.timeout, extra=extra)
     try:
         params.check()
