@@ -1010,7 +1010,7 @@ def rank_train(rank: int, world: int, base: str, plan: dict, phase: str) -> dict
         eng.close()
     except TierFailedError as e:
         out["raised"].append([e.tier, e.step])
-    out["history"] = eng.history
+    out["history"] = [r.as_ledger() for r in eng.history]  # ledger lines: the JSON report
     return out
 
 
@@ -1707,7 +1707,7 @@ def rank_timeline(rank: int, world: int, base: str, plan: dict, phase: str) -> d
             eng.close(raise_failures=False)
     except Exception as e:  # noqa: BLE001 - reported by the driver
         out["close_error"] = f"{type(e).__name__}: {e}"
-    out["history"] = eng.history
+    out["history"] = [r.as_ledger() for r in eng.history]  # ledger lines: the JSON report
     return out
 
 

@@ -94,7 +94,7 @@ def phase_timeline_a(rank, world, base, steps, cfg_kw=None):
         eng.wait()
         _save_ref(base, f"A{s}", rank, model, opt)
     eng.close()
-    return [h["step"] for h in eng.history if h.get("ok")]
+    return [h.step for h in eng.history if h.ok]
 
 
 def phase_fallback_then_unreplicated_save(rank, world, base):
@@ -117,7 +117,7 @@ def phase_fallback_then_unreplicated_save(rank, world, base):
     _save_ref(base, "B20", rank, model, opt)
     eng.close()
     return {"step": res.step, "attempts": res.attempts,
-            "local20": [(h["tier"], h.get("ok"), h.get("replicas_failed")) for h in eng.history]}
+            "local20": [(h.tier, h.ok, h.replicas_failed) for h in eng.history]}
 
 
 def _matches(snap: dict, ref: dict) -> bool:

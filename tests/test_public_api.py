@@ -109,3 +109,64 @@ def test_mypy_sees_the_real_type_of_every_export(tmp_path):
     assert not untyped, untyped
     assert any("tierckpt.config.TierConfig" in ln for ln in revealed), out
     assert 'Incompatible types in assignment (expression has type "TierConfig", variable has type "int")' in out, out
+
+
+#: every read-only engine attribute and the type mypy must see (tierckpt/readonly.py: ReadOnly)
+ENGINE_ATTRIBUTES = {
+    "cfg": "tierckpt.config.TierConfig",
+    "topo": "tierckpt.cluster.topology.Topology",
+    "groups": "tierckpt.cluster.topology.Groups",
+    "local": "tierckpt.tiers.local_tier.LocalTier | None",
+    "persistent": "tierckpt.tiers.persistent.PersistentTier",
+    "ledger": "tierckpt.history.ledger.Ledger",
+    "lineage": "str",
+    "timeline": "tierckpt.history.timeline.Timeline",
+    "preemption": "tierckpt.preemption.PreemptionWatch",
+    "pool": "tierckpt.staging.pool.StagingPool",
+    "restorer": "tierckpt.restore.restorer.Restorer",
+    "jobs": "tierckpt.tiers.jobs.TierJobs",
+    "gate": "tierckpt.tiers.gate.SaveGate",
+    "last_redundancy": "concurrent.futures._base.Future[Any] | None",
+    "history": "list[tierckpt.records.CheckpointRecord]",
+}
+
+
+def test_mypy_sees_the_engine_attributes_typed_and_read_only(tmp_path):
+    """Each engine attribute the adapters read has its real type (a ``property(lambda ...)`` was
+    ``Any``: ``e.cfg.tierz`` type-checked), and an assignment to one is a type error."""
+    from mypy import api
+
+    from tierckpt.engine import TieredCheckpointer
+    from tierckpt.readonly import ReadOnly
+
+    declared = {k for k, v in vars(TieredCheckpointer).items() if isinstance(v, ReadOnly)}
+    assert declared == set(ENGINE_ATTRIBUTES), declared ^ set(ENGINE_ATTRIBUTES)
+    lines = ["from tierckpt import TieredCheckpointer", "", "", "def use(e: TieredCheckpointer) -> None:"]
+    lines += [f"    reveal_type(e.{n})" for n in ENGINE_ATTRIBUTES]
+    lines += ["    e.cfg.tierz"]
+    first_assignment = len(lines) + 1
+    lines += [f"    e.{n} = e.{n}" for n in ENGINE_ATTRIBUTES]
+    snippet = tmp_path / "uses_engine.py"
+    snippet.write_text("\n".join(lines) + "\n")
+    out, err, _ = api.run(["--config-file", str(REPO / "pyproject.toml"), "--cache-dir", str(REPO / ".mypy_cache"),
+                           "--no-error-summary", "--show-error-codes", str(snippet)])
+    revealed = [ln.split("Revealed type is ", 1)[1].strip('"') for ln in out.splitlines() if "Revealed type is" in ln]
+    assert revealed == list(ENGINE_ATTRIBUTES.values()), out + err
+    assert '"TierConfig" has no attribute "tierz"' in out, out
+    refused = {int(ln.split(":")[1]) for ln in out.splitlines() if "[assignment]" in ln}
+    assert refused == set(range(first_assignment, first_assignment + len(ENGINE_ATTRIBUTES))), out
+
+
+def test_engine_attributes_refuse_assignment_at_run_time():
+    """No setter at run time either, and each keeps its documentation."""
+    from tierckpt.engine import TieredCheckpointer
+
+    eng = TieredCheckpointer.__new__(TieredCheckpointer)  # no process group needed: attributes only
+    eng._cfg = cfg = object()
+    assert eng.cfg is cfg
+    for name in ("cfg", "history", "last_redundancy"):
+        with pytest.raises(AttributeError, match=f"TieredCheckpointer.{name} is read-only"):
+            setattr(eng, name, None)
+    with pytest.raises(AttributeError, match="read-only"):
+        del eng.cfg
+    assert "read-only" in (TieredCheckpointer.cfg.__doc__ or "")

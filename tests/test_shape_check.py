@@ -56,6 +56,7 @@ def test_the_repository_passes_and_prints_one_line_per_check(capsys):
     assert "6/6 packages" in out[2]
     assert "base < cluster < io < config < sched < staging < transport < history < tiers < restore" in out[3]
     assert out[3].endswith(", 0 upward"), out[3]
+    assert "read-only attributes" in out[4], out[4]
 
 
 def test_the_minimal_tree_passes(tree):
@@ -157,6 +158,35 @@ def test_an_engine_at_its_size_passes(tree):
 def test_the_repository_engine_is_within_issue_30s_figures():
     eng = sc.check_engine_size(REPO)
     assert eng.ok and eng.enforced, eng.line
+    assert re.search(r"TieredCheckpointer: \d+ methods \(≤ 20\), (\d+) read-only attributes", eng.line), eng.line
+    assert int(re.search(r"(\d+) read-only attributes", eng.line).group(1)) >= 15, eng.line
+
+
+@pytest.mark.parametrize("member", [
+    "    cfg = property(lambda self: self._cfg)\n",
+    "    cfg, topo = _readonly('cfg'), _readonly('topo')\n",  # a helper that makes properties: two
+    "    cfg = lambda self: self._cfg\n",
+    "    cfg = functools.cached_property(lambda self: 1)\n",
+])
+def test_attributes_made_of_calls_or_lambdas_count_as_methods(tree, member):
+    """A method cannot hide as ``property(lambda ...)`` or behind a helper: only the typed
+    descriptor ``ReadOnly`` (tierckpt/readonly.py) is an attribute and not a method."""
+    body = "".join(f"    def m{i}(self):\n        pass\n" for i in range(20))
+    (tree / "tierckpt" / "engine.py").write_text("class TieredCheckpointer:\n" + member + body)
+    failed = _failed(tree)
+    names = member.split("=")[0].count(",") + 1
+    assert set(failed) == {"engine size"} and f"{20 + names} methods (≤ 20)" in failed["engine size"], failed
+
+
+def test_readonly_descriptors_and_constants_are_not_methods(tree):
+    body = "".join(f"    def m{i}(self):\n        pass\n" for i in range(20))
+    members = ('    cfg: ReadOnly[TierConfig] = ReadOnly("_cfg")\n'
+               '    history: ReadOnly[list[int]] = ReadOnly("_gate.history", copy=list)\n'
+               '    LIMIT = 3\n    NAMES: tuple[str, ...] = ("a", "b")\n')
+    (tree / "tierckpt" / "engine.py").write_text("class TieredCheckpointer:\n" + members + body)
+    assert _failed(tree) == {}
+    line = sc.check_engine_size(tree).line
+    assert "20 methods (≤ 20), 2 read-only attributes (ReadOnly, not methods)" in line, line
 
 
 def _wings(tree: Path, files: dict[str, str]) -> dict[str, str]:

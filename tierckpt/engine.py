@@ -13,37 +13,37 @@ lanes, the ``run_end`` record, raise what was not raised.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from typing import Iterable
 
 from tierckpt import exit as exit_hook
 from tierckpt import preemption as preempt
 from tierckpt import startup
 from tierckpt.config import TierConfig, validate_tiers
-from tierckpt.cluster.topology import SpareGroups, release_groups
+from tierckpt.cluster.topology import Groups, SpareGroups, Topology, release_groups
 from tierckpt.gcpause import paused
 from tierckpt.handle import SaveHandle
+from tierckpt.history.ledger import Ledger
 from tierckpt.history.rollback import RollbackTracker
+from tierckpt.history.timeline import Timeline
 from tierckpt.io import layout
 from tierckpt.staging.overlap import wait_before_optimizer_steps
 from tierckpt.staging.pool import StagingPool
 from tierckpt.loader_signals import defer_loader_deaths
 from tierckpt.preemption import Preempted, PreemptionWatch, warn_if_launcher_unprotected
+from tierckpt.readonly import ReadOnly
 from tierckpt.records import CheckpointRecord
 from tierckpt.restore import Inventory, Restorer, RestoreResult
 from tierckpt.restore.resume import Resume
-from tierckpt.tiers.gate import build_gate
-from tierckpt.tiers.jobs import describe_failure
-from tierckpt.tiers.persistent import PersistentIO
+from tierckpt.tiers.gate import SaveGate, build_gate
+from tierckpt.tiers.jobs import TierJobs, describe_failure
+from tierckpt.tiers.local_tier import LocalTier
+from tierckpt.tiers.persistent import PersistentIO, PersistentTier
 from tierckpt.tiers.saving import Saver
 
 __all__ = ["TieredCheckpointer", "describe_failure"]
 
 log = logging.getLogger(__name__)
-
-
-def _readonly(name: str) -> property:
-    """A read-only engine attribute (stored as ``_<name>``; documented in the class docstring)."""
-    return property(lambda self: getattr(self, "_" + name), doc=f"read-only: see TieredCheckpointer ({name})")
 
 
 class TieredCheckpointer:
@@ -70,9 +70,10 @@ class TieredCheckpointer:
         timeline, preemption, pool, restorer: this run's save identities, the
             :class:`~tierckpt.preemption.PreemptionWatch`, the staging pool, the restorer.
         jobs: the :class:`~tierckpt.tiers.jobs.TierJobs` (``lanes``: one per tier).
-        gate: the :class:`~tierckpt.tiers.gate.SaveGate` (``history``, ``local_anchor``,
-            ``schedule``); ``gate.history``: this rank's agreed records, typed, in order;
-            ``history``: the same as ledger lines (dicts).
+        gate: the :class:`~tierckpt.tiers.gate.SaveGate` (``local_anchor``, ``schedule``).
+        history: this rank's agreed :class:`~tierckpt.records.CheckpointRecord` s (saves,
+            deferred and skipped tiers), in order; a new list on each read (ledger lines:
+            ``[r.as_ledger() for r in e.history]``).
         last_redundancy: Future of the replica rebuild after the last restore (None: none ran).
 
     Raises:
@@ -81,14 +82,21 @@ class TieredCheckpointer:
         RuntimeError: torch.distributed not initialised.
     """
 
-    cfg, topo, groups = _readonly("cfg"), _readonly("topo"), _readonly("groups")
-    local, persistent, ledger = _readonly("local"), _readonly("persistent"), _readonly("ledger")
-    lineage, timeline, preemption = _readonly("lineage"), _readonly("timeline"), _readonly("preemption")
-    pool, restorer, jobs, gate = _readonly("pool"), _readonly("restorer"), _readonly("jobs"), _readonly("gate")
-    last_redundancy = property(lambda self: self._resume.last_redundancy,
-                               doc="read-only: see TieredCheckpointer (last_redundancy)")
-    history = property(lambda self: [r.as_ledger() for r in self._gate.history],
-                       doc="this rank's agreed records as ledger lines, in order (typed: gate.history)")
+    cfg: ReadOnly[TierConfig] = ReadOnly("_cfg")
+    topo: ReadOnly[Topology] = ReadOnly("_topo")
+    groups: ReadOnly[Groups] = ReadOnly("_groups")
+    local: ReadOnly[LocalTier | None] = ReadOnly("_local")
+    persistent: ReadOnly[PersistentTier] = ReadOnly("_persistent")
+    ledger: ReadOnly[Ledger] = ReadOnly("_ledger")
+    lineage: ReadOnly[str] = ReadOnly("_lineage")
+    timeline: ReadOnly[Timeline] = ReadOnly("_timeline")
+    preemption: ReadOnly[PreemptionWatch] = ReadOnly("_preemption")
+    pool: ReadOnly[StagingPool] = ReadOnly("_pool")
+    restorer: ReadOnly[Restorer] = ReadOnly("_restorer")
+    jobs: ReadOnly[TierJobs] = ReadOnly("_jobs")
+    gate: ReadOnly[SaveGate] = ReadOnly("_gate")
+    last_redundancy: ReadOnly[Future | None] = ReadOnly("_resume.last_redundancy")
+    history: ReadOnly[list[CheckpointRecord]] = ReadOnly("_gate.history", copy=list)
 
     @paused  # the restart's critical path, as restore()
     def __init__(self, config: TierConfig, *, node_id: int | None = None,
