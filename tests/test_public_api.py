@@ -141,7 +141,11 @@ def test_mypy_sees_the_engine_attributes_typed_and_read_only(tmp_path):
 
     declared = {k for k, v in vars(TieredCheckpointer).items() if isinstance(v, ReadOnly)}
     assert declared == set(ENGINE_ATTRIBUTES), declared ^ set(ENGINE_ATTRIBUTES)
-    lines = ["from tierckpt import TieredCheckpointer", "", "", "def use(e: TieredCheckpointer) -> None:"]
+    lines = ["from tierckpt import TieredCheckpointer", "from tierckpt.history.journal import RunJournal",
+             "from tierckpt.preemption import FinalSaveEngine, PreemptionJournal", "",
+             "def conforms(e: TieredCheckpointer, j: RunJournal) -> tuple[FinalSaveEngine, PreemptionJournal]:",
+             "    return e, j  # preemption.final_save's protocols", "",
+             "def use(e: TieredCheckpointer) -> None:"]
     lines += [f"    reveal_type(e.{n})" for n in ENGINE_ATTRIBUTES]
     lines += ["    e.cfg.tierz"]
     first_assignment = len(lines) + 1
@@ -155,6 +159,8 @@ def test_mypy_sees_the_engine_attributes_typed_and_read_only(tmp_path):
     assert '"TierConfig" has no attribute "tierz"' in out, out
     refused = {int(ln.split(":")[1]) for ln in out.splitlines() if "[assignment]" in ln}
     assert refused == set(range(first_assignment, first_assignment + len(ENGINE_ATTRIBUTES))), out
+    errors = [ln for ln in out.splitlines() if ": error:" in ln]
+    assert len(errors) == len(ENGINE_ATTRIBUTES) + 1, out  # the assignments and `tierz`: nothing else
 
 
 def test_engine_attributes_refuse_assignment_at_run_time():

@@ -14,10 +14,12 @@ import logging
 import os
 import signal
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Protocol
 import time
 
 from tierckpt.errors import ConfigError, TierckptError
+from tierckpt.handle import SaveHandle
+from tierckpt.records import CheckpointRecord
 
 log = logging.getLogger(__name__)
 
@@ -258,16 +260,56 @@ def requested(signals: tuple[str, ...], watch: PreemptionWatch, control) -> str 
     return None if idx < 0 else signals[idx]
 
 
-def final_save(engine: Any, journal: Any, step: int, state_dict: dict, signal_name: str, handle: Any = None) -> Preempted:
+# -- what the final save needs of the engine: structural types (the engine, its config and its
+# journal are in wings above this one, so they are described here, not imported)
+class GraceConfig(Protocol):
+    """The options :func:`final_save` reads (:class:`tierckpt.config.TierConfig` has them)."""
+
+    @property
+    def tiers(self) -> tuple[str, ...]: ...
+
+    @property
+    def preemption_grace_s(self) -> float: ...
+
+
+class RankOf(Protocol):
+    """This rank's global rank (:class:`tierckpt.cluster.topology.Topology` has it)."""
+
+    @property
+    def rank(self) -> int: ...
+
+
+class FinalSaveEngine(Protocol):
+    """The public part of :class:`tierckpt.engine.TieredCheckpointer` that :func:`final_save` uses."""
+
+    @property
+    def cfg(self) -> GraceConfig: ...
+
+    @property
+    def topo(self) -> RankOf: ...
+
+    def unraised_failures(self) -> list[CheckpointRecord]: ...
+
+    def save(self, step: int, state_dict: dict, tiers: Iterable[str] | None = None, *,
+             raise_failures: bool = True, wait_previous: bool = False) -> SaveHandle: ...
+
+
+class PreemptionJournal(Protocol):
+    """Where the ``preemption`` record goes (:class:`tierckpt.history.journal.RunJournal`)."""
+
+    def preemption(self, step: int, signal: str, committed: dict[str, bool], seconds: float,
+                   earlier_failures: list[str]) -> None: ...
+
+
+def final_save(engine: FinalSaveEngine, journal: PreemptionJournal, step: int, state_dict: dict,
+               signal_name: str, handle: SaveHandle | None = None) -> Preempted:
     """The final save of a preemption notice over the engine's public methods (see
     :meth:`tierckpt.engine.TieredCheckpointer.save_for_preemption`; collective): every tier
-    at ``step`` (those ``handle``, a :class:`~tierckpt.handle.SaveHandle`, did not start yet,
-    with ``wait_previous``), the local tier waited for first, the persistent tier with what is
-    left of ``preemption_grace_s`` (seconds); the ``preemption`` ledger record (``journal``, a
-    :class:`~tierckpt.history.journal.RunJournal`) and the marker file for the launcher. Returns the :class:`Preempted` to raise."""
+    at ``step`` (those ``handle`` did not start yet, with ``wait_previous``), the local tier
+    waited for first, the persistent tier with what is left of ``preemption_grace_s``
+    (seconds); the ``preemption`` ledger record (``journal``) and the marker file for the
+    launcher. Returns the :class:`Preempted` to raise."""
     from concurrent.futures import TimeoutError as FuturesTimeout
-
-    from tierckpt.handle import SaveHandle
 
     cfg, t0 = engine.cfg, time.monotonic()
     earlier = [f"{r.tier} step {r.step}: {r.error}" for r in engine.unraised_failures()]
