@@ -27,6 +27,10 @@ PLUMBING = {
     "write_dcp", "read_item", "plan_restore", "TIERS", "validate_tiers", "record_metrics", "restore_metrics",
     "result_metrics", "decision_metrics", "describe_failure", "RestoreRecord", "VerificationError",
 }
+#: what the adapters imported from engine modules before (tierckpt.config, .validators, .records):
+#: exported by tierckpt.integration, never by tierckpt
+ADAPTER_RULES = {"GenericRecord", "RULES", "SCHEDULE_RULES", "Number", "non_negative_int", "non_negative_seconds",
+                 "positive_number"}
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -39,7 +43,7 @@ def test_tierckpt_exports_the_user_facing_names_and_integration_the_plumbing():
     import tierckpt.integration as integration
 
     assert set(tierckpt.__all__) == USER_FACING and len(tierckpt.__all__) <= 16
-    assert set(integration.__all__) == PLUMBING
+    assert set(integration.__all__) == PLUMBING | ADAPTER_RULES
     for name in tierckpt.__all__:
         assert getattr(tierckpt, name) is not None
     for name in integration.__all__:
@@ -52,6 +56,12 @@ def test_tierckpt_exports_the_user_facing_names_and_integration_the_plumbing():
         tierckpt.nope  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'TierConfig'"):
         integration.TierConfig  # noqa: B018  (user-facing names are not exported twice)
+    from tierckpt.config import RULES
+    from tierckpt.validators import Number
+
+    assert integration.RULES is RULES and integration.Number is Number
+    for name in ADAPTER_RULES:
+        assert not hasattr(tierckpt, name), name  # never a tierckpt name: no deprecated alias either
 
 
 def test_star_import_and_lazy_resolution_do_not_import_torch_distributed():

@@ -50,13 +50,14 @@ def test_the_repository_passes_and_prints_one_line_per_check(capsys):
     assert sc.main([str(REPO)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[1].strip() for ln in out] == ["public names", "ruff coverage", "mypy coverage",
-                                                         "wing order", "engine size"]
+                                                         "wing order", "adapter imports", "engine size"]
     assert re.search(r"public names: ok: tierckpt (\d+),", out[0]) and int(
         re.search(r"tierckpt (\d+),", out[0]).group(1)) <= sc.MAX_PUBLIC
     assert "6/6 packages" in out[2]
     assert "base < cluster < io < config < sched < staging < transport < history < tiers < restore" in out[3]
     assert out[3].endswith(", 0 upward"), out[3]
-    assert "read-only attributes" in out[4], out[4]
+    assert out[4].endswith(", 0 outside"), out[4]
+    assert "read-only attributes" in out[5], out[5]
 
 
 def test_the_minimal_tree_passes(tree):
@@ -244,3 +245,27 @@ def test_an_import_up_the_wings_fails(tree, rel, text, expect):
     failed = _wings(tree, {rel: text})
     assert set(failed) == {"wing order"}, failed
     assert expect in failed["wing order"], failed["wing order"]
+
+
+@pytest.mark.parametrize("text, reached", [
+    ("from tierckpt.config import RULES\n", "tierckpt.config"),
+    ("def f():\n    from tierckpt.validators import Number\n", "tierckpt.validators"),
+    ("import tierckpt.records\n", "tierckpt.records"),
+    ("from tierckpt import errors\n", "tierckpt.errors"),  # a module, not a public name
+    ("from tierckpt.cli.steps import x\n", "tierckpt.cli.steps"),  # only the cli package itself
+])
+def test_an_adapter_importing_an_engine_module_fails(tree, text, reached):
+    """Adapters build on tierckpt, tierckpt.integration and the extension points only."""
+    (tree / "mcore_plugin" / "bad.py").write_text(text)
+    failed = _failed(tree)
+    assert set(failed) == {"adapter imports"} and "mcore_plugin/bad.py:" in failed["adapter imports"], failed
+    assert f"imports {reached}" in failed["adapter imports"], failed
+
+
+def test_adapter_imports_through_the_surface_pass(tree):
+    (tree / "titan_plugin" / "good.py").write_text(
+        "from tierckpt import ConfigError\nfrom tierckpt.integration import RULES\n"
+        "from tierckpt.io import layout\nfrom tierckpt.io.storage import Store\nfrom tierckpt.cli import CliError\n"
+        "from tierckpt_dev.titan import cpu\nimport torch\n")
+    assert _failed(tree) == {}
+    assert "5 imports, 0 outside" in sc.check_adapter_imports(tree).line

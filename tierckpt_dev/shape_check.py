@@ -21,6 +21,10 @@ Checks today:
 - :func:`check_wing_order`: every module of ``tierckpt/`` belongs to one wing of
   :data:`WING_ORDER`, and no import (module level, lazy or under ``TYPE_CHECKING``) reaches a
   wing above the importing module's own (docs/architecture.md shows the order);
+- :func:`check_adapter_imports`: the framework adapters (:data:`ADAPTERS`) import tierckpt only
+  through :data:`ADAPTER_SURFACE`: ``tierckpt`` (the user-facing names), ``tierckpt.integration``
+  (adapter plumbing) and the documented extension points ``tierckpt.io`` (its modules too) and
+  ``tierckpt.cli`` (docs/architecture.md, "Adapters");
 - :func:`check_engine_size`: ``tierckpt/engine.py`` has at most :data:`ENGINE_MAX_LINES` lines
   and the engine class at most :data:`ENGINE_MAX_METHODS` methods (issue 30; a new feature gets
   its own module, not more engine); a ``property(...)`` or lambda in the class body counts as a
@@ -62,6 +66,14 @@ ENGINE_FILE = "tierckpt/engine.py"
 ENGINE_CLASS = "TieredCheckpointer"
 
 LAZY_MODULES = ("tierckpt/__init__.py", "tierckpt/integration.py")
+
+ADAPTERS = ("titan_plugin", "mcore_plugin")
+"""The framework adapters: packages that build on the engine through its documented surface."""
+
+ADAPTER_SURFACE: tuple[tuple[str, bool], ...] = (
+    ("tierckpt", False), ("tierckpt.integration", False), ("tierckpt.io", True), ("tierckpt.cli", False))
+"""What an adapter may import of tierckpt: ``(module, its submodules too)``. Everything else of
+``tierckpt/`` is internal to the engine (docs/architecture.md, "Adapters")."""
 
 WING_ORDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("errors", "validators", "records", "priors", "handle", "preemption", "loader_signals", "gcpause",
@@ -339,6 +351,49 @@ def check_mypy_coverage(root: Path) -> Check:
     return Check("mypy coverage", not problems, line + ("" if not problems else "; " + "; ".join(problems)))
 
 
+def _adapter_import_allowed(module: str) -> bool:
+    """Whether an adapter may import ``module`` (dotted; any module outside ``tierckpt``)."""
+    if module != "tierckpt" and not module.startswith("tierckpt."):
+        return True
+    return any(module == m or (subs and module.startswith(m + ".")) for m, subs in ADAPTER_SURFACE)
+
+
+def check_adapter_imports(root: Path) -> Check:
+    """Every import statement of :data:`ADAPTERS` (module level, lazy or under
+    ``TYPE_CHECKING``) that reaches ``tierckpt`` names a module of :data:`ADAPTER_SURFACE`
+    (``from tierckpt.io import layout`` and ``from tierckpt import TierConfig`` are fine;
+    ``from tierckpt.config import RULES`` is not, :mod:`tierckpt.integration` exports it, nor is
+    ``from tierckpt import startup``, a module)."""
+    problems: list[str] = []
+    count = 0
+    known = set(_tierckpt_modules(root)) if (root / "tierckpt").is_dir() else set()
+    for pkg in ADAPTERS:
+        if not (root / pkg).is_dir():
+            problems.append(f"adapter folder {pkg}/ is missing")
+            continue
+        for f in _package_files(root, pkg):
+            rel = f.relative_to(root).as_posix()
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Import):
+                    mods = [(a.name, node.lineno) for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                    # `from tierckpt import startup` reaches the module tierckpt.startup
+                    subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
+                    mods = [(m, node.lineno) for m in subs or [node.module]]
+                else:
+                    continue
+                for mod, lineno in mods:
+                    if mod.split(".")[0] != "tierckpt":
+                        continue
+                    count += 1
+                    if not _adapter_import_allowed(mod):
+                        problems.append(f"{rel}:{lineno} imports {mod}")
+    surface = ", ".join(m + (".*" if subs else "") for m, subs in ADAPTER_SURFACE)
+    line = f"{', '.join(ADAPTERS)} import tierckpt only through {surface}; {count} imports, {len(problems)} outside"
+    return Check("adapter imports", not problems, line + ("" if not problems else "; " + "; ".join(problems[:8])
+                                                         + (" …" if len(problems) > 8 else "")))
+
+
 READONLY_DESCRIPTOR = "ReadOnly"
 """The class of a typed read-only attribute (:class:`tierckpt.readonly.ReadOnly`): a class-level
 ``name: ReadOnly[T] = ReadOnly(...)`` is an attribute, not a method."""
@@ -461,7 +516,7 @@ def check_wing_order(root: Path) -> Check:
 
 
 CHECKS: list[Callable[[Path], Check]] = [check_public_names, check_ruff_coverage, check_mypy_coverage,
-                                         check_wing_order, check_engine_size]
+                                         check_wing_order, check_adapter_imports, check_engine_size]
 
 
 def run(root: Path = REPO) -> tuple[int, list[Check]]:

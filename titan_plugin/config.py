@@ -19,8 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from tierckpt import ConfigError, ScheduleOptions, TierConfig
-from tierckpt.config import SCHEDULE_RULES, validate_tiers
-from tierckpt.validators import Number, non_negative_int
+from tierckpt.integration import SCHEDULE_RULES, Number, non_negative_int, validate_tiers
 
 SECTION_RULES: dict[str, Number] = {
     "local_interval": non_negative_int(unit="steps", note="0 = no local tier"),

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tierckpt.loader_signals import preempted_by
+from tierckpt import preempted_by
 
 log = logging.getLogger(__name__)
 
