@@ -53,7 +53,7 @@ from tierckpt.integration import (PeerFailure, RestoreRecord, VerificationError,
                                   write_dcp)
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
-from titan_plugin.config import build_tier_config, checkpoint_error
+from titan_plugin.config import build_tier_config, check_titan_keys, checkpoint_error
 from titan_plugin.dataloader import DataloaderPositions
 from titan_plugin.loader_death import agree_loader_death
 from titan_plugin.metrics import TierMetrics
@@ -172,14 +172,17 @@ class TieredCheckpointManager(CheckpointManager):
         """Upper bound of adaptive intervals, steps (0 = none)."""
 
         def __post_init__(self) -> None:
-            """torchtitan's checks, then the tier keys through the engine's own validation
-            (:func:`titan_plugin.config.build_tier_config`: ``TierConfig``'s rules, errors named
-            ``checkpoint.<key>``), whether or not checkpointing is enabled.
+            """torchtitan's numeric keys by the engine's rules
+            (:func:`titan_plugin.config.check_titan_keys`), torchtitan's checks, then the tier keys
+            through the engine's own validation (:func:`titan_plugin.config.build_tier_config`:
+            ``TierConfig``'s rules, errors named ``checkpoint.<key>``), whether or not
+            checkpointing is enabled.
 
             Raises:
                 ConfigError: naming the ``checkpoint.*`` key and its allowed values.
-                ValueError: torchtitan's own checks (unnamed; the TOML front end names the key).
+                ValueError: torchtitan's other checks (unnamed; the TOML front end names the key).
             """
+            check_titan_keys(self)  # before torchtitan's own checks: `interval = "x"` is a TypeError there
             CheckpointManager.Config.__post_init__(self)
             # torchtitan's folder (never empty, checked above) stands in for an unset persistent_folder
             build_tier_config(self, self.persistent_folder or self.folder)
