@@ -1,13 +1,15 @@
 """The tiered checkpoint engine: what adapters and users call. It orchestrates named steps,
 each in its wing (docs/architecture.md): the start (:mod:`tierckpt.startup`); ``save()``
-(:class:`~tierckpt.tiers.saving.Saver`): the one scheduling object (:class:`~tierckpt.tiers.gate.SaveGate`) decides which tiers start, the
-state is staged (:mod:`tierckpt.staging.pool`; δ ends here) and each tier's job is queued on its
-lane (:mod:`tierckpt.tiers.lanes`, :mod:`tierckpt.tiers.jobs`: local tier → replication →
-agreed record → retention; persistent tier → agreed record → retention); ``restore()``
-(:class:`~tierckpt.restore.resume.Resume`): drain the lanes, :class:`~tierckpt.restore.Restorer`, the record, an armed rollback, the restart's
-interval decision, the replica rebuild (:mod:`tierckpt.restore.redundancy`);
-``save_for_preemption()`` (:func:`tierckpt.preemption.final_save`); ``close()``: finish the
-lanes, the ``run_end`` record, raise what was not raised.
+(:class:`~tierckpt.tiers.saving.Saver`): the one scheduling object
+(:class:`~tierckpt.tiers.gate.SaveGate`) decides which tiers start, the state is staged
+(:mod:`tierckpt.staging.pool`; δ ends here) and each tier's job is queued on its lane
+(:mod:`tierckpt.tiers.lanes`, :mod:`tierckpt.tiers.jobs`: local tier → replication → agreed
+record → retention; persistent tier → agreed record → retention); ``restore()``
+(:class:`~tierckpt.restore.resume.Resume`): drain the lanes, :class:`~tierckpt.restore.Restorer`,
+the record, an armed rollback, the restart's interval decision, the replica rebuild
+(:mod:`tierckpt.restore.redundancy`); ``save_for_preemption()``
+(:func:`tierckpt.preemption.final_save`); ``close()``: finish the lanes, the ``run_end``
+record, raise what was not raised.
 """
 
 from __future__ import annotations
