@@ -74,18 +74,18 @@ def _restore_with_a_hung_rebuild(eng, base: str, rank: int, model, opt) -> None:
     import shutil
     import threading
 
-    from tierckpt.tiers import jobs
+    from tierckpt.restore import redundancy
 
     shutil.rmtree(os.path.join(base, "nvme", f"node-{rank}", "replicas", f"node-{1 - rank}", "step-20"))
     dist.barrier()
-    replicate = jobs.replicate
+    replicate = redundancy.replicate
 
     def hanging(*a, **kw):
         if "pairs" in kw:  # the rebuild's copies (a save's replication names no pairs)
             threading.Event().wait()
         return replicate(*a, **kw)
 
-    jobs.replicate = hanging  # type: ignore[assignment]
+    redundancy.replicate = hanging  # type: ignore[assignment]  # the rebuild job's (restore/redundancy.py)
     sd = scenarios.app_state(model, opt)
     res = eng.restore(sd)
     assert res is not None and res.step == 20, res

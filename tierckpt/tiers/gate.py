@@ -3,7 +3,8 @@ scheduling object.
 
 :class:`SaveGate` decides, on the trainer's thread, for each tier due at a step: deferred while
 its previous save still runs (``busy_tier_policy`` "defer", agreed: :mod:`tierckpt.tiers.deferral`),
-skipped while a hung local disk outlives ``local_wait_timeout_s`` (:meth:`TierJobs.local_ready`)
+skipped while a hung local disk outlives ``local_wait_timeout_s``
+(:meth:`tierckpt.tiers.hung.HungDiskVote.local_ready`)
 or while the RAM root is too small (:class:`tierckpt.tiers.ram.RamGuard`), else waited for,
 its previous failure raised by the ``warn_only`` policy, and the interval decision made after
 it applied (:mod:`tierckpt.sched.driver`). On the tiers' threads it keeps the bookkeeping of
@@ -141,7 +142,7 @@ class SaveGate:
             if not finished.get(t, True):
                 rec = self.busy.deferred(t, step, t0, "busy_tier_policy = defer")
             elif t == "local" and t not in defer:
-                ready, t_local, rec = self.jobs.local_ready(step)
+                ready, t_local, rec = self.jobs.vote.local_ready(step)
                 if not ready:
                     t_skip = t_local
             if rec is not None:  # deferred or skipped: nothing staged for this tier
@@ -286,5 +287,5 @@ def build_gate(cfg: TierConfig, topo: Topology, groups: Groups, local: LocalTier
     jobs = TierJobs(cfg, topo, groups, local, persistent, in_use, journal, on_record=gate.after_record,
                     local_anchor=gate.anchor, interference=schedule.cadence.interference_of if schedule else None)
     gate.attach(jobs, BusyPoll(jobs.lanes, groups.control, topo.rank, journal.ledger.append,
-                               stuck_nodes=functools.partial(jobs.stuck_nodes, False)))
+                               stuck_nodes=functools.partial(jobs.vote.stuck_nodes, False)))
     return gate, jobs
