@@ -133,9 +133,16 @@ def test_rollback_supersedes_by_save_identity_whatever_the_hosts_clocks(tmp_path
     rb = [x for x in sc.ledger(base) if x["kind"] == "rollback"]
     assert len(rb) == 1 and len([c for c in rb[0]["superseded"] if c.endswith("/20")]) == 5, rb
     assert "cause" not in rb[0], rb  # a rollback by name (the record's keys are unchanged)
+    assert sorted(rb[0]["superseded"]) == sorted(STEP20) and "failed" not in rb[0], rb
+    # as if the run had died right after its first commit, before any node superseded anything:
+    # every copy of the abandoned step 20 committed again — the restart resumes the new timeline
+    for rel in STEP20.values():
+        p = os.path.join(base, rel)
+        os.rename(os.path.join(p, COMMITTED + ".superseded"), os.path.join(p, COMMITTED))
     res = run_world(sc.phase_restore_only, 2, base, None, ["A10", "A20", "R11"])
     for r in res:
-        assert r.value["step"] == 11 and r.value["matches"] == ["R11"], r.value
+        assert r.value["step"] == 11 and r.value["matches"] == ["R11"] and r.value["attempts"] == 1, r.value
+        assert set(r.value["sources"].values()) == {"own-local"}, r.value
 
 
 def test_a_step_saved_by_two_calls_is_one_save(tmp_path):
