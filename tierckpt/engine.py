@@ -113,7 +113,7 @@ class TieredCheckpointer:
         self._optimizer_hook = wait_before_optimizer_steps(self) if cfg.cpu_staging == "overlapped" else None
         self._rollback = RollbackTracker(
             self._journal, topo.node, self._local.store if (self._local and topo.is_node_leader) else None,
-            self._persistent.store if topo.rank == 0 else None)
+            self._persistent.store if topo.rank == 0 else None, cfg.tiers, cfg.read_timeout_s)
         self._gate, self._jobs = build_gate(cfg, topo, groups, self._local, self._persistent, run.in_use,
                                             self._journal, self._rollback)
         self._jobs.owner = self  # a running job keeps the engine alive until the exit hook finished it
