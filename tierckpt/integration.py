@@ -12,7 +12,9 @@ beyond the user-facing :mod:`tierckpt` surface: the plumbing an adapter builds o
 - metrics for a framework's logger: :func:`record_metrics`, :func:`restore_metrics`,
   :func:`result_metrics`, :func:`decision_metrics`, :func:`describe_failure`;
 - what an adapter writes or raises itself: :class:`RestoreRecord` (a restore's ledger record),
-  :class:`VerificationError`.
+  :class:`VerificationError`;
+- the agreed decision to save after a preemption notice killed the DataLoader's workers
+  mid-fetch (engine-API trainers too): :func:`agree_loader_death`.
 
 Names resolve lazily (PEP 562), as in :mod:`tierckpt`: importing this module does not import
 torch.distributed.
@@ -44,6 +46,7 @@ _EXPORTS = {
     "describe_failure": "tierckpt.tiers.jobs",
     "RestoreRecord": "tierckpt.records",
     "VerificationError": "tierckpt.errors",
+    "agree_loader_death": "tierckpt.loader_signals",
 }
 
 if TYPE_CHECKING:  # what mypy and IDEs see; at run time the names resolve lazily
@@ -52,6 +55,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time the names resolve lazil
     from tierckpt.cluster.collectives import PeerFailure, all_gather, run_agreed
     from tierckpt.cluster.topology import check_replication
     from tierckpt.errors import VerificationError
+    from tierckpt.loader_signals import agree_loader_death
     from tierckpt.restore.peek import read_item
     from tierckpt.metrics import record_metrics, restore_metrics, result_metrics
     from tierckpt.preemption import signal_numbers
@@ -67,6 +71,7 @@ __all__ = [
     "TIERS",
     "VerificationError",
     "accelerator_present",
+    "agree_loader_death",
     "all_gather",
     "check_replication",
     "decision_metrics",
