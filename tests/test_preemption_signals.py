@@ -316,10 +316,10 @@ def test_tierckpt_launch_adds_the_watched_signals_to_torchrun():
 
 
 # ------------------------------------------------------------------- engine API, launchers
-def _wait_progress(base: str, proc: subprocess.Popen, step: int, timeout: float = 240) -> None:
-    """Until rank 0 finished ``step`` steps (the first local save at step 4 included)."""
+def _wait_progress(base: str, proc: subprocess.Popen, step: int, timeout: float = 240, rank: int = 0) -> None:
+    """Until ``rank`` finished ``step`` steps (the first local save at step 4 included)."""
     deadline = time.time() + timeout
-    path = os.path.join(base, "progress-0")
+    path = os.path.join(base, f"progress-{rank}")
     while time.time() < deadline and proc.poll() is None:
         try:
             if int(open(path).read() or 0) >= step:
@@ -327,7 +327,7 @@ def _wait_progress(base: str, proc: subprocess.Popen, step: int, timeout: float 
         except (OSError, ValueError):
             pass
         time.sleep(0.1)
-    raise AssertionError(f"rank 0 did not reach step {step} (exit {proc.poll()})")
+    raise AssertionError(f"rank {rank} did not reach step {step} (exit {proc.poll()})")
 
 
 def _torchrun(launcher: str, base: str, steps: int, *extra: str) -> list[str]:
@@ -386,17 +386,62 @@ def reference(tmp_path_factory) -> str:
 def test_sigterm_to_torchrun_with_loader_workers_saves_and_resumes_bitwise(tmp_path, reference, protect):
     """Plain torchrun forwards SIGTERM to each rank's process group, loader workers included:
     the ranks still save at the agreed step and exit 75 (torchrun itself exits 1, and the
-    start-up check warned that it dies on SIGUSR1); the requeue resumes there bitwise."""
+    start-up check warned that it dies on SIGUSR1); the requeue resumes there bitwise.
+
+    The notice lands in the middle of a step (the trainer sleeps there), so both cases take
+    the end-of-step path: protected workers survive it; unprotected ones die, and their death
+    is deferred ("not raised here") instead of raised mid-step, so the step still ends and its
+    check saves. The other path, a fetch that fails because the notice killed the workers
+    while the rank waited for its batch, is the next test."""
     base = str(tmp_path)
     rc, out = _interrupted(_torchrun("torch.distributed.run", base, 14, *([] if protect else ["--no-protect"])),
                            base, signal.SIGTERM, "attempt1.log")
     assert rc != 0, out[-3000:]
     assert out.count("exiting with status 75") == 2, out[-4000:]
     assert "is killed by signal" not in out or not protect, out[-4000:]
+    # which path ran: the end-of-step check on both ranks, never the fetch failure; the
+    # deferral of the workers' death exactly when they died (unprotected)
+    assert out.count("loader_trainer: preemption save at the end of step") == 2, out[-4000:]
+    assert "failed on the notice: preemption save" not in out, out[-4000:]
+    assert ("not raised here; the step goes on to its preemption save" in out) is (not protect), out[-4000:]
     assert "dies on SIGUSR1" in out, out[-4000:]  # plain torchrun does: the start-up warning says so
     # and it SIGKILLs the ranks 30 s after forwarding the notice, within a 60 s grace period
     assert "SIGKILLs the ranks 30s after it forwards a preemption notice (torchrun's default)" in out, out[-4000:]
     _check_preempted_and_resume(base, reference, "SIGTERM")
+
+
+def test_notice_while_the_ranks_wait_for_a_batch_takes_the_agreed_fetch_failure_path(tmp_path, reference):
+    """A real run of the fetch-failure path: the rows of step 7 are slow to load, so once both
+    ranks finished step 6 they wait in ``next()`` for that batch; SIGTERM to plain torchrun
+    then kills the unprotected loader workers while no step runs. The death is deferred (the
+    notice came first), the fetch fails ("exited unexpectedly"), every rank votes through the
+    store (``agree_loader_death``), and every rank saves step 6 — the last finished one —
+    exits 75, and the requeue resumes there bitwise. Deterministic: the end-of-step check of
+    step 6 ran before the notice, and step 7's batch cannot arrive before it."""
+    base = str(tmp_path)
+    os.makedirs(base, exist_ok=True)
+    log = os.path.join(base, "attempt1.log")
+    cmd = _torchrun("torch.distributed.run", base, 14, "--no-protect", "--slow-step", "7", "--slow-s", "120")
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for rank in (0, 1):
+            _wait_progress(base, p, 6, rank=rank)
+        time.sleep(0.5)  # both in next(), waiting for step 7's batch
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=180)
+    finally:
+        if p.poll() is None:  # pragma: no cover - a hang: the test fails below
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    out = open(log).read()
+    assert rc != 0, out[-3000:]
+    assert out.count("loader_trainer: fetch of step 7 failed on the notice: preemption save of step 6") == 2, \
+        out[-4000:]
+    assert "preemption save at the end of step" not in out, out[-4000:]
+    assert "exited unexpectedly" in out or "is killed by signal" in out, out[-4000:]
+    assert out.count("exiting with status 75") == 2, out[-4000:]
+    assert _check_preempted_and_resume(base, reference, "SIGTERM") == 6
 
 
 def test_sigusr1_to_tierckpt_launch_exits_75_and_resumes_bitwise(tmp_path, reference):
