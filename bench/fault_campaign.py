@@ -1074,16 +1074,18 @@ def rank_train_signal_tree(rank: int, world: int, base: str, plan: dict) -> dict
     signal (once or twice) from a separate process to every process of the job — the ranks and
     their loader workers — as Slurm's ``scancel --signal`` or torchrun's group signal do;
     every rank then finishes its step and, at the agreed step, takes the preemption save
-    (``save_for_preemption``), or, when a fetch failed for the notice
-    (:func:`tierckpt.preempted_by`), saves the last finished step."""
+    (``save_for_preemption``), or, when a fetch failed for the notice on every rank at the
+    same step (agreed through the store: :func:`tierckpt.integration.agree_loader_death`),
+    saves the last finished step; a fetch failure the ranks do not agree on is raised."""
     import subprocess
 
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
     from tests import scenarios
-    from tierckpt import preempted_by, protect_loader_workers
+    from tierckpt import protect_loader_workers
     from tierckpt.engine import TieredCheckpointer
+    from tierckpt.integration import agree_loader_death
 
     f = plan["fault"]
     # the driver starts ranks as daemonic processes (killed with it), which multiprocessing
@@ -1106,7 +1108,7 @@ def rank_train_signal_tree(rank: int, world: int, base: str, plan: dict) -> dict
             try:
                 next(batches)
             except RuntimeError as e:
-                sig = preempted_by(e, eng.preemption)
+                sig = agree_loader_death(eng, e, s - 1)  # collective save: only when every rank's fetch failed so
                 if sig is None:
                     raise
                 out["fetch_failed"] = str(e)[:200]

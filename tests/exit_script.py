@@ -2,6 +2,7 @@
 MODE``, torchrun's environment): train, save steps 20 (waited for) and 30 through the engine,
 then leave *without* ``close()`` through the interpreter's normal exit. MODE: ``return`` (main
 returns), ``raise`` (an uncaught exception on every rank), ``sys_exit`` (``sys.exit(0)``),
+``sys_exit_3`` (``sys.exit(3)``: an error status),
 ``raise_one`` (rank 1 raises; rank 0 trains on, so its next collective fails once rank 1's
 process is gone), ``hung_persistent`` (returns while the persistent write of step 30 hangs for
 good: ``exit_timeout_s`` = 5 s gives up on it), ``hung_rebuild`` (restores step 20 with each node's
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from tests import scenarios
 from tierckpt.engine import TieredCheckpointer
 
-MODES = ("return", "raise", "sys_exit", "raise_one", "hung_persistent", "hung_rebuild")
+MODES = ("return", "raise", "sys_exit", "sys_exit_3", "raise_one", "hung_persistent", "hung_rebuild")
 
 
 def main() -> None:
@@ -62,6 +63,8 @@ def main() -> None:
         return
     if mode == "sys_exit":
         sys.exit(0)
+    if mode == "sys_exit_3":
+        sys.exit(3)
     if mode == "raise" or rank == 1:
         raise RuntimeError(f"trainer failed on rank {rank} after save(30)")
     for s in range(31, 41):  # raise_one, rank 0: trains on until the gone peer fails a collective

@@ -26,11 +26,17 @@ PLUMBING = {
     "all_gather", "run_agreed", "PeerFailure", "check_replication", "accelerator_present", "signal_numbers",
     "write_dcp", "read_item", "plan_restore", "TIERS", "validate_tiers", "record_metrics", "restore_metrics",
     "result_metrics", "decision_metrics", "describe_failure", "RestoreRecord", "VerificationError",
+    "agree_loader_death",
 }
+<<<<<<< HEAD
 #: what the adapters imported from engine modules before (tierckpt.config, .validators, .records):
 #: exported by tierckpt.integration, never by tierckpt
 ADAPTER_RULES = {"GenericRecord", "RULES", "SCHEDULE_RULES", "Number", "non_negative_int", "non_negative_seconds",
                  "positive_number"}
+=======
+#: integration names that never were in ``tierckpt`` (no deprecated alias there)
+NEW_IN_INTEGRATION = {"agree_loader_death"}
+>>>>>>> wt-29
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -80,7 +86,15 @@ def test_star_import_and_lazy_resolution_do_not_import_torch_distributed():
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("name", sorted(PLUMBING))
+def test_a_name_new_in_integration_has_no_alias_in_tierckpt():
+    import tierckpt
+
+    for name in NEW_IN_INTEGRATION:
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+            getattr(tierckpt, name)
+
+
+@pytest.mark.parametrize("name", sorted(PLUMBING - NEW_IN_INTEGRATION))
 def test_a_moved_name_still_resolves_from_tierckpt_with_a_deprecation_warning(name):
     import tierckpt
     import tierckpt.integration as integration

@@ -121,7 +121,7 @@ class TieredCheckpointer:
         # a repeat within the grace period (+ a margin for the exit) is the same notice
         self._preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0,
                                            on_notice=defer_loader_deaths)
-        warn_if_launcher_unprotected(cfg.preemption_signals)  # a launcher killed by a notice orphans the ranks
+        warn_if_launcher_unprotected(cfg.preemption_signals, cfg.preemption_grace_s)  # orphaned or SIGKILLed ranks
         self._restorer = Restorer(topo, groups, self._local, self._persistent, run.in_use,
                                   cfg.transfer_chunk_bytes, cfg.restore_memory_bytes, cfg.read_timeout_s)
         self._spare = SpareGroups(topo, cfg.collective_timeout_s, groups.control)  # second groups, on first need

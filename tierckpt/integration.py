@@ -13,6 +13,8 @@ beyond the user-facing :mod:`tierckpt` surface: the plumbing an adapter builds o
   :func:`result_metrics`, :func:`decision_metrics`, :func:`describe_failure`;
 - what an adapter writes or raises itself: :class:`RestoreRecord` (a restore's ledger record),
   :class:`GenericRecord` (a ledger line of the adapter's own kind), :class:`VerificationError`;
+- the agreed decision to save after a preemption notice killed the DataLoader's workers
+  mid-fetch (engine-API trainers too): :func:`agree_loader_death`;
 - option rules, for a front end that checks its own keys or flags with the engine's bounds and
   names them as the user wrote them: :data:`RULES` and :data:`SCHEDULE_RULES` (the rule of every
   numeric ``TierConfig`` / ``ScheduleOptions`` field), :class:`Number` (one rule) and the
@@ -60,6 +62,7 @@ _EXPORTS = {
     "non_negative_int": "tierckpt.validators",
     "non_negative_seconds": "tierckpt.validators",
     "positive_number": "tierckpt.validators",
+    "agree_loader_death": "tierckpt.loader_signals",
 }
 
 if TYPE_CHECKING:  # what mypy and IDEs see; at run time the names resolve lazily
@@ -68,6 +71,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time the names resolve lazil
     from tierckpt.cluster.collectives import PeerFailure, all_gather, run_agreed
     from tierckpt.cluster.topology import check_replication
     from tierckpt.errors import VerificationError
+    from tierckpt.loader_signals import agree_loader_death
     from tierckpt.restore.peek import read_item
     from tierckpt.metrics import record_metrics, restore_metrics, result_metrics
     from tierckpt.preemption import signal_numbers
@@ -88,6 +92,7 @@ __all__ = [
     "TIERS",
     "VerificationError",
     "accelerator_present",
+    "agree_loader_death",
     "all_gather",
     "check_replication",
     "decision_metrics",
