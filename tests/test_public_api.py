@@ -28,15 +28,12 @@ PLUMBING = {
     "result_metrics", "decision_metrics", "describe_failure", "RestoreRecord", "VerificationError",
     "agree_loader_death",
 }
-<<<<<<< HEAD
 #: what the adapters imported from engine modules before (tierckpt.config, .validators, .records):
 #: exported by tierckpt.integration, never by tierckpt
 ADAPTER_RULES = {"GenericRecord", "RULES", "SCHEDULE_RULES", "Number", "non_negative_int", "non_negative_seconds",
                  "positive_number"}
-=======
 #: integration names that never were in ``tierckpt`` (no deprecated alias there)
 NEW_IN_INTEGRATION = {"agree_loader_death"}
->>>>>>> wt-29
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
