@@ -13,7 +13,8 @@ $(STAMP): requirements-cpu.txt requirements-dev.txt pyproject.toml scripts/setup
 
 # ruff on every Python file of the repo; mypy on every package (pyproject [tool.mypy] files);
 # then the shape checks (tierckpt_dev/shape_check.py): tierckpt's public names (≤ 16, typed), the wing
-# order (a wing imports only wings below it), the engine's size (≤ 400 lines, ≤ 20 methods) and
+# order (a wing imports only wings below it), the adapters' imports (tierckpt, tierckpt.integration,
+# tierckpt.io.*, tierckpt.cli only), the engine's size (≤ 400 lines, ≤ 20 methods) and
 # that ruff and mypy cover every package; prints one line per check, fails on a violation
 lint: venv
 	$(VPY) -m ruff check tierckpt titan_plugin mcore_plugin tierckpt_dev tests bench launch scripts

@@ -273,8 +273,8 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
     out.update(delta_s=deltas, memcpy_s=memcpys, save_wall_s=save_walls, background_s=bg_s,
                background_prof=bg_prof)
     committed_step = step - 1
-    hist = [h for h in eng.history if h["tier"] == "local"]
-    out["engine_history_ok"] = all(h["ok"] and "replicas_failed" not in h for h in hist)
+    hist = [h for h in eng.history if h.tier == "local"]
+    out["engine_history_ok"] = all(h.ok and not h.replicas_failed for h in hist)
 
     # -- 2. local-tier write vs plain write+fsync --------------------------------------------
     slot = eng.pool.acquire()

@@ -13,11 +13,13 @@ Definitions (one function each, pure where possible so that tests can feed them 
   manifest lists exactly the data files present (``.metadata`` included) and every size and
   checksum matches;
 - a copy's **save** is the ``save_id`` its manifest records (``None`` for a copy written before
-  save identities; :mod:`tierckpt.history.timeline`), ordered by the manifest's ``save_order``;
-- :func:`expected_save` / :func:`expected_step`: the newest (step, save) — steps newest first,
-  within a step the saves newest first by ``save_order`` — for which every node of the job has an
-  intact copy of its state written by that same save and saved by a job of the same shape (any
-  holder), or an intact persistent step of that save; None when none qualifies;
+  save identities; :mod:`tierckpt.history.timeline`), ordered by the manifest's ``save_order``
+  (:func:`tierckpt.history.timeline.save_key`: not by step number; copies without identity by
+  step, before every identified save);
+- :func:`expected_save` / :func:`expected_step`: the newest (step, save) in that order for which
+  every node of the job has an intact copy of its state written by that same save and saved by
+  a job of the same shape (any holder), or an intact persistent step of that save (unless the
+  restore may not read the persistent tier); None when none qualifies;
 - :func:`check_one_save`: every restore (each ledger ``restore`` record) combines copies of one
   save: the copy each node was served from (own-local / peer-replica: the holder's copies of the
   node's state and the node's pulled ``local/step-N``; persistent: ``pfs/step-N``; in-cluster:
@@ -31,7 +33,8 @@ Definitions (one function each, pure where possible so that tests can feed them 
   step the committed persistent copy — does not drop, except what retention may purge: a
   node-local copy of node n's step s when at least ``keep_local`` newer steps of node n are
   committed afterwards, a persistent step when at least ``keep_persistent`` newer persistent
-  steps are; retention only counts when a save ran in between (``allow_retention``);
+  steps are (newer: of newer saves, in save order); retention only counts when a save ran in
+  between (``allow_retention``);
 - :func:`check_redundancy`: after a restore served only from node-local copies, every node's
   restored step has ``factor`` copies on distinct nodes again;
 - :func:`check_new_timeline`: a run that restored an older save (a fallback, a rollback) and saved
@@ -40,9 +43,12 @@ Definitions (one function each, pure where possible so that tests can feed them 
   that is its newest persistent step and exists;
 - the ledger checks (:func:`check_ledger_parse`, :func:`check_restore_record`,
   :func:`check_failure_records`);
-- :func:`check_per_rank_files` (``per-rank-values`` trials): every intact copy holds each of its
-  saving ranks' own :func:`per_rank_values` — a persistent step under each rank's qualified key
-  (the plain key: rank 0's), a node-local step (one rank per node) under the plain key.
+- :func:`check_per_rank_files` (``per-rank-values`` trials), **every rank gets its own values**
+  as the files hold them: every intact copy holds each of its saving ranks' own
+  :func:`per_rank_values` — a persistent step under each rank's qualified key
+  (``__tierckpt_rank__/<rank>/…``; the plain key: rank 0's), a node-local step of a one-rank node
+  under the plain key, of a node of several ranks under each of its ranks' qualified keys (the
+  plain key: the node's lowest rank's); values equal on every rank are never written per rank.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tierckpt.history.timeline import LEGACY_ORDER, of_manifest, run_of, sort_key
+from tierckpt.history.timeline import LEGACY_ORDER, of_manifest, run_of, save_key
 from tierckpt.io import manifest
 from tierckpt.io.layout import INPROGRESS, LEDGER, MANIFEST, MARKER, parse_node, parse_step
 from tierckpt.io.storage import Store
@@ -158,28 +164,33 @@ def copies_from_json(rows: list[dict]) -> list[Copy]:
 # --------------------------------------------------------------------------------------------
 # the restored step
 # --------------------------------------------------------------------------------------------
-def expected_save(copies: list[Copy], nodes: int, step: int | None = None) -> tuple[int, str | None] | None:
-    """Newest (step, save) every node of a ``nodes``-node job (one rank per node) can be served
-    from with copies of that one save: an intact copy of each node's state written by the save
-    and saved by a job of that shape, on any surviving disk, or an intact persistent step of the
-    save. Steps newest first, within a step saves newest first by ``save_order`` (then save id);
-    only ``step`` when given. None when nothing qualifies."""
-    steps = sorted({c.step for c in copies if c.intact and (step is None or c.step == step)}, reverse=True)
-    for s in steps:
-        saves = {(c.save_id, c.order) for c in copies if c.intact and c.step == s}
-        for sid, _ in sorted(saves, key=lambda x: sort_key(x[0], x[1]), reverse=True):
-            mine = [c for c in copies if c.intact and c.step == s and c.save_id == sid]
-            if any(c.holder is None for c in mine):
-                return s, sid
-            if all(any(c.holder is not None and c.node == n and c.nodes == nodes and c.world_size == nodes
-                       for c in mine) for n in range(nodes)):
-                return s, sid
+def expected_save(copies: list[Copy], nodes: int, step: int | None = None, *, world: int | None = None,
+                  persistent: bool = True) -> tuple[int, str | None] | None:
+    """Newest (step, save) every node of a ``nodes``-node job (``world`` ranks; default one per
+    node) can be served from with copies of that one save: an intact copy of each node's state
+    written by the save and saved by a job of that shape, on any surviving disk, or (unless not
+    ``persistent``: a restore that may not read that tier) an intact persistent step of the save.
+    Saves newest first by ``save_order`` (:func:`tierckpt.history.timeline.save_key`, not by
+    step number); only ``step`` when given. None when nothing qualifies."""
+    world = nodes if world is None else world
+    saves: dict[tuple[int, str | None], tuple] = {}
+    for c in copies:
+        if c.intact and (step is None or c.step == step):
+            key = save_key(c.step, c.save_id, c.order)
+            saves[(c.step, c.save_id)] = max(saves.get((c.step, c.save_id), key), key)
+    for s, sid in sorted(saves, key=lambda x: saves[x], reverse=True):
+        mine = [c for c in copies if c.intact and c.step == s and c.save_id == sid]
+        if persistent and any(c.holder is None for c in mine):
+            return s, sid
+        if all(any(c.holder is not None and c.node == n and c.nodes == nodes and c.world_size == world
+                   for c in mine) for n in range(nodes)):
+            return s, sid
     return None
 
 
-def expected_step(copies: list[Copy], nodes: int) -> int | None:
+def expected_step(copies: list[Copy], nodes: int, world: int | None = None) -> int | None:
     """The step of :func:`expected_save` (None when no save qualifies)."""
-    got = expected_save(copies, nodes)
+    got = expected_save(copies, nodes, world=world)
     return None if got is None else got[0]
 
 
@@ -362,18 +373,21 @@ def check_no_loss(before: list[Copy], after: list[Copy], *, keep_local: int, kee
     ``after``, counted per saved node and step (see the module docstring for retention)."""
     cb = copy_counts([c for c in before if c.holder is None or c.holder not in lost_holders])
     ca = copy_counts(after)
+
+    def who_of(c: Copy):
+        return "pfs" if c.holder is None else c.node
+
     out = []
     for key, n in sorted(cb.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
         if ca[key] >= n:
             continue
         who, step = key
-        if allow_retention:
-            if who == "pfs":
-                newer = {s for (w, s) in ca if w == "pfs" and s > step}
-                keep = keep_persistent
-            else:
-                newer = {s for (w, s) in ca if w == who and s > step}
-                keep = keep_local
+        if allow_retention:  # retention keeps the newest saves (save order), not the highest steps
+            lost = max(save_key(c.step, c.save_id, c.order) for c in before
+                       if c.committed and who_of(c) == who and c.step == step)
+            newer = {c.step for c in after if c.committed and who_of(c) == who
+                     and save_key(c.step, c.save_id, c.order) > lost}
+            keep = keep_persistent if who == "pfs" else keep_local
             if keep and len(newer) >= keep:
                 continue
         what = f"persistent step {step}" if who == "pfs" else f"node {who}'s step {step}"
@@ -564,7 +578,8 @@ def _qualified_keys(path: str, keys: set[str]) -> list[str]:
 
 def check_per_rank_files(copies: list[Copy], base: str) -> list[str]:
     """Every intact copy holds its saving ranks' own :func:`per_rank_values` (see the module
-    docstring; one rank per node). Returns violation texts."""
+    docstring; one or more ranks per node, from the copy's recorded shape). Returns violation
+    texts."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from tests.scenarios import assert_bitwise
@@ -585,7 +600,14 @@ def check_per_rank_files(copies: list[Copy], base: str) -> list[str]:
             if extra:
                 out.append(f"{c.path}: values equal on every rank were written per rank too: {extra[:4]}")
         elif c.node is not None:
-            owners = {f"{c.node}/{k}": f"per_rank.{k}" for k in PER_RANK_KEYS}
+            rpn = (c.world_size or 1) // (c.nodes or 1) if c.world_size and c.nodes else 1
+            ranks = range(c.node * rpn, (c.node + 1) * rpn)
+            if rpn == 1:  # nothing differs inside a node of one rank: its value under the plain key
+                owners = {f"{c.node}/{k}": f"per_rank.{k}" for k in PER_RANK_KEYS}
+            else:  # a node of several ranks: each one's under its qualified key, the lowest's plain
+                differ = [k for k in PER_RANK_KEYS if not _same([_flat_values(r, c.step)[k] for r in ranks])]
+                owners = {f"{r}/{k}": qualified(r, f"per_rank.{k}") for r in ranks for k in differ}
+                owners.update({f"{ranks[0]}/plain/{k}": f"per_rank.{k}" for k in PER_RANK_KEYS})
         else:
             continue
         try:
@@ -595,6 +617,8 @@ def check_per_rank_files(copies: list[Copy], base: str) -> list[str]:
             continue
         for name, value in got.items():
             who, k = name.split("/", 1)
+            if k.startswith("plain/"):  # a node's plain copy: its lowest rank's value
+                k = k[len("plain/"):]
             rank = 0 if who == "plain" else int(who)
             want = _flat_values(rank, c.step)[k]
             try:
@@ -607,23 +631,40 @@ def check_per_rank_files(copies: list[Copy], base: str) -> list[str]:
 
 # a new timeline (a fallback or a rollback) over an old one's step numbers (issue 28)
 # --------------------------------------------------------------------------------------------
-def passed_over(c: Copy, to_step: int, keep: str | None, new_run: str | None) -> bool:
+def passed_over(c: Copy, to_step: int, keep: str | None, new_run: str | None,
+                keep_order: tuple[int, int] = LEGACY_ORDER) -> bool:
     """Whether copy ``c`` belongs to the timeline a run abandons when it restored save ``keep``
-    of ``to_step`` and started a new timeline: a copy of a newer step, or another save's copy
-    of ``to_step``, not written by the run itself (``new_run``)."""
+    (``keep_order``) of ``to_step`` and started a new timeline: a copy of a higher step, of a
+    newer save (save order), or another save's copy of ``to_step``, not written by the run
+    itself (``new_run``)."""
     if c.save_id is not None and run_of(c.save_id) == new_run:
         return False
-    return c.step > to_step or (c.step == to_step and c.save_id != keep)
+    if c.step == to_step:
+        return c.save_id != keep
+    return c.step > to_step or save_key(c.step, c.save_id, c.order) > save_key(to_step, keep, keep_order)
+
+
+def copy_label(c: Copy) -> str:
+    """How a ``rollback`` record names copy ``c``: ``persistent/<s>``, ``local node-<holder>/<s>``
+    or ``replica node-<src>@node-<holder>/<s>``."""
+    if c.holder is None:
+        return f"persistent/{c.step}"
+    parts = c.rel.split("/")
+    src = parse_node(parts[1]) if len(parts) > 2 and parts[0] == "replicas" else None
+    return f"local node-{c.holder}/{c.step}" if src is None else f"replica node-{src}@node-{c.holder}/{c.step}"
 
 
 def check_new_timeline(before: list[Copy], after: list[Copy], records: list[dict], *, nodes: int, to_step: int,
                        keep: str | None, saved: list[tuple[int, str, list[str]]], cause: str | None,
-                       keep_local: int, keep_persistent: int) -> list[str]:
+                       keep_local: int, keep_persistent: int, base: str | None = None) -> list[str]:
     """The run that restored save ``keep`` of ``to_step`` and then saved ``saved`` ([(step,
     save id, tiers)], in order; ``records``: its ledger lines) left the job right:
 
     - one ``rollback`` record to ``to_step`` with ``cause`` (``"fallback"``, or None for a
-      rollback by name) once it committed;
+      rollback by name) once it committed, naming as ``superseded`` only abandoned copies
+      (:func:`copy_label`), every one of them whose marker is renamed ``*.superseded`` under
+      ``base`` now among them (a copy the run replaced with its own save of the step is not
+      superseded), and none ``failed``;
     - every committed copy ``before`` it that the new timeline passed over
       (:func:`passed_over`) is no longer committed as that save's copy (superseded), and
       nothing else committed is lost but to retention (:func:`check_no_loss`);
@@ -641,13 +682,24 @@ def check_new_timeline(before: list[Copy], after: list[Copy], records: list[dict
         out.append(f"ledger: expected one rollback record to step {to_step} (cause {cause}), found "
                    f"{[(r.get('from_step'), r.get('to_step'), r.get('cause')) for r in rb]}")
     now = {c.path: c for c in after}
-    abandoned = [c for c in before if c.committed and passed_over(c, to_step, keep, new_run)]
+    keep_order = next((c.order for c in before if c.committed and c.save_id == keep and c.step == to_step),
+                      LEGACY_ORDER)
+    abandoned = [c for c in before if c.committed and passed_over(c, to_step, keep, new_run, keep_order)]
+    if len(rb) == 1:  # it names what was superseded: abandoned copies only, each one still marked so
+        listed = set(rb[0].get("superseded") or [])
+        allowed = {copy_label(c) for c in abandoned}
+        marked = {copy_label(c) for c in abandoned if base is not None and os.path.exists(os.path.join(
+            base, "pfs" if c.holder is None else os.path.join("nvme", c.where), c.rel, MARKER + ".superseded"))}
+        if listed - allowed or marked - listed or rb[0].get("failed"):
+            out.append(f"ledger: the rollback record names superseded {sorted(listed)} and failed "
+                       f"{rb[0].get('failed') or []}; of the abandoned copies {sorted(allowed)}, {sorted(marked)} are "
+                       "superseded on disk")
     for c in abandoned:
         a = now.get(c.path)
         if a is not None and a.committed and a.save_id == c.save_id:
             out.append(f"abandoned timeline: {c.path} (step {c.step}, save {c.save_id}) is still committed after the "
                        f"new timeline from step {to_step} (save {keep}) committed")
-    kept = [c for c in before if not passed_over(c, to_step, keep, new_run)]
+    kept = [c for c in before if not passed_over(c, to_step, keep, new_run, keep_order)]
     out += check_no_loss(kept, after, keep_local=keep_local, keep_persistent=keep_persistent, allow_retention=True)
     last_step, last_sid, _ = saved[-1]
     got = expected_save(after, nodes)
@@ -660,9 +712,9 @@ def check_new_timeline(before: list[Copy], after: list[Copy], records: list[dict
         out.append(f"ledger: {len(ends)} run_end records for the new timeline's run")
     else:
         durable = ends[0].get("durable_step")
-        if durable != (max(pers) if pers else None):
+        if durable != (pers[-1] if pers else None):  # the run's last persistent save (save order)
             out.append(f"ledger: run_end durable_step {durable}, the run's newest persistent step is "
-                       f"{max(pers) if pers else None}")
+                       f"{pers[-1] if pers else None}")
         if durable is not None and not any(c.holder is None and c.step == durable and c.committed for c in after):
             out.append(f"ledger: run_end durable_step {durable} is not committed in the persistent root")
     return out

@@ -1,7 +1,8 @@
-"""Fault campaign (issue 15): hundreds of seeded random faults against the tiered checkpoint engine.
+"""Fault campaign (issues 15, 28): hundreds of seeded random faults against the tiered checkpoint engine.
 
 Every trial runs the engine (:class:`tierckpt.engine.TieredCheckpointer`) on 2-4 simulated gloo
-nodes (one rank per node, each rank its own process) with the small FSDP2 model of
+nodes (one rank per node, each rank its own process; two ranks per node in some
+``per-rank-values`` trials) with the small FSDP2 model of
 ``tests/scenarios.py``, injects one or two faults at an instant drawn from the trial's seed,
 restarts the job with fresh processes, restores, and checks invariants computed from the files
 on disk, independently of the restore planner (see :mod:`bench.campaign_checks`).
@@ -85,7 +86,9 @@ POINTS: dict[str, str] = {
     "exit-without-close": "the trainer returns / raises / sys.exit(0)s right after a save, without close() "
                           "(bench/campaign_exit.py)",
     "per-rank-values": "per-rank values under one key (probe, RNG state, counter, object) saved and restored "
-                       "around a random kill fault: every rank gets its own values (restored state and files)",
+                       "around a random kill fault, 1 or 2 ranks per node, restored as the fault leaves it, from "
+                       "the persistent tier (every local root wiped) or in-cluster: every rank gets its own values "
+                       "(restored state and files)",
     "signal-tree-loader-workers": "a preemption signal (SIGTERM/SIGUSR1, sometimes twice) to every process of the "
                                   "job, DataLoader workers (2 per rank, protected or not) included, mid-step",
     # issue 28: never resume the wrong state (new timelines over old step numbers)
@@ -122,8 +125,12 @@ class Plan:
         keep_local, keep_persistent: keep_latest_k of the tiers.
         fault: the primary fault (``point`` specific keys: victim, step, k, sub, byte, tier, ...).
         second: an optional second fault (``{"kind": "lose-node", "node": n}`` or a kill spec).
-        script: the phases, in order: ``"train"``, ``"restore"``, and disk actions between them
-            (``wipe:<n>``, ``wipe-server-of:<n>``, ``wipe-other-than:<n>``, ``swap:<a>:<b>``).
+        script: the phases, in order: ``"train"``, ``"restore"`` (``"restore:in-cluster"``: the
+            restore may read in-cluster only), and disk actions between them (``wipe:<n>``,
+            ``wipe-all``, ``wipe-server-of:<n>``, ``wipe-other-than:<n>``, ``swap:<a>:<b>``).
+        rpn: ranks per node (each its own process; 1 but in some ``per-rank-values`` trials).
+        restore_from: what a ``per-rank-values`` trial's last restore reads: ``"any"`` (what the
+            fault left), ``"persistent"`` (every local root wiped first) or ``"in-cluster"``.
     """
 
     seed: int
@@ -137,6 +144,13 @@ class Plan:
     fault: dict
     second: dict | None = None
     script: list[str] = field(default_factory=list)
+    rpn: int = 1
+    restore_from: str = "any"
+
+    @property
+    def world(self) -> int:
+        """Ranks (processes) of the job."""
+        return self.nodes * self.rpn
 
     def describe(self) -> str:
         """One line: the faults and their instant, for the report."""
@@ -145,6 +159,8 @@ class Plan:
         if self.second:
             s = {k: v for k, v in self.second.items() if k != "kind"}
             text += f" + {self.second['kind']}({', '.join(f'{k}={v}' for k, v in s.items())})"
+        if self.point == "per-rank-values":
+            text += f"; {self.rpn} rank(s)/node, restore from {self.restore_from}"
         return text
 
 
@@ -162,15 +178,16 @@ def _victim(rng: random.Random, nodes: int, p_all: float = 0.25) -> str:
     return "all" if rng.random() < p_all else f"r{rng.randrange(nodes)}"
 
 
-def make_plan(base_seed: int, index: int, point: str | None = None) -> Plan:
+def make_plan(base_seed: int, index: int, point: str | None = None, nodes: int | None = None) -> Plan:
     """The plan of trial ``index``: point round robin (or ``point``), the rest from
-    ``Random(base_seed + index)``."""
+    ``Random(base_seed + index)`` (``nodes``: this node count instead of the drawn one)."""
     seed = base_seed + index
     point = point or POINT_NAMES[index % len(POINT_NAMES)]
     if point == "per-rank-values":
         return _per_rank_plan(base_seed, index)
     rng = random.Random(seed)
-    nodes = rng.choice([2, 2, 2, 3, 4])
+    drawn = rng.choice([2, 2, 2, 3, 4])
+    nodes = nodes or drawn
     factor = {2: 2, 3: 3, 4: 2}[nodes]
     pers = sorted(rng.sample(range(1, STEPS + 1), 2))
     plan = Plan(seed=seed, index=index, point=point, nodes=nodes, factor=factor, persistent_steps=pers,
@@ -266,13 +283,32 @@ PER_RANK_FAULTS = ("kill-local-write", "kill-commit", "kill-repl-send", "kill-pe
 """The faults a ``per-rank-values`` trial draws from (each with its own instant and, for some,
 a lost node), around a state that also holds per-rank values under shared keys."""
 
+PER_RANK_SOURCES = ("any", "persistent", "in-cluster")
+"""What a ``per-rank-values`` trial's last restore reads (:attr:`Plan.restore_from`)."""
+
 
 def _per_rank_plan(base_seed: int, index: int) -> Plan:
-    """A ``per-rank-values`` trial: the plan of a fault drawn from :data:`PER_RANK_FAULTS`;
-    the rank functions add :func:`bench.campaign_checks.per_rank_values` to the state."""
-    inner = random.Random((base_seed + index) * 31 + 7).choice(PER_RANK_FAULTS)
-    plan = make_plan(base_seed, index, point=inner)
-    plan.point = "per-rank-values"
+    """A ``per-rank-values`` trial: the plan of a fault drawn from :data:`PER_RANK_FAULTS`, with
+    1 or 2 ranks per node (2 nodes then) and a last restore from what the fault left, from the
+    persistent tier only (every node-local root wiped before it) or in-cluster only; the rank
+    functions add :func:`bench.campaign_checks.per_rank_values` to the state."""
+    rng = random.Random((base_seed + index) * 31 + 7)
+    inner = rng.choice(PER_RANK_FAULTS)
+    rpn = rng.choice([1, 2])
+    source = rng.choice(PER_RANK_SOURCES)
+    plan = make_plan(base_seed, index, point=inner, nodes=2 if rpn == 2 else None)
+    plan.point, plan.rpn, plan.restore_from = "per-rank-values", rpn, source
+    if rpn == 2:  # a victim "r<k>" names a rank: one of node k's (its leader where only leaders act)
+        leader = inner in ("kill-commit", "kill-repl-send")  # node leaders commit and send replicas
+        for f in (plan.fault, plan.second):
+            if f and str(f.get("victim", "")).startswith("r"):
+                f["victim"] = f"r{int(f['victim'][1:]) * rpn + (0 if leader else rng.randrange(rpn))}"
+    last = len(plan.script) - 1 - plan.script[::-1].index("restore")
+    if source == "persistent":
+        plan.script.insert(last, "wipe-all")
+        plan.persistent_steps = sorted(set(plan.persistent_steps) | {1})  # a step there before most faults
+    elif source == "in-cluster":
+        plan.script[last] = "restore:in-cluster"
     return plan
 
 
@@ -325,7 +361,7 @@ class Injector:
 
     def __init__(self, plan: dict, phase: str, rank: int, base: str):
         self.plan, self.phase, self.rank, self.base = plan, phase, rank, base
-        self.node = rank  # one rank per simulated node
+        self.node = rank // plan.get("rpn", 1)  # the simulated node of this rank
         self.counts: Counter = Counter()
         self.bytes: Counter = Counter()
         self.tls = threading.local()
@@ -988,7 +1024,7 @@ def rank_train(rank: int, world: int, base: str, plan: dict, phase: str) -> dict
         return rank_train_signal_tree(rank, world, base, plan)
     inj = Injector(plan, phase, rank, base)
     inj.install()
-    eng = TieredCheckpointer(_config(base, plan), node_id=rank)
+    eng = TieredCheckpointer(_config(base, plan), node_id=_node_of(plan, rank))
     model, opt = scenarios.build(seed=0)
     out: dict = {"raised": [], "restore_in_run": None}
     os.makedirs(os.path.join(base, "snaps"), exist_ok=True)
@@ -1010,7 +1046,7 @@ def rank_train(rank: int, world: int, base: str, plan: dict, phase: str) -> dict
         eng.close()
     except TierFailedError as e:
         out["raised"].append([e.tier, e.step])
-    out["history"] = eng.history
+    out["history"] = [r.as_ledger() for r in eng.history]  # ledger lines: the JSON report
     return out
 
 
@@ -1038,16 +1074,18 @@ def rank_train_signal_tree(rank: int, world: int, base: str, plan: dict) -> dict
     signal (once or twice) from a separate process to every process of the job — the ranks and
     their loader workers — as Slurm's ``scancel --signal`` or torchrun's group signal do;
     every rank then finishes its step and, at the agreed step, takes the preemption save
-    (``save_for_preemption``), or, when a fetch failed for the notice
-    (:func:`tierckpt.preempted_by`), saves the last finished step."""
+    (``save_for_preemption``), or, when a fetch failed for the notice on every rank at the
+    same step (agreed through the store: :func:`tierckpt.integration.agree_loader_death`),
+    saves the last finished step; a fetch failure the ranks do not agree on is raised."""
     import subprocess
 
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
     from tests import scenarios
-    from tierckpt import preempted_by, protect_loader_workers
+    from tierckpt import protect_loader_workers
     from tierckpt.engine import TieredCheckpointer
+    from tierckpt.integration import agree_loader_death
 
     f = plan["fault"]
     # the driver starts ranks as daemonic processes (killed with it), which multiprocessing
@@ -1070,7 +1108,7 @@ def rank_train_signal_tree(rank: int, world: int, base: str, plan: dict) -> dict
             try:
                 next(batches)
             except RuntimeError as e:
-                sig = preempted_by(e, eng.preemption)
+                sig = agree_loader_death(eng, e, s - 1)  # collective save: only when every rank's fetch failed so
                 if sig is None:
                     raise
                 out["fetch_failed"] = str(e)[:200]
@@ -1191,7 +1229,7 @@ def rank_restore(rank: int, world: int, base: str, plan: dict, phase: str) -> di
     out: dict = {"step": None, "sources": None, "error": None, "mismatch": None}
     t0 = time.monotonic()
     try:
-        eng = TieredCheckpointer(_config(base, plan), node_id=rank)
+        eng = TieredCheckpointer(_config(base, plan), node_id=_node_of(plan, rank))
     except Exception as e:  # a start that fails is a result too (e.g. a read-only root)
         out["error"] = f"start: {type(e).__name__}: {e}"
         return out
@@ -1199,7 +1237,7 @@ def rank_restore(rank: int, world: int, base: str, plan: dict, phase: str) -> di
     scenarios.train_step(model, opt, 999, rank)  # the fresh state differs everywhere
     sd = _app_state(plan, model, opt, rank, None)
     try:
-        res = eng.restore(sd)
+        res = eng.restore(sd, sources=("in-cluster",) if phase == "restore:in-cluster" else None)
     except BaseException as e:  # noqa: BLE001 - the type is the result (NoCheckpointError or a raw error)
         out["error"] = f"{type(e).__name__}: {str(e)[:600]}"
         res = None
@@ -1220,6 +1258,11 @@ def rank_restore(rank: int, world: int, base: str, plan: dict, phase: str) -> di
 RANK_FUNCS = {"train": rank_train, "restore": rank_restore}
 
 
+def _node_of(plan: dict, rank: int) -> int:
+    """The simulated node of ``rank`` (``plan["rpn"]`` ranks per node)."""
+    return rank // plan.get("rpn", 1)
+
+
 # --------------------------------------------------------------------------------------------
 # launcher: one process per rank (forkserver with torch preloaded: a start costs ~0.1 s)
 # --------------------------------------------------------------------------------------------
@@ -1238,7 +1281,7 @@ class PhaseResult:
 
 def _entry(func: str, rank: int, world: int, port: int, base: str, plan: dict, phase: str, q, bound: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+                      LOCAL_RANK=str(rank % plan.get("rpn", 1)), OMP_NUM_THREADS="1")
     import logging
 
     logname = os.path.join(base, "logs", f"{phase.replace(':', '-')}-r{rank}.log")
@@ -1481,12 +1524,13 @@ def _describe_restore(v: dict | None) -> str:
 
 
 def check_restore_phase(plan: Plan, ph: PhaseResult, base: str, before: list, after: list, lines_before: int,
-                        *, interrupted: bool, final: bool, usable: list | None = None) -> RestoreCheck:
+                        *, interrupted: bool, final: bool, usable: list | None = None,
+                        ph_name: str = "restore") -> RestoreCheck:
     """A restart and restore: bounded, the expected step (or fresh start / NoCheckpointError),
     bitwise state, sources that were on disk, the ledger's restore record, nothing lost,
     nothing uncommitted visible, redundancy re-established. ``usable``: the copies the
     expected step is computed from, when not all of ``before`` can be read (hung)."""
-    phase = "restore (interrupted)" if interrupted else "restore"
+    phase = "restore (interrupted)" if interrupted else ph_name
     out = []
     if ph.hung:
         out.append(_hang_text(ph, phase))
@@ -1494,7 +1538,9 @@ def check_restore_phase(plan: Plan, ph: PhaseResult, base: str, before: list, af
     for r, e in sorted(ph.errors.items()):
         if not killed:
             out.append(f"rank {r}: the restart raised: {e.strip().splitlines()[-1][:400]}")
-    exp_save = checks.expected_save(before if usable is None else usable, plan.nodes)
+    in_cluster = phase == "restore:in-cluster"
+    exp_save = checks.expected_save(before if usable is None else usable, plan.nodes, world=plan.world,
+                                    persistent=not in_cluster)
     exp = None if exp_save is None else exp_save[0]
     expected = "fresh" if exp is None and not checks.any_committed(before) else \
         "NoCheckpointError" if exp is None else str(exp)
@@ -1509,9 +1555,9 @@ def check_restore_phase(plan: Plan, ph: PhaseResult, base: str, before: list, af
     out += checks.check_ledger_parse(raw, torn)
     for rec in (r for r in checks.ledger_records(base, lines_before) if r.get("kind") == "restore"):
         out += checks.check_one_save(rec, checks.served_by_record(rec, after), strict=not (killed or ph.hung))
-    if killed or ph.hung or len(values) < plan.nodes:
+    if killed or ph.hung or len(values) < plan.world:
         if not killed and not ph.hung:
-            out.append(f"ranks {sorted(set(range(plan.nodes)) - set(values))} returned no restore result")
+            out.append(f"ranks {sorted(set(range(plan.world)) - set(values))} returned no restore result")
         return RestoreCheck(out, restored, expected, None)
     out += checks.check_restored(exp, checks.any_committed(before), values)
     if v0 and v0.get("step") is not None and not v0.get("error"):
@@ -1707,7 +1753,7 @@ def rank_timeline(rank: int, world: int, base: str, plan: dict, phase: str) -> d
             eng.close(raise_failures=False)
     except Exception as e:  # noqa: BLE001 - reported by the driver
         out["close_error"] = f"{type(e).__name__}: {e}"
-    out["history"] = eng.history
+    out["history"] = [r.as_ledger() for r in eng.history]  # ledger lines: the JSON report
     return out
 
 
@@ -1768,7 +1814,7 @@ def check_timeline_phase(plan: Plan, ph: PhaseResult, base: str, before: list, a
     out += checks.check_new_timeline(before, after, records, nodes=plan.nodes, to_step=step, keep=sid,
                                      saved=[(s, i, tiers) for s, i, tiers in saved],
                                      cause=None if rollback else "fallback", keep_local=plan.keep_local,
-                                     keep_persistent=plan.keep_persistent)
+                                     keep_persistent=plan.keep_persistent, base=base)
     if f["kind"] == "failed-replication-after-fallback":
         recs = [r for r in records if r.get("kind") == "checkpoint" and r.get("tier") == "local"
                 and r.get("step") == f["save_step"]]
@@ -1849,13 +1895,15 @@ def run_trial(plan: Plan, workdir: str) -> TrialResult:
             violations += campaign_exit.run_exit_phase(plan, base, PHASE_BOUND_S)
         elif action == "train":
             before = checks.ledger_lines(base)
-            ph = run_phase("train", plan.nodes, base, pd, "train")
+            ph = run_phase("train", plan.world, base, pd, "train")
             violations += check_train_phase(plan, ph, base, before)
             if plan.point == "per-rank-values":
                 violations += checks.check_per_rank_files(checks.scan_disk(base), base)
             _clear_transient_state(base, plan)
         elif action.startswith("wipe:"):
             _wipe(base, int(action.split(":")[1]))
+        elif action == "wipe-all":  # every node-local root lost: only the persistent tier is left
+            shutil.rmtree(os.path.join(base, "nvme"), ignore_errors=True)
         elif action.startswith("wipe-other-than:"):
             v = int(action.split(":")[1])
             rng = random.Random(plan.seed * 7919 + i)
@@ -1881,14 +1929,14 @@ def run_trial(plan: Plan, workdir: str) -> TrialResult:
             phase = action
             disk_before = checks.scan_disk(base)
             lines_before = checks.ledger_lines(base)
-            ph = run_phase("restore", plan.nodes, base, pd, phase)
+            ph = run_phase("restore", plan.world, base, pd, phase)
             disk_after = checks.scan_disk(base)
             final = i == len(plan.script) - 1 or not plan.script[i + 1:] or \
                 all(not a.startswith("restore") for a in plan.script[i + 1:])
             hung = phase == "restore:hung"
             res = check_restore_phase(plan, ph, base, disk_before, disk_after, lines_before,
                                       interrupted=phase == "restore:fault", final=final,
-                                      usable=_readable(plan, base, disk_before) if hung else None)
+                                      usable=_readable(plan, base, disk_before) if hung else None, ph_name=phase)
             violations += res.violations + (check_hung_read(plan, ph, base, lines_before) if hung else [])
             if plan.point == "per-rank-values":
                 violations += checks.check_per_rank_files(disk_after, base)
@@ -1941,14 +1989,32 @@ def violations_by_kind(rows: list[TrialResult]) -> dict[str, list[int]]:
     return out
 
 
-def render(rows: list[TrialResult], args: argparse.Namespace, seconds: float) -> str:
-    """The Markdown report: method, command, counts per point, every trial, every violation."""
+def source_revision(repo: Path = REPO) -> str:
+    """``<commit> (clean)`` or ``<commit> (dirty: uncommitted changes to tracked files)`` of the
+    repository the campaign ran from (``git rev-parse HEAD``), ``unknown`` outside a git checkout."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return f"{head} ({'dirty: uncommitted changes to tracked files' if dirty else 'clean'})"
+
+
+def render(rows: list[TrialResult], args: argparse.Namespace, seconds: float, revision: str | None = None) -> str:
+    """The Markdown report: method, command, the commit it ran on, counts per point, every
+    trial, every violation."""
     cmd = f"make fault-campaign FAULT_TRIALS={args.trials} FAULT_SEED={args.seed}"
     n_bad = sum(1 for r in rows if r.result == "VIOLATION")
     lines = [
-        "# Fault campaign (issue 15)", "",
+        "# Fault campaign (issues 15 and 28: faults, timelines, per-rank values)", "",
+        f"Run on commit `{revision or source_revision()}`.", "",
         "Generated by `bench/fault_campaign.py --record`. Method: every trial runs the engine on 2-4",
-        "simulated gloo nodes (one rank per node, each a process) with the small FSDP2 model of",
+        "simulated gloo nodes (one rank per node, each a process; two ranks per node in some",
+        "`per-rank-values` trials) with the small FSDP2 model of",
         "`tests/scenarios.py`: 5 training steps, a local save (+ replicas) at every step and a",
         "persistent save at 2 of them, each waited for. One or two faults are injected at an",
         "instant drawn from the trial's seed (the k-th call of a wrapped engine function, or a",
@@ -1956,10 +2022,10 @@ def render(rows: list[TrialResult], args: argparse.Namespace, seconds: float) ->
         "job restarts with fresh processes and restores. The invariants are computed from the",
         "files on disk (manifests and markers read and every file re-hashed by the campaign,",
         "not by the restore planner); see `bench/campaign_checks.py` for their exact definitions:",
-        "", "- **restored step**: the newest step for which every node has a committed, verified copy",
-        "  of its state on a surviving disk (own or a replica) or in the persistent tier; a fresh",
-        "  start only when no committed step exists, NoCheckpointError when steps exist but none is",
-        "  complete;",
+        "", "- **restored step**: the newest save (by `save_order`, not by step number) for which every",
+        "  node has a committed, verified copy of its state on a surviving disk (own or a replica) or",
+        "  in the persistent tier (not for a restore limited to in-cluster reads); a fresh start only",
+        "  when no committed step exists, NoCheckpointError when steps exist but none is complete;",
         "- **bitwise**: every tensor equals the snapshot the trainer took before saving that step;",
         "- **no uncommitted step visible**: every step `tierckpt ls --json` reports committed is",
         "  complete on disk (manifest = the data files, every checksum matches); `tierckpt verify`",
@@ -1967,7 +2033,7 @@ def render(rows: list[TrialResult], args: argparse.Namespace, seconds: float) ->
         "- **nothing committed lost**: per (saved node, step), the number of committed copies on",
         "  surviving disks (and the persistent step) does not drop between the snapshot before the",
         "  fault (or before the restart) and after the restore, except what retention may purge:",
-        "  a copy with at least keep_latest_k newer committed steps of the same node (tier);",
+        "  a copy with at least keep_latest_k committed steps of newer saves of the same node (tier);",
         "- **ledger**: parseable (a torn line only where one was injected, never swallowing the",
         "  next record), one failure record per injected storage fault (ENOSPC on a local or",
         "  persistent root; a skipped local save for a hung disk), one restore record per restore",
@@ -1978,6 +2044,15 @@ def render(rows: list[TrialResult], args: argparse.Namespace, seconds: float) ->
         "  copy each node was served from records the record's `save_id`; the restored step is the",
         "  newest (step, save) complete for every node with copies of that one save (by `save_order`),",
         "  its state bitwise equal to the snapshot of the run that wrote that save;",
+        "- **every rank gets its own values** (`per-rank-values` trials: 1 or 2 ranks per node, the last",
+        "  restore from what the fault left, from the persistent tier with every node-local root wiped,",
+        "  or in-cluster): every rank's restored `per_rank` values (a tensor, an RNG state, a counter,",
+        "  an object) equal its own saved ones bitwise; and from the files, each intact copy holds each",
+        "  saving rank's own values, read back with stock DCP: a persistent step under every rank's",
+        "  qualified key `__tierckpt_rank__/<rank>/per_rank.<k>` for each value that differs across",
+        "  ranks (the plain key: rank 0's), a node-local copy of a one-rank node under the plain key, of",
+        "  a two-rank node under each of its ranks' qualified keys; values equal on every rank never",
+        "  written per rank;",
         "- **new timeline** (after a fallback or a rollback): one `rollback` record; every copy of the",
         "  abandoned timeline superseded; the run's last save is the newest complete save on disk",
         "  (retention never keeps a corrupt or abandoned step over it); `run_end.durable_step` is the",
@@ -2038,6 +2113,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = only - set(POINT_NAMES)
     if unknown:
         ap.error(f"unknown fault point(s) {sorted(unknown)}; allowed: {', '.join(POINT_NAMES)}")
+    revision = source_revision()  # the code the trials run (before they start: a later edit does not count)
     root = args.workdir or tempfile.mkdtemp(prefix="tierckpt-campaign-")
     os.makedirs(root, exist_ok=True)
     rows: list[TrialResult] = []
@@ -2071,11 +2147,11 @@ def main(argv: list[str] | None = None) -> int:
     n_bad = sum(1 for r in rows if r.result == "VIOLATION")
     n_unreached = sum(1 for r in rows if r.result == "not reached")
     print(f"{len(rows)} trials in {seconds:.0f}s: {n_bad} with violations, {n_unreached} not reached; "
-          f"kept directories under {root}")
+          f"kept directories under {root}; commit {revision}")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     if args.record:
-        (REPO / "bench" / "FAULTS.md").write_text(render(rows, args, seconds))
+        (REPO / "bench" / "FAULTS.md").write_text(render(rows, args, seconds, revision))
         print("wrote bench/FAULTS.md")
     return 1 if n_bad else 0
 

@@ -267,7 +267,8 @@ echo "$host" > "$f.host"
 # a pipeline, not a process substitution: bash waits for tee, so the file is complete
 { "$TIERCKPT_PYTHON" -m torch.distributed.run --nnodes="$TCK_NNODES" --node-rank="$rank" \
     --nproc-per-node="$TIERCKPT_NPROC_PER_NODE" --master-addr="$MASTER_ADDR" \
-    --master-port="$MASTER_PORT" --max-restarts=0 "$@" 2>&1 1>&3 3>&- | (trap "" TERM; exec tee "$f.err") >&2 3>&-
+    --master-port="$MASTER_PORT" --max-restarts=0 --shutdown-timeout="$TIERCKPT_SHUTDOWN_TIMEOUT" \
+    "$@" 2>&1 1>&3 3>&- | (trap "" TERM; exec tee "$f.err") >&2 3>&-
   rc=${PIPESTATUS[0]}; } 3>&1
 trap "" TERM INT  # srun stops the step now: finish the record first
 echo "$rank $(cat "$f.host") $rc $sig" > "$f.exit"
@@ -288,6 +289,7 @@ tck_init() {
     : "${TIERCKPT_REQUEUE:=scontrol}"
     : "${TIERCKPT_REQUEUE_EXIT:=75}"
     : "${TIERCKPT_PORT_BASE:=20000}"
+    : "${TIERCKPT_SHUTDOWN_TIMEOUT:=90}"
     if [ -z "${TIERCKPT_LOCAL_ROOT:-}" ]; then
         if [ -n "${SLURM_TMPDIR:-}" ]; then TIERCKPT_LOCAL_ROOT=$SLURM_TMPDIR/tierckpt
         else TIERCKPT_LOCAL_ROOT=/local_nvme/$SLURM_JOB_ID; fi
@@ -300,6 +302,8 @@ tck_init() {
         [[ "${!v}" =~ ^[0-9]+$ ]] || tck_die "$v=${!v}: must be a non-negative integer"
     done
     [ "$TIERCKPT_MAX_ATTEMPTS" -ge 1 ] || tck_die "TIERCKPT_MAX_ATTEMPTS must be >= 1"
+    [[ "$TIERCKPT_SHUTDOWN_TIMEOUT" =~ ^[0-9]+$ ]] && [ "$TIERCKPT_SHUTDOWN_TIMEOUT" -ge 1 ] ||
+        tck_die "TIERCKPT_SHUTDOWN_TIMEOUT=$TIERCKPT_SHUTDOWN_TIMEOUT: must be whole seconds >= 1 (more than preemption_grace_s plus one training step)"
     TCK_NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
     : "${TIERCKPT_MIN_NODES:=$TCK_NNODES}"
     [[ "$TIERCKPT_MIN_NODES" =~ ^[0-9]+$ ]] && [ "$TIERCKPT_MIN_NODES" -ge 1 ] && [ "$TIERCKPT_MIN_NODES" -le "$TCK_NNODES" ] ||
@@ -312,8 +316,10 @@ tck_init() {
     MASTER_ADDR=${TCK_STEP_HOSTS%% *}
     [ -n "$MASTER_ADDR" ] || tck_die "cannot expand SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
     mkdir -p "$TIERCKPT_STATE_DIR" || tck_die "TIERCKPT_STATE_DIR=$TIERCKPT_STATE_DIR cannot be created"
+    # torchrun's --shutdown-timeout (the node script passes it), exported so the ranks' start-up
+    # check sees what torchrun waits before SIGKILLing them after a notice
     export TIERCKPT_HOME TIERCKPT_PYTHON TIERCKPT_NPROC_PER_NODE TIERCKPT_LOCAL_ROOT TIERCKPT_STATE_DIR \
-        TCK_NNODES MASTER_ADDR TCK_NODELIST TCK_PREV_HOSTS
+        TIERCKPT_SHUTDOWN_TIMEOUT TCK_NNODES MASTER_ADDR TCK_NODELIST TCK_PREV_HOSTS
     export PYTHONPATH="$TIERCKPT_HOME${PYTHONPATH:+:$PYTHONPATH}"
 }
 
@@ -384,7 +390,7 @@ tck_run() {
             printf 'node 0: '
             printf '%q ' "$TIERCKPT_PYTHON" -m torch.distributed.run --nnodes="$TCK_NNODES" --node-rank=0 \
                 --nproc-per-node="$TIERCKPT_NPROC_PER_NODE" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
-                --max-restarts=0 "$@" "${TCK_EXTRA[@]}"; echo
+                --max-restarts=0 --shutdown-timeout="$TIERCKPT_SHUTDOWN_TIMEOUT" "$@" "${TCK_EXTRA[@]}"; echo
             exit 0
         fi
         # in the background: bash runs a trap only once the foreground command ends, and a

@@ -31,9 +31,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from tierckpt import ConfigError, ScheduleOptions, TierConfig
-from tierckpt.config import RULES, SCHEDULE_RULES
-from tierckpt.integration import TIERS
-from tierckpt.validators import Number, non_negative_seconds, positive_number
+from tierckpt.integration import RULES, SCHEDULE_RULES, TIERS, Number, non_negative_seconds, positive_number
 
 PREFIX = "--ckpt-plugin-"
 GROUP_TITLE = "tierckpt checkpoint plugin"

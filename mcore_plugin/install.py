@@ -654,8 +654,9 @@ def explicit_step(args) -> tuple[int | None, bool]:
 
 def retrack(engine, save_dir: str, to_step: int) -> None:
     """After a rollback ran: point Megatron's tracker file (``latest_checkpointed_iteration.txt``
-    under ``save_dir``) at the newest persistent step still committed, or remove it when none
-    is (global rank 0; atomic replace).
+    under ``save_dir``) at the persistent step of the newest save still committed (by save order,
+    not step number: a copy of the abandoned timeline whose supersede failed never wins), or
+    remove it when none is (global rank 0; atomic replace).
 
     Why: the tracker still names the abandoned timeline's newest persistent step. Megatron
     prefers its ``--load`` path whenever the tracker is newer than the local manager's
@@ -669,18 +670,18 @@ def retrack(engine, save_dir: str, to_step: int) -> None:
     from megatron.training.checkpointing import get_checkpoint_tracker_filename
 
     path = get_checkpoint_tracker_filename(save_dir)
-    steps = engine.persistent_steps()
-    if not steps:
+    newest = engine.persistent.newest_save_step()  # by save order: an abandoned higher step never wins
+    if newest is None:
         if os.path.exists(path):
             os.remove(path)
         return
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        f.write(str(max(steps)))
+        f.write(str(newest))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    log.info("tierckpt: Megatron's tracker now names persistent step %d (rollback to %d)", max(steps), to_step)
+    log.info("tierckpt: Megatron's tracker now names persistent step %d (rollback to %d)", newest, to_step)
 
 
 def _close(rt: Runtime, clean: bool, reason: str = "") -> None:

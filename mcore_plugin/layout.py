@@ -145,18 +145,20 @@ def saved_layout(engine, top_key: str, step: int | None) -> tuple[int, dict] | N
 
 
 def persistent_target(engine, step: int | None, change: str) -> int:
-    """The persistent step a layout change restores: ``step``, or the newest committed one
-    (collective: the engine's agreed inventory). ``change``: :func:`layout_change`'s text.
+    """The persistent step a layout change restores: ``step``, or the newest committed save's
+    (by save order; collective: the engine's agreed inventory). ``change``: :func:`layout_change`'s text.
 
     Raises:
         NoCheckpointError: the persistent tier holds no such step (names the persistent tier
             and why the node-local copies cannot be used).
     """
-    steps = sorted(engine.inventory().persistent)
+    inv = engine.inventory()
+    steps = sorted(inv.persistent)
     if step is not None and step in steps:
         return step
-    if step is None and steps:
-        return steps[-1]
+    newest = inv.newest_persistent()  # the newest save by agreed order, not the highest step number
+    if step is None and newest is not None:
+        return newest
     want = f"step {step}" if step is not None else "a step"
     raise NoCheckpointError(
         f"{change}, so the node-local and replica copies cannot be loaded; {PERSISTENT_FLAGS} holds no "

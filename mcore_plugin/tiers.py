@@ -21,8 +21,7 @@ import logging
 import torch
 
 from tierckpt import ConfigError, RestoreResult, SaveHandle, TierConfig, TieredCheckpointer
-from tierckpt.integration import all_gather, mark_phase, read_item, validate_tiers
-from tierckpt.records import GenericRecord
+from tierckpt.integration import GenericRecord, all_gather, mark_phase, read_item, validate_tiers
 
 from .convert import (
     COMMON_KEY,

@@ -2,6 +2,7 @@
 MODE``, torchrun's environment): train, save steps 20 (waited for) and 30 through the engine,
 then leave *without* ``close()`` through the interpreter's normal exit. MODE: ``return`` (main
 returns), ``raise`` (an uncaught exception on every rank), ``sys_exit`` (``sys.exit(0)``),
+``sys_exit_3`` (``sys.exit(3)``: an error status),
 ``raise_one`` (rank 1 raises; rank 0 trains on, so its next collective fails once rank 1's
 process is gone), ``hung_persistent`` (returns while the persistent write of step 30 hangs for
 good: ``exit_timeout_s`` = 5 s gives up on it), ``hung_rebuild`` (restores step 20 with each node's
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from tests import scenarios
 from tierckpt.engine import TieredCheckpointer
 
-MODES = ("return", "raise", "sys_exit", "raise_one", "hung_persistent", "hung_rebuild")
+MODES = ("return", "raise", "sys_exit", "sys_exit_3", "raise_one", "hung_persistent", "hung_rebuild")
 
 
 def main() -> None:
@@ -62,6 +63,8 @@ def main() -> None:
         return
     if mode == "sys_exit":
         sys.exit(0)
+    if mode == "sys_exit_3":
+        sys.exit(3)
     if mode == "raise" or rank == 1:
         raise RuntimeError(f"trainer failed on rank {rank} after save(30)")
     for s in range(31, 41):  # raise_one, rank 0: trains on until the gone peer fails a collective
@@ -74,18 +77,18 @@ def _restore_with_a_hung_rebuild(eng, base: str, rank: int, model, opt) -> None:
     import shutil
     import threading
 
-    from tierckpt.tiers import jobs
+    from tierckpt.restore import redundancy
 
     shutil.rmtree(os.path.join(base, "nvme", f"node-{rank}", "replicas", f"node-{1 - rank}", "step-20"))
     dist.barrier()
-    replicate = jobs.replicate
+    replicate = redundancy.replicate
 
     def hanging(*a, **kw):
         if "pairs" in kw:  # the rebuild's copies (a save's replication names no pairs)
             threading.Event().wait()
         return replicate(*a, **kw)
 
-    jobs.replicate = hanging  # type: ignore[assignment]
+    redundancy.replicate = hanging  # type: ignore[assignment]  # the rebuild job's (restore/redundancy.py)
     sd = scenarios.app_state(model, opt)
     res = eng.restore(sd)
     assert res is not None and res.step == 20, res

@@ -3,6 +3,7 @@
 ``python -m tierckpt.launch`` or ``launch/local.py``.
 
     loader_trainer.py BASE STEPS [--workers 2] [--no-protect] [--sleep S] [--tag NAME]
+                      [--slow-step N --slow-s S]
 
 Each rank is one simulated node (``simulated_ranks_per_node = 1``): FSDP2 over gloo on a tiny
 MLP, AdamW, batches from a DataLoader over a deterministic map-style dataset (batch of step s
@@ -10,6 +11,14 @@ MLP, AdamW, batches from a DataLoader over a deterministic map-style dataset (ba
 saves every 4 steps, both tiers on a preemption notice (SIGTERM, SIGUSR1). Rank 0 appends
 ``{"step", "loss_hex", "tag"}`` to ``BASE/losses.jsonl`` and every rank touches
 ``BASE/progress-<rank>`` with the step after each step. Exit 75 after a preemption save.
+
+Which path took the preemption save is printed (stderr) so the tests can tell: ``preemption
+save at the end of step N`` (the end-of-step check; a loader-worker death on the notice was
+deferred, not raised mid-step) or ``fetch of step N failed on the notice: preemption save of
+step N-1`` (the notice killed the workers while the rank waited for the batch; the ranks agreed
+through :func:`tierckpt.integration.agree_loader_death`). ``--slow-step N --slow-s S``: every
+row of step N takes S seconds to load, so a notice sent once step N-1 is done lands while
+every rank waits in ``next()`` for that batch: the fetch-failure path, deterministically.
 """
 
 from __future__ import annotations
@@ -27,21 +36,25 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
-from tierckpt import PREEMPTED_EXIT, TierConfig, TieredCheckpointer, preempted_by, protect_loader_workers
+from tierckpt import PREEMPTED_EXIT, TierConfig, TieredCheckpointer, protect_loader_workers
+from tierckpt.integration import agree_loader_death
 
 BATCH = 4
 
 
 class Rows(Dataset):
-    """Row i: 16 values drawn from a generator seeded with i (the same in every process)."""
+    """Row i: 16 values drawn from a generator seeded with i (the same in every process); the
+    rows of step ``slow_step`` take ``slow_s`` seconds each."""
 
-    def __init__(self, start: int, n: int):
-        self.start, self.n = start, n
+    def __init__(self, start: int, n: int, slow_step: int = 0, slow_s: float = 0.0):
+        self.start, self.n, self.slow_step, self.slow_s = start, n, slow_step, slow_s
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        if (self.start + i) // BATCH + 1 == self.slow_step:
+            time.sleep(self.slow_s)
         g = torch.Generator().manual_seed(self.start + i)
         return torch.randn(16, generator=g)
 
@@ -54,6 +67,8 @@ def main() -> int:
     ap.add_argument("--no-protect", action="store_true")
     ap.add_argument("--sleep", type=float, default=0.3)
     ap.add_argument("--tag", default="run")
+    ap.add_argument("--slow-step", type=int, default=0)
+    ap.add_argument("--slow-s", type=float, default=0.0)
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -79,18 +94,22 @@ def main() -> int:
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = res.step
     # every rank reads the same rows; rank r adds r so the ranks' gradients differ
-    loader = DataLoader(Rows(start * BATCH, (args.steps - start) * BATCH), batch_size=BATCH,
-                        num_workers=args.workers)
+    loader = DataLoader(Rows(start * BATCH, (args.steps - start) * BATCH, args.slow_step, args.slow_s),
+                        batch_size=BATCH, num_workers=args.workers)
     if not args.no_protect:
         protect_loader_workers(loader, cfg.preemption_signals)
     batches = iter(loader)
     for step in range(start + 1, args.steps + 1):
         try:
             x = next(batches)
-        except RuntimeError as e:  # the notice killed the loader's workers while we waited for data
-            sig = preempted_by(e, eng.preemption)
+        except RuntimeError as e:  # the notice killed the loader's workers while we waited for data?
+            # agreed: only when every rank's fetch failed on the notice at this step (the save
+            # is collective; a rank already training would pair it with its own collectives)
+            sig = agree_loader_death(eng, e, step - 1)
             if sig is None:
                 raise
+            print(f"loader_trainer: fetch of step {step} failed on the notice: preemption save of step {step - 1}",
+                  file=sys.stderr, flush=True)
             print(eng.save_for_preemption(step - 1, app_state(), sig), file=sys.stderr, flush=True)
             eng.close(raise_failures=False)
             return PREEMPTED_EXIT
@@ -106,6 +125,7 @@ def main() -> int:
         handle = eng.save(step, app_state(), tiers=["local"]) if step % 4 == 0 else None
         sig = eng.preemption_requested()
         if sig is not None:
+            print(f"loader_trainer: preemption save at the end of step {step}", file=sys.stderr, flush=True)
             print(eng.save_for_preemption(step, app_state(), sig, handle=handle), file=sys.stderr, flush=True)
             eng.close(raise_failures=False)
             return PREEMPTED_EXIT

@@ -141,7 +141,7 @@ def phase_train_and_save(rank, world, base, rpn, k, extra_steps, cfg_kw=None):
     eng.close()
     os.makedirs(os.path.join(base, "ref"), exist_ok=True)
     torch.save({"snap": snap, "losses": losses}, os.path.join(base, "ref", f"rank{rank}.pt"))
-    return {"history": eng.history}
+    return {"history": eng.history}  # typed records (tierckpt.records.CheckpointRecord)
 
 
 def phase_restore_and_check(rank, world, base, rpn, k, extra_steps, cfg_kw=None):
@@ -311,7 +311,7 @@ def phase_full_local_disk(rank, world, base):
     ref = snapshot(model, opt)
     train_step(model, opt, 3, rank)  # training goes on while the local tier fails
     eng.wait()
-    rec = {h["tier"]: h for h in eng.history if h.get("step") == 2}
+    rec = {h.tier: h for h in eng.history if h.step == 2}
     m2, o2 = build(seed=5)
     sd = app_state(m2, o2)
     res = eng.restore(sd)
@@ -545,7 +545,7 @@ def phase_hung_local_disk(rank, world, base, limit):
             eng.jobs.lanes["local"].save.result(timeout=60)  # test only: let the late step-2 job finish
     ref = snapshot(model, opt)
     eng.wait()
-    hist = [(h["tier"], h["step"], h["ok"], bool(h.get("skipped"))) for h in eng.history]
+    hist = [(h.tier, h.step, h.ok, h.skipped) for h in eng.history]
     m2, o2 = build(seed=3)
     sd = app_state(m2, o2)
     res = eng.restore(sd)
@@ -635,7 +635,7 @@ def phase_hung_local_exit(rank, world, base, limit):
     t0 = _time.perf_counter()
     eng.close()
     return {"close_s": _time.perf_counter() - t0,
-            "persistent": [(h["tier"], h["step"], h["ok"]) for h in eng.history]}
+            "persistent": [(h.tier, h.step, h.ok) for h in eng.history]}
 
 
 # --------------------------------------------------------------------------------- resume contract

@@ -78,7 +78,7 @@ def phase_defer_with_due(rank, world, base, tier, delay, interval, max_steps):
     apply_state(m2, o2, sd)
     assert_bitwise(snapshot(m2, o2), snap)
     rec = deferred_handle.skipped.get(tier)
-    history = [(h["tier"], h["step"], h["ok"], h.get("deferred", False)) for h in eng.history]
+    history = [(h.tier, h.step, h.ok, h.deferred) for h in eng.history]
     eng.close()
     cls.save = original
     return {"due_steps": due_steps, "retry_step": retry_step, "restored": res.step,

@@ -118,3 +118,62 @@ def phase_restore_hung_listing(rank, world, base, cfg_kw, node):
         eng.last_redundancy.result(timeout=120)
     eng.close()
     return {"step": res.step, "wall": wall, "sources": {n: (o.source.kind, o.source.holder) for n, o in res.sources.items()}}
+
+
+def phase_two_persistent_steps(rank, world, base, cfg_kw, old, new):
+    """Train; save every tier at step ``old`` and at step ``new`` (each waited for), the
+    reference for a restore of step ``old``: its snapshot and the losses of the steps after it
+    (``old + 1 .. new``, the uninterrupted run's) in ``base/ref``."""
+    eng = TieredCheckpointer(make_config(base, **cfg_kw), node_id=rank)
+    model, opt = build(seed=0)
+    for s in range(1, old + 1):
+        train_step(model, opt, s, rank)
+    eng.save(old, app_state(model, opt))
+    eng.wait(bounded=False)
+    snap = snapshot(model, opt)
+    losses = [train_step(model, opt, s, rank) for s in range(old + 1, new + 1)]
+    eng.save(new, app_state(model, opt))
+    eng.wait(bounded=False)
+    committed = eng.persistent_steps()
+    eng.close()
+    os.makedirs(os.path.join(base, "ref"), exist_ok=True)
+    torch.save({"snap": snap, "losses": losses}, os.path.join(base, "ref", f"rank{rank}.pt"))
+    return committed
+
+
+def hang_opens(path: str, where: str = "every") -> None:
+    """In this process, opens of ``path`` never return: a file on a file system that stopped
+    answering, its size still the one the manifest names (a FIFO in its place would be refused
+    by the size check before any read). ``where``: ``"every"`` open (``open``/``io.open``,
+    ``pathlib.Path.open``: the verification's checksum read comes first), or ``"load"``: only
+    ``pathlib.Path.open``, what DCP's reader uses (the checksum read passes, the load hangs)."""
+    import builtins
+    import io
+    import pathlib
+    import threading
+
+    hung = os.path.realpath(path)
+    real_open, real_path_open = builtins.open, pathlib.Path.open
+
+    def _blocks(file) -> bool:
+        return isinstance(file, (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(file)) == hung
+
+    def hanging_open(file, *a, **kw):
+        if _blocks(file):
+            threading.Event().wait()
+        return real_open(file, *a, **kw)
+
+    def hanging_path_open(self, *a, **kw):
+        if _blocks(self):
+            threading.Event().wait()
+        return real_path_open(self, *a, **kw)
+
+    if where == "every":
+        builtins.open = io.open = hanging_open  # type: ignore[assignment]
+    pathlib.Path.open = hanging_path_open  # type: ignore[method-assign]
+
+
+def phase_restore_timed_hung_file(rank, world, base, cfg_kw, path, where="every"):
+    """:func:`phase_restore_timed` with opens of ``path`` hanging (:func:`hang_opens`)."""
+    hang_opens(path, where)
+    return phase_restore_timed(rank, world, base, cfg_kw)

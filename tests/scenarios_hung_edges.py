@@ -78,17 +78,22 @@ def phase_restore_other_files_hang(rank, world, base, rpn, cfg_kw):
     return {**_facts(res), "wall": wall}
 
 
-def phase_loader_death(rank, world, base, cfg_kw, dead_ranks, step):
+def phase_loader_death(rank, world, base, cfg_kw, dead_ranks, step, api="titan", others="collective"):
     """The trainer's exception after a preemption notice: on ``dead_ranks`` the DataLoader's
-    workers died on it while the rank fetched the batch of ``step + 1``; the other ranks are
-    inside a training collective (an all-reduce of the default group) that the dead ranks join
-    only after their decision. Every rank then calls torchtitan's
-    ``TieredCheckpointManager.save_on_loader_death``. Returns ``(saved: whether it returned a
-    Preempted, seconds the decision took, the trainer's step afterwards, persistent steps)``."""
+    workers died on it while the rank fetched the batch of ``step + 1``. The other ranks
+    (``others``): ``"collective"``: fetched their batch and are inside a training collective (an
+    all-reduce of the default group, of ``rank + 1`` each) that the dead ranks join only after
+    their decision; ``"error"``: failed otherwise at once (not a loader death). Every rank then
+    decides: ``api`` ``"titan"``: torchtitan's ``TieredCheckpointManager.save_on_loader_death``;
+    ``"engine"``: the engine API's recipe (``agree_loader_death``, then ``save_for_preemption``
+    of the last finished step when it agreed). Returns ``(saved: whether a preemption save ran,
+    seconds the decision took, the trainer's step afterwards, persistent steps, the training
+    collective's sum or None)``."""
     import types
 
     import torch.distributed as dist
 
+    from tierckpt.integration import agree_loader_death
     from titan_plugin.manager import TieredCheckpointManager
 
     eng = TieredCheckpointer(make_config(base, **cfg_kw), node_id=rank)
@@ -98,19 +103,38 @@ def phase_loader_death(rank, world, base, cfg_kw, dead_ranks, step):
     manager = types.SimpleNamespace(engine=eng, _engine=eng, _states_to_save=lambda: app_state(model, opt))
     trainer = types.SimpleNamespace(step=step + 1)
     eng.preemption.received = "SIGTERM"  # the notice reached every rank
+
+    def decide(exc: BaseException):
+        if api == "titan":
+            return TieredCheckpointManager.save_on_loader_death(manager, exc, trainer)
+        sig = agree_loader_death(eng, exc, trainer.step - 1)
+        if sig is None:
+            return None
+        trainer.step -= 1
+        return eng.save_for_preemption(trainer.step, app_state(model, opt), sig)
+
+    total = None
     if rank in dead_ranks:
         exc: BaseException = RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
         t0 = time.monotonic()
-        pre = TieredCheckpointManager.save_on_loader_death(manager, exc, trainer)
+        pre = decide(exc)
         took = time.monotonic() - t0
-        if len(dead_ranks) < world:
-            dist.all_reduce(torch.zeros(1))  # only now: the others' collective completes
-    else:
-        dist.all_reduce(torch.zeros(1))  # the training collective this rank was already in
+        if len(dead_ranks) < world and others == "collective":
+            x = torch.tensor([float(rank + 1)])
+            dist.all_reduce(x)  # only now: the others' collective completes (this rank gave the save up)
+            total = x.item()
+    elif others == "collective":
+        x = torch.tensor([float(rank + 1)])
+        dist.all_reduce(x)  # the training collective this rank was already in
+        total = x.item()
         t0 = time.monotonic()
-        pre = TieredCheckpointManager.save_on_loader_death(manager, RuntimeError("collective failed"), trainer)
+        pre = decide(RuntimeError("collective failed"))
+        took = time.monotonic() - t0
+    else:
+        t0 = time.monotonic()
+        pre = decide(RuntimeError("CUDA error: an illegal memory access was encountered"))
         took = time.monotonic() - t0
     eng.wait(bounded=False)
     steps = eng.persistent.committed_steps()
     eng.close(clean=False, raise_failures=False)
-    return pre is not None, took, trainer.step, steps
+    return pre is not None, took, trainer.step, steps, total

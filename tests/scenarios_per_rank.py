@@ -52,7 +52,7 @@ def phase_save(rank, world, base, rpn, k):
 def phase_restore(rank, world, base, rpn, saved_world):
     """Restore into :func:`template`; a rank that existed at save time must get its own values
     bitwise (and its RNG must draw what the saved one drew); a new rank gets rank 0's.
-    Returns ``{"step", "sources", "values"}``."""
+    Returns ``{"step", "sources", "probe", "save_id", "attempts"}``."""
     eng = TieredCheckpointer(make_config(base), node_id=rank // rpn)
     sd = template()
     res = eng.restore(sd)
@@ -67,5 +67,5 @@ def phase_restore(rank, world, base, rpn, saved_world):
         assert_bitwise(sd, expected(0), f"new rank {rank}")
     eng.close()
     return {"step": res.step, "sources": {n: (o.source.kind, o.source.holder) for n, o in res.sources.items()},
-            "probe": float(sd["probe"][0])}
+            "probe": float(sd["probe"][0]), "save_id": res.save_id, "attempts": res.attempts}
 

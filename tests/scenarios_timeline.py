@@ -94,7 +94,7 @@ def phase_timeline_a(rank, world, base, steps, cfg_kw=None):
         eng.wait()
         _save_ref(base, f"A{s}", rank, model, opt)
     eng.close()
-    return [h["step"] for h in eng.history if h.get("ok")]
+    return [h.step for h in eng.history if h.ok]
 
 
 def phase_fallback_then_unreplicated_save(rank, world, base):
@@ -117,7 +117,7 @@ def phase_fallback_then_unreplicated_save(rank, world, base):
     _save_ref(base, "B20", rank, model, opt)
     eng.close()
     return {"step": res.step, "attempts": res.attempts,
-            "local20": [(h["tier"], h.get("ok"), h.get("replicas_failed")) for h in eng.history]}
+            "local20": [(h.tier, h.ok, h.replicas_failed) for h in eng.history]}
 
 
 def _matches(snap: dict, ref: dict) -> bool:
@@ -201,5 +201,66 @@ def phase_restore_then_save(rank, world, base, new_step):
         train_step(model, opt, t, rank)
     eng.save(new_step, app_state(model, opt))
     eng.wait()
+    eng.close()
+    return out
+
+
+def _fail_supersede(times: int | None):
+    """Make this process's renames of commit markers to ``*.superseded`` fail with EIO (``times``
+    calls, None: every call): a node whose supersede of an abandoned timeline fails."""
+    import errno
+
+    import tierckpt.io.manifest as manifest_mod
+
+    real = manifest_mod.supersede
+    left = [times]
+
+    def failing(store, step_rel, strict=False):
+        if left[0] is None or left[0] > 0:
+            if left[0] is not None:
+                left[0] -= 1
+            raise OSError(errno.EIO, "injected: rename failed", step_rel)
+        return real(store, step_rel, strict)
+
+    manifest_mod.supersede = failing  # type: ignore[assignment]
+
+
+def phase_rollback_failing_supersede(rank, world, base, to_step, saves, victim, times):
+    """An explicit rollback to ``to_step`` whose supersede fails on rank ``victim`` (``times``
+    renames, None: all); then saves ``saves`` ([(step, tiers)]) on timeline B, references
+    ``R<step>``; the run ends uncleanly."""
+    if rank == victim:
+        _fail_supersede(times)
+    eng = TieredCheckpointer(make_config(base), node_id=rank)
+    res, model, opt = _restore_fresh(eng, rank, step=to_step, rollback=True)
+    assert res is not None and res.step == to_step
+    assert_bitwise(snapshot(model, opt), _ref(base, f"A{to_step}", rank))
+    done = to_step
+    for s, tiers in saves:
+        for t in range(done + 1, s + 1):
+            train_step(model, opt, t + B_OFFSET, rank)
+        done = s
+        eng.save(s, app_state(model, opt), tiers=tiers)
+        eng.wait()
+        _save_ref(base, f"R{s}", rank, model, opt)
+    eng.close(clean=False, reason="test: the new timeline's run fails")
+    return {"restored": res.step}
+
+
+def phase_restore_then_save_tagged(rank, world, base, new_step, tags=()):
+    """A restart: restore (no step), report what it got (as :func:`phase_restore_only`), train
+    ``new_step`` on timeline B's batches, save every tier (reference ``R<new_step>``), close."""
+    eng = TieredCheckpointer(make_config(base), node_id=rank)
+    res, model, opt = _restore_fresh(eng, rank)
+    assert res is not None
+    snap = snapshot(model, opt)
+    out = {"step": res.step, "attempts": res.attempts, "save_id": res.save_id,
+           "sources": {n: o.source.kind for n, o in res.sources.items()},
+           "matches": [t for t in tags if _matches(snap, _ref(base, t, rank))]}
+    for t in range(res.step + 1, new_step + 1):
+        train_step(model, opt, t + B_OFFSET, rank)
+    eng.save(new_step, app_state(model, opt))
+    eng.wait()
+    _save_ref(base, f"R{new_step}", rank, model, opt)
     eng.close()
     return out

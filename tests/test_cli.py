@@ -73,8 +73,8 @@ def test_ls_lists_every_tier(tree, capsys):
     rc, rows = run_json(capsys, "ls", str(tree["job"]))
     assert rc == 0
     assert all(
-        set(r) == {"tier", "node", "source_node", "step", "committed", "lineage", "foreign", "files", "bytes",
-                   "path"}
+        set(r) == {"tier", "node", "source_node", "step", "committed", "lineage", "foreign", "save_id",
+                   "save_order", "newest", "files", "bytes", "path"}
         for r in rows
     )
     got = [(r["tier"], r["node"], r["source_node"], r["step"], r["committed"]) for r in rows]
@@ -155,6 +155,27 @@ def test_ls_lineage_marks_steps_restore_ignores(tree, capsys):
     assert "yes, other lineage" in out and "2 committed of another lineage" in out
     assert cli.main(["ls", str(tree["job"]), "--lineage", str(tree["job"])]) == 2
     assert "--lineage" in capsys.readouterr().err
+
+
+def test_ls_marks_the_newest_save_by_save_order_not_by_step(tmp_path, capsys):
+    """After a rollback to 10 whose supersede did not happen, the abandoned step 20 (older save)
+    is not the newest: the new timeline's step 11 is, and ls says so (issue 28)."""
+    persist = Store(str(tmp_path / "persist"))
+    write_step(persist, persistent_step(10), dcp_files(1), tier="persistent", step=10,
+               save_id="aaaaaaaaaaaa.0", save_order=[0, 0])
+    write_step(persist, persistent_step(20), dcp_files(2), tier="persistent", step=20,
+               save_id="aaaaaaaaaaaa.1", save_order=[0, 1])
+    write_step(persist, persistent_step(11), dcp_files(3), tier="persistent", step=11,
+               save_id="bbbbbbbbbbbb.0", save_order=[1, 0])
+    rc, rows = run_json(capsys, "ls", persist.root)
+    assert rc == 0
+    got = {r["step"]: (r["save_id"], r["save_order"], r["newest"]) for r in rows}
+    assert got == {10: ("aaaaaaaaaaaa.0", [0, 0], False), 11: ("bbbbbbbbbbbb.0", [1, 0], True),
+                   20: ("aaaaaaaaaaaa.1", [0, 1], False)}, got
+    assert cli.main(["ls", persist.root]) == 0
+    out = capsys.readouterr().out
+    assert "newest save (*): step 11, save bbbbbbbbbbbb.0" in out, out
+    assert "1 committed copies of higher steps belong to older saves" in out and "steps [20]" in out, out
 
 
 # -- verify ------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import itertools
 
 from tests.harness import run_world
 from tierckpt.cluster.collectives import first_by_rank, union
-from tierckpt.tiers.jobs import _merge_redundancy, merge_stats
+from tierckpt.restore.redundancy import merge_redundancy
+from tierckpt.tiers.jobs import merge_stats
 from tierckpt.tiers.replication import _and_by_node
 
 STATS = [  # (rank, ok, error, bytes, background_s, blocking_s) of 6 ranks
@@ -50,8 +51,8 @@ def test_other_reductions_per_node_equal_flat():
     a = ({(0, 1)}, [(2, "node 0→node 1: x")], 10)
     b = ({(1, 0)}, [(1, "node 1→node 0: y")], 5)
     c = (set(), [], 1)
-    assert _merge_redundancy([a, b, c]) == ({(0, 1), (1, 0)}, [(1, "node 1→node 0: y")], 16)
-    assert _merge_redundancy([_merge_redundancy([a, c]), _merge_redundancy([b])]) == _merge_redundancy([a, b, c])
+    assert merge_redundancy([a, b, c]) == ({(0, 1), (1, 0)}, [(1, "node 1→node 0: y")], 16)
+    assert merge_redundancy([merge_redundancy([a, c]), merge_redundancy([b])]) == merge_redundancy([a, b, c])
 
 
 def _exchange(rank, world):

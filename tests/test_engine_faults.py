@@ -59,8 +59,8 @@ def tiny_tmpfs(tmp_path):
 def test_full_local_disk_degrades_to_persistent(tmp_path, tiny_tmpfs):
     res = run_world(scenarios.phase_full_local_disk, 2, str(tmp_path))
     out = res[0].value
-    assert out["local"]["ok"] is False and "No space left" in (out["local"]["error"] or ""), out["local"]
-    assert out["persistent"]["ok"] is True
+    assert out["local"].ok is False and "No space left" in (out["local"].error or ""), out["local"]
+    assert out["persistent"].ok is True
     assert out["step"] == 2 and out["sources"] == {0: "own-local", 1: "persistent"}
 
 

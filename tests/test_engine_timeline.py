@@ -15,6 +15,11 @@ from tests import scenarios_timeline as sc
 from tests.harness import run_world
 
 COMMITTED = "tierckpt.committed"
+# the five copies of timeline A's step 20 (rollback record labels: their directories)
+STEP20 = {"local node-0/20": "nvme/node-0/local/step-20", "local node-1/20": "nvme/node-1/local/step-20",
+          "replica node-1@node-0/20": "nvme/node-0/replicas/node-1/step-20",
+          "replica node-0@node-1/20": "nvme/node-1/replicas/node-0/step-20", "persistent/20": "pfs/step-20"}
+NODE1 = ["local node-1/20", "replica node-0@node-1/20"]  # node 1's copies of them
 
 
 def _committed(path: str) -> bool:
@@ -87,7 +92,17 @@ def test_retention_never_keeps_a_corrupt_step_over_the_one_just_committed(tmp_pa
     assert all(r.value["restored"] == 10 for r in out), out
     assert _committed(os.path.join(base, "pfs/step-15"))
     assert not _committed(os.path.join(base, "pfs/step-20")) and _superseded(os.path.join(base, "pfs/step-20"))
-    ends = [x for x in sc.ledger(base) if x["kind"] == "run_end"]
+    recs = sc.ledger(base)
+    # the fallback's restore record: step 10, every source of step 20 named failed, one save
+    (fb,) = [x for x in recs if x["kind"] == "restore"]
+    assert fb["step"] == 10 and fb["attempts"] > 1 and fb["save_id"], fb
+    assert fb["failures"] and {f["step"] for f in fb["failures"]} == {20}, fb
+    assert {f["node"] for f in fb["failures"]} == {0, 1}, fb
+    # its first commit superseded every copy of the corrupt step 20 (a fallback, not by name)
+    (rb,) = [x for x in recs if x["kind"] == "rollback"]
+    assert (rb["from_step"], rb["to_step"], rb["cause"], rb["save_id"]) == (20, 10, "fallback", fb["save_id"]), rb
+    assert sorted(rb["superseded"]) == sorted(STEP20) and "failed" not in rb, rb
+    ends = [x for x in recs if x["kind"] == "run_end"]
     assert ends[-1]["durable_step"] == 15 and ends[-1]["clean"] is True, ends[-1]
     assert _committed(os.path.join(base, "pfs", f"step-{ends[-1]['durable_step']}"))
     for n in (0, 1):
@@ -97,6 +112,9 @@ def test_retention_never_keeps_a_corrupt_step_over_the_one_just_committed(tmp_pa
         v = r.value
         assert v["step"] == 15 and v["attempts"] == 1 and set(v["sources"].values()) == {"persistent"}, v
         assert v["matches"] == ["R15"], v
+    last = [x for x in sc.ledger(base) if x["kind"] == "restore"][-1]
+    assert last["step"] == 15 and last["attempts"] == 1 and not last["failures"], last
+    assert last["save_id"] == res[0].value["save_id"] and last["save_id"] != fb["save_id"], last
 
 
 def test_rollback_supersedes_by_save_identity_whatever_the_hosts_clocks(tmp_path):
@@ -115,9 +133,16 @@ def test_rollback_supersedes_by_save_identity_whatever_the_hosts_clocks(tmp_path
     rb = [x for x in sc.ledger(base) if x["kind"] == "rollback"]
     assert len(rb) == 1 and len([c for c in rb[0]["superseded"] if c.endswith("/20")]) == 5, rb
     assert "cause" not in rb[0], rb  # a rollback by name (the record's keys are unchanged)
+    assert sorted(rb[0]["superseded"]) == sorted(STEP20) and "failed" not in rb[0], rb
+    # as if the run had died right after its first commit, before any node superseded anything:
+    # every copy of the abandoned step 20 committed again — the restart resumes the new timeline
+    for rel in STEP20.values():
+        p = os.path.join(base, rel)
+        os.rename(os.path.join(p, COMMITTED + ".superseded"), os.path.join(p, COMMITTED))
     res = run_world(sc.phase_restore_only, 2, base, None, ["A10", "A20", "R11"])
     for r in res:
-        assert r.value["step"] == 11 and r.value["matches"] == ["R11"], r.value
+        assert r.value["step"] == 11 and r.value["matches"] == ["R11"] and r.value["attempts"] == 1, r.value
+        assert set(r.value["sources"].values()) == {"own-local"}, r.value
 
 
 def test_a_step_saved_by_two_calls_is_one_save(tmp_path):
@@ -136,3 +161,63 @@ def test_a_step_saved_by_two_calls_is_one_save(tmp_path):
     ids = {json.load(open(os.path.join(base, rel, "tierckpt.manifest.json")))["save_id"]
            for rel in ("nvme/node-0/local/step-5", "nvme/node-1/replicas/node-0/step-5", "pfs/step-5")}
     assert len(ids) == 1, ids
+
+
+def test_an_abandoned_step_left_committed_on_a_node_is_never_resumed(tmp_path):
+    """The window of A.3: the rollback's first commit (step 11) supersedes step 20 everywhere but
+    on node 1, whose renames fail (as a node that died before its own supersede leaves it). The
+    rollback record names what was superseded and what failed; the restart resumes the new
+    timeline's 11 — the newest save in agreed order, not the highest step — bitwise on every
+    rank, and its first commit supersedes the leftovers (a ``leftover`` rollback record)."""
+    base = str(tmp_path)
+    run_world(sc.phase_timeline_a, 2, base, [10, 20])
+    run_world(sc.phase_rollback_failing_supersede, 2, base, 10, [(11, None)], 1, None)
+    for label, rel in STEP20.items():
+        left = label in NODE1
+        assert _committed(os.path.join(base, rel)) == left and _superseded(os.path.join(base, rel)) != left, rel
+    rb = [x for x in sc.ledger(base) if x["kind"] == "rollback"]
+    assert len(rb) == 1, rb
+    assert (rb[0]["from_step"], rb[0]["to_step"], rb[0].get("cause")) == (20, 10, None), rb
+    assert sorted(rb[0]["superseded"]) == sorted(set(STEP20) - set(NODE1)), rb  # what was actually renamed
+    assert sorted(f.split(":", 1)[0] for f in rb[0]["failed"]) == sorted(NODE1), rb
+    assert all("injected: rename failed" in f for f in rb[0]["failed"]), rb
+    out = run_world(sc.phase_restore_then_save_tagged, 2, base, 12, ["A10", "A20", "R11"])
+    r11 = {r.value["save_id"] for r in out}
+    for r in out:
+        v = r.value
+        assert v["step"] == 11 and v["matches"] == ["R11"] and v["attempts"] == 1, v
+        assert set(v["sources"].values()) == {"own-local"}, v
+    recs = sc.ledger(base)
+    restores = [x for x in recs if x["kind"] == "restore"]
+    assert restores[-1]["step"] == 11 and {restores[-1]["save_id"]} == r11 and not restores[-1]["failures"], restores
+    rb = [x for x in recs if x["kind"] == "rollback"]
+    assert len(rb) == 2, rb
+    assert (rb[1]["from_step"], rb[1]["to_step"], rb[1]["cause"], rb[1]["save_id"]) == (20, 11, "leftover", *r11), rb
+    assert sorted(rb[1]["superseded"]) == sorted(NODE1) and "failed" not in rb[1] and "retry" not in rb[1], rb
+    for rel in STEP20.values():  # superseded (node-local ones the start purges once superseded)
+        assert not _committed(os.path.join(base, rel)), rel
+    for label in NODE1:
+        assert _superseded(os.path.join(base, STEP20[label])), label
+    res = run_world(sc.phase_restore_only, 2, base, None, ["A20", "R11", "R12"])
+    for r in res:
+        assert r.value["step"] == 12 and r.value["matches"] == ["R12"], r.value
+
+
+def test_a_failed_supersede_is_retried_at_the_next_commit_and_recorded(tmp_path):
+    """Node 1's first rename fails once: the rollback record names it failed, the next commit
+    retries it and a ``retry`` record names it superseded; nothing of step 20 stays committed."""
+    base = str(tmp_path)
+    run_world(sc.phase_timeline_a, 2, base, [10, 20])
+    run_world(sc.phase_rollback_failing_supersede, 2, base, 10, [(11, ("local",)), (12, None)], 1, 1)
+    for rel in STEP20.values():
+        assert _superseded(os.path.join(base, rel)) and not _committed(os.path.join(base, rel)), rel
+    rb = [x for x in sc.ledger(base) if x["kind"] == "rollback"]
+    assert len(rb) == 2, rb
+    assert rb[0]["trigger"] == {"tier": "local", "step": 11} and "retry" not in rb[0], rb
+    assert sorted(rb[0]["superseded"]) == sorted(set(STEP20) - {"local node-1/20"}), rb
+    assert [f.split(":", 1)[0] for f in rb[0]["failed"]] == ["local node-1/20"], rb
+    assert rb[1]["retry"] is True and rb[1]["superseded"] == ["local node-1/20"] and "failed" not in rb[1], rb
+    assert rb[1]["trigger"]["step"] == 12 and (rb[1]["from_step"], rb[1]["to_step"]) == (20, 10), rb
+    res = run_world(sc.phase_restore_only, 2, base, None, ["A20", "R11", "R12"])
+    for r in res:
+        assert r.value["step"] == 12 and r.value["matches"] == ["R12"] and r.value["attempts"] == 1, r.value

@@ -1,5 +1,5 @@
 """Leaving without close() (tierckpt/exit.py): real rank processes that save step 30 and then
-return from main, raise, or sys.exit(0) through the interpreter's normal exit (not the
+return from main, raise, sys.exit(0) or sys.exit(3) through the interpreter's normal exit (not the
 forkserver harness, whose entry point catches and reports); the step is committed in every
 tier, restorable bitwise, the exit status is the script's own, nothing aborts, and the
 ledger's run_end says what happened."""
@@ -55,7 +55,8 @@ def committed(base: str) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("mode,status", [("return", 0), ("sys_exit", 0), ("raise", 1), ("raise_one", 1)])
+@pytest.mark.parametrize("mode,status", [("return", 0), ("sys_exit", 0), ("sys_exit_3", 3), ("raise", 1),
+                                         ("raise_one", 1)])
 def test_exit_without_close_finishes_the_save(tmp_path, mode, status):
     base = str(tmp_path)
     ranks = run_ranks(base, mode)
@@ -71,10 +72,13 @@ def test_exit_without_close_finishes_the_save(tmp_path, mode, status):
     assert len(ends) == 1, lines
     end = ends[0]
     assert end["exit"] == "without close()" and end["durable_step"] == 30 and "unfinished" not in end, end
-    # a process that finished its saves and exited is not a failure; one that raised is
+    # a process that finished its saves and exited 0 is not a failure; one that raised or
+    # exited with an error status is (its saves are still finished, above)
     assert end["clean"] is (status == 0), end
     if mode == "raise":
         assert "RuntimeError: trainer failed on rank 0 after save(30)" in end["reason"], end
+    if mode == "sys_exit_3":
+        assert end["reason"] == "interpreter exit without close(): sys.exit(3)", end
     saves = {(x["tier"], x["step"]) for x in lines if x["kind"] == "checkpoint" and x.get("ok")}
     assert {("local", 30), ("persistent", 30)} <= saves, saves
     res = run_world(phase_restore, 2, base, timeout=300)
@@ -125,3 +129,28 @@ def test_exit_without_close_names_every_job_a_lane_holds(tmp_path):
     assert end["unfinished"] == [{"tier": "local", "step": None, "job": "replica rebuild", "error": still},
                                  {"tier": "local", "step": 30, "job": "save", "error": still}], end
     assert end["clean"] is False and end["durable_step"] == 30 and end["stuck_tiers"] == ["local"], end
+
+
+def test_the_sys_exit_wrapper_notes_the_main_threads_status():
+    """``sys.exit`` as tierckpt.exit wraps it: the main thread's status is noted (a thread's
+    sys.exit ends only that thread and is not), then the original raises SystemExit;
+    ``error_status`` tells 0/None from every other status."""
+    import threading
+
+    from tierckpt import exit as ex
+
+    seen: list = []
+    wrapped = ex._noting_exit(lambda status=None: seen.append(status) or (_ for _ in ()).throw(SystemExit(status)))
+    saved = list(ex._exit_calls)
+    try:
+        with pytest.raises(SystemExit):
+            wrapped(3)
+        assert ex._exit_calls == [3] and seen == [3]
+        t = threading.Thread(target=lambda: pytest.raises(SystemExit, wrapped, 5))
+        t.start()
+        t.join()
+        assert ex._exit_calls == [3] and seen == [3, 5]
+    finally:
+        ex._exit_calls[:] = saved
+    assert not ex.error_status(None) and not ex.error_status(0)
+    assert ex.error_status(3) and ex.error_status("bad config") and ex.error_status(-1)

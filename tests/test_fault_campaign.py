@@ -255,7 +255,8 @@ def test_new_timeline_check_flags_unsuperseded_copies_and_a_lost_last_save(two_t
     base = two_timelines
     before = checks.scan_disk(base)
     # B saved step 5 (save b.0) on node 1 only: its last save is not the newest complete one
-    recs = [{"kind": "rollback", "from_step": 5, "to_step": 4, "cause": "fallback"},
+    recs = [{"kind": "rollback", "from_step": 5, "to_step": 4, "cause": "fallback",
+             "superseded": ["local node-0/5", "replica node-0@node-1/5", "replica node-1@node-0/5"]},
             {"kind": "run_end", "clean": True, "durable_step": None}]
     kw = dict(nodes=2, to_step=4, keep="a.0", saved=[(5, "b.0", ["local"])], cause="fallback",
               keep_local=2, keep_persistent=2)
@@ -269,7 +270,13 @@ def test_new_timeline_check_flags_unsuperseded_copies_and_a_lost_last_save(two_t
     shutil.rmtree(os.path.join(base, "nvme", "node-0", "local", "step-5"))
     _commit(os.path.join(base, "nvme", "node-0"), "local/step-5", node=0, step=5, save="b.0", order=(1, 0))
     after = checks.scan_disk(base)
-    assert checks.check_new_timeline(before, after, recs, **kw) == []
+    assert checks.check_new_timeline(before, after, recs, base=base, **kw) == []
+    # the record must name every copy superseded on disk, only abandoned ones, and nothing failed
+    for wrong in (["replica node-0@node-1/5"], ["replica node-0@node-1/5", "replica node-1@node-0/5", "local node-1/4"]):
+        bad = [{**recs[0], "superseded": wrong}, recs[1]]
+        assert any("the rollback record names" in v for v in checks.check_new_timeline(before, after, bad, base=base, **kw))
+    failed = [{**recs[0], "failed": ["replica node-0@node-1/5: OSError"]}, recs[1]]
+    assert any("the rollback record names" in v for v in checks.check_new_timeline(before, after, failed, **kw))
     # the durable step must be the run's newest persistent step, and exist
     bad_end = [recs[0], {"kind": "run_end", "durable_step": 4}]
     assert any("durable_step 4" in v for v in checks.check_new_timeline(before, after, bad_end, **kw))
@@ -299,3 +306,89 @@ def test_timeline_plans_leave_an_older_step_to_fall_back_or_roll_back_to():
             assert p.script[:3] == ["train", "corrupt-newest", "timeline"] and p.script[-1] == "restore", p
             assert all(a.startswith("wipe:") for a in p.script[3:-1]) and 0 <= p.fault["node"] < p.nodes, p
     assert set(seen) == set(fc.TIMELINE_POINTS) and min(seen.values()) >= 20, seen
+
+
+def test_per_rank_plans_draw_persistent_in_cluster_and_two_ranks_per_node():
+    """The per-rank-values point restores from every kind of source, with 1 and 2 ranks per node."""
+    seen = Counter()
+    for i in range(900):
+        p = fc.make_plan(0, i)
+        if p.point != "per-rank-values":
+            continue
+        seen[(p.rpn, p.restore_from)] += 1
+        assert p.rpn in (1, 2) and (p.rpn == 1 or p.nodes == 2) and p.world == p.nodes * p.rpn, p
+        for f in (p.fault, p.second):
+            v = str((f or {}).get("victim", ""))
+            assert not v.startswith("r") or int(v[1:]) < p.world, p
+        last = p.script[-1]
+        if p.restore_from == "in-cluster":
+            assert last == "restore:in-cluster" and "wipe-all" not in p.script, p
+        else:
+            assert last == "restore", p
+            assert (p.script[-2] == "wipe-all") == (p.restore_from == "persistent"), p
+        json.dumps(p.__dict__)
+    assert set(seen) == {(r, k) for r in (1, 2) for k in fc.PER_RANK_SOURCES}, seen
+    assert fc.make_plan(5, 23) == fc.make_plan(5, 23)
+
+
+def test_check_per_rank_files_two_ranks_per_node(tmp_path):
+    """A node-local copy of a two-rank node holds each of its ranks' values under the rank's
+    qualified key (the plain key: the node's lowest rank's); another node's values fail."""
+    from tierckpt.io.per_rank import qualified
+
+    base, step = str(tmp_path), 4
+
+    def flat(rank, prefix=""):
+        v = checks.per_rank_values(rank, step)
+        return {f"{prefix}per_rank.probe": v["probe"], f"{prefix}per_rank.rng": v["rng"],
+                f"{prefix}per_rank.counter": v["counter"], f"{prefix}per_rank.obj.rank": v["obj"]["rank"],
+                f"{prefix}per_rank.obj.step": v["obj"]["step"]}
+
+    def node_copy(ranks):
+        sd = flat(ranks[0])
+        for r in ranks:
+            sd.update({qualified(r, k): v for k, v in flat(r).items() if k != "per_rank.obj.step"})
+        return sd
+
+    _save_flat(os.path.join(base, "nvme", "node-1", "local", f"step-{step}"), node_copy([2, 3]))
+    _save_flat(os.path.join(base, "nvme", "node-0", "replicas", "node-1", f"step-{step}"), node_copy([0, 1]))
+    own = checks.Copy("node-1", 1, f"local/step-{step}", step, 1, True, True, nodes=2, world_size=4)
+    wrong = checks.Copy("node-0", 0, f"replicas/node-1/step-{step}", step, 1, True, True, nodes=2, world_size=4)
+    assert checks.check_per_rank_files([own], base) == []
+    bad = checks.check_per_rank_files([wrong], base)
+    assert bad and all("not all readable" in b or "rank 2" in b or "rank 3" in b for b in bad), bad
+
+
+def test_expected_save_and_retention_allowance_follow_save_order(tmp_path):
+    """A's 4 and 5, then B's 3 (a newer run after a rollback whose supersede of A's 5 did not
+    happen): B's lower step is the newest save, the expected restore; retention purging A's
+    abandoned 5 (an older save) is no loss once k newer saves are committed."""
+    base = str(tmp_path)
+    roots = [os.path.join(base, "nvme", f"node-{n}") for n in (0, 1)]
+    for n in (0, 1):
+        _commit(roots[n], "local/step-4", node=n, step=4, save="a.0", order=(0, 0))
+        _commit(roots[n], "local/step-5", node=n, step=5, save="a.1", order=(0, 1))
+        _commit(roots[n], "local/step-3", node=n, step=3, save="b.0", order=(1, 0))
+    copies = checks.scan_disk(base)
+    assert checks.expected_save(copies, 2) == (3, "b.0")
+    assert checks.expected_save(copies, 2, step=5) == (5, "a.1")
+    assert checks.expected_save(copies, 2, world=4) is None  # saved by a job of another shape
+    before = copies
+    for n in (0, 1):
+        shutil.rmtree(os.path.join(roots[n], "local", "step-5"))
+    after = checks.scan_disk(base)
+    assert checks.check_no_loss(before, after, keep_local=1, keep_persistent=1, allow_retention=True) == []
+    assert checks.check_no_loss(before, after, keep_local=2, keep_persistent=1, allow_retention=True)
+
+
+def test_the_record_names_its_commit_and_every_invariant():
+    import argparse
+
+    row = fc.TrialResult(0, 0, "per-rank-values", 2, "f", "-", "ok", "3", "3", [], 1.0)
+    text = fc.render([row], argparse.Namespace(trials=1, seed=0), 1.0, "abc123 (clean)")
+    assert text.splitlines()[0].startswith("# Fault campaign (issues 15 and 28"), text[:200]
+    assert "Run on commit `abc123 (clean)`." in text
+    assert "**every rank gets its own values**" in text and "__tierckpt_rank__/<rank>/per_rank.<k>" in text
+    assert "**one save**" in text and "persistent tier with every node-local root wiped" in text
+    rev = fc.source_revision()
+    assert rev.endswith("(clean)") or "dirty" in rev or rev.startswith("unknown"), rev

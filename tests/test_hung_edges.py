@@ -187,27 +187,46 @@ def test_exit_whose_run_end_write_hangs_leaves_within_exit_timeout(tmp_path):
 LOADER_CFG = {"collective_timeout_s": 20}
 
 
-def test_loader_death_on_one_rank_only_gives_up_the_save_within_the_bound(tmp_path):
+APIS = pytest.mark.parametrize("api", ["titan", "engine"], ids=["titan-manager", "engine-api"])
+
+
+@APIS
+def test_loader_death_on_one_rank_only_gives_up_the_save_within_the_bound(tmp_path, api):
     """Rank 0's DataLoader workers died on the notice; rank 1 fetched its batch and is inside a
     training collective. The save is collective, so rank 0 must not start it: the agreement
-    (a vote through the store) gets no vote from rank 1 within collective_timeout_s (20 s),
-    and rank 0 gives the save up (a warning) and re-raises; nothing is saved, and rank 1,
-    whose error is another, does not wait at all."""
-    res = run_world(sh.phase_loader_death, 2, str(tmp_path), LOADER_CFG, (0,), 2, timeout=300)
-    (saved0, took0, step0, steps0), (saved1, took1, step1, steps1) = res[0].value, res[1].value
+    (a vote through the store, ``agree_loader_death``: the engine API's recipe and torchtitan's
+    manager alike) gets no vote from rank 1 within collective_timeout_s (20 s), and rank 0
+    gives the save up (a warning) and re-raises; nothing is saved, rank 1's training collective
+    completes with the ranks' own values (nothing of a save paired with it), and rank 1, whose
+    error is another, does not wait at all."""
+    res = run_world(sh.phase_loader_death, 2, str(tmp_path), LOADER_CFG, (0,), 2, api, timeout=300)
+    (saved0, took0, step0, steps0, sum0), (saved1, took1, step1, steps1, sum1) = res[0].value, res[1].value
     assert not saved0 and not saved1, res
     assert step0 == 3 and step1 == 3, res  # the trainer's step untouched: nothing saved
     assert steps0 == [] and steps1 == [], res
+    assert sum0 == sum1 == 3.0, res  # 1 + 2: the training collective paired with itself only
     assert 20 - 1 <= took0 < 20 + 30, f"rank 0 decided in {took0:.1f} s"
     assert took1 < 10, f"rank 1 decided in {took1:.1f} s"
 
 
-def test_loader_death_on_every_rank_saves_the_last_finished_step(tmp_path):
+@APIS
+def test_loader_death_with_another_error_elsewhere_gives_up_the_save_at_once(tmp_path, api):
+    """Rank 0's fetch failed on the notice, rank 1 failed otherwise at the same time: rank 1's
+    vote ("no") comes at once, so rank 0 gives the save up without waiting for the bound."""
+    res = run_world(sh.phase_loader_death, 2, str(tmp_path), LOADER_CFG, (0,), 2, api, "error", timeout=300)
+    for r in res:
+        saved, took, step, steps, _ = r.value
+        assert not saved and step == 3 and steps == [], r.value
+        assert took < 10, f"rank {r.rank} decided in {took:.1f} s"
+
+
+@APIS
+def test_loader_death_on_every_rank_saves_the_last_finished_step(tmp_path, api):
     """Every rank's fetch failed on the notice at the same step: the agreement is immediate
     and every rank saves step 2 (the last finished one) to every tier."""
-    res = run_world(sh.phase_loader_death, 2, str(tmp_path), LOADER_CFG, (0, 1), 2, timeout=300)
+    res = run_world(sh.phase_loader_death, 2, str(tmp_path), LOADER_CFG, (0, 1), 2, api, timeout=300)
     for r in res:
-        saved, took, step, steps = r.value
+        saved, took, step, steps, _ = r.value
         assert saved and step == 2 and steps == [2], r.value
 
 

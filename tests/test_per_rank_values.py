@@ -9,6 +9,7 @@ bitwise; replicated values stay one copy; a stock ``dcp.load`` reads the persist
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -47,24 +48,44 @@ def _kinds(out):
     return {kind for o in out for kind, _ in o["sources"].values()}
 
 
+def _ledger(base):
+    with open(os.path.join(base, "pfs", "tierckpt-ledger.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _check_restored(base, out, sources, attempts=1):
+    """Every rank restored step K of one save from ``sources`` ({node: kind}) — the ranks' own
+    values were asserted bitwise in the rank function — and the ledger's last ``restore`` record
+    says the same: step K, that save, those per-node sources, no failure (``attempts`` rounds)."""
+    assert all(o["step"] == K for o in out), out
+    assert len({o["save_id"] for o in out}) == 1 and out[0]["save_id"] is not None, out
+    assert all({n: k for n, (k, _) in o["sources"].items()} == sources for o in out), out
+    rec = [r for r in _ledger(base) if r["kind"] == "restore"][-1]
+    assert rec["step"] == K and rec["save_id"] == out[0]["save_id"] and rec["attempts"] == attempts, rec
+    assert {int(n): v["source"] for n, v in rec["sources"].items()} == sources and not rec["failures"], rec
+    with open(os.path.join(base, "pfs", f"step-{K}", "tierckpt.manifest.json")) as f:
+        assert json.load(f)["save_id"] == rec["save_id"], rec  # the one save of step K (every tier)
+
+
 def test_own_local(saved, tmp_path):
     base, rpn = _copy(saved, tmp_path)
     out = _restore(base, 2 * rpn, rpn, 2 * rpn)
-    assert _kinds(out) == {"own-local"} and out[0]["step"] == K
+    _check_restored(base, out, {0: "own-local", 1: "own-local"})
 
 
 def test_peer_replica(saved, tmp_path):
     base, rpn = _copy(saved, tmp_path)
     shutil.rmtree(os.path.join(base, "nvme", "node-1", "local", f"step-{K}"))
     out = _restore(base, 2 * rpn, rpn, 2 * rpn)
-    assert _kinds(out) == {"own-local", "peer-replica"}, out
+    _check_restored(base, out, {0: "own-local", 1: "peer-replica"})
+    assert all(o["sources"][1] == ("peer-replica", 0) for o in out), out
 
 
 def test_persistent_only(saved, tmp_path):
     base, rpn = _copy(saved, tmp_path)
     shutil.rmtree(os.path.join(base, "nvme"))
     out = _restore(base, 2 * rpn, rpn, 2 * rpn)
-    assert _kinds(out) == {"persistent"}, out
+    _check_restored(base, out, {0: "persistent", 1: "persistent"})
 
 
 def test_in_cluster_after_world_size_change(saved, tmp_path):
@@ -72,8 +93,11 @@ def test_in_cluster_after_world_size_change(saved, tmp_path):
     base, rpn = _copy(saved, tmp_path)
     new_rpn = 2 if rpn == 1 else 1
     out = _restore(base, 2 * new_rpn, new_rpn, 2 * rpn)
-    assert _kinds(out) == {"in-cluster"}, out
+    _check_restored(base, out, {0: "in-cluster", 1: "in-cluster"})
     assert [o["probe"] for o in out[:min(2 * rpn, 2 * new_rpn)]] == [100.0 + r for r in range(min(2 * rpn, 2 * new_rpn))]
+    rec = [r for r in _ledger(base) if r["kind"] == "restore"][-1]
+    assert rec["resharded"] == {"from": {"nodes": 2, "world_size": 2 * rpn},
+                                "to": {"nodes": 2, "world_size": 2 * new_rpn}}, rec
 
 
 def test_in_cluster_refused_when_a_ranks_value_is_lost(saved, tmp_path):
@@ -82,8 +106,11 @@ def test_in_cluster_refused_when_a_ranks_value_is_lost(saved, tmp_path):
     base, rpn = _copy(saved, tmp_path)
     shutil.rmtree(os.path.join(base, "nvme", "node-1"))
     shutil.rmtree(os.path.join(base, "nvme", "node-0", "replicas", "node-1"))
-    out = _restore(base, 4, 1, 2 * rpn)
-    assert _kinds(out) == {"persistent"}, out
+    out = [r.value for r in run_world(sp.phase_restore, 4, base, 1, 2 * rpn)]
+    assert all(o["step"] == K and {k for k, _ in o["sources"].values()} == {"persistent"} for o in out), out
+    rec = [r for r in _ledger(base) if r["kind"] == "restore"][-1]
+    assert rec["step"] == K and rec["save_id"] == out[0]["save_id"], rec
+    assert {v["source"] for v in rec["sources"].values()} == {"persistent"} and len(rec["sources"]) == 4, rec
 
 
 def test_files_one_copy_of_replicated_values_and_stock_load(saved):

@@ -83,8 +83,10 @@ def phase_save_pull_restore(rank, world, base, local_root, setting, mask):
 
 @pytest.fixture
 def shm_dir():
+    """A fresh directory under /dev/shm (a RAM local root); only the cases that use it are
+    skipped where the machine has no /dev/shm (a container without it, macOS)."""
     if not os.path.isdir(SHM):
-        pytest.skip(f"{SHM} does not exist on this machine")
+        pytest.skip(f"{SHM} does not exist on this machine: the RAM-root (tmpfs) case needs it")
     d = tempfile.mkdtemp(prefix="tierckpt-test-perms-", dir=SHM)
     try:
         yield d
@@ -96,9 +98,11 @@ def shm_dir():
     ("disk", "private", 0o022),  # the usual umask: DCP and tierckpt would make 0755 / 0644
     ("shm", "group", 0o077),  # a RAM root; the group bits the umask would clear are granted
 ], ids=["disk-private-umask022", "shm-group-umask077"])
-def test_node_local_tree_has_exact_modes_after_save_replicate_pull(tmp_path, shm_dir, where, setting, mask):
+def test_node_local_tree_has_exact_modes_after_save_replicate_pull(tmp_path, request, where, setting, mask):
     base = str(tmp_path)
-    local_root = os.path.join(base if where == "disk" else shm_dir, "nvme", "node-{node}")
+    # only the RAM-root case needs /dev/shm: the disk case runs without it
+    top = base if where == "disk" else request.getfixturevalue("shm_dir")
+    local_root = os.path.join(top, "nvme", "node-{node}")
     res = run_world(phase_save_pull_restore, 2, base, local_root, setting, mask, timeout=300)
     assert res[0].value == {"step": 2, "source1": "peer-replica", "source0": "own-local"}, res[0].value
     want = perms.SETTINGS[setting]

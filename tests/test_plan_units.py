@@ -322,3 +322,152 @@ def test_plan_combines_copies_of_one_save_only_newest_save_first():
     # the older save's copy of node 0 is used only with the older save's copy of node 1
     c = choose(inv2, 2, {(1, "own-local", 1, 20), (0, "peer-replica", 1, 20)}, world_size=2, kinds=per_node)
     assert (c.step, c.save_id) == (10, "aaaaaaaaaaaa.0"), c
+
+
+# -- the newest save is the newest in agreed order, not the highest step (issue 28) -------------
+A0, A1, B0, B1 = "aaaaaaaaaaaa.0", "aaaaaaaaaaaa.1", "bbbbbbbbbbbb.0", "bbbbbbbbbbbb.1"
+
+
+def _timelines() -> Inventory:
+    """Timeline A saved 10 (A0) and 20 (A1); a rollback to 10 (run B, generation 1) saved 11 (B0);
+    node 1's copies of A's 20 were never superseded (its rename failed)."""
+    inv = Inventory()
+    for n in (0, 1):
+        for h in (0, 1):
+            rel = layout.local_step if h == n else (lambda s, n=n: layout.replica_step(n, s))
+            inv.add_copy(10, n, h, rel(10), A0, (0, 0), (2, 2))
+            inv.add_copy(11, n, h, rel(11), B0, (1, 0), (2, 2))
+    inv.add_copy(20, 1, 1, layout.local_step(20), A1, (0, 1), (2, 2))
+    inv.add_copy(20, 0, 1, layout.replica_step(0, 20), A1, (0, 1), (2, 2))
+    inv.add_persistent(10, A0, (0, 0))
+    inv.add_persistent(20, A1, (0, 1))
+    inv.add_persistent(11, B0, (1, 0))
+    return inv
+
+
+def test_restore_resumes_the_newest_save_not_the_highest_step():
+    from tierckpt.restore.plan import choose
+
+    inv = _timelines()
+    assert inv.saves_newest_first() == [(11, B0), (20, A1), (10, A0)]
+    assert inv.newest_save() == (11, B0) and inv.newest_persistent() == 11
+    c = choose(inv, 2, set(), world_size=2)
+    assert (c.step, c.save_id) == (11, B0) and {s.kind for s in c.sources.values()} == {"own-local"}, c
+    # the explicit step is unchanged: the abandoned 20 can still be named
+    c = choose(inv, 2, set(), step=20, world_size=2)
+    assert (c.step, c.save_id) == (20, A1), c
+    # legacy copies (no identity) keep ordering by step among themselves, before every identified save
+    legacy = Inventory(local={0: {5, 30}, 1: {5, 30}})
+    assert legacy.saves_newest_first() == [(30, None), (5, None)]
+    legacy.add_copy(7, 0, 0, "local/step-7-id", B0, (1, 0))
+    assert legacy.saves_newest_first()[0] == (7, B0)
+
+
+def test_a_rollback_passes_over_newer_saves_by_order_and_higher_steps():
+    from tierckpt.history.rollback import EXPLICIT, LEFTOVER, PendingRollback
+
+    inv = _timelines()
+    for n in (0, 1):  # node 0's step 20 of A was superseded (not listed): only node 1's are left
+        inv.dirs.setdefault(10, set()).update({(0, layout.local_step(10)), (1, layout.local_step(10))})
+        inv.dirs.setdefault(11, set()).update({(0, layout.local_step(11)), (1, layout.local_step(11))})
+    inv.dirs[20] = {(1, layout.local_step(20)), (1, layout.replica_step(0, 20))}
+    # a restart that resumed the newest save (B's 11) finds A's 20 left: leftovers, superseded
+    rb = PendingRollback(11, inv, B0, "cccccccccccc", 0, LEFTOVER)
+    assert rb.copies == {1: [(20, layout.local_step(20)), (20, layout.replica_step(0, 20))]} and rb.persistent == [20]
+    assert rb.from_step == 20
+    # an explicit rollback to A's 20 abandons B's 11 although its step number is lower
+    rb = PendingRollback(20, inv, A1, "cccccccccccc", 0, EXPLICIT)
+    assert sorted(rb.persistent) == [11] and rb.from_step == 11
+    assert rb.copies == {0: [(11, layout.local_step(11))], 1: [(11, layout.local_step(11))]}
+    # this run's own later saves are never passed over; older saves of lower steps are history
+    assert not rb.passed_over(21, "cccccccccccc.0", (2, 0)) and not rb.passed_over(10, A0, (0, 0))
+
+
+def _commit_saved(store, rel, step, sid, order):
+    store.makedirs(rel)
+    with store.open(f"{rel}/__0_0.distcp", "wb") as f:
+        f.write(b"x%d" % step)
+    manifest.commit(store, rel, [manifest.FileEntry("__0_0.distcp", *_h(store, f"{rel}/__0_0.distcp"))],
+                    tier="persistent", step=step, save_id=sid, save_order=list(order))
+
+
+def test_retention_keeps_the_newest_saves_not_the_highest_steps(tmp_path):
+    """keep 1 after a rollback to 10 whose supersede of 20 failed: the new timeline's 11 is kept,
+    the abandoned 20 (an older save) goes; legacy steps are older than every identified save."""
+    store = Store(str(tmp_path))
+    store.makedirs("")
+    _commit_saved(store, "step-5", 5, None, (-1, -1))
+    _commit_saved(store, "step-10", 10, A0, (0, 0))
+    _commit_saved(store, "step-20", 20, A1, (0, 1))
+    _commit_saved(store, "step-11", 11, B0, (1, 0))
+    for s in (5, 10, 11, 20):
+        store.write_atomic(f"step-{s}/{layout.INPROGRESS}", b"")
+    assert sorted(purge_persistent(store, 2, InUse())) == [5, 10]
+    assert manifest.read_committed(store, "step-11") is not None and manifest.read_committed(store, "step-20")
+    assert purge_persistent(store, 1, InUse()) == [20]
+    assert manifest.read_committed(store, "step-11") is not None
+
+
+def test_durable_step_is_the_last_commit_still_there(tmp_path):
+    from tierckpt.tiers.persistent import PersistentTier
+
+    store = Store(str(tmp_path))
+    store.makedirs("")
+    _commit_saved(store, "step-20", 20, A1, (0, 1))
+    _commit_saved(store, "step-15", 15, A1 + "x", (0, 3))
+    tier = PersistentTier.__new__(PersistentTier)
+    tier.store = store
+    # this run committed 20, then (after an in-process rollback) 15: 15 is its newest save
+    assert tier.newest_still_committed([20, 15]) == 15
+    manifest.supersede(store, "step-15")
+    assert tier.newest_still_committed([20, 15]) == 20
+    assert tier.newest_save_step() == 20
+
+
+def test_rollback_tracker_records_what_was_superseded_and_retries_what_failed(tmp_path, monkeypatch):
+    """One process (no exchange): the record lists the copies actually renamed and the failed one
+    with its error; the next commit retries it (a ``retry`` record); a copy replaced by this run's
+    own save of the step is neither superseded nor failed."""
+    from types import SimpleNamespace
+
+    from tierckpt.history import rollback as rbm
+
+    local, pfs = Store(str(tmp_path / "n0")), Store(str(tmp_path / "pfs"))
+    _commit_saved(local, "local/step-20", 20, A1, (0, 1))
+    _commit_saved(local, "local/step-30", 30, "cccccccccccc.0", (2, 0))  # this run's own save of step 30
+    _commit_saved(local, "replicas/node-1/step-20", 20, A1, (0, 1))
+    _commit_saved(pfs, "step-20", 20, A1, (0, 1))
+    inv = Inventory()
+    inv.dirs = {20: {(0, "local/step-20"), (0, "replicas/node-1/step-20")}, 30: {(0, "local/step-30")}}
+    inv.saves = {20: {A1: {0: {0: "local/step-20"}, 1: {0: "replicas/node-1/step-20"}}},
+                 30: {"aaaaaaaaaaaa.2": {0: {0: "local/step-30"}}}}
+    inv.orders = {A1: (0, 1), "aaaaaaaaaaaa.2": (0, 2)}
+    inv.add_persistent(20, A1, (0, 1))
+    records = []
+    journal = SimpleNamespace(rollback=lambda rb, tier, step, **kw: records.append((tier, step, kw)))
+    tracker = rbm.RollbackTracker(journal, 0, local, pfs, ("local", "persistent"))
+    real = manifest.supersede
+    fails = {"replicas/node-1/step-20": 1}
+
+    def flaky(store, rel, strict=False):
+        if fails.get(rel):
+            fails[rel] -= 1
+            raise OSError(5, "injected", rel)
+        return real(store, rel, strict)
+
+    monkeypatch.setattr(manifest, "supersede", flaky)
+    tracker.arm(10, inv, A0, "cccccccccccc", 0, rbm.EXPLICIT)
+    assert tracker.wants("local") and tracker.wants("persistent")
+    tracker.finish("local", 11)
+    assert records[0][:2] == ("local", 11)
+    assert records[0][2]["superseded"] == ["local node-0/20", "persistent/20"] and not records[0][2]["retry"]
+    assert [f.split(":", 1)[0] for f in records[0][2]["failed"]] == ["replica node-1@node-0/20"]
+    assert manifest.read_committed(local, "local/step-30") is not None  # replaced by this run: left alone
+    assert tracker.wants("local")  # a copy failed: this tier retries at its next commit
+    tracker.finish("local", 12)
+    assert records[1][2] == {"superseded": ["replica node-1@node-0/20"], "failed": [], "retry": True}
+    assert not tracker.wants("local") and tracker.wants("persistent")
+    tracker.finish("persistent", 12)  # its first exchange: nothing new, no record; then done
+    assert len(records) == 2 and not tracker.armed
+    for store, rel in ((local, "local/step-20"), (local, "replicas/node-1/step-20"), (pfs, "step-20")):
+        assert manifest.read_committed(store, rel) is None and manifest.superseded(store, rel), rel

@@ -169,29 +169,137 @@ _CHILD = """
 """
 
 
-@pytest.mark.parametrize("parent_usr1", ["default", "ignore", "handle"])
-def test_startup_warning_when_the_launcher_dies_on_a_watched_signal(parent_usr1):
+def _child_of(parent_usr1: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run :data:`_CHILD` under a parent that leaves SIGUSR1 at its default (dies on it),
+    ignores it or handles it, with ``env`` (the launcher's variables) added to the child's."""
     parent = f"""
-        import signal, subprocess, sys
+        import os, signal, subprocess, sys
         if {parent_usr1!r} == "ignore":
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         elif {parent_usr1!r} == "handle":
             signal.signal(signal.SIGUSR1, lambda *a: None)
         signal.signal(signal.SIGTERM, lambda *a: None)
-        sys.exit(subprocess.call([sys.executable, "-c", {textwrap.dedent(_CHILD)!r}]))
+        env = {{k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
+                                                                "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                                                                "PMIX_RANK", "LOCAL_RANK")}}
+        sys.exit(subprocess.call([sys.executable, "-c", {textwrap.dedent(_CHILD)!r}], env={{**env, **{env!r}}}))
     """
     r = _run_script(parent)
     assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.mark.parametrize("parent_usr1", ["default", "ignore", "handle"])
+def test_startup_warning_when_the_launcher_dies_on_a_watched_signal(parent_usr1):
+    r = _child_of(parent_usr1, {"SLURM_JOB_ID": "77"})  # under a launcher (here: a Slurm job's script)
     if parent_usr1 == "default":
         assert "bad: SIGUSR1" in r.stdout, r.stdout
         assert "dies on SIGUSR1" in r.stderr and "python -m tierckpt.launch" in r.stderr, r.stderr
-        assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in r.stderr, r.stderr
+        assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 90" in r.stderr, r.stderr
     else:
         assert "bad: \n" in r.stdout and "dies on" not in r.stderr, (r.stdout, r.stderr)
 
 
+@pytest.mark.parametrize("env", [{}, {"WORLD_SIZE": "1"}], ids=["no-launcher-env", "world-size-1"])
+def test_no_startup_warning_for_a_single_process_without_a_launcher(env):
+    """A single rank started from an interactive shell (its parent, like bash, dies on SIGUSR1)
+    has no launcher that a notice could kill and orphan it from: no warning."""
+    r = _child_of("default", env)
+    assert "bad: \n" in r.stdout and "dies on" not in r.stderr and "SIGKILLs" not in r.stderr, (r.stdout, r.stderr)
+
+
+def test_under_launcher_reads_the_launchers_environment():
+    from tierckpt.preemption import under_launcher
+
+    assert not under_launcher({}) and not under_launcher({"WORLD_SIZE": "1", "RANK": "0"})
+    for env in ({"WORLD_SIZE": "2"}, {"TORCHELASTIC_RUN_ID": "x"}, {"SLURM_JOB_ID": "1"}, {"OMPI_COMM_WORLD_SIZE": "4"},
+                {"PMI_SIZE": "2"}):
+        assert under_launcher(env), env
+
+
+@pytest.fixture
+def fake_launcher():
+    """Start a sleeping process whose command line is the given one (what the start-up check
+    reads from /proc as the rank's parent); yields the starter, stops them afterwards."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*argv: str) -> int:
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv])
+        procs.append(p)
+        deadline = time.time() + 10
+        while time.time() < deadline:  # until /proc shows the final command line (after exec)
+            try:
+                if argv[0] in open(f"/proc/{p.pid}/cmdline").read():
+                    return p.pid
+            except OSError:
+                pass
+            time.sleep(0.02)
+        raise AssertionError("the fake launcher did not start")
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+TORCHRUN_ENV = {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2"}
+
+
+@pytest.mark.parametrize("argv,env,want", [
+    (("torch.distributed.run", "--nproc-per-node", "2", "train.py", "--shutdown-timeout", "500"), {},
+     (30, "torchrun's default")),  # an option of the training script is not torchrun's
+    (("torch.distributed.run", "--shutdown-timeout", "20", "train.py"), {}, (20, "--shutdown-timeout")),
+    (("torch.distributed.run", "--shutdown_timeout=120", "-m", "pkg.train"), {}, (120, "--shutdown-timeout")),
+    (("torch.distributed.run", "train.py"), {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60"},
+     (60, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")),
+    (("torch.distributed.run", "train.py"), {"PET_SHUTDOWN_TIMEOUT": "45", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60"},
+     (45, "PET_SHUTDOWN_TIMEOUT")),
+    # a TIERCKPT_SHUTDOWN_TIMEOUT the user set for plain torchrun does nothing there: not believed
+    (("torch.distributed.run", "train.py"), {"TIERCKPT_SHUTDOWN_TIMEOUT": "90"}, (30, "torchrun's default")),
+    # python -m tierckpt.launch: the value it passed to torchrun, which it exports
+    (("tierckpt.launch", "--nproc-per-node", "2", "train.py"), {"TIERCKPT_SHUTDOWN_TIMEOUT": "90"},
+     (90, "TIERCKPT_SHUTDOWN_TIMEOUT from the launcher")),
+])
+def test_launcher_shutdown_timeout_as_torchrun_decides_it(fake_launcher, argv, env, want):
+    from tierckpt.preemption import launcher_shutdown_timeout
+
+    pid = fake_launcher(*argv)
+    assert launcher_shutdown_timeout({**TORCHRUN_ENV, **env}, pid) == want
+    assert launcher_shutdown_timeout({"WORLD_SIZE": "2", **env}, pid) is None  # not a torchrun worker
+
+
+@pytest.mark.parametrize("timeout,grace,warns", [(30, 25.0, True), (40, 25.0, True), (41, 25.0, False),
+                                                  (90, 25.0, False), (90, 80.0, True)])
+def test_startup_warning_when_torchrun_would_sigkill_a_preemption_save(fake_launcher, caplog, timeout, grace, warns):
+    """torchrun SIGKILLs its ranks ``--shutdown-timeout`` seconds after forwarding a notice
+    (30 s by default): not above preemption_grace_s + 15 s, the final save may be killed."""
+    import logging
+
+    from tierckpt.preemption import warn_if_shutdown_too_short
+
+    pid = fake_launcher("torch.distributed.run", f"--shutdown-timeout={timeout}", "train.py")
+    with caplog.at_level(logging.WARNING, logger="tierckpt.preemption"):
+        got = warn_if_shutdown_too_short(grace, TORCHRUN_ENV, pid)
+    text = caplog.text
+    if warns:
+        assert got == (timeout, "--shutdown-timeout"), got
+        assert f"SIGKILLs the ranks {timeout}s after it forwards a preemption notice" in text, text
+        assert f"preemption_grace_s = {grace:g}s + 15s" in text and "python -m tierckpt.launch" in text, text
+        assert f"torchrun --shutdown-timeout {max(90, int(grace) + 15 + 30)}" in text, text
+    else:
+        assert got is None and "SIGKILLs" not in text, text
+
+
 def test_tierckpt_launch_adds_the_watched_signals_to_torchrun():
     from tierckpt.launch import torchrun_args
+    from tierckpt.preemption import torchrun_shutdown_timeout
+
+    # what tierckpt.launch exports to its ranks as TIERCKPT_SHUTDOWN_TIMEOUT: torchrun's value
+    assert torchrun_shutdown_timeout(torchrun_args(["t.py"], env={}), env={}) == (90, "--shutdown-timeout")
+    assert torchrun_shutdown_timeout(torchrun_args(["--shutdown-timeout=20", "t.py"], env={}), env={})[0] == 20
+    elastic = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "70"}
+    assert torchrun_shutdown_timeout(torchrun_args(["t.py"], env=elastic), env=elastic) == (
+        70, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
     args = torchrun_args(["--nproc-per-node", "2", "train.py"], env={})
     assert args[:4] == ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout", "90"]
@@ -208,10 +316,10 @@ def test_tierckpt_launch_adds_the_watched_signals_to_torchrun():
 
 
 # ------------------------------------------------------------------- engine API, launchers
-def _wait_progress(base: str, proc: subprocess.Popen, step: int, timeout: float = 240) -> None:
-    """Until rank 0 finished ``step`` steps (the first local save at step 4 included)."""
+def _wait_progress(base: str, proc: subprocess.Popen, step: int, timeout: float = 240, rank: int = 0) -> None:
+    """Until ``rank`` finished ``step`` steps (the first local save at step 4 included)."""
     deadline = time.time() + timeout
-    path = os.path.join(base, "progress-0")
+    path = os.path.join(base, f"progress-{rank}")
     while time.time() < deadline and proc.poll() is None:
         try:
             if int(open(path).read() or 0) >= step:
@@ -219,7 +327,7 @@ def _wait_progress(base: str, proc: subprocess.Popen, step: int, timeout: float 
         except (OSError, ValueError):
             pass
         time.sleep(0.1)
-    raise AssertionError(f"rank 0 did not reach step {step} (exit {proc.poll()})")
+    raise AssertionError(f"rank {rank} did not reach step {step} (exit {proc.poll()})")
 
 
 def _torchrun(launcher: str, base: str, steps: int, *extra: str) -> list[str]:
@@ -278,15 +386,62 @@ def reference(tmp_path_factory) -> str:
 def test_sigterm_to_torchrun_with_loader_workers_saves_and_resumes_bitwise(tmp_path, reference, protect):
     """Plain torchrun forwards SIGTERM to each rank's process group, loader workers included:
     the ranks still save at the agreed step and exit 75 (torchrun itself exits 1, and the
-    start-up check warned that it dies on SIGUSR1); the requeue resumes there bitwise."""
+    start-up check warned that it dies on SIGUSR1); the requeue resumes there bitwise.
+
+    The notice lands in the middle of a step (the trainer sleeps there), so both cases take
+    the end-of-step path: protected workers survive it; unprotected ones die, and their death
+    is deferred ("not raised here") instead of raised mid-step, so the step still ends and its
+    check saves. The other path, a fetch that fails because the notice killed the workers
+    while the rank waited for its batch, is the next test."""
     base = str(tmp_path)
     rc, out = _interrupted(_torchrun("torch.distributed.run", base, 14, *([] if protect else ["--no-protect"])),
                            base, signal.SIGTERM, "attempt1.log")
     assert rc != 0, out[-3000:]
     assert out.count("exiting with status 75") == 2, out[-4000:]
     assert "is killed by signal" not in out or not protect, out[-4000:]
+    # which path ran: the end-of-step check on both ranks, never the fetch failure; the
+    # deferral of the workers' death exactly when they died (unprotected)
+    assert out.count("loader_trainer: preemption save at the end of step") == 2, out[-4000:]
+    assert "failed on the notice: preemption save" not in out, out[-4000:]
+    assert ("not raised here; the step goes on to its preemption save" in out) is (not protect), out[-4000:]
     assert "dies on SIGUSR1" in out, out[-4000:]  # plain torchrun does: the start-up warning says so
+    # and it SIGKILLs the ranks 30 s after forwarding the notice, within a 60 s grace period
+    assert "SIGKILLs the ranks 30s after it forwards a preemption notice (torchrun's default)" in out, out[-4000:]
     _check_preempted_and_resume(base, reference, "SIGTERM")
+
+
+def test_notice_while_the_ranks_wait_for_a_batch_takes_the_agreed_fetch_failure_path(tmp_path, reference):
+    """A real run of the fetch-failure path: the rows of step 7 are slow to load, so once both
+    ranks finished step 6 they wait in ``next()`` for that batch; SIGTERM to plain torchrun
+    then kills the unprotected loader workers while no step runs. The death is deferred (the
+    notice came first), the fetch fails ("exited unexpectedly"), every rank votes through the
+    store (``agree_loader_death``), and every rank saves step 6 — the last finished one —
+    exits 75, and the requeue resumes there bitwise. Deterministic: the end-of-step check of
+    step 6 ran before the notice, and step 7's batch cannot arrive before it."""
+    base = str(tmp_path)
+    os.makedirs(base, exist_ok=True)
+    log = os.path.join(base, "attempt1.log")
+    cmd = _torchrun("torch.distributed.run", base, 14, "--no-protect", "--slow-step", "7", "--slow-s", "120")
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for rank in (0, 1):
+            _wait_progress(base, p, 6, rank=rank)
+        time.sleep(0.5)  # both in next(), waiting for step 7's batch
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=180)
+    finally:
+        if p.poll() is None:  # pragma: no cover - a hang: the test fails below
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    out = open(log).read()
+    assert rc != 0, out[-3000:]
+    assert out.count("loader_trainer: fetch of step 7 failed on the notice: preemption save of step 6") == 2, \
+        out[-4000:]
+    assert "preemption save at the end of step" not in out, out[-4000:]
+    assert "exited unexpectedly" in out or "is killed by signal" in out, out[-4000:]
+    assert out.count("exiting with status 75") == 2, out[-4000:]
+    assert _check_preempted_and_resume(base, reference, "SIGTERM") == 6
 
 
 def test_sigusr1_to_tierckpt_launch_exits_75_and_resumes_bitwise(tmp_path, reference):
@@ -296,7 +451,7 @@ def test_sigusr1_to_tierckpt_launch_exits_75_and_resumes_bitwise(tmp_path, refer
     rc, out = _interrupted(_torchrun("tierckpt.launch", base, 14), base, signal.SIGUSR1, "attempt1.log")
     assert rc == 75, (rc, out[-4000:])
     assert "every rank of this node saved on a preemption notice" in out, out[-3000:]
-    assert "dies on SIGUSR1" not in out, out[-3000:]
+    assert "dies on SIGUSR1" not in out and "SIGKILLs the ranks" not in out, out[-3000:]
     _check_preempted_and_resume(base, reference, "SIGUSR1")
 
 

@@ -56,8 +56,8 @@ def _cfg_kw(shm_dir: str, **kw) -> dict:
 def test_process_restart_restores_own_local_from_ram(shm, tmp_path):
     base = str(tmp_path)
     first = run_world(scenarios.phase_train_and_save, 2, base, 1, K, EXTRA, _cfg_kw(shm))
-    local = [h for h in first[0].value["history"] if h.get("tier") == "local"]
-    assert [(h["step"], h["ok"]) for h in local] == [(K, True)], local
+    local = [h for h in first[0].value["history"] if h.tier == "local"]
+    assert [(h.step, h.ok) for h in local] == [(K, True)], local
     for n, peer in ((0, 1), (1, 0)):
         assert os.path.exists(os.path.join(shm, f"node-{n}", "local", f"step-{K}", "tierckpt.committed"))
         assert os.path.exists(os.path.join(shm, f"node-{n}", "replicas", f"node-{peer}", f"step-{K}",

@@ -65,3 +65,18 @@ def test_every_docs_page_is_reachable_from_the_readme():
     linked = {os.path.normpath(os.path.join(REPO, t.partition("#")[0])) for t in _links(README)}
     for page in glob.glob(os.path.join(REPO, "docs", "*.md")):
         assert page in linked, f"{os.path.relpath(page, REPO)} is not linked from README.md"
+
+
+def test_readme_states_the_host_memory_of_replication():
+    """The README says what replication and a restore cost in host memory (issue 29 case E.7),
+    with the numbers the code uses: the receive buffers per transfer and the default chunk."""
+    from tierckpt.config import TierConfig
+    from tierckpt.transport.receive import RECV_BUFFERS
+
+    with open(README) as f:
+        text = " ".join(f.read().split())
+    chunk_mib = TierConfig.__dataclass_fields__["transfer_chunk_bytes"].default >> 20
+    assert f"holds {RECV_BUFFERS} × `transfer_chunk_bytes`" in text, "README: receive buffers per transfer"
+    assert f"({RECV_BUFFERS * chunk_mib} MiB at the {chunk_mib} MiB default)" in text
+    assert "released when each batch of transfers ends" in text
+    assert "a restore stays within `restore_memory_bytes`" in text

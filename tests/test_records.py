@@ -227,8 +227,8 @@ def test_journal_writes_the_engine_events(tmp_path):
     bad = NodeOutcome(node=1, step=3, source=Source("peer-replica", 0), ok=False, error="bad")
     j.restore(RestoreResult(step=3, sources={0: out}, attempts=2, failures=[bad], seconds=1.0, persistent_bytes_read=0))
     j.schedule(DECISION, "restart", 3)
-    j.rollback(SimpleNamespace(from_step=6, to_step=3, planned=lambda: ["persistent/6"], cause="rollback", keep=None),
-               "local", 4)
+    j.rollback(SimpleNamespace(from_step=6, to_step=3, cause="rollback", keep=None), "local", 4,
+               superseded=["persistent/6"])
     j.preemption(4, "SIGTERM", {"local": True}, 1.0, [])
     red = j.redundancy(3, ok=True, nodes={0}, missing=(), seconds=0.4, nbytes=1 << 20)
     j.run_end(clean=False, reason="", durable_step=None, stuck_tiers=[], failures=[rec], strict=True)

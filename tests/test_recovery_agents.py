@@ -408,12 +408,12 @@ def test_child_main_usage(capsys):
 # -- 4. agents and the pool, end to end ---------------------------------------------------------
 RANK = r"""
 import sys
-PRELOADED = {m: m in sys.modules for m in ("json", "tierckpt_t_threader")}
+PRELOADED = {m: m in sys.modules for m in ("json", "tierckpt_t_marker", "tierckpt_t_threader")}
 import json, os, signal, subprocess, time
 from tierckpt.preemption import mark_preempted
 from tierckpt.recovery import beacon
 out_dir, actions = sys.argv[1], sys.argv[2].split(",")
-lr = int(os.environ["LOCAL_RANK"])
+lr, rank = int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"])
 act = actions[lr]
 info = {"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "argv": sys.argv, "name": __name__,
         "preloaded": PRELOADED, "env": dict(os.environ), "sigint": str(signal.getsignal(signal.SIGINT)),
@@ -429,17 +429,17 @@ while True:
     time.sleep(0.05)
 '''
 if act in ("term", "hold"):
-    info["child"] = subprocess.Popen([sys.executable, "-c", CHILD, out_dir, str(lr)]).pid
-    while not os.path.exists(os.path.join(out_dir, f"child-ready-{lr}")):
+    info["child"] = subprocess.Popen([sys.executable, "-c", CHILD, out_dir, str(rank)]).pid
+    while not os.path.exists(os.path.join(out_dir, f"child-ready-{rank}")):
         time.sleep(0.01)
 if act == "term":
     def on_term(s, f):
         sys.exit(PREEMPTED)
     PREEMPTED = 75
     signal.signal(signal.SIGTERM, on_term)
-with open(os.path.join(out_dir, f"info-{lr}.json.tmp"), "w") as f:
+with open(os.path.join(out_dir, f"info-{rank}.json.tmp"), "w") as f:
     json.dump(info, f)
-os.replace(os.path.join(out_dir, f"info-{lr}.json.tmp"), os.path.join(out_dir, f"info-{lr}.json"))
+os.replace(os.path.join(out_dir, f"info-{rank}.json.tmp"), os.path.join(out_dir, f"info-{rank}.json"))
 if act == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
 elif act == "mark":
@@ -482,33 +482,25 @@ class Agents:
                 raise AssertionError(f"timed out waiting for {what or cond}{logs}")
             self.pool.poll(0.02)
 
-    def attempt(self, index: int, slots: list[int], actions: list[list[str]], *, recovery=None,
-                wait_info: bool = True) -> tuple[AgentAttempt, list[Path]]:
-        """Start attempt ``index``; actions[node][local rank]. Returns it and each node's out dir."""
-        nproc = len(actions[0])
-        a = AgentAttempt(self.pool, index, slots, nproc)
-        outs = []
-        for node in range(len(slots)):
-            d = self.tmp / f"a{index}-n{node}"
-            d.mkdir()
-            outs.append(d)
-        # one argv for every node: the node's folder comes from GROUP_RANK in the script? no: one
-        # folder per node via a per-node argv is not possible with AgentAttempt.start (one argv),
-        # so every node's ranks write to a folder named after the attempt, keyed by RANK.
-        shared = self.tmp / f"a{index}"
-        shared.mkdir()
-        argv = [self.script, str(shared), ",".join(actions[0])]
-        assert all(x == actions[0] for x in actions), "one argv per attempt: same actions on every node"
+    def attempt(self, index: int, slots: list[int], actions: list[str], *,
+                recovery=None) -> tuple[AgentAttempt, Path]:
+        """Start attempt ``index`` on ``slots`` (node id -> slot); ``actions[local rank]`` (the same
+        on every node: one argv per attempt). Returns it and the folder its ranks write
+        ``info-<RANK>.json`` to."""
+        a = AgentAttempt(self.pool, index, slots, len(actions))
+        out = self.tmp / f"a{index}"
+        out.mkdir()
+        argv = [self.script, str(out), ",".join(actions)]
         logs = [str(self.tmp / f"a{index}-n{n}.log") for n in range(len(slots))]
         assert a.start(argv, self.env, master_addr="127.0.0.1", master_port=29500, logs=logs, cwd=str(self.tmp),
                        recovery=recovery) == []
         self.until(a.started, what=f"attempt {index} started")
         for s in slots:
             self.pids += self.pool.handles[s].pids
-        return a, [shared]
+        return a, out
 
-    def info(self, folder: Path, lr: int, timeout: float = 20.0) -> dict:
-        p = folder / f"info-{lr}.json"
+    def info(self, folder: Path, rank: int, timeout: float = 20.0) -> dict:
+        p = folder / f"info-{rank}.json"
         self.until(p.exists, timeout, what=str(p))
         got = json.loads(p.read_text())
         self.pids.append(got["pid"])
@@ -560,7 +552,7 @@ def test_agent_attempts_in_a_row_statuses(agents):
     ]
     agent_pid = h.proc.pid
     for i, (actions, statuses, preempted, status) in enumerate(cases, start=1):
-        a, (out,) = agents.attempt(i, [0], [actions])
+        a, out = agents.attempt(i, [0], actions)
         ended = _ended(agents, a)
         assert ended["attempt"] == i and ended["statuses"] == statuses, (actions, ended)
         assert ended["preempted"] is preempted, (actions, ended)
@@ -581,13 +573,13 @@ def test_agent_attempts_in_a_row_statuses(agents):
 
 
 def test_rank_is_forked_warm(agents, tmp_path):
-    (tmp_path / "tierckpt_t_threader.py").write_text("X = 1\n")  # preloaded: harmless here
-    h = agents.launch(0, preload=["json", "tierckpt_t_threader"])
+    (tmp_path / "tierckpt_t_marker.py").write_text("X = 1\n")
+    h = agents.launch(0, preload=["json", "tierckpt_t_marker"])
     t0 = time.time()
-    a, (out,) = agents.attempt(1, [0], [["0"]], recovery={"cause": "test", "failed_nodes": [1]})
+    a, out = agents.attempt(1, [0], ["0"], recovery={"cause": "test", "failed_nodes": [1]})
     _ended(agents, a)
     got = agents.info(out, 0)
-    assert got["preloaded"] == {"json": True, "tierckpt_t_threader": True}  # imported once, in the agent
+    assert got["preloaded"] == {"json": True, "tierckpt_t_marker": True, "tierckpt_t_threader": False}
     assert got["name"] == "__main__" and got["argv"][0] == agents.script
     assert got["cmdline"][1:3] == ["-m", "tierckpt.recovery.agent"]  # no exec: the agent's image
     assert got["ppid"] == h.proc.pid
@@ -600,16 +592,16 @@ def test_rank_is_forked_warm(agents, tmp_path):
 
 
 def test_rank_is_cold_with_cold_agent(agents, tmp_path):
-    (tmp_path / "tierckpt_t_threader.py").write_text("X = 1\n")
-    h = agents.launch(0, preload=["json", "tierckpt_t_threader"], cold=True)
+    (tmp_path / "tierckpt_t_marker.py").write_text("X = 1\n")
+    h = agents.launch(0, preload=["json", "tierckpt_t_marker"], cold=True)
     assert h.ready["modules"] == []  # a cold agent imports nothing
     t0 = time.time()
-    a, (out,) = agents.attempt(1, [0], [["0", "3"]])
+    a, out = agents.attempt(1, [0], ["0", "3"])
     assert _ended(agents, a)["statuses"] == [0, 3]
     assert h.warm is False and a.warm() is False
     for lr in (0, 1):
         got = agents.info(out, lr)
-        assert got["preloaded"] == {"json": False, "tierckpt_t_threader": False}  # a new interpreter
+        assert got["preloaded"] == {"json": False, "tierckpt_t_marker": False, "tierckpt_t_threader": False}
         assert got["cmdline"][1:3] == ["-m", "tierckpt.recovery.child"]
         assert got["ppid"] == h.proc.pid and got["pgid"] == got["pid"]
         assert t0 <= float(got["env"][warm.PROCESS_STARTED_ENV]) <= got["t"]
@@ -621,7 +613,7 @@ def test_rank_is_cold_with_cold_agent(agents, tmp_path):
                                        "(Agent.install_signals; exec keeps ignored signals), a warm one does not")
 def test_cold_rank_sigint_like_a_new_interpreter(agents):
     agents.launch(0, cold=True)
-    a, (out,) = agents.attempt(1, [0], [["0"]])
+    a, out = agents.attempt(1, [0], ["0"])
     _ended(agents, a)
     assert agents.info(out, 0)["sigint"] == str(signal.default_int_handler)
 
@@ -635,7 +627,7 @@ def test_fork_falls_back_to_cold(agents, tmp_path, caplog):
         assert h.ready["modules"] == ["json", "tierckpt_t_threader"]
         assert list(h.ready["failed"]) == ["tierckpt_t_missing_mod"]
         assert any("tierckpt-t-stray" in p for p in h.ready["problems"])
-        a, (out,) = agents.attempt(1, [0], [["0", "0"]])
+        a, out = agents.attempt(1, [0], ["0", "0"])
         assert _ended(agents, a)["statuses"] == [0, 0]
     assert h.warm is False and a.warm() is False
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -644,13 +636,13 @@ def test_fork_falls_back_to_cold(agents, tmp_path, caplog):
     for lr in (0, 1):
         got = agents.info(out, lr)
         assert got["cmdline"][1:3] == ["-m", "tierckpt.recovery.child"]
-        assert got["preloaded"] == {"json": False, "tierckpt_t_threader": False}
+        assert got["preloaded"] == {"json": False, "tierckpt_t_marker": False, "tierckpt_t_threader": False}
     assert a.status(0) == NodeStatus(0)
 
 
 def test_signal_reaches_the_rank_group(agents):
     agents.launch(0)
-    a, (out,) = agents.attempt(1, [0], [["term"]])
+    a, out = agents.attempt(1, [0], ["term"])
     got = agents.info(out, 0)
     assert a.status(0) == NodeStatus(None) and a.workers(0) == [got["pid"]]
     assert agents.pool.signal(0, 1, signal.SIGTERM) is True
@@ -663,7 +655,7 @@ def test_signal_reaches_the_rank_group(agents):
 
 def test_kill_ranks_and_their_children(agents):
     h = agents.launch(0)
-    a, (out,) = agents.attempt(1, [0], [["hold", "hold"]])
+    a, out = agents.attempt(1, [0], ["hold", "hold"])
     infos = [agents.info(out, lr) for lr in (0, 1)]
     assert sorted(a.workers(0)) == sorted(i["pid"] for i in infos)
     assert all(_alive(i["child"]) for i in infos)
@@ -677,13 +669,13 @@ def test_kill_ranks_and_their_children(agents):
     assert _wait_gone([p for i in infos for p in (i["pid"], i["child"])]) == []
     assert not (out / "child-term-0").exists()  # SIGKILL, no grace
     assert h.proc.poll() is None  # the agent stays, warm, for the next attempt
-    a2, (out2,) = agents.attempt(2, [0], [["0"]])
+    a2, out2 = agents.attempt(2, [0], ["0"])
     assert _ended(agents, a2)["statuses"] == [0]
 
 
 def test_frozen_rank_found_by_hangwatch(agents):
     agents.launch(0)
-    a, (out,) = agents.attempt(1, [0], [["hold", "hold"]])
+    a, out = agents.attempt(1, [0], ["hold", "hold"])
     a.watch = HangWatch(2, 0)
     infos = [agents.info(out, lr) for lr in (0, 1)]
     h = agents.pool.handles[0]
@@ -703,7 +695,7 @@ def test_frozen_rank_found_by_hangwatch(agents):
 @pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
 def test_agent_sigkill_takes_its_ranks(agents, cold):
     h = agents.launch(0, cold=cold)
-    a, (out,) = agents.attempt(1, [0], [["hold"]])
+    a, out = agents.attempt(1, [0], ["hold"])
     got = agents.info(out, 0)
     os.kill(h.proc.pid, signal.SIGKILL)
     agents.until(lambda: h.dead, what="the agent's handle dead")
@@ -717,7 +709,7 @@ def test_agent_sigkill_takes_its_ranks(agents, cold):
 
 def test_terminate_a_stopped_agent(agents):
     h = agents.launch(0)
-    a, (out,) = agents.attempt(1, [0], [["hold"]])
+    a, out = agents.attempt(1, [0], ["hold"])
     got = agents.info(out, 0)
     os.kill(h.proc.pid, signal.SIGSTOP)
     t0 = time.monotonic()
@@ -731,13 +723,14 @@ def test_terminate_a_stopped_agent(agents):
 
 def test_close_leaves_nothing(agents):
     hs = [agents.launch(s) for s in (0, 1)]
-    a, (out,) = agents.attempt(1, [0, 1], [["hold"], ["hold"]])
-    infos = [agents.info(out, r) for r in (0, 1)]  # RANK 0 on node 0, RANK 1 on node 1 (LOCAL_RANK 0 both)
-    assert sorted(i["env"]["RANK"] for i in infos) == ["0", "1"] or True
+    a, out = agents.attempt(1, [0, 1], ["hold"])
+    infos = [agents.info(out, r) for r in (0, 1)]  # RANK r on node r, LOCAL_RANK 0 on both
+    assert [(i["env"]["GROUP_RANK"], i["env"]["LOCAL_RANK"]) for i in infos] == [("0", "0"), ("1", "0")]
+    assert [i["ppid"] for i in infos] == [h.proc.pid for h in hs]
     pids = [p for i in infos for p in (i["pid"], i["child"])]
     assert all(_alive(p) for p in pids)
     dirs = {os.path.dirname(i["env"][beacon.BEACON_ENV]) for i in infos}
-    assert len(dirs) == 1 or len(dirs) == 2
+    assert len(dirs) == 2 and all(os.path.isdir(d) for d in dirs)
     port = agents.pool.address[1]
     agents.pool.close()
     assert [h.proc.returncode for h in hs] == [0, 0]  # they exited when told, not killed

@@ -168,3 +168,39 @@ def test_hung_listing_of_a_local_root_is_bounded(saved):
         v = r.value
         assert v["step"] == K and v["sources"][1][0] == "peer-replica" and v["sources"][0][0] == "own-local", v
         assert v["wall"] < BOUND + SLACK, v
+
+
+@pytest.mark.parametrize("where", ["every", "load"], ids=["checksum-read-hangs", "dcp-load-hangs"])
+def test_hung_persistent_read_falls_back_to_an_older_persistent_step_within_the_bound(tmp_path, where):
+    """Both node-local roots are gone and the newest persistent step's data file hangs (opens
+    of it never return, on every rank: a shared file system that stops answering on one file;
+    a FIFO in its place would not do here, the size check refuses it before any read): every
+    open, so the verification's checksum read hangs, or only DCP's (the checksums pass, the
+    load hangs); an older persistent step is intact. The restore gives the hung step up within ``restore_read_timeout_s`` (the
+    persistent tier is the last source: nothing else can serve that step), falls back to the
+    older step on every rank, bitwise (values and the next losses), and the ledger's restore
+    record names the timed-out persistent read of the newer step."""
+    import shutil
+
+    base = str(tmp_path)
+    old, new = 2, 4
+    committed = run_world(scenarios_hung.phase_two_persistent_steps, 2, base, CFG, old, new, timeout=300)
+    assert committed[0].value == [old, new], committed[0].value
+    shutil.rmtree(os.path.join(base, "nvme"))  # every node lost its disk
+    step = os.path.join(base, "pfs", f"step-{new}")
+    files = scenarios_hung.data_files(step)
+    assert files, os.listdir(step)
+    res = run_world(scenarios_hung.phase_restore_timed_hung_file, 2, base, CFG, os.path.join(step, files[0]),
+                    where, timeout=240)
+    for r in res:
+        v = r.value
+        assert v["step"] == old, v
+        assert {n: s[0] for n, s in v["sources"].items()} == {0: "persistent", 1: "persistent"}, v
+        assert v["wall"] < BOUND + SLACK, f"restore took {v['wall']:.1f} s for a {BOUND:g} s read bound: {v}"
+        hung = [f for f in v["failures"] if f[1] == "persistent" and f[3] == new]
+        assert hung and all("timed out" in f[4] for f in hung), v
+    (rec,) = scenarios_hung.ledger_restores(base)
+    assert rec["step"] == old and {s["source"] for s in rec["sources"].values()} == {"persistent"}, rec
+    named = [f for f in rec["failures"] if f["source"] == "persistent" and f["step"] == new]
+    assert named and all("timed out" in (f["error"] or "") for f in named), rec["failures"]
+    assert files[0] in " ".join(f["error"] for f in named), rec["failures"]

@@ -50,12 +50,14 @@ def test_the_repository_passes_and_prints_one_line_per_check(capsys):
     assert sc.main([str(REPO)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[1].strip() for ln in out] == ["public names", "ruff coverage", "mypy coverage",
-                                                         "wing order", "engine size"]
+                                                         "wing order", "adapter imports", "engine size"]
     assert re.search(r"public names: ok: tierckpt (\d+),", out[0]) and int(
         re.search(r"tierckpt (\d+),", out[0]).group(1)) <= sc.MAX_PUBLIC
     assert "6/6 packages" in out[2]
     assert "base < cluster < io < config < sched < staging < transport < history < tiers < restore" in out[3]
     assert out[3].endswith(", 0 upward"), out[3]
+    assert out[4].endswith(", 0 outside"), out[4]
+    assert "read-only attributes" in out[5], out[5]
 
 
 def test_the_minimal_tree_passes(tree):
@@ -157,6 +159,35 @@ def test_an_engine_at_its_size_passes(tree):
 def test_the_repository_engine_is_within_issue_30s_figures():
     eng = sc.check_engine_size(REPO)
     assert eng.ok and eng.enforced, eng.line
+    assert re.search(r"TieredCheckpointer: \d+ methods \(≤ 20\), (\d+) read-only attributes", eng.line), eng.line
+    assert int(re.search(r"(\d+) read-only attributes", eng.line).group(1)) >= 15, eng.line
+
+
+@pytest.mark.parametrize("member", [
+    "    cfg = property(lambda self: self._cfg)\n",
+    "    cfg, topo = _readonly('cfg'), _readonly('topo')\n",  # a helper that makes properties: two
+    "    cfg = lambda self: self._cfg\n",
+    "    cfg = functools.cached_property(lambda self: 1)\n",
+])
+def test_attributes_made_of_calls_or_lambdas_count_as_methods(tree, member):
+    """A method cannot hide as ``property(lambda ...)`` or behind a helper: only the typed
+    descriptor ``ReadOnly`` (tierckpt/readonly.py) is an attribute and not a method."""
+    body = "".join(f"    def m{i}(self):\n        pass\n" for i in range(20))
+    (tree / "tierckpt" / "engine.py").write_text("class TieredCheckpointer:\n" + member + body)
+    failed = _failed(tree)
+    names = member.split("=")[0].count(",") + 1
+    assert set(failed) == {"engine size"} and f"{20 + names} methods (≤ 20)" in failed["engine size"], failed
+
+
+def test_readonly_descriptors_and_constants_are_not_methods(tree):
+    body = "".join(f"    def m{i}(self):\n        pass\n" for i in range(20))
+    members = ('    cfg: ReadOnly[TierConfig] = ReadOnly("_cfg")\n'
+               '    history: ReadOnly[list[int]] = ReadOnly("_gate.history", copy=list)\n'
+               '    LIMIT = 3\n    NAMES: tuple[str, ...] = ("a", "b")\n')
+    (tree / "tierckpt" / "engine.py").write_text("class TieredCheckpointer:\n" + members + body)
+    assert _failed(tree) == {}
+    line = sc.check_engine_size(tree).line
+    assert "20 methods (≤ 20), 2 read-only attributes (ReadOnly, not methods)" in line, line
 
 
 def _wings(tree: Path, files: dict[str, str]) -> dict[str, str]:
@@ -214,3 +245,27 @@ def test_an_import_up_the_wings_fails(tree, rel, text, expect):
     failed = _wings(tree, {rel: text})
     assert set(failed) == {"wing order"}, failed
     assert expect in failed["wing order"], failed["wing order"]
+
+
+@pytest.mark.parametrize("text, reached", [
+    ("from tierckpt.config import RULES\n", "tierckpt.config"),
+    ("def f():\n    from tierckpt.validators import Number\n", "tierckpt.validators"),
+    ("import tierckpt.records\n", "tierckpt.records"),
+    ("from tierckpt import errors\n", "tierckpt.errors"),  # a module, not a public name
+    ("from tierckpt.cli.steps import x\n", "tierckpt.cli.steps"),  # only the cli package itself
+])
+def test_an_adapter_importing_an_engine_module_fails(tree, text, reached):
+    """Adapters build on tierckpt, tierckpt.integration and the extension points only."""
+    (tree / "mcore_plugin" / "bad.py").write_text(text)
+    failed = _failed(tree)
+    assert set(failed) == {"adapter imports"} and "mcore_plugin/bad.py:" in failed["adapter imports"], failed
+    assert f"imports {reached}" in failed["adapter imports"], failed
+
+
+def test_adapter_imports_through_the_surface_pass(tree):
+    (tree / "titan_plugin" / "good.py").write_text(
+        "from tierckpt import ConfigError\nfrom tierckpt.integration import RULES\n"
+        "from tierckpt.io import layout\nfrom tierckpt.io.storage import Store\nfrom tierckpt.cli import CliError\n"
+        "from tierckpt_dev.titan import cpu\nimport torch\n")
+    assert _failed(tree) == {}
+    assert "5 imports, 0 outside" in sc.check_adapter_imports(tree).line

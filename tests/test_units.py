@@ -528,8 +528,9 @@ def test_package_structure_rules():
     """Issue 11's rules, checked on the source: tierckpt/ imports no adapter or framework (not
     even lazily), no import cycle between its modules, and no function in the shipped packages
     is longer than 80 lines. Issue 30's: every module is in a wing of the order
-    (tierckpt_dev/shape_check.py: WING_ORDER, docs/architecture.md) and a wing imports only
-    wings below it (or its own)."""
+    (tierckpt_dev/shape_check.py: WING_ORDER, docs/architecture.md), a wing imports only
+    wings below it (or its own), and the adapters import tierckpt only through its public
+    surface, tierckpt.integration and the documented extension points."""
     import ast
     import pathlib
 
@@ -560,6 +561,12 @@ def test_package_structure_rules():
 
     upward = sorted(f"{k} -> {d}" for k, v in graph.items() for d in v if wing(d) > wing(k))
     assert not upward, f"imports up the wing order: {upward}"
+    # the adapters import tierckpt only through tierckpt, tierckpt.integration and the extension
+    # points tierckpt.io(.*) and tierckpt.cli (docs/architecture.md, "Adapters")
+    from tierckpt_dev.shape_check import check_adapter_imports
+
+    adapters = check_adapter_imports(root)
+    assert adapters.ok, adapters.line
     state: dict[str, int] = {}
 
     def visit(v, path):

@@ -213,18 +213,53 @@ def test_toml_checkpoint_keys_refuse(tmp_path, literal):
 @pytest.mark.parametrize("value", BAD)
 def test_checkpoint_section_built_in_python_refuses(value):
     """A ``TieredCheckpointManager.Config`` built by a config_registry function, not from TOML:
-    its ``__post_init__`` applies the engine's rules and names the key."""
+    its ``__post_init__`` applies the engine's rules and names the key, for the plugin's keys and
+    torchtitan's own (``interval``, ``keep_latest_k``, ``load_step``: torchtitan's checks raise
+    ValueError or TypeError without the key, or take ``True`` as 1)."""
     from titan_plugin.manager import TieredCheckpointManager
 
     failures = []
-    for key in sorted(_plugin_keys()):
+    keys = sorted(_checkpoint_keys())
+    assert {"interval", "keep_latest_k", "load_step"} <= set(keys)
+    for key in keys:
+        if value == -1 and key in NEGATIVE_OK:
+            continue
         try:
             TieredCheckpointManager.Config(**{key: value})
             failures.append(f"{key} = {value!r}: accepted")
         except ConfigError as e:
-            if e.option != f"checkpoint.{key}" or not str(e).startswith(f"checkpoint.{key}: "):
+            if e.option != f"checkpoint.{key}" or not str(e).startswith(f"checkpoint.{key}: must be"):
                 failures.append(f"{key} = {value!r}: {e}")
+        except Exception as e:  # noqa: BLE001 - the type is the failure (torchtitan's ValueError/TypeError)
+            failures.append(f"{key} = {value!r}: {type(e).__name__}: {e}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("interval", 0, "an integer number of steps >= 1"),
+    ("interval", 2.0, "an integer number of steps >= 1"),
+    ("keep_latest_k", 1, "0 (keep all) or at least 2"),  # torchtitan's own rule, named
+    ("load_step", -2, "an integer number of steps >= -1 (-1 = the latest step)"),
+])
+def test_torchtitans_keys_name_the_key_and_the_allowed_values(key, value, allowed):
+    from titan_plugin.manager import TieredCheckpointManager
+
+    with pytest.raises(ConfigError) as e:
+        TieredCheckpointManager.Config(**{key: value})
+    assert e.value.option == f"checkpoint.{key}" and allowed in str(e.value), str(e.value)
+
+
+def test_torchtitans_keys_keep_their_valid_values():
+    from titan_plugin.config import TITAN_RULES
+    from titan_plugin.manager import TieredCheckpointManager
+    from tierckpt.config import RULES
+
+    c = TieredCheckpointManager.Config(interval=1, keep_latest_k=0, load_step=-1)
+    assert (c.interval, c.keep_latest_k, c.load_step) == (1, 0, -1)
+    c = TieredCheckpointManager.Config(interval=7, keep_latest_k=2, load_step=0)
+    assert (c.interval, c.keep_latest_k, c.load_step) == (7, 2, 0)
+    # the keys that set a TierConfig value follow the engine's rule (one object, one bound)
+    assert TITAN_RULES["interval"] is RULES["intervals"] and TITAN_RULES["keep_latest_k"] is RULES["keep_latest_k"]
 
 
 # -- Megatron: the --ckpt-plugin-* flags ----------------------------------------------------------------

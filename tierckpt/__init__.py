@@ -23,11 +23,17 @@ write steps in tierckpt's format.
 Names resolve lazily (PEP 562), so ``import tierckpt`` and the ``tierckpt`` command do not import
 torch.distributed until an engine class is used.
 
-Wings (see docs/architecture.md): :mod:`tierckpt.io` (storage, layout, manifests, DCP glue,
-planners, staging), :mod:`tierckpt.tiers` (local tier, persistent tier, replication, transfer,
-retention, the shared commit routine), :mod:`tierckpt.cluster` (topology, groups, agreement),
-:mod:`tierckpt.sched` (Young/Daly intervals, MTBF, simulation), :mod:`tierckpt.history`
-(ledger, lineage, rollback), :mod:`tierckpt.cli`.
+Wings (docs/architecture.md, "Wing order"; each imports only the wings before it): base
+(errors, validators, records, priors, handle, preemption, loader signals, gcpause, readonly),
+:mod:`tierckpt.cluster` (topology, process groups, collectives, accelerator), :mod:`tierckpt.io`
+(storage, layout, manifests, DCP glue, planners, bounded reads), :mod:`tierckpt.config`
+(:class:`TierConfig`), :mod:`tierckpt.sched` (cadence, Young/Daly intervals, MTBF,
+simulation), :mod:`tierckpt.staging` (the state's copy inside ``save()``),
+:mod:`tierckpt.transport` (a committed step between nodes), :mod:`tierckpt.history` (ledger,
+journal, lineage, rollback, timeline), :mod:`tierckpt.tiers` (what each tier does; the lanes,
+jobs and the save gate), :mod:`tierckpt.restore` (plan, read, pull, in-cluster load, peek,
+the replica rebuild), :mod:`tierckpt.cli`, and on top the engine, its start and exit, metrics
+and :mod:`tierckpt.integration`.
 """
 
 from __future__ import annotations

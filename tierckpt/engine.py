@@ -1,50 +1,52 @@
 """The tiered checkpoint engine: what adapters and users call. It orchestrates named steps,
 each in its wing (docs/architecture.md): the start (:mod:`tierckpt.startup`); ``save()``
-(:class:`~tierckpt.tiers.saving.Saver`): the one scheduling object (:class:`~tierckpt.tiers.gate.SaveGate`) decides which tiers start, the
-state is staged (:mod:`tierckpt.staging.pool`; δ ends here) and each tier's job is queued on its
-lane (:mod:`tierckpt.tiers.lanes`, :mod:`tierckpt.tiers.jobs`: local tier → replication →
-agreed record → retention; persistent tier → agreed record → retention); ``restore()``
-(:class:`~tierckpt.restore.resume.Resume`): drain the lanes, :class:`~tierckpt.restore.Restorer`, the record, an armed rollback, the restart's
-interval decision, the replica rebuild (:mod:`tierckpt.restore.redundancy`);
-``save_for_preemption()`` (:func:`tierckpt.preemption.final_save`); ``close()``: finish the
-lanes, the ``run_end`` record, raise what was not raised.
+(:class:`~tierckpt.tiers.saving.Saver`): the one scheduling object
+(:class:`~tierckpt.tiers.gate.SaveGate`) decides which tiers start, the state is staged
+(:mod:`tierckpt.staging.pool`; δ ends here) and each tier's job is queued on its lane
+(:mod:`tierckpt.tiers.lanes`, :mod:`tierckpt.tiers.jobs`: local tier → replication → agreed
+record → retention; persistent tier → agreed record → retention); ``restore()``
+(:class:`~tierckpt.restore.resume.Resume`): drain the lanes, :class:`~tierckpt.restore.Restorer`,
+the record, an armed rollback, the restart's interval decision, the replica rebuild
+(:mod:`tierckpt.restore.redundancy`); ``save_for_preemption()``
+(:func:`tierckpt.preemption.final_save`); ``close()``: finish the lanes, the ``run_end``
+record, raise what was not raised.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from typing import Iterable
 
 from tierckpt import exit as exit_hook
 from tierckpt import preemption as preempt
 from tierckpt import startup
 from tierckpt.config import TierConfig, validate_tiers
-from tierckpt.cluster.topology import SpareGroups, release_groups
+from tierckpt.cluster.topology import Groups, SpareGroups, Topology, release_groups
 from tierckpt.gcpause import paused
 from tierckpt.handle import SaveHandle
+from tierckpt.history.ledger import Ledger
 from tierckpt.history.rollback import RollbackTracker
+from tierckpt.history.timeline import Timeline
 from tierckpt.io import layout
 from tierckpt.staging.overlap import wait_before_optimizer_steps
 from tierckpt.staging.pool import StagingPool
 from tierckpt.loader_signals import defer_loader_deaths
 from tierckpt.preemption import Preempted, PreemptionWatch, warn_if_launcher_unprotected
+from tierckpt.readonly import ReadOnly
 from tierckpt.records import CheckpointRecord
 from tierckpt.recovery.timeline import RecoveryTimeline
 from tierckpt.restore import Inventory, Restorer, RestoreResult
 from tierckpt.restore.resume import Resume
-from tierckpt.tiers.gate import build_gate
-from tierckpt.tiers.jobs import describe_failure
-from tierckpt.tiers.persistent import PersistentIO
+from tierckpt.tiers.gate import SaveGate, build_gate
+from tierckpt.tiers.jobs import TierJobs, describe_failure
+from tierckpt.tiers.local_tier import LocalTier
+from tierckpt.tiers.persistent import PersistentIO, PersistentTier
 from tierckpt.tiers.saving import Saver
 
 __all__ = ["TieredCheckpointer", "describe_failure"]
 
 log = logging.getLogger(__name__)
-
-
-def _readonly(name: str) -> property:
-    """A read-only engine attribute (stored as ``_<name>``; documented in the class docstring)."""
-    return property(lambda self: getattr(self, "_" + name), doc=f"read-only: see TieredCheckpointer ({name})")
 
 
 class TieredCheckpointer:
@@ -71,9 +73,10 @@ class TieredCheckpointer:
         timeline, preemption, pool, restorer: this run's save identities, the
             :class:`~tierckpt.preemption.PreemptionWatch`, the staging pool, the restorer.
         jobs: the :class:`~tierckpt.tiers.jobs.TierJobs` (``lanes``: one per tier).
-        gate: the :class:`~tierckpt.tiers.gate.SaveGate` (``history``, ``local_anchor``,
-            ``schedule``); ``gate.history``: this rank's agreed records, typed, in order;
-            ``history``: the same as ledger lines (dicts).
+        gate: the :class:`~tierckpt.tiers.gate.SaveGate` (``local_anchor``, ``schedule``).
+        history: this rank's agreed :class:`~tierckpt.records.CheckpointRecord` s (saves,
+            deferred and skipped tiers), in order; a new list on each read (ledger lines:
+            ``[r.as_ledger() for r in e.history]``).
         last_redundancy: Future of the replica rebuild after the last restore (None: none ran).
 
     Raises:
@@ -82,14 +85,21 @@ class TieredCheckpointer:
         RuntimeError: torch.distributed not initialised.
     """
 
-    cfg, topo, groups = _readonly("cfg"), _readonly("topo"), _readonly("groups")
-    local, persistent, ledger = _readonly("local"), _readonly("persistent"), _readonly("ledger")
-    lineage, timeline, preemption = _readonly("lineage"), _readonly("timeline"), _readonly("preemption")
-    pool, restorer, jobs, gate = _readonly("pool"), _readonly("restorer"), _readonly("jobs"), _readonly("gate")
-    last_redundancy = property(lambda self: self._resume.last_redundancy,
-                               doc="read-only: see TieredCheckpointer (last_redundancy)")
-    history = property(lambda self: [r.as_ledger() for r in self._gate.history],
-                       doc="this rank's agreed records as ledger lines, in order (typed: gate.history)")
+    cfg: ReadOnly[TierConfig] = ReadOnly("_cfg")
+    topo: ReadOnly[Topology] = ReadOnly("_topo")
+    groups: ReadOnly[Groups] = ReadOnly("_groups")
+    local: ReadOnly[LocalTier | None] = ReadOnly("_local")
+    persistent: ReadOnly[PersistentTier] = ReadOnly("_persistent")
+    ledger: ReadOnly[Ledger] = ReadOnly("_ledger")
+    lineage: ReadOnly[str] = ReadOnly("_lineage")
+    timeline: ReadOnly[Timeline] = ReadOnly("_timeline")
+    preemption: ReadOnly[PreemptionWatch] = ReadOnly("_preemption")
+    pool: ReadOnly[StagingPool] = ReadOnly("_pool")
+    restorer: ReadOnly[Restorer] = ReadOnly("_restorer")
+    jobs: ReadOnly[TierJobs] = ReadOnly("_jobs")
+    gate: ReadOnly[SaveGate] = ReadOnly("_gate")
+    last_redundancy: ReadOnly[Future | None] = ReadOnly("_resume.last_redundancy")
+    history: ReadOnly[list[CheckpointRecord]] = ReadOnly("_gate.history", copy=list)
 
     @paused  # the restart's critical path, as restore()
     def __init__(self, config: TierConfig, *, node_id: int | None = None,
@@ -104,7 +114,7 @@ class TieredCheckpointer:
         self._optimizer_hook = wait_before_optimizer_steps(self) if cfg.cpu_staging == "overlapped" else None
         self._rollback = RollbackTracker(
             self._journal, topo.node, self._local.store if (self._local and topo.is_node_leader) else None,
-            self._persistent.store if topo.rank == 0 else None)
+            self._persistent.store if topo.rank == 0 else None, cfg.tiers, cfg.read_timeout_s)
         self._gate, self._jobs = build_gate(cfg, topo, groups, self._local, self._persistent, run.in_use,
                                             self._journal, self._rollback)
         self._jobs.owner = self  # a running job keeps the engine alive until the exit hook finished it
@@ -112,7 +122,7 @@ class TieredCheckpointer:
         # a repeat within the grace period (+ a margin for the exit) is the same notice
         self._preemption = PreemptionWatch(cfg.preemption_signals, escalate_after_s=cfg.preemption_grace_s + 20.0,
                                            on_notice=defer_loader_deaths)
-        warn_if_launcher_unprotected(cfg.preemption_signals)  # a launcher killed by a notice orphans the ranks
+        warn_if_launcher_unprotected(cfg.preemption_signals, cfg.preemption_grace_s)  # orphaned or SIGKILLed ranks
         self._restorer = Restorer(topo, groups, self._local, self._persistent, run.in_use,
                                   cfg.transfer_chunk_bytes, cfg.restore_memory_bytes, cfg.read_timeout_s)
         self._spare = SpareGroups(topo, cfg.collective_timeout_s, groups.control)  # second groups, on first need

@@ -31,13 +31,20 @@ this process and never closed, in order of creation:
    did not commit — given up on, or failed (a peer gone) — also in a warning; the workers
    whose jobs finished are joined, so no tierckpt thread is inside a torch call while the
    interpreter finalises. ``clean`` (what the MTBF estimate counts) is
-   true when no exception was uncaught, every job finished and the usual rules of
-   ``close()`` hold (no unraised failure, a durable persistent step): a process that
-   finished its saves and exited is not a failure; one that raised is.
+   true when no exception was uncaught, ``sys.exit`` was not given an error status, every
+   job finished and the usual rules of ``close()`` hold (no unraised failure, a durable
+   persistent step): a process that finished its saves and exited 0 is not a failure; one
+   that raised or exited with an error status is.
 
 Nothing here changes the exit status: 0 for a return, 1 for an uncaught exception, the code
-of ``sys.exit``. ``sys.exit(n)`` with ``n != 0`` is not an exception to this handler (CPython
-hands its status to no ``atexit`` handler) and counts as clean when the saves finished.
+of ``sys.exit``. CPython hands the exit status to no ``atexit`` handler, and ``SystemExit``
+never reaches ``sys.excepthook``, so :func:`register` also wraps ``sys.exit`` to note the
+status of the main thread's last call: ``sys.exit(n)`` with ``n`` neither 0 nor None (a
+string too: Python exits 1 then) is an exit with an error status, still with its pending saves
+finished, but ``clean`` false and ``reason`` naming the status (the MTBF estimate counts it
+as a failure). Not seen: ``raise SystemExit(n)`` written out (it bypasses ``sys.exit``), and
+a ``sys.exit(n)`` whose ``SystemExit`` the script caught and then returned normally (the
+status noted is that call's).
 
 A job given up on keeps running on its daemon thread and dies with the process; its step
 stays uncommitted (never torn: the commit marker is written last). The trainer's process
@@ -62,7 +69,7 @@ from typing import Any
 
 from tierckpt.tiers.lanes import finished
 
-__all__ = ["register", "finish", "EXIT_WITHOUT_CLOSE"]
+__all__ = ["register", "finish", "exit_status", "EXIT_WITHOUT_CLOSE"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +81,7 @@ _engines: list[weakref.ref] = []  # engines of this process, in order of creatio
 _pid: int | None = None  # the process that registered them (a forked child has others' engines)
 _installed = False
 _uncaught: BaseException | None = None  # seen by the chained sys.excepthook
+_exit_calls: list[object] = []  # the status of the main thread's last sys.exit() call (seen by the wrapper)
 
 
 def register(engine: Any) -> None:
@@ -82,11 +90,13 @@ def register(engine: Any) -> None:
     call once per engine, from its constructor). Installs the ``atexit`` handler and a chained
     ``sys.excepthook`` (to tell an uncaught exception from a return) on first use. An engine
     the trainer dropped is not kept alive (weak reference): once collected it has no save left
-    to finish, and no ``run_end`` is written for it."""
+    to finish, and no ``run_end`` is written for it. Also wraps ``sys.exit`` (see
+    :func:`exit_status`)."""
     global _installed, _pid
     with _lock:
         if _pid != os.getpid():  # first use, or a forked child: its parent's engines are not its own
             _engines.clear()
+            _exit_calls.clear()
             _pid = os.getpid()
         _engines[:] = [r for r in _engines if r() is not None]
         _engines.append(weakref.ref(engine))
@@ -101,6 +111,33 @@ def register(engine: Any) -> None:
                 previous(exc_type, exc, tb)
 
             sys.excepthook = excepthook
+            sys.exit = _noting_exit(sys.exit)
+
+
+def _noting_exit(previous: Any) -> Any:
+    """``sys.exit`` that first notes ``status`` (main thread only: elsewhere it ends a thread,
+    not the process), then calls ``previous`` (which raises ``SystemExit``)."""
+
+    def exit(status: object = None, /) -> None:  # noqa: A001 - it replaces sys.exit
+        if threading.current_thread() is threading.main_thread():
+            _exit_calls[:] = [status]
+        previous(status)
+
+    exit.__doc__ = getattr(previous, "__doc__", None)
+    exit._tierckpt_previous = previous  # type: ignore[attr-defined]
+    return exit
+
+
+def exit_status() -> object:
+    """The status the main thread last passed to ``sys.exit`` in this process (None: no call,
+    or ``sys.exit()``/``sys.exit(None)``: status 0)."""
+    return _exit_calls[-1] if _exit_calls and _pid == os.getpid() else None
+
+
+def error_status(status: object) -> bool:
+    """Whether ``sys.exit(status)`` exits with a status other than 0 (None and 0 are 0; any
+    other object, a message string included, is an error status)."""
+    return status is not None and status != 0
 
 
 def uncaught_exception() -> BaseException | None:
@@ -114,23 +151,24 @@ def _at_exit() -> None:
     with _lock:
         engines = [r() for r in _engines] if _pid == os.getpid() else []
         _engines.clear()
-    exc = uncaught_exception()
+    exc, status = uncaught_exception(), exit_status()
     for eng in engines:
         if eng is None or eng._closed:
             continue
         try:
-            finish(eng, exc)
+            finish(eng, exc, status)
         except BaseException as e:  # never mask the script's own exit status
             log.error("tierckpt: exit without close(): finishing the engine failed: %s: %s", type(e).__name__, e,
                       exc_info=True)
 
 
-def finish(engine: Any, exc: BaseException | None = None) -> list[dict]:
+def finish(engine: Any, exc: BaseException | None = None, status: object = None) -> list[dict]:
     """Finish ``engine`` (a :class:`~tierckpt.engine.TieredCheckpointer`) as the interpreter's
     exit does (see the module docstring): wait for its queued jobs at most ``exit_timeout_s``
     (seconds, all tiers together), then close
     it with the ``run_end`` record of an exit without ``close()``; ``exc``: the exception
-    ending the process (None: a return or ``sys.exit``). Not collective.
+    ending the process (None: a return or ``sys.exit``); ``status``: what ``sys.exit`` was
+    given (:func:`exit_status`; an error status makes the run not clean). Not collective.
 
     Returns:
         the jobs pending at the exit that did not commit (still running after
@@ -164,8 +202,13 @@ def finish(engine: Any, exc: BaseException | None = None) -> list[dict]:
         log.warning("tierckpt: exit without close(): left uncommitted: %s", "; ".join(
             f"{u['tier']} {u['job']}" + (f" of step {u['step']}" if u["step"] is not None else "") + f" ({u['error']})"
             for u in unfinished))
-    reason = "interpreter exit without close()" + (f": {type(exc).__name__}: {exc}" if exc is not None else "")
-    _close_bounded(engine, max(deadline - time.monotonic(), _CLOSE_FLOOR_S), clean=exc is None and not unfinished,
+    reason = "interpreter exit without close()"
+    if exc is not None:
+        reason += f": {type(exc).__name__}: {exc}"
+    elif error_status(status):
+        reason += f": sys.exit({status!r})"
+    clean = exc is None and not error_status(status) and not unfinished
+    _close_bounded(engine, max(deadline - time.monotonic(), _CLOSE_FLOOR_S), clean=clean,
                    reason=reason[:2000], raise_failures=False,
                    at_exit={"exit": EXIT_WITHOUT_CLOSE, "unfinished": unfinished})
     if rank == 0:

@@ -12,10 +12,21 @@ beyond the user-facing :mod:`tierckpt` surface: the plumbing an adapter builds o
 - metrics for a framework's logger: :func:`record_metrics`, :func:`restore_metrics`,
   :func:`result_metrics`, :func:`decision_metrics`, :func:`describe_failure`;
 - what an adapter writes or raises itself: :class:`RestoreRecord` (a restore's ledger record),
-  :class:`VerificationError`;
+  :class:`GenericRecord` (a ledger line of the adapter's own kind), :class:`VerificationError`;
 - the recovery timeline's phase stamps (:mod:`tierckpt.recovery.timeline`): :func:`mark_phase`
   (``imports_done``, ``model_built``) and :func:`install_process_group_hook`
-  (``process_group_up``), from the adapter's entry point.
+  (``process_group_up``), from the adapter's entry point;
+- the agreed decision to save after a preemption notice killed the DataLoader's workers
+  mid-fetch (engine-API trainers too): :func:`agree_loader_death`;
+- option rules, for a front end that checks its own keys or flags with the engine's bounds and
+  names them as the user wrote them: :data:`RULES` and :data:`SCHEDULE_RULES` (the rule of every
+  numeric ``TierConfig`` / ``ScheduleOptions`` field), :class:`Number` (one rule) and the
+  builders :func:`non_negative_int`, :func:`non_negative_seconds`, :func:`positive_number`
+  (:mod:`tierckpt.validators`).
+
+The framework adapters import tierckpt only through :mod:`tierckpt`, this module and the
+documented extension points (:mod:`tierckpt.io` and its modules, :mod:`tierckpt.cli`); the
+shape check ``adapter imports`` of ``make lint`` enforces it.
 
 Names resolve lazily (PEP 562), as in :mod:`tierckpt`: importing this module does not import
 torch.distributed.
@@ -46,40 +57,58 @@ _EXPORTS = {
     "decision_metrics": "tierckpt.sched.cadence",
     "describe_failure": "tierckpt.tiers.jobs",
     "RestoreRecord": "tierckpt.records",
+    "GenericRecord": "tierckpt.records",
     "VerificationError": "tierckpt.errors",
     "mark_phase": "tierckpt.recovery.timeline",
     "install_process_group_hook": "tierckpt.recovery.timeline",
+    "RULES": "tierckpt.config",
+    "SCHEDULE_RULES": "tierckpt.config",
+    "Number": "tierckpt.validators",
+    "non_negative_int": "tierckpt.validators",
+    "non_negative_seconds": "tierckpt.validators",
+    "positive_number": "tierckpt.validators",
+    "agree_loader_death": "tierckpt.loader_signals",
 }
 
 if TYPE_CHECKING:  # what mypy and IDEs see; at run time the names resolve lazily
-    from tierckpt.config import TIERS, validate_tiers
+    from tierckpt.config import RULES, SCHEDULE_RULES, TIERS, validate_tiers
     from tierckpt.cluster.accel import accelerator_present
     from tierckpt.cluster.collectives import PeerFailure, all_gather, run_agreed
     from tierckpt.cluster.topology import check_replication
     from tierckpt.errors import VerificationError
+    from tierckpt.loader_signals import agree_loader_death
     from tierckpt.restore.peek import read_item
     from tierckpt.metrics import record_metrics, restore_metrics, result_metrics
     from tierckpt.preemption import signal_numbers
-    from tierckpt.records import RestoreRecord
+    from tierckpt.records import GenericRecord, RestoreRecord
     from tierckpt.recovery.timeline import install_process_group_hook, mark_phase
     from tierckpt.restore import plan_restore
     from tierckpt.sched.cadence import decision_metrics
     from tierckpt.tiers.jobs import describe_failure
     from tierckpt.tiers.persistent import write_dcp
+    from tierckpt.validators import Number, non_negative_int, non_negative_seconds, positive_number
 
 __all__ = [
+    "GenericRecord",
+    "Number",
     "PeerFailure",
+    "RULES",
     "RestoreRecord",
+    "SCHEDULE_RULES",
     "TIERS",
     "VerificationError",
     "accelerator_present",
+    "agree_loader_death",
     "all_gather",
     "check_replication",
     "decision_metrics",
     "describe_failure",
     "install_process_group_hook",
     "mark_phase",
+    "non_negative_int",
+    "non_negative_seconds",
     "plan_restore",
+    "positive_number",
     "read_item",
     "record_metrics",
     "restore_metrics",

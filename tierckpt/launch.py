@@ -13,7 +13,10 @@ process, same options) with:
   instead of killing torchrun;
 - ``--shutdown-timeout`` = ``$TIERCKPT_SHUTDOWN_TIMEOUT`` (default 90 s) unless given: how long
   torchrun waits for its ranks after forwarding a notice before it SIGKILLs them; it must exceed
-  ``preemption_grace_s`` (25 s by default) plus one training step;
+  ``preemption_grace_s`` (25 s by default) plus one training step. The value torchrun ends up
+  with (this option, a ``--shutdown-timeout`` of ``argv``, or torchrun's environment) is exported
+  to the ranks as ``$TIERCKPT_SHUTDOWN_TIMEOUT``: the engine's start-up check
+  (:func:`tierckpt.preemption.warn_if_shutdown_too_short`) compares it with ``preemption_grace_s``;
 - ``$TIERCKPT_PREEMPTED_DIR`` = a fresh directory where each rank that finished its preemption
   save leaves a mark (:func:`tierckpt.preemption.mark_preempted`).
 
@@ -30,13 +33,11 @@ import shutil
 import sys
 import tempfile
 
-from tierckpt.preemption import (DEFAULT_SIGNALS, PREEMPTED_DIR_ENV, PREEMPTED_EXIT, all_local_ranks_preempted,
-                                 signal_numbers)
+from tierckpt.preemption import (DEFAULT_SHUTDOWN_S, DEFAULT_SIGNALS, PREEMPTED_DIR_ENV, PREEMPTED_EXIT, SHUTDOWN_ENV,
+                                 all_local_ranks_preempted, signal_numbers, torchrun_shutdown_timeout)
 
 SIGNALS_ENV = "TIERCKPT_PREEMPTION_SIGNALS"
-SHUTDOWN_ENV = "TIERCKPT_SHUTDOWN_TIMEOUT"
 TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's own default
-DEFAULT_SHUTDOWN_S = 90
 
 
 def _has_option(argv: list[str], *names: str) -> bool:
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
     marks = tempfile.mkdtemp(prefix="tierckpt-preempted-")
     os.environ[PREEMPTED_DIR_ENV] = marks  # the ranks inherit it
+    # what torchrun will wait before SIGKILLing the ranks, for their start-up check
+    os.environ[SHUTDOWN_ENV] = str(torchrun_shutdown_timeout(args)[0])
     rc = 0
     why = ""
     try:

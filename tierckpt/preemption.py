@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Protocol
 import time
 
 from tierckpt.errors import ConfigError, TierckptError
+from tierckpt.handle import SaveHandle
+from tierckpt.records import CheckpointRecord
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,28 @@ DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 #: exit status of a trainer that saved on a preemption notice and wants to be requeued
 #: (EX_TEMPFAIL: "try again"; the Slurm launcher's TIERCKPT_REQUEUE_EXIT default as well)
 PREEMPTED_EXIT = 75
+
+#: environment of a rank: the shutdown timeout (seconds) its launcher passed to torchrun, exported
+#: by ``python -m tierckpt.launch`` and the Slurm wrapper (and read by tierckpt.launch as its
+#: default; see :func:`launcher_shutdown_timeout`)
+SHUTDOWN_ENV = "TIERCKPT_SHUTDOWN_TIMEOUT"
+
+#: ``python -m tierckpt.launch``'s torchrun shutdown timeout (seconds) unless told otherwise
+DEFAULT_SHUTDOWN_S = 90
+
+#: torchrun's own shutdown timeout (seconds; ``--shutdown-timeout``, else
+#: ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else this)
+TORCHRUN_SHUTDOWN_S = 30
+
+#: seconds a launcher's shutdown window must exceed ``preemption_grace_s`` by: the rest of the
+#: training step the notice landed in, and the exit after the save (a start-up check cannot
+#: measure the step)
+SHUTDOWN_MARGIN_S = 15.0
+
+#: environment variables that say a process runs under a launcher: torchrun's agent, Slurm,
+#: MPI launchers (``WORLD_SIZE`` > 1 counts as well)
+LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                "PMIX_RANK")
 
 #: directory a launcher (``python -m tierckpt.launch``, ``launch/local.py``) gives its ranks:
 #: each rank that finished a preemption save leaves ``rank-<RANK>.json`` there, which tells the
@@ -223,21 +248,147 @@ def unprotected_launcher_signals(signals, pid: int | None = None) -> tuple[list[
     return out, name
 
 
-def warn_if_launcher_unprotected(signals) -> list[str]:
+def under_launcher(env=None) -> bool:
+    """Whether this process runs under a launcher (:data:`LAUNCHER_ENV`, or ``WORLD_SIZE`` > 1)
+    rather than alone from a shell: only then can a launcher that dies on a notice orphan it."""
+    env = os.environ if env is None else env
+    if any(env.get(k) for k in LAUNCHER_ENV):
+        return True
+    try:
+        return int(env.get("WORLD_SIZE", "1") or 1) > 1
+    except ValueError:
+        return True
+
+
+def _cmdline(pid: int) -> list[str] | None:
+    """The command line of ``pid`` (Linux /proc), None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return None
+
+
+def _launcher_args(argv: list[str]) -> tuple[str, list[str]] | None:
+    """(launcher, its options) of a command line that runs torchrun (``torchrun``, ``python -m
+    torch.distributed.run``, ``python -m tierckpt.launch``): the options up to the training
+    script, or None for another command."""
+    for i, a in enumerate(argv):
+        name = ("tierckpt.launch" if a == "tierckpt.launch" else
+                "torchrun" if a in ("torch.distributed.run", "torch.distributed.launch")
+                or os.path.basename(a) == "torchrun" or a.endswith(os.path.join("distributed", "run.py")) else None)
+        if name is None:
+            continue
+        opts: list[str] = []
+        rest = argv[i + 1:]
+        for j, o in enumerate(rest):
+            if o == "--" or o.endswith(".py") or (j > 0 and rest[j - 1] in ("-m", "--module")):
+                break
+            opts.append(o)
+        return name, opts
+    return None
+
+
+def _option(argv: list[str], *names: str) -> str | None:
+    """The value of the first of ``names`` in ``argv`` (``--name V`` or ``--name=V``)."""
+    for i, a in enumerate(argv):
+        for n in names:
+            if a == n and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(n + "="):
+                return a[len(n) + 1:]
+    return None
+
+
+def _seconds(raw: str | None) -> int | None:
+    raw = (raw or "").strip()
+    return int(raw) if raw.isdigit() else None
+
+
+def torchrun_shutdown_timeout(argv: list[str], env=None) -> tuple[int, str]:
+    """(seconds, where from) torchrun waits for its ranks after forwarding a signal before it
+    SIGKILLs them, for torchrun options ``argv`` and environment ``env``, as torchrun decides
+    it: ``--shutdown-timeout``, else ``PET_SHUTDOWN_TIMEOUT``, else
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else :data:`TORCHRUN_SHUTDOWN_S`."""
+    env = os.environ if env is None else env
+    v = _seconds(_option(argv, "--shutdown-timeout", "--shutdown_timeout"))
+    if v is not None:
+        return v, "--shutdown-timeout"
+    for key in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        v = _seconds(env.get(key))
+        if v is not None:
+            return v, key
+    return TORCHRUN_SHUTDOWN_S, "torchrun's default"
+
+
+def launcher_shutdown_timeout(env=None, pid: int | None = None) -> tuple[int, str] | None:
+    """(seconds, where from) this rank's torchrun (its parent ``pid``) waits after forwarding a
+    notice before it SIGKILLs the ranks; None when this process is not a torchrun worker
+    (no ``TORCHELASTIC_RUN_ID``). The value ``python -m tierckpt.launch`` exported
+    (:data:`SHUTDOWN_ENV`) under that launcher, or where the launcher's command line cannot be
+    read; under plain torchrun its command line and environment
+    (:func:`torchrun_shutdown_timeout`)."""
+    env = os.environ if env is None else env
+    if not env.get("TORCHELASTIC_RUN_ID"):
+        return None
+    argv = _cmdline(os.getppid() if pid is None else pid)
+    found = _launcher_args(argv) if argv is not None else None
+    exported = _seconds(env.get(SHUTDOWN_ENV))
+    if exported is not None and (found is None or found[0] == "tierckpt.launch"):
+        return exported, f"{SHUTDOWN_ENV} from the launcher"
+    return torchrun_shutdown_timeout(found[1] if found else [], env)
+
+
+def suggested_shutdown_s(grace_s: float) -> int:
+    """A torchrun ``--shutdown-timeout`` (seconds) that covers ``grace_s`` with room to spare."""
+    return max(DEFAULT_SHUTDOWN_S, math.ceil(grace_s + SHUTDOWN_MARGIN_S) + 30)
+
+
+def warn_if_shutdown_too_short(grace_s: float, env=None, pid: int | None = None) -> tuple[int, str] | None:
+    """Log one warning when this rank's torchrun would SIGKILL it before a preemption save can
+    end: its shutdown timeout (:func:`launcher_shutdown_timeout`) not above ``grace_s``
+    (``preemption_grace_s``) + :data:`SHUTDOWN_MARGIN_S`. Returns (seconds, where from) when it
+    warned, else None."""
+    got = launcher_shutdown_timeout(env, pid)
+    if got is None or got[0] > grace_s + SHUTDOWN_MARGIN_S:
+        return None
+    seconds, source = got
+    log.warning("tierckpt: the launcher (torchrun, parent pid %d) SIGKILLs the ranks %ds after it forwards a preemption "
+                "notice (%s), not more than preemption_grace_s = %gs + %gs for the rest of the step and the exit: "
+                "the final save can be killed before the persistent tier commits. Launch with `python -m "
+                "tierckpt.launch` (%ds by default, $%s), or pass `torchrun --shutdown-timeout %d` (or set "
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=%d for torchrun); or lower preemption_grace_s",
+                os.getppid() if pid is None else pid, seconds, source, grace_s, SHUTDOWN_MARGIN_S, DEFAULT_SHUTDOWN_S,
+                SHUTDOWN_ENV, suggested_shutdown_s(grace_s), suggested_shutdown_s(grace_s))
+    return got
+
+
+def warn_if_launcher_unprotected(signals, grace_s: float | None = None) -> list[str]:
     """Log one warning when this process's parent dies on a watched signal (see
-    :func:`unprotected_launcher_signals`), naming what to set; only on the launcher's first
-    rank (``LOCAL_RANK`` 0 or unset), once per launcher. Returns those signals ([] elsewhere)."""
+    :func:`unprotected_launcher_signals`), naming what to set, and one when its torchrun's
+    shutdown timeout leaves a preemption save of ``grace_s`` seconds too little time
+    (:func:`warn_if_shutdown_too_short`; skipped when ``grace_s`` is None); only on the
+    launcher's first rank (``LOCAL_RANK`` 0 or unset), once per launcher, and only under a
+    launcher (:func:`under_launcher`: a single process started from a shell has none to be
+    orphaned by, so its shell dying on SIGUSR1 is no concern). Returns the signals its parent
+    dies on ([] elsewhere)."""
     if not signals or os.environ.get("LOCAL_RANK", "0") != "0":
         return []
+    if not under_launcher():
+        log.debug("tierckpt: no launcher (a single process): the start-up launcher check is skipped")
+        return []
+    if grace_s is not None:
+        warn_if_shutdown_too_short(grace_s)
     bad, name = unprotected_launcher_signals(signals)
     if bad:
         wanted = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *bad]))
+        timeout = suggested_shutdown_s(25.0 if grace_s is None else grace_s)
         log.warning("tierckpt: the launcher (parent pid %d, %s) dies on %s, a watched preemption signal: a "
                     "notice sent to it kills it at once and leaves the ranks training without a save. "
                     "Launch with `python -m tierckpt.launch` (torchrun that forwards these and exits 75 when "
-                    "the ranks preempted), or `torchrun --signals-to-handle %s`, or make the launcher trap or "
-                    "ignore %s; or narrow preemption_signals", os.getppid(), name, "/".join(bad), wanted,
-                    "/".join(bad))
+                    "the ranks preempted), or `torchrun --signals-to-handle %s --shutdown-timeout %d`, or make the "
+                    "launcher trap or ignore %s; or narrow preemption_signals", os.getppid(), name, "/".join(bad),
+                    wanted, timeout, "/".join(bad))
     return bad
 
 
@@ -258,16 +409,56 @@ def requested(signals: tuple[str, ...], watch: PreemptionWatch, control) -> str 
     return None if idx < 0 else signals[idx]
 
 
-def final_save(engine: Any, journal: Any, step: int, state_dict: dict, signal_name: str, handle: Any = None) -> Preempted:
+# -- what the final save needs of the engine: structural types (the engine, its config and its
+# journal are in wings above this one, so they are described here, not imported)
+class GraceConfig(Protocol):
+    """The options :func:`final_save` reads (:class:`tierckpt.config.TierConfig` has them)."""
+
+    @property
+    def tiers(self) -> tuple[str, ...]: ...
+
+    @property
+    def preemption_grace_s(self) -> float: ...
+
+
+class RankOf(Protocol):
+    """This rank's global rank (:class:`tierckpt.cluster.topology.Topology` has it)."""
+
+    @property
+    def rank(self) -> int: ...
+
+
+class FinalSaveEngine(Protocol):
+    """The public part of :class:`tierckpt.engine.TieredCheckpointer` that :func:`final_save` uses."""
+
+    @property
+    def cfg(self) -> GraceConfig: ...
+
+    @property
+    def topo(self) -> RankOf: ...
+
+    def unraised_failures(self) -> list[CheckpointRecord]: ...
+
+    def save(self, step: int, state_dict: dict, tiers: Iterable[str] | None = None, *,
+             raise_failures: bool = True, wait_previous: bool = False) -> SaveHandle: ...
+
+
+class PreemptionJournal(Protocol):
+    """Where the ``preemption`` record goes (:class:`tierckpt.history.journal.RunJournal`)."""
+
+    def preemption(self, step: int, signal: str, committed: dict[str, bool], seconds: float,
+                   earlier_failures: list[str]) -> None: ...
+
+
+def final_save(engine: FinalSaveEngine, journal: PreemptionJournal, step: int, state_dict: dict,
+               signal_name: str, handle: SaveHandle | None = None) -> Preempted:
     """The final save of a preemption notice over the engine's public methods (see
     :meth:`tierckpt.engine.TieredCheckpointer.save_for_preemption`; collective): every tier
-    at ``step`` (those ``handle``, a :class:`~tierckpt.handle.SaveHandle`, did not start yet,
-    with ``wait_previous``), the local tier waited for first, the persistent tier with what is
-    left of ``preemption_grace_s`` (seconds); the ``preemption`` ledger record (``journal``, a
-    :class:`~tierckpt.history.journal.RunJournal`) and the marker file for the launcher. Returns the :class:`Preempted` to raise."""
+    at ``step`` (those ``handle`` did not start yet, with ``wait_previous``), the local tier
+    waited for first, the persistent tier with what is left of ``preemption_grace_s``
+    (seconds); the ``preemption`` ledger record (``journal``) and the marker file for the
+    launcher. Returns the :class:`Preempted` to raise."""
     from concurrent.futures import TimeoutError as FuturesTimeout
-
-    from tierckpt.handle import SaveHandle
 
     cfg, t0 = engine.cfg, time.monotonic()
     earlier = [f"{r.tier} step {r.step}: {r.error}" for r in engine.unraised_failures()]

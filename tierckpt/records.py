@@ -19,7 +19,8 @@ Kinds (class, fields in the order they are written):
   sources, failures; model_only only when true, checksummed only when known.
 - ``schedule`` (:class:`ScheduleRecord`): trigger, at_step and the fields of
   :class:`tierckpt.sched.schedule.Decision`.
-- ``rollback`` (:class:`RollbackRecord`): from_step, to_step, trigger, superseded.
+- ``rollback`` (:class:`RollbackRecord`): from_step, to_step, trigger, superseded, cause, save_id;
+  failed and retry only when set.
 - ``preemption`` (:class:`PreemptionRecord`): step, signal, committed, seconds,
   earlier_failures.
 - ``redundancy`` (:class:`RedundancyRecord`): step, ok, nodes, missing, seconds, bytes, error;
@@ -471,26 +472,36 @@ class ScheduleRecord(LedgerRecord):
 
 @dataclass(frozen=True)
 class RollbackRecord(LedgerRecord):
-    """``rollback``: newer committed steps were superseded at this run's first commit
-    (:mod:`tierckpt.history.rollback`).
+    """``rollback``: copies of saves a new timeline passed over were superseded at this run's
+    first commit (:mod:`tierckpt.history.rollback`).
 
     Attributes:
-        from_step: head of the abandoned timeline.
+        from_step: head of the abandoned timeline (the step of the newest save passed over).
         to_step: step rolled back to.
         trigger: ``{"tier", "step"}`` of the commit that ran it.
-        superseded: copies passed over, as seen by the restore (``persistent/<s>``, ``local
-            node-<n>/<s>``, ``replica node-<src>@node-<holder>/<s>``): superseded at that commit,
-            or replaced where this run had already saved the same step number again.
-        cause: ``"fallback"`` when a restore could not serve the newest save; not written (None)
-            for a rollback by name.
+        superseded: the copies actually superseded (marker renamed) by every node, as they
+            reported it (``persistent/<s>``, ``local node-<n>/<s>``, ``replica
+            node-<src>@node-<holder>/<s>``); in a ``retry`` record, those superseded since the
+            previous record. A copy this run had already replaced (it saved the same step number
+            again) is not listed: it is no longer the abandoned save's.
+        failed: copies whose supersede failed, each ``"<copy>: <error>"`` (written only when
+            some did): retried at the next commits (a ``retry`` record names what then
+            succeeded) and, when still committed, by the next start's restore (a ``rollback``
+            with ``cause: "leftover"``).
+        retry: true in a record of a later commit's retry of the same rollback.
+        cause: ``"fallback"`` when a restore could not serve the newest save, ``"leftover"``
+            when it served the newest save but found copies of an abandoned timeline still
+            committed (an earlier rollback whose supersede did not complete: a node died, a rename
+            failed, a root hung); not written (None) for a rollback by name.
         save_id: the save restored (:mod:`tierckpt.history.timeline`); None when it records none.
     """
 
     KIND: ClassVar[str] = "rollback"
     _READERS = {"from_step": _count, "to_step": _count, "trigger": _dict, "superseded": _list, "cause": _str,
-                "save_id": _str}
+                "save_id": _str, "failed": _list, "retry": _bool}
     _READ_DEFAULTS = {"from_step": None, "to_step": None, "cause": None, "save_id": None}
     _OMIT_NONE = ("save_id", "cause")
+    _OMIT_FALSY = ("failed", "retry")
 
     from_step: int
     to_step: int
@@ -498,6 +509,8 @@ class RollbackRecord(LedgerRecord):
     superseded: list[str] = field(default_factory=list)
     cause: str | None = None
     save_id: str | None = None
+    failed: list[str] = field(default_factory=list)
+    retry: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,14 @@ Checks today:
 - :func:`check_wing_order`: every module of ``tierckpt/`` belongs to one wing of
   :data:`WING_ORDER`, and no import (module level, lazy or under ``TYPE_CHECKING``) reaches a
   wing above the importing module's own (docs/architecture.md shows the order);
+- :func:`check_adapter_imports`: the framework adapters (:data:`ADAPTERS`) import tierckpt only
+  through :data:`ADAPTER_SURFACE`: ``tierckpt`` (the user-facing names), ``tierckpt.integration``
+  (adapter plumbing) and the documented extension points ``tierckpt.io`` (its modules too) and
+  ``tierckpt.cli`` (docs/architecture.md, "Adapters");
 - :func:`check_engine_size`: ``tierckpt/engine.py`` has at most :data:`ENGINE_MAX_LINES` lines
   and the engine class at most :data:`ENGINE_MAX_METHODS` methods (issue 30; a new feature gets
-  its own module, not more engine).
+  its own module, not more engine); a ``property(...)`` or lambda in the class body counts as a
+  method, a typed ``ReadOnly`` attribute (:mod:`tierckpt.readonly`) does not and is printed apart.
 
 To add a check, write a ``check_*`` function returning a :class:`Check` and append it to
 :data:`CHECKS`.
@@ -62,9 +67,17 @@ ENGINE_CLASS = "TieredCheckpointer"
 
 LAZY_MODULES = ("tierckpt/__init__.py", "tierckpt/integration.py")
 
+ADAPTERS = ("titan_plugin", "mcore_plugin")
+"""The framework adapters: packages that build on the engine through its documented surface."""
+
+ADAPTER_SURFACE: tuple[tuple[str, bool], ...] = (
+    ("tierckpt", False), ("tierckpt.integration", False), ("tierckpt.io", True), ("tierckpt.cli", False))
+"""What an adapter may import of tierckpt: ``(module, its submodules too)``. Everything else of
+``tierckpt/`` is internal to the engine (docs/architecture.md, "Adapters")."""
+
 WING_ORDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("errors", "validators", "records", "priors", "handle", "preemption", "loader_signals", "gcpause",
-              "_lazy")),
+              "_lazy", "readonly")),
     ("cluster", ("cluster",)),
     ("io", ("io",)),
     ("config", ("config",)),
@@ -339,22 +352,107 @@ def check_mypy_coverage(root: Path) -> Check:
     return Check("mypy coverage", not problems, line + ("" if not problems else "; " + "; ".join(problems)))
 
 
+def _adapter_import_allowed(module: str) -> bool:
+    """Whether an adapter may import ``module`` (dotted; any module outside ``tierckpt``)."""
+    if module != "tierckpt" and not module.startswith("tierckpt."):
+        return True
+    return any(module == m or (subs and module.startswith(m + ".")) for m, subs in ADAPTER_SURFACE)
+
+
+def check_adapter_imports(root: Path) -> Check:
+    """Every import statement of :data:`ADAPTERS` (module level, lazy or under
+    ``TYPE_CHECKING``) that reaches ``tierckpt`` names a module of :data:`ADAPTER_SURFACE`
+    (``from tierckpt.io import layout`` and ``from tierckpt import TierConfig`` are fine;
+    ``from tierckpt.config import RULES`` is not, :mod:`tierckpt.integration` exports it, nor is
+    ``from tierckpt import startup``, a module)."""
+    problems: list[str] = []
+    count = 0
+    known = set(_tierckpt_modules(root)) if (root / "tierckpt").is_dir() else set()
+    for pkg in ADAPTERS:
+        if not (root / pkg).is_dir():
+            problems.append(f"adapter folder {pkg}/ is missing")
+            continue
+        for f in _package_files(root, pkg):
+            rel = f.relative_to(root).as_posix()
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Import):
+                    mods = [(a.name, node.lineno) for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                    # `from tierckpt import startup` reaches the module tierckpt.startup
+                    subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
+                    mods = [(m, node.lineno) for m in subs or [node.module]]
+                else:
+                    continue
+                for mod, lineno in mods:
+                    if mod.split(".")[0] != "tierckpt":
+                        continue
+                    count += 1
+                    if not _adapter_import_allowed(mod):
+                        problems.append(f"{rel}:{lineno} imports {mod}")
+    surface = ", ".join(m + (".*" if subs else "") for m, subs in ADAPTER_SURFACE)
+    line = f"{', '.join(ADAPTERS)} import tierckpt only through {surface}; {count} imports, {len(problems)} outside"
+    return Check("adapter imports", not problems, line + ("" if not problems else "; " + "; ".join(problems[:8])
+                                                         + (" …" if len(problems) > 8 else "")))
+
+
+READONLY_DESCRIPTOR = "ReadOnly"
+"""The class of a typed read-only attribute (:class:`tierckpt.readonly.ReadOnly`): a class-level
+``name: ReadOnly[T] = ReadOnly(...)`` is an attribute, not a method."""
+
+
+def _class_members(cls: ast.ClassDef) -> tuple[list[str], list[str]]:
+    """``(methods, read-only attributes)`` of a class body, by name.
+
+    A method is a ``def`` (properties and dunders included) or a class-level assignment whose
+    value is, or holds, a lambda or a call of anything but :data:`READONLY_DESCRIPTOR`
+    (``x = property(lambda self: ...)``, ``a, b = helper("a"), helper("b")``: each name counts,
+    since the call may make a property or a function). A read-only attribute is an assignment
+    of a ``ReadOnly(...)`` call. Plain constants count as neither."""
+    methods: list[str] = []
+    readonly: list[str] = []
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            methods.append(node.name)
+            continue
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        values = list(value.elts) if isinstance(value, ast.Tuple) else [value]
+        per_name = len(values) == len(names)
+        for i, name in enumerate(names):
+            part = values[i] if per_name else value
+            calls = [n for n in ast.walk(part) if isinstance(n, ast.Call)]
+            if isinstance(part, ast.Call) and ast.unparse(part.func).split(".")[-1] == READONLY_DESCRIPTOR \
+                    and not any(isinstance(n, ast.Lambda) for n in ast.walk(part)) and len(calls) == 1:
+                readonly.append(name)
+            elif calls or any(isinstance(n, ast.Lambda) for n in ast.walk(part)):
+                methods.append(name)
+    return methods, readonly
+
+
 def check_engine_size(root: Path) -> Check:
-    """``tierckpt/engine.py``'s line count ≤ :data:`ENGINE_MAX_LINES` and the number of methods
-    (``def`` directly in the class body, properties and dunders included) of
-    :data:`ENGINE_CLASS` ≤ :data:`ENGINE_MAX_METHODS`."""
+    """``tierckpt/engine.py``'s line count ≤ :data:`ENGINE_MAX_LINES` and the number of methods of
+    :data:`ENGINE_CLASS` ≤ :data:`ENGINE_MAX_METHODS` (:func:`_class_members`: every ``def``,
+    and every class-level lambda or call that may make a property or function; its ``ReadOnly``
+    attributes are counted and printed apart)."""
     path = root / ENGINE_FILE
     if not path.is_file():
         return Check("engine size", False, f"{ENGINE_FILE} is missing")
     text = path.read_text()
     lines = len(text.splitlines())
-    methods = 0
+    methods: list[str] = []
+    readonly: list[str] = []
     for node in ast.parse(text).body:
         if isinstance(node, ast.ClassDef) and node.name == ENGINE_CLASS:
-            methods = sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
-    ok = lines <= ENGINE_MAX_LINES and methods <= ENGINE_MAX_METHODS
+            methods, readonly = _class_members(node)
+    ok = lines <= ENGINE_MAX_LINES and len(methods) <= ENGINE_MAX_METHODS
     return Check("engine size", ok, f"{ENGINE_FILE}: {lines} lines (≤ {ENGINE_MAX_LINES}), "
-                 f"{ENGINE_CLASS}: {methods} methods (≤ {ENGINE_MAX_METHODS})")
+                 f"{ENGINE_CLASS}: {len(methods)} methods (≤ {ENGINE_MAX_METHODS}), "
+                 f"{len(readonly)} read-only attributes ({READONLY_DESCRIPTOR}, not methods)")
 
 
 def _wing_of(module: str) -> str | None:
@@ -419,7 +517,7 @@ def check_wing_order(root: Path) -> Check:
 
 
 CHECKS: list[Callable[[Path], Check]] = [check_public_names, check_ruff_coverage, check_mypy_coverage,
-                                         check_wing_order, check_engine_size]
+                                         check_wing_order, check_adapter_imports, check_engine_size]
 
 
 def run(root: Path = REPO) -> tuple[int, list[Check]]:

@@ -19,8 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from tierckpt import ConfigError, ScheduleOptions, TierConfig
-from tierckpt.config import SCHEDULE_RULES, validate_tiers
-from tierckpt.validators import Number, non_negative_int
+from tierckpt.integration import RULES, SCHEDULE_RULES, Number, non_negative_int, validate_tiers
 
 SECTION_RULES: dict[str, Number] = {
     "local_interval": non_negative_int(unit="steps", note="0 = no local tier"),
@@ -34,6 +33,31 @@ SECTION_RULES: dict[str, Number] = {
 ``ScheduleOptions`` value: TOML has no None, so 0 stands for "unset", and ``gpu_mtbf_hours``
 is in hours. Checked in the key's own terms before the mapping, so the message shows the value
 the user wrote; every other key is checked by ``TierConfig`` itself."""
+
+TITAN_RULES: dict[str, Number] = {
+    "interval": RULES["intervals"],  # the persistent tier's interval
+    "keep_latest_k": RULES["keep_latest_k"],  # the persistent tier's retention
+    "load_step": Number(integer=True, min=-1, unit="steps", note="-1 = the latest step"),
+}
+"""Rules of torchtitan's own numeric ``[checkpoint]`` keys (:func:`check_titan_keys`): the
+engine's, where the key sets a ``TierConfig`` value."""
+
+
+def check_titan_keys(ckpt) -> None:
+    """torchtitan's own numeric ``[checkpoint]`` keys by :data:`TITAN_RULES`, before torchtitan's
+    ``__post_init__`` (which raises ``ValueError`` or ``TypeError`` without the key's name, and
+    takes ``True`` as 1): ``checkpoint.interval: must be an integer number of steps >= 1, got -1``.
+
+    Raises:
+        ConfigError: named ``checkpoint.<key>``, with the allowed values; also
+            ``keep_latest_k = 1``, which torchtitan refuses (the newest step may still be saving).
+    """
+    for key, rule in TITAN_RULES.items():
+        rule(getattr(ckpt, key), f"checkpoint.{key}")
+    if ckpt.keep_latest_k == 1:
+        raise ConfigError("checkpoint.keep_latest_k", "must be 0 (keep all) or at least 2 (torchtitan keeps "
+                          "the newest step, which may still be being saved, and one more), got 1")
+
 
 # TierConfig / ScheduleOptions field -> [checkpoint] key, where the names differ. A mapping
 # entry ("keep_latest_k.local") is looked up first, then its field ("keep_latest_k").

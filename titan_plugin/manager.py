@@ -49,13 +49,12 @@ from torchtitan.components.checkpoint import DATALOADER, MODEL, CheckpointManage
 
 from tierckpt import (ConfigError, Preempted, RestoreResult, SaveHandle, TieredCheckpointer,
                       protect_loader_workers)
-from tierckpt.integration import (PeerFailure, RestoreRecord, VerificationError, all_gather, mark_phase, restore_metrics,
-                                  run_agreed, write_dcp)
+from tierckpt.integration import (PeerFailure, RestoreRecord, VerificationError, agree_loader_death, all_gather,
+                                  mark_phase, restore_metrics, run_agreed, write_dcp)
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
-from titan_plugin.config import build_tier_config, checkpoint_error
+from titan_plugin.config import build_tier_config, check_titan_keys, checkpoint_error
 from titan_plugin.dataloader import DataloaderPositions
-from titan_plugin.loader_death import agree_loader_death
 from titan_plugin.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
@@ -172,14 +171,17 @@ class TieredCheckpointManager(CheckpointManager):
         """Upper bound of adaptive intervals, steps (0 = none)."""
 
         def __post_init__(self) -> None:
-            """torchtitan's checks, then the tier keys through the engine's own validation
-            (:func:`titan_plugin.config.build_tier_config`: ``TierConfig``'s rules, errors named
-            ``checkpoint.<key>``), whether or not checkpointing is enabled.
+            """torchtitan's numeric keys by the engine's rules
+            (:func:`titan_plugin.config.check_titan_keys`), torchtitan's checks, then the tier keys
+            through the engine's own validation (:func:`titan_plugin.config.build_tier_config`:
+            ``TierConfig``'s rules, errors named ``checkpoint.<key>``), whether or not
+            checkpointing is enabled.
 
             Raises:
                 ConfigError: naming the ``checkpoint.*`` key and its allowed values.
-                ValueError: torchtitan's own checks (unnamed; the TOML front end names the key).
+                ValueError: torchtitan's other checks (unnamed; the TOML front end names the key).
             """
+            check_titan_keys(self)  # before torchtitan's own checks: `interval = "x"` is a TypeError there
             CheckpointManager.Config.__post_init__(self)
             # torchtitan's folder (never empty, checked above) stands in for an unset persistent_folder
             build_tier_config(self, self.persistent_folder or self.folder)
@@ -523,7 +525,7 @@ class TieredCheckpointManager(CheckpointManager):
         is saved as a notice at the end of a step would be. Every rank that left the loop on an
         exception calls this: the save runs only when every rank's fetch failed on the notice
         at the same step, agreed within ``collective_timeout_s``
-        (:func:`titan_plugin.loader_death.agree_loader_death`; a rank already inside a
+        (:func:`tierckpt.integration.agree_loader_death`; a rank already inside a
         collective must not leave the save hanging). Returns the
         :class:`~tierckpt.Preempted` to raise, or None when ``exc`` is something else (here or
         on another rank), no step finished in this run, or no agreement came in time."""

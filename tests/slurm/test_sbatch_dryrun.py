@@ -49,9 +49,10 @@ def _node0(out: str) -> list[str]:
     return shlex.split(line[len("node 0: "):])
 
 
-def _torchrun(py: str, port: int, nproc: int = 1) -> list[str]:
+def _torchrun(py: str, port: int, nproc: int = 1, shutdown: int = 90) -> list[str]:
+    # --shutdown-timeout: torchrun's 30 s would SIGKILL the ranks inside a 25 s preemption save
     return [py, "-m", "torch.distributed.run", "--nnodes=2", "--node-rank=0", f"--nproc-per-node={nproc}",
-            "--master-addr=gpu01", f"--master-port={port}", "--max-restarts=0"]
+            "--master-addr=gpu01", f"--master-port={port}", "--max-restarts=0", f"--shutdown-timeout={shutdown}"]
 
 
 PORT = 20000 + (1234 % 1500) * 8  # first attempt of job 1234
@@ -117,8 +118,16 @@ def test_titan_command_line(tmp_path):
         "--checkpoint.persistent_folder", "s3://bucket/run", "--training.steps", "5"]
 
 
+def test_titan_shutdown_timeout_is_passed_to_torchrun(tmp_path):
+    r = _run(tmp_path, "titan.sbatch", {"TIERCKPT_SHUTDOWN_TIMEOUT": "150"})
+    assert r.returncode == 0, r.stderr
+    assert _node0(r.stdout)[:10] == _torchrun(sys.executable, PORT, shutdown=150), r.stdout
+
+
 @pytest.mark.parametrize("var,value,needle", [
     ("TIERCKPT_REQUEUE", "sometimes", "allowed values: scontrol, exit, none"),
+    ("TIERCKPT_SHUTDOWN_TIMEOUT", "soon", "TIERCKPT_SHUTDOWN_TIMEOUT=soon: must be whole seconds >= 1"),
+    ("TIERCKPT_SHUTDOWN_TIMEOUT", "0", "TIERCKPT_SHUTDOWN_TIMEOUT=0: must be whole seconds >= 1"),
     ("TIERCKPT_MAX_ATTEMPTS", "0", "TIERCKPT_MAX_ATTEMPTS must be >= 1"),
     ("TIERCKPT_NPROC_PER_NODE", "eight", "TIERCKPT_NPROC_PER_NODE=eight: must be a non-negative integer"),
     ("TIERCKPT_TOML", "/nonexistent.toml", "TIERCKPT_TOML=/nonexistent.toml: no such file"),
@@ -182,6 +191,7 @@ esac
 FAKE_TORCHRUN = r"""#!/bin/bash
 rank=; for a in "$@"; do case "$a" in --node-rank=*) rank=${a#*=} ;; esac; done
 echo "node $rank attempt $TIERCKPT_RESTART_COUNT" >> "$FAKE_DIR/nodes"
+echo "$* | TIERCKPT_SHUTDOWN_TIMEOUT=${TIERCKPT_SHUTDOWN_TIMEOUT:-}" >> "$FAKE_DIR/args-$rank"
 summary() { printf 'Root Cause (first observed failure):\n[0]:\n  exitcode  : %s (pid: 1)\n' "$1" >&2; }
 case "$FAKE_MODE" in
   exit75) sleep 0.3; echo "titan_plugin.train: SIGUSR1 received: step 4 saved" >&2; summary 75; exit 1 ;;
@@ -238,6 +248,11 @@ def test_worker_exit_75_requeues_instead_of_retrying(tmp_path):
     assert ev[1][1]["preempted"] == "exit-75" and ev[2][1]["exclude"] == "-", ev
     assert "scontrol requeue 1234" in _calls(fake) and not any(c.startswith("scontrol update") for c in _calls(fake))
     assert (state / "attempts").read_text().strip() == "1"
+    # the node script gives torchrun its shutdown timeout and the ranks see it (start-up check)
+    for n in (0, 1):
+        args = (fake / f"args-{n}").read_text()
+        assert "--max-restarts=0 --shutdown-timeout=90 " in args and args.rstrip().endswith(
+            "| TIERCKPT_SHUTDOWN_TIMEOUT=90"), args
 
 
 def test_worker_crash_still_retried(tmp_path):

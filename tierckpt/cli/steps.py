@@ -31,6 +31,7 @@ from tierckpt.errors import ConfigError
 from tierckpt.history import lineage
 from tierckpt.cli.recovery import recovery_view
 from tierckpt.history.ledger import Ledger, summarize
+from tierckpt.history.timeline import is_legacy, of_manifest, save_key
 from tierckpt.io import manifest
 from tierckpt.io.layout import LEDGER, LINEAGE, MARKER, parse_node, parse_step
 from tierckpt.io.storage import Store
@@ -74,6 +75,16 @@ class StepDir:
     def lineage(self) -> str | None:
         """Lineage id the committed manifest records (None: uncommitted, or none recorded)."""
         return lineage.of_manifest(self.manifest)
+
+    @property
+    def save(self) -> tuple[str | None, tuple[int, int]]:
+        """(save_id, save_order) the committed manifest records (:func:`tierckpt.history.timeline.of_manifest`)."""
+        return of_manifest(self.manifest)
+
+    def save_label(self) -> str:
+        """``<generation>.<seq>`` of its save, ``-`` for an uncommitted copy or one without identity."""
+        sid, order = self.save
+        return "-" if not self.committed or is_legacy(sid, order) else f"{order[0]}.{order[1]}"
 
     def foreign(self, lineage_id: str | None) -> bool:
         """Whether restore ignores this committed node-local step or replica because it belongs
@@ -273,11 +284,16 @@ def resolve_lineage(value: str | None) -> str | None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """``tierckpt ls``: table (or JSON list) of every step directory under ``args.root``.
+    """``tierckpt ls``: table (or JSON list) of every step directory under ``args.root``, with
+    the save that wrote each committed copy (``save_id``, ``save_order``) and the copies of the
+    newest save by agreed order marked (``newest``; ``*`` in the table) — what a restore without
+    a step tries first, which is not the highest step number after a rollback or a fallback.
     With ``--lineage``, committed node-local steps and replicas of another lineage (which
     restore ignores and the next start deletes) are marked."""
     lineage_id = resolve_lineage(getattr(args, "lineage", None))
     steps = find_steps(args.root, args.max_depth)
+    newest, stale = newest_save(steps, lineage_id)
+    head = {id(x) for x in newest}
     rows: list[dict[str, Any]] = []
     for s in steps:
         files, nbytes = s.files_and_bytes()
@@ -290,6 +306,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "committed": s.committed,
                 "lineage": s.lineage,
                 "foreign": s.foreign(lineage_id),
+                "save_id": s.save[0] if s.committed else None,
+                "save_order": list(s.save[1]) if s.committed and not is_legacy(*s.save) else None,
+                "newest": id(s) in head,
                 "files": files,
                 "bytes": nbytes,
                 "path": s.path,
@@ -305,6 +324,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ("step", {"justify": "right"}),
         ("committed", {}),
         ("lineage", {}),
+        ("save", {"justify": "right"}),
         ("files", {"justify": "right"}),
         ("bytes", {"justify": "right"}),
         ("path", {"overflow": "fold"}),
@@ -314,7 +334,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for s, r in zip(steps, rows):
         table.add_row(
             s.tier, s.node_label(), str(s.step), _committed_label(s, lineage_id),
-            (s.lineage or "-")[:8], str(r["files"]), human_bytes(r["bytes"]), str(r["path"]),
+            (s.lineage or "-")[:8], s.save_label() + (" *" if id(s) in head else ""), str(r["files"]),
+            human_bytes(r["bytes"]), str(r["path"]),
         )
     con = _stdout()
     con.print(table)
@@ -322,7 +343,25 @@ def cmd_ls(args: argparse.Namespace) -> int:
     n_f = sum(1 for s in steps if s.foreign(lineage_id))
     con.print(f"{len(steps)} step directories, {n_c} committed, {len(steps) - n_c} uncommitted"
               + (f"; {n_f} committed of another lineage (restore ignores them)" if lineage_id else ""))
+    if newest:
+        con.print(f"newest save (*): step {newest[0].step}, save {newest[0].save[0] or 'without identity'} — what a restore "
+                  "without a step tries first (saves are ordered by save_order, not by step number)")
+    if stale:
+        con.print(f"{len(stale)} committed copies of higher steps belong to older saves (an abandoned timeline a "
+                  f"rollback or fallback has not superseded yet): steps {sorted({x.step for x in stale})}")
     return EXIT_OK
+
+
+def newest_save(steps: list[StepDir], lineage_id: str | None = None) -> tuple[list[StepDir], list[StepDir]]:
+    """(the committed copies of the newest save by agreed order (:func:`tierckpt.history.
+    timeline.save_key`: not the highest step number), the committed copies of higher steps
+    that belong to older saves) among ``steps``, other lineages' node-local copies left out."""
+    mine = [s for s in steps if s.committed and not s.foreign(lineage_id)]
+    if not mine:
+        return [], []
+    key = max(save_key(s.step, *s.save) for s in mine)
+    newest = [s for s in mine if save_key(s.step, *s.save) == key]
+    return newest, [s for s in mine if s.step > newest[0].step]
 
 
 # --------------------------------------------------------------------------------------------

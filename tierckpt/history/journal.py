@@ -121,13 +121,16 @@ class RunJournal:
         returns the line (for the trainer's metric writers)."""
         return self.ledger.append(ScheduleRecord.of(decision, trigger, at_step))
 
-    def rollback(self, rb, tier: str, step: int) -> None:
+    def rollback(self, rb, tier: str, step: int, *, superseded: Iterable[str], failed: Iterable[str] = (),
+                 retry: bool = False) -> None:
         """Append the ``rollback`` record of ``rb`` (a :class:`tierckpt.history.rollback.PendingRollback`)
-        run at the commit of ``tier`` step ``step``."""
+        run at the commit of ``tier`` step ``step``: ``superseded``, the copies every process
+        reported superseded (since the previous record of a ``retry``), ``failed`` those it could
+        not (``"<copy>: <error>"``)."""
         self.ledger.append(RollbackRecord(from_step=rb.from_step, to_step=rb.to_step,
-                                          trigger={"tier": tier, "step": step}, superseded=rb.planned(),
+                                          trigger={"tier": tier, "step": step}, superseded=list(superseded),
                                           cause=None if rb.cause == "rollback" else rb.cause,
-                                          save_id=rb.keep))
+                                          save_id=rb.keep, failed=list(failed), retry=retry))
 
     def preemption(self, step: int, signal: str, committed: dict[str, bool], seconds: float,
                    earlier_failures: list[str]) -> None:

@@ -18,8 +18,17 @@ Identity fields of a manifest:
   started (its node-local roots and the persistent tier, all-gathered), so a later run's saves
   order after every save it could have restored, whatever the hosts' clocks say.
 
-Copies written before save identities existed record neither: they form one legacy save
-(identity ``None``, ordered before every identified save), which is how they were planned before.
+Copies written before save identities existed record neither: they form one legacy save per
+step (identity ``None``), ordered by step among themselves and before every identified save,
+which is how they were planned before.
+
+**Which save is newest** (:func:`save_key`): the save order, never the step number. A restore
+without an explicit step resumes the newest save every node can be served from
+(:func:`tierckpt.restore.plan.choose`), retention keeps the newest ``keep_latest_k`` saves
+(:mod:`tierckpt.tiers.retention`), and ``durable_step`` is the run's last persistent save that
+still exists: a timeline abandoned by a rollback or a fallback whose copies are still committed
+(a node died before superseding them, a rename failed, a root hung while the restore listed
+it) holds higher step numbers but older saves, so it never wins over the new timeline.
 """
 
 from __future__ import annotations
@@ -91,6 +100,28 @@ def sort_key(save_id: str | None, order: tuple[int, int]) -> tuple:
     """Sort key of a save, newest last: its order, then its id (a tie only between runs that
     could not see each other's copies; broken the same way on every rank)."""
     return (tuple(order), save_id or "")
+
+
+def is_legacy(save_id: str | None, order: tuple[int, int]) -> bool:
+    """Whether a copy records no usable identity (ordered by its step, before every save that does)."""
+    return save_id is None or tuple(order) == LEGACY_ORDER
+
+
+def save_key(step: int, save_id: str | None, order: tuple[int, int]) -> tuple:
+    """Sort key of a copy of ``step`` written by save ``save_id`` (``order``), newest last: legacy
+    copies (:func:`is_legacy`) by step, before every identified save; identified saves by their
+    agreed order (then id, then step), whatever their step numbers."""
+    if is_legacy(save_id, order):
+        return (0, step, 0, save_id or "", step)
+    return (1, int(order[0]), int(order[1]), save_id or "", step)
+
+
+def newest_step(saves: dict[int, tuple[str | None, tuple[int, int]]]) -> int | None:
+    """The step of the newest save (:func:`save_key`) among ``{step: (save_id, order)}`` (e.g.
+    :meth:`tierckpt.tiers.persistent.PersistentTier.committed_saves`); None when empty."""
+    if not saves:
+        return None
+    return max(saves, key=lambda s: save_key(s, *saves[s]))
 
 
 class Timeline:

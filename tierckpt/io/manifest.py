@@ -137,14 +137,30 @@ def uncommit(store: Store, step_rel: str) -> None:
     store.remove(f"{step_rel}/{MARKER}")
 
 
-def supersede(store: Store, step_rel: str) -> bool:
+def supersede(store: Store, step_rel: str, strict: bool = False) -> bool:
     """Take a committed step out of the timeline after a rollback to an older step: the marker
     is renamed ``tierckpt.committed.superseded`` (data kept; rename it back to revive it).
-    Returns whether a marker was there."""
+    Returns whether a marker was there.
+
+    Raises:
+        OSError: ``strict`` and the rename failed for another reason than a missing marker
+            (without ``strict`` every failure is False)."""
     try:
         store.rename(f"{step_rel}/{MARKER}", f"{step_rel}/{MARKER}.superseded")
         return True
-    except (FileNotFoundError, OSError):
+    except FileNotFoundError:
+        return False
+    except OSError:
+        if strict:
+            raise
+        return False
+
+
+def superseded(store: Store, step_rel: str) -> bool:
+    """Whether a rollback superseded ``step_rel`` (its marker renamed by :func:`supersede`)."""
+    try:
+        return store.exists(f"{step_rel}/{MARKER}.superseded")
+    except OSError:
         return False
 
 

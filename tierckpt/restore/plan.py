@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tierckpt.cluster.topology import peers
-from tierckpt.history.timeline import LEGACY_ORDER, sort_key
+from tierckpt.history.timeline import LEGACY_ORDER, save_key, sort_key
 from tierckpt.io import layout
 
 OWN, REPLICA, CLUSTER, PERSISTENT = "own-local", "peer-replica", "in-cluster", "persistent"
@@ -112,13 +112,28 @@ class Inventory:
             return [None]
         return sorted(ids, key=lambda i: sort_key(i, self.orders.get(i, LEGACY_ORDER)), reverse=True)
 
+    def key(self, step: int, save_id: str | None) -> tuple:
+        """The agreed order of save ``save_id``'s copies of ``step`` (:func:`tierckpt.history.
+        timeline.save_key`: legacy copies by step, before every identified save)."""
+        return save_key(step, save_id, self.orders.get(save_id, LEGACY_ORDER))
+
+    def saves_newest_first(self) -> list[tuple[int, str | None]]:
+        """Every (step, save id) holding a committed copy, newest save first by agreed order —
+        not by step number: an abandoned timeline's higher steps come after the new timeline's
+        saves (:mod:`tierckpt.history.timeline`)."""
+        pairs = [(s, sid) for s in self.all_steps() for sid in self.save_ids(s)]
+        return sorted(pairs, key=lambda p: self.key(*p), reverse=True)
+
     def newest_save(self) -> tuple[int, str | None] | None:
-        """(step, save id) of the newest save holding any committed copy, None when empty."""
-        steps = self.all_steps()
-        if not steps:
-            return None
-        s = max(steps)
-        return s, self.save_ids(s)[0]
+        """(step, save id) of the newest save (by agreed order) holding any committed copy,
+        None when empty."""
+        pairs = self.saves_newest_first()
+        return pairs[0] if pairs else None
+
+    def newest_persistent(self) -> int | None:
+        """The persistent step of the newest save (by agreed order), None without one."""
+        steps = sorted(self.persistent, key=lambda s: self.key(s, self.persistent_ids.get(s)))
+        return steps[-1] if steps else None
 
     def view(self, step: int, save_id: str | None) -> Inventory:
         """This inventory with only the copies of ``step`` that save ``save_id`` wrote (the
@@ -195,9 +210,11 @@ def choose(inv: Inventory, nodes: int, bad: set, step: int | None = None,
     """Newest save (of exactly ``step`` when given) that every node can be served from, using
     only copies of that one save.
 
-    Steps are tried newest first and, within a step, the saves holding copies of it newest first
-    by agreed order (:mod:`tierckpt.history.timeline`): copies of two saves under one step number
-    (a fallback's new timeline next to the old one's leftovers) are never combined. A save of the
+    Saves are tried newest first by agreed order (:meth:`Inventory.saves_newest_first`, never by
+    step number or time: an abandoned timeline's higher steps whose copies are still committed
+    come after the new timeline's saves; legacy copies without identity by step, before them);
+    with ``step``, the saves holding copies of it, newest first. Copies of two saves under one
+    step number (a fallback's new timeline next to the old one's leftovers) are never combined. A save of the
     same shape as this job is planned per node (own-local > peer-replica > persistent). When the
     shape differs, or some node has no per-node source left (e.g. a parallelism change at the
     same world size made every per-node source fail its coverage check), every node reads it
@@ -220,13 +237,12 @@ def choose(inv: Inventory, nodes: int, bad: set, step: int | None = None,
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown restore source kind(s) {sorted(unknown)}; allowed: {list(KINDS)}")
-    candidates = [step] if step is not None else sorted(inv.all_steps(), reverse=True)
-    for s in candidates:
-        for sid in inv.save_ids(s):
-            v = inv.view(s, sid)
-            sources = _plan_one(v, s, nodes, bad, world_size, kinds)
-            if sources is not None:
-                return Choice(s, sources, sid, v)
+    candidates = [(step, sid) for sid in inv.save_ids(step)] if step is not None else inv.saves_newest_first()
+    for s, sid in candidates:
+        v = inv.view(s, sid)
+        sources = _plan_one(v, s, nodes, bad, world_size, kinds)
+        if sources is not None:
+            return Choice(s, sources, sid, v)
     return None
 
 

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from tierckpt.history.rollback import EXPLICIT, FALLBACK
+from tierckpt.history.rollback import EXPLICIT, FALLBACK, LEFTOVER
 from tierckpt.restore import redundancy
 from tierckpt.restore.plan import KINDS, PERSISTENT
 from tierckpt.restore.restorer import RestoreResult
@@ -72,10 +72,12 @@ class Resume:
         self.timeline.restored()
         if rollback or step is None:
             # a training run from an older save starts a new timeline: by name, or because the
-            # newest save could not be served (a fallback); saves passed over are superseded at
-            # this run's first commit (tierckpt/history/rollback.py)
-            self.rollback.arm(res.step, self.restorer.last_inventory, res.save_id, self.timeline.run,
-                              self.timeline.next_seq, EXPLICIT if rollback else FALLBACK)
+            # newest save could not be served (a fallback); saves passed over — and an abandoned
+            # timeline's copies an earlier supersede left committed (leftovers) — are superseded
+            # at this run's first commit (tierckpt/history/rollback.py)
+            inv = self.restorer.last_inventory
+            cause = EXPLICIT if rollback else LEFTOVER if inv.newest_save() == (res.step, res.save_id) else FALLBACK
+            self.rollback.arm(res.step, inv, res.save_id, self.timeline.run, self.timeline.next_seq, cause)
         self.gate.restored(res.step, all(o.source.kind != PERSISTENT for o in res.sources.values()))
         if self.gate.schedule is not None:
             self.gate.schedule.after_restore(res.step, groups.local_world)

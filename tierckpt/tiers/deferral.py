@@ -35,7 +35,8 @@ class BusyPoll:
         rank: global rank (rank 0 logs).
         ledger_append: appends a record to the ledger (global rank 0 writes).
         stuck_nodes: ``stuck_nodes()``, the nodes whose local job is still writing or deleting
-            in their root (collective over the control group; :meth:`TierJobs.stuck_nodes`):
+            in their root (collective over the control group;
+            :meth:`~tierckpt.tiers.hung.HungDiskVote.stuck_nodes`):
             a deferred local save names them, once per running job (a hung disk must be
             findable from the ledger).
     """

@@ -3,7 +3,8 @@ scheduling object.
 
 :class:`SaveGate` decides, on the trainer's thread, for each tier due at a step: deferred while
 its previous save still runs (``busy_tier_policy`` "defer", agreed: :mod:`tierckpt.tiers.deferral`),
-skipped while a hung local disk outlives ``local_wait_timeout_s`` (:meth:`TierJobs.local_ready`)
+skipped while a hung local disk outlives ``local_wait_timeout_s``
+(:meth:`tierckpt.tiers.hung.HungDiskVote.local_ready`)
 or while the RAM root is too small (:class:`tierckpt.tiers.ram.RamGuard`), else waited for,
 its previous failure raised by the ``warn_only`` policy, and the interval decision made after
 it applied (:mod:`tierckpt.sched.driver`). On the tiers' threads it keeps the bookkeeping of
@@ -50,10 +51,10 @@ class SaveGate:
     Attributes:
         history: this rank's agreed :class:`~tierckpt.records.CheckpointRecord` s, in order
             (saves, deferred and skipped tiers).
-        local_anchor: newest step every node committed to its local tier (all-gathered ok
-            flags, or a restore served by the local tier); retention keeps it on every node
-            beyond ``keep_latest_k``. None: none known.
-        persistent_committed: persistent steps committed by this run, in order.
+        local_anchor: the step of the newest save (in save order: this run's last) every node
+            committed to its local tier (all-gathered ok flags, or a restore served by the local
+            tier); retention keeps it on every node beyond ``keep_latest_k``. None: none known.
+        persistent_committed: persistent steps committed by this run, in order (save order).
         schedule: as given.
         saved_any: whether a save started a tier job in this run.
     """
@@ -141,7 +142,7 @@ class SaveGate:
             if not finished.get(t, True):
                 rec = self.busy.deferred(t, step, t0, "busy_tier_policy = defer")
             elif t == "local" and t not in defer:
-                ready, t_local, rec = self.jobs.local_ready(step)
+                ready, t_local, rec = self.jobs.vote.local_ready(step)
                 if not ready:
                     t_skip = t_local
             if rec is not None:  # deferred or skipped: nothing staged for this tier
@@ -196,11 +197,12 @@ class SaveGate:
                 and (r.tier, r.step) not in self._raised]
 
     def durable_step(self, persistent: PersistentTier, rank: int) -> int | None:
-        """The newest persistent step of this run that still exists (global rank 0 checks the
-        shared root: it writes ``run_end``; other ranks take the newest committed)."""
+        """The persistent step of this run's newest save (save order: its last commit, whatever
+        the step numbers — a later restore may have rolled back) that still exists (global rank 0
+        checks the shared root: it writes ``run_end``; other ranks take the last committed)."""
         if rank == 0:
             return persistent.newest_still_committed(self.persistent_committed, self.cfg.read_timeout_s)
-        return max(self.persistent_committed, default=None)
+        return self.persistent_committed[-1] if self.persistent_committed else None
 
     def end_run(self, journal: RunJournal, persistent: PersistentTier, rank: int, clean: bool, reason: str,
                 stuck: list[str], at_exit: dict | None) -> tuple[list[CheckpointRecord], int | None, OSError | None]:
@@ -259,12 +261,12 @@ class SaveGate:
         next interval decision."""
         with self.lock:
             self.history.append(rec)
-            if tier == "local" and rec.ok and (self.local_anchor is None or step > self.local_anchor):
+            if tier == "local" and rec.ok:  # the lane is FIFO: its last committed save is the newest
                 self.local_anchor = step
             if tier == "persistent" and rec.ok:
                 self.persistent_committed.append(step)
-        if rec.ok and self.rollback.armed:
-            self.rollback.finish(tier, step)
+        if rec.ok and self.rollback.wants(tier):  # the same record on every rank: may exchange over group
+            self.rollback.finish(tier, step, group)
         if self.schedule is not None:
             self.schedule.after_record(tier, step, rec, group)
 
@@ -286,5 +288,5 @@ def build_gate(cfg: TierConfig, topo: Topology, groups: Groups, local: LocalTier
     jobs = TierJobs(cfg, topo, groups, local, persistent, in_use, journal, on_record=gate.after_record,
                     local_anchor=gate.anchor, interference=schedule.cadence.interference_of if schedule else None)
     gate.attach(jobs, BusyPoll(jobs.lanes, groups.control, topo.rank, journal.ledger.append,
-                               stuck_nodes=functools.partial(jobs.stuck_nodes, False)))
+                               stuck_nodes=functools.partial(jobs.vote.stuck_nodes, False)))
     return gate, jobs

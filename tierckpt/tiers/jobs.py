@@ -1,12 +1,15 @@
-"""The background half of a save: one worker thread per tier, the job each runs, and the vote
-that skips the local tier while its previous save hangs.
+"""The background half of a save: the tiers' lanes (one worker thread each) and the save job
+each runs.
 
 A local job writes the node's step (:mod:`tierckpt.tiers.local_tier`), replicates it
 (:mod:`tierckpt.tiers.replication`), records the agreed outcome and applies retention. A
 persistent job writes the global step (:mod:`tierckpt.tiers.persistent`), records, applies
-retention. After a restore, a redundancy job on the local worker copies the restored step to
-the clique peers that lack it (:meth:`TierJobs.submit_redundancy`). Nothing a job hits may reach the trainer's thread: every failure becomes a failed
+retention. Nothing a job hits may reach the trainer's thread: every failure becomes a failed
 :class:`~tierckpt.records.CheckpointRecord`, which the engine's failure policy raises or not.
+
+Elsewhere: the vote that skips the local tier while its previous save hangs
+(:mod:`tierckpt.tiers.hung`, :attr:`TierJobs.vote`), and the replica rebuild a restore queues
+on the local lane (:mod:`tierckpt.restore.redundancy`).
 """
 
 from __future__ import annotations
@@ -17,18 +20,16 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Iterable
 
-import torch
-import torch.distributed as dist
-
 from tierckpt.config import TierConfig
-from tierckpt.cluster.collectives import FAILURES, all_gather, first_by_rank, gather_reduced, union
+from tierckpt.cluster.collectives import FAILURES, gather_reduced
 from tierckpt.cluster.topology import Groups, Topology
 from tierckpt.history.journal import RunJournal
 from tierckpt.history.timeline import SaveIdentity
 from tierckpt.staging.pool import StagingSlot
 from tierckpt.io.storage import Store
-from tierckpt.records import CheckpointRecord, RedundancyRecord
+from tierckpt.records import CheckpointRecord
 from tierckpt.tiers import retention
+from tierckpt.tiers.hung import HungDiskVote
 from tierckpt.tiers.local_tier import LocalTier
 from tierckpt.tiers.persistent import PersistentTier
 from tierckpt.tiers.replication import replicate
@@ -58,6 +59,7 @@ class TierJobs:
 
     Attributes:
         lanes: ``{tier: Lane}``, one per configured tier.
+        vote: the hung-disk vote over the local lane (:class:`~tierckpt.tiers.hung.HungDiskVote`).
         owner: the engine, set by it: a job running on a lane references these jobs, and so
             keeps its engine alive for the exit hook to finish (:mod:`tierckpt.exit`).
     """
@@ -71,10 +73,11 @@ class TierJobs:
         self.local, self.persistent, self.in_use, self.journal = local, persistent, in_use, journal
         self._on_record, self._local_anchor = on_record, local_anchor
         self.lanes: dict[str, Lane] = {t: Lane(t) for t in cfg.tiers}
+        self.vote = HungDiskVote(self.lanes, cfg, topo, groups, journal)
         self.owner: object = None
 
     def _phase(self, phase: str) -> None:
-        """Where this rank's local job is now (named by the hung-disk vote)."""
+        """Where this rank's local job is now (named by the hung-disk vote, :mod:`tierckpt.tiers.hung`)."""
         self.lanes["local"].phase = phase
 
     # -- trainer thread ------------------------------------------------------------------------
@@ -99,141 +102,6 @@ class TierJobs:
     def previous(self, tier: str) -> CheckpointRecord | None:
         """Wait for ``tier``'s latest save; its record (None if it never ran)."""
         return self.lanes[tier].latest_record()
-
-    def local_ready(self, step: int) -> tuple[bool, float, CheckpointRecord | None]:
-        """Whether the local tier saves at ``step``, the seconds spent deciding, and the skipped
-        record when it does not.
-
-        Ready when its previous save finished on every rank within ``local_wait_timeout_s``
-        (collective over the control group once a local save exists; the same answer on every
-        rank). A save that already outlived one full wait is only polled afterwards, so a disk
-        that stays hung costs one wait, not one per interval. Not ready: a warning naming the
-        nodes whose disk is stuck and a skipped ``checkpoint`` record in the ledger; a hung
-        node-local disk must not stall training."""
-        lane, limit = self.lanes["local"], self.cfg.local_wait_timeout_s
-        if lane.tail is None or not limit:
-            return True, 0.0, None  # jobs are queued at the same point on every rank: no collective needed
-        t0 = time.perf_counter()
-        done = int(lane.wait_tail(limit))
-        flag = torch.tensor([done], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.groups.control)
-        if int(flag.item()) == 1:
-            lane.overdue = None
-            return True, time.perf_counter() - t0, None
-        rec = self._skipped_record(step, done, t0)
-        return False, rec.wait_s or 0.0, rec
-
-    def _skipped_record(self, step: int, done: int, t0: float) -> CheckpointRecord:
-        """The agreed "local tier skipped" record (collective over the control group): the stuck
-        disk is on the nodes still writing or deleting; their peers merely wait for them."""
-        stuck = self.stuck_nodes(bool(done))
-        waited = time.perf_counter() - t0
-        error = (f"local save of step {self.lanes['local'].step} still running on node(s) {stuck} "
-                 f"(local_wait_timeout_s = {self.cfg.local_wait_timeout_s:g}s); local tier skipped")
-        if self.topo.rank == 0:  # agreed over every rank: say it once
-            log.warning("tierckpt: step %d: %s; training and the persistent tier continue", step, error)
-        rec = CheckpointRecord(tier="local", step=step, ok=False, skipped=True, error=error, stuck_nodes=stuck,
-                               blocking_s=waited, wait_s=waited)
-        self.journal.ledger.append(rec)
-        return rec
-
-    def stuck_nodes(self, done: bool) -> list[int]:
-        """The nodes whose local job is stuck, from every rank's phase (collective over the
-        control group): the ones writing or deleting in their root; when none is (a hang
-        inside a transfer), every node still running. [] when every job finished."""
-        phases = all_gather((self.topo.node, "done" if done else self.lanes["local"].phase), self.groups.control)
-        return sorted({n for n, ph in phases if ph in ("save", "retention")}) or \
-            sorted({n for n, ph in phases if ph != "done"})
-
-    def stuck_before_restore(self) -> list[int]:
-        """Wait at most ``local_wait_timeout_s`` for everything queued on the local lane
-        before a restore; the nodes whose local job still runs then (agreed: collective over the
-        control group once a local job exists; [] when all finished, or without a limit, after
-        waiting for them). A job that already outlived a full wait is only polled."""
-        lane, limit = self.lanes["local"], self.cfg.local_wait_timeout_s
-        if lane.tail is None:
-            return []
-        if not limit:
-            lane.wait_tail(None)
-            return []
-        return self.stuck_nodes(lane.wait_tail(limit))
-
-    def submit_pull_commit(self, commit: Callable[[], RedundancyRecord | None]) -> Future:
-        """Queue ``commit`` (a restore's :meth:`~tierckpt.restore.restorer.Restorer.commit_pending`
-        then its replica rebuild, over groups no foreground collective uses) on the local lane:
-        the pulled copies are written, committed and swapped in while training resumes, before
-        any later local save or retention touches the root. Resolves to what ``commit`` returns
-        (the ``redundancy`` record, or None); a failure is logged and resolves to None, never
-        raised (the state was loaded already; the copies come back at the next local save)."""
-        def job() -> RedundancyRecord | None:
-            self._phase("save")  # writes and renames in the root: a hung disk shows here
-            try:
-                return commit()
-            except FAILURES as e:
-                log.warning("tierckpt: committing the restore's pulled copies failed on node %d: %s: %s",
-                            self.topo.node, type(e).__name__, e)
-                return None
-            finally:
-                self._phase("done")
-
-        return self.lanes["local"].submit_rebuild(job)
-
-    def submit_redundancy(self, step: int, pairs: dict[tuple[int, int], str], missing: list[int],
-                          groups: Groups) -> Future:
-        """Queue on the local lane the copies a restore left missing: ``pairs`` {(node, peer):
-        node's directory of its state of ``step``} (the same on every rank); ``missing``: nodes
-        no copy can be made of now. The job runs over ``groups``, which no foreground collective
-        uses, and resolves to the agreed :class:`~tierckpt.records.RedundancyRecord` (never raises)."""
-        return self.lanes["local"].submit_rebuild(self.redundancy_job, step, pairs, missing, groups)
-
-    def redundancy_job(self, step: int, pairs: dict[tuple[int, int], str], missing: list[int],
-                       groups: Groups) -> RedundancyRecord:
-        """Copy ``pairs`` with :func:`~tierckpt.tiers.replication.replicate`, agree on what
-        committed and write the ``redundancy`` ledger record."""
-        assert self.local is not None  # submitted only when the local tier is configured
-        t0 = time.perf_counter()
-        self._phase("redundancy")
-        src_rels = {n: rel for (n, _), rel in pairs.items()}
-        keys = ["local:" + rel for n, rel in src_rels.items() if n == self.topo.node]
-        for k in keys:  # retention must not delete a source while it is sent
-            self.in_use.hold(k)
-        committed, failed, nbytes = [], {}, 0
-        try:
-            rep = replicate(self.local.store, self.topo, groups.local_world, groups.node, step, True,
-                            self.cfg.transfer_chunk_bytes, pairs=set(pairs), src_rels=src_rels)
-            committed, failed, nbytes = rep.committed, rep.failed, rep.bytes_received
-        except FAILURES as e:  # reported in the record; every rank still reaches the agreement
-            failed = {-1: f"{type(e).__name__}: {e}"}
-        finally:
-            for k in keys:
-                self.in_use.drop(k)
-        rec = self._agree_redundancy(step, pairs, missing, committed, failed, nbytes, groups, t0)
-        self._phase("done")
-        return rec
-
-    def _agree_redundancy(self, step, pairs, missing, committed, failed, nbytes, groups, t0) -> RedundancyRecord:
-        """The agreed ``redundancy`` record of a rebuild (collective over ``groups.local_world``)."""
-        try:
-            # per node: the copies it committed; per rank: its first error and bytes received
-            node = self.topo.node
-            got, errors, total = gather_reduced(
-                ({(src, node) for src in committed},
-                 [(self.topo.rank, f"node {src}→node {node}: {why}") for src, why in list(failed.items())[:1]],
-                 nbytes), groups.local_world, _merge_redundancy)
-            still = sorted(set(missing) | {n for n, p in pairs if (n, p) not in got})
-            rebuilt = sorted({n for n, _ in pairs} - set(still))
-            rec = self.journal.redundancy(step, ok=not still, nodes=rebuilt, missing=still,
-                                          seconds=time.perf_counter() - t0, nbytes=total,
-                                          error=errors[0][1] if errors else None)
-        except FAILURES as e:
-            log.warning("tierckpt: could not agree on the redundancy of step %d: %s", step, e)
-            rec = RedundancyRecord(step=step, ok=False, missing=sorted({n for n, _ in pairs} | set(missing)),
-                                   error=f"agreement failed: {type(e).__name__}: {e}")
-        if self.topo.rank == 0:
-            log.info("tierckpt: redundancy of restored step %d: %s (copied node(s) %s in %.2fs)%s", step,
-                     "back" if rec.ok else f"missing for node(s) {rec.missing}", rec.nodes, rec.seconds,
-                     f": {rec.error}" if rec.error else "")
-        return rec
 
     def wait(self, tiers: Iterable[str], step: int | None, bounded: bool) -> dict[str, bool]:
         """Wait for the latest job of each of ``tiers`` (only saves started at ``step`` when
@@ -260,7 +128,7 @@ class TierJobs:
         self.wait([t for t in self.cfg.tiers if t != "local"], None, bounded=False)
         if "local" not in self.cfg.tiers:
             return []
-        stuck = self.stuck_before_restore()
+        stuck = self.vote.stuck_before_restore()
         if stuck and self.topo.rank == 0:
             log.warning("tierckpt: restore: a local-tier job is still running on node(s) %s after "
                         "local_wait_timeout_s = %gs; restoring without their local roots", stuck,
@@ -422,12 +290,6 @@ def merge_stats(parts: list[tuple]) -> tuple:
     head = min(failed or parts, key=lambda p: p[0])
     return (head[0], all(p[1] for p in parts), head[2], sum(p[3] for p in parts),
             max(p[4] for p in parts), max(p[5] for p in parts))
-
-
-def _merge_redundancy(parts: list[tuple]) -> tuple:
-    """``reduce`` of ``({(src, holder) committed}, [(rank, first error)], bytes)``: union, the
-    lowest rank's error, sum (the same per node then over nodes as over all ranks at once)."""
-    return union([p[0] for p in parts]), first_by_rank(1)([p[1] for p in parts]), sum(p[2] for p in parts)
 
 
 def describe_failure(e: BaseException, store: Store) -> str:

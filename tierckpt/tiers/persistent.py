@@ -30,7 +30,7 @@ from tierckpt.io.dcp_io import (
     hashing_writer,
 )
 from tierckpt.io.planner import PerRankSavePlanner, VerifyingLoadPlanner
-from tierckpt.history.timeline import SaveIdentity, of_manifest
+from tierckpt.history.timeline import SaveIdentity, newest_step, of_manifest
 from tierckpt.errors import ReadTimeout
 from tierckpt.io.storage import Store
 from tierckpt.tiers.commit import save_step
@@ -176,17 +176,20 @@ class PersistentTier:
         return sorted(self.committed_saves())
 
     def newest_still_committed(self, steps: list[int], timeout_s: float | None = None) -> int | None:
-        """The newest of ``steps`` whose directory is still committed (each marker read, newest
-        first: retention or a rollback may have taken one out since it was committed); None when
-        none is. What a run's ``durable_step`` may name: a step that exists.
+        """The newest of ``steps`` (in the order given, last newest: a run's commits in save
+        order, whatever the step numbers) whose directory is still committed (each marker read,
+        newest first: retention or a rollback may have taken one out since it was committed);
+        None when none is. What a run's ``durable_step`` may name: a step that exists.
 
         ``timeout_s``: the reads are bounded (:func:`tierckpt.io.bounded.run_bounded`, seconds
         without progress): when the persistent root stops answering (a hung shared file
         system), the newest of ``steps`` is returned unverified, with a warning — this run
         committed it, and a close (or an exit) must not wait forever to confirm it. None:
         unbounded."""
+        newest_first = list(dict.fromkeys(reversed(steps)))
+
         def newest(progress=None) -> int | None:
-            for s in sorted(set(steps), reverse=True):
+            for s in newest_first:
                 if progress is not None:
                     progress.tick(self.store.url_of(layout.persistent_step(s)))
                 try:
@@ -202,8 +205,13 @@ class PersistentTier:
             return run_bounded(newest, timeout_s, f"confirming the committed steps of {self.store.url}",
                                name="tierckpt-durable")
         except ReadTimeout as e:
-            log.warning("tierckpt: %s; naming step %d durable unconfirmed (this run committed it)", e, max(steps))
-            return max(steps)
+            log.warning("tierckpt: %s; naming step %d durable unconfirmed (this run committed it)", e, newest_first[0])
+            return newest_first[0]
+
+    def newest_save_step(self) -> int | None:
+        """The committed step of the newest save by agreed order (:func:`tierckpt.history.timeline.
+        newest_step`: not the highest step number), None when none is committed."""
+        return newest_step(self.committed_saves())
 
     def committed_saves_bounded(self, timeout_s: float) -> dict[int, tuple[str | None, tuple[int, int]]]:
         """:meth:`committed_saves` bounded by ``timeout_s`` seconds without progress (a tick per

@@ -1,5 +1,12 @@
 """Retention: keep the newest ``keep_latest_k`` committed steps of each tier.
 
+"Newest" is the agreed save order (:func:`tierckpt.history.timeline.save_key`), not the step
+number: after a rollback or a fallback, the new timeline's steps are newer than an abandoned
+timeline's higher step numbers whose copies are still committed (a supersede that did not
+happen yet, or failed), so retention never deletes the step a new timeline just committed in
+favour of an abandoned (or corrupt) one. Copies without identity (written before save
+identities) are the oldest, by step.
+
 Rules (a retention that deletes the step a restore is reading, or the only complete one, loses a
 committed checkpoint):
 - a step in ``in_use`` (being written or read right now) is never deleted;
@@ -28,6 +35,7 @@ import logging
 import threading
 
 from tierckpt.history import lineage
+from tierckpt.history.timeline import of_manifest, save_key
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 
@@ -67,7 +75,8 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
     """Apply the rules to the ``step-<N>`` directories under ``parent`` of ``store``.
 
     Args:
-        keep_k: committed steps to keep (0 = keep every committed step; torn ones still go).
+        keep_k: committed steps to keep, the newest saves by agreed order (0 = keep every
+            committed step; torn ones still go).
         key_prefix: prefix of the ``in_use`` keys of this directory (``key_prefix + step_rel``).
         only_marked_torn: delete only torn directories holding ``tierckpt.inprogress``.
         protect: committed steps kept in addition to the newest ``keep_k``.
@@ -85,7 +94,8 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
     docs = {s: manifest.read_committed(store, rel(s)) for s in steps}
     foreign = {s: lineage.of_manifest(d) for s, d in docs.items()
                if d is not None and lineage.is_foreign(d, lineage_id, adopt_unlabelled)}
-    committed = [s for s in steps if docs[s] is not None and s not in foreign]
+    committed = sorted((s for s in steps if docs[s] is not None and s not in foreign),
+                       key=lambda s: save_key(s, *of_manifest(docs[s])))  # oldest save first
     keep = (set(committed[-keep_k:]) | (set(protect) & set(committed))) if keep_k > 0 else set(committed)
     torn = [s for s in steps if docs[s] is None
             and (drop_superseded or not store.exists(f"{rel(s)}/{layout.MARKER}.superseded"))
