@@ -711,7 +711,10 @@ class LocalLauncher:
 
     def _refit(self, nodes: int) -> list[str]:
         fut = self._fits.get(nodes)
-        return list(fut.result() if fut is not None else self.reconfigure(nodes, self.nproc_per_node))
+        if fut is not None:
+            return list(fut.result())
+        assert self.reconfigure is not None
+        return list(self.reconfigure(nodes, self.nproc_per_node))
 
     def _poll_nodes(self, a: Attempt) -> None:
         """Refresh ``a.rcs`` (and, warm, the agents' events and the failing worker's status)."""
@@ -777,7 +780,7 @@ class LocalLauncher:
             bad = [(i, rc) for i, rc in enumerate(a.rcs) if rc is not None and rc != 0]
             if bad:
                 self._failed(a, bad[0][0], "lost-node" if a.lost else "node-failure")
-                return a.rcs[a.failed_node] or 1
+                return a.rcs[bad[0][0]] or 1
             verdict = a.agent.verdict() if a.agent is not None else None
             if verdict is not None:
                 self._hung(a, verdict)

@@ -7,9 +7,9 @@ each in its wing (docs/architecture.md): the start (:mod:`tierckpt.startup`); ``
 record → retention; persistent tier → agreed record → retention); ``restore()``
 (:class:`~tierckpt.restore.resume.Resume`): drain the lanes, :class:`~tierckpt.restore.Restorer`,
 the record, an armed rollback, the restart's interval decision, the replica rebuild
-(:mod:`tierckpt.restore.redundancy`); ``save_for_preemption()``
-(:func:`tierckpt.preemption.final_save`); ``close()``: finish the lanes, the ``run_end``
-record, raise what was not raised.
+(:mod:`tierckpt.restore.redundancy`); ``observe_step()``: the scheduler's sample, the
+restart's ``recovery`` record (:mod:`tierckpt.recovery.timeline`); ``save_for_preemption()``
+(:func:`tierckpt.preemption.final_save`); ``close()``: finish the lanes, ``run_end``, raise.
 """
 
 from __future__ import annotations
@@ -141,9 +141,8 @@ class TieredCheckpointer:
         """Tiers due at ``step`` under ``TierConfig.intervals`` (same answer on every rank).
 
         A tier whose save was deferred (``busy_tier_policy`` "defer") is due at the first step
-        where its previous save finished on every rank, then follows its interval again. While
-        such a tier waits this is collective over the control group (one 4-byte all-reduce per
-        waiting tier and step): every rank calls it at the same steps, as it calls ``save()``.
+        its previous save finished on every rank, then follows its interval. While it waits,
+        this is collective (a 4-byte all-reduce per waiting tier and step), like ``save()``.
 
         Raises:
             RuntimeError: no ``intervals`` configured.
@@ -151,9 +150,8 @@ class TieredCheckpointer:
         return self._gate.due(step)
 
     def observe_step(self, seconds: float) -> None:
-        """Report a step's wall time (seconds, no checkpoint stalls; 0: unknown) to the scheduler, every step on
-        every rank, right after it (overlapping tiers are charged its slowdown: :mod:`tierckpt.sched.schedule`).
-        Cheap; the first call after a restore is collective: the ``recovery`` record (:mod:`tierckpt.recovery`)."""
+        """A step's wall time (s, no checkpoint stalls; 0: unknown), every rank after every step (collective once
+        after a restore): the scheduler's sample (:mod:`tierckpt.sched.schedule`), the ``recovery`` record."""
         self._recovery.step_done(self._resume)
         if self._gate.schedule is not None:
             self._gate.schedule.cadence.record_step(seconds, self._jobs.busy_during(seconds))

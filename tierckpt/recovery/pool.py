@@ -230,9 +230,9 @@ class AgentPool:
         h = self.handles.get(slot)
         if h is None:
             return
-        for pid in [*h.pids]:
+        for rank_pid in [*h.pids]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+                os.killpg(rank_pid, signal.SIGKILL)
         pid = h.pid
         if pid is not None and (h.proc is not None or h.hello is not None):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -277,19 +277,23 @@ class AgentPool:
                 break
         for conn in list(self._pending):
             self._pending_hello(conn)
-        conns = {h.conn: h for h in self.handles.values() if h.conn is not None and not h.dead}
+        conns: dict[Connection, AgentHandle] = {h.conn: h for h in self.handles.values()
+                                                if h.conn is not None and not h.dead}
         events: list[dict] = []
         if not conns:
             if timeout:
                 time.sleep(timeout)
             return events
-        for c in wait(list(conns), timeout=timeout):
-            h = conns[c]  # type: ignore[index]
+        for ready in wait(list(conns), timeout=timeout):
+            c = ready if isinstance(ready, Connection) else None
+            if c is None:
+                continue
+            h = conns[c]
             while True:
                 try:
-                    if not c.poll():  # type: ignore[union-attr]
+                    if not c.poll():
                         break
-                    msg = c.recv()  # type: ignore[union-attr]
+                    msg = c.recv()
                 except (EOFError, OSError):
                     self._lost(h)
                     events.append({"ev": "gone", "slot": h.slot, "t": time.time()})

@@ -503,6 +503,9 @@ class RecoveryTimeline:
         """
         self.steps += 1
         beacon.report_progress(self.steps)  # a node agent's stall detection counts steps too
+        jobs = getattr(resume, "jobs", None)
+        if jobs is not None:
+            jobs.release_rebuild()  # the first step is done: the restore's replica rebuild may run
         res = getattr(resume, "last_result", None)
         if self._done or res is None:
             return None

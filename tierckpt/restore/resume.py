@@ -42,9 +42,16 @@ class Resume:
         self.restorer, self.jobs, self.gate, self.pool = restorer, jobs, gate, pool
         self.journal, self.timeline, self.rollback = journal, timeline, rollback
         self.groups, self.spare, self.local = groups, spare, local
-        self.last_redundancy: Future | None = None
+        self._last_redundancy: Future | None = None
         self.last_result: RestoreResult | None = None
         self.restored_mono: float | None = None
+
+    @property
+    def last_redundancy(self) -> Future | None:
+        """The Future of the replica rebuild after the last restore (None: none ran). Asking for
+        it lets a rebuild held for the first training step start now (who reads it waits for it)."""
+        self.jobs.release_rebuild()
+        return self._last_redundancy
 
     def restore(self, state_dict: dict, step: int | None, rollback: bool,
                 sources: tuple[str, ...] | None) -> RestoreResult | None:
@@ -81,8 +88,8 @@ class Resume:
         self.gate.restored(res.step, all(o.source.kind != PERSISTENT for o in res.sources.values()))
         if self.gate.schedule is not None:
             self.gate.schedule.after_restore(res.step, groups.local_world)
-        self.last_redundancy = None
-        self.last_redundancy = redundancy.rebuild(res, stuck, restorer=self.restorer, jobs=self.jobs,
+        self._last_redundancy = None
+        self._last_redundancy = redundancy.rebuild(res, stuck, restorer=self.restorer, jobs=self.jobs,
                                                   journal=self.journal, spare=self.spare, local=self.local)
         self.last_result, self.restored_mono = res, time.monotonic()
         return res

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from concurrent.futures import Future
 from typing import Callable, Iterable
@@ -75,6 +76,19 @@ class TierJobs:
         self.lanes: dict[str, Lane] = {t: Lane(t) for t in cfg.tiers}
         self.vote = HungDiskVote(self.lanes, cfg, topo, groups, journal)
         self.owner: object = None
+        # set: a restore's replica rebuild may run; cleared by the restore until the first
+        # training step after it, a save or a wait (tierckpt/restore/redundancy.py)
+        self.rebuild_hold = threading.Event()
+        self.rebuild_hold.set()
+
+    def hold_rebuild(self) -> None:
+        """A restore's rebuild, queued next, waits for :meth:`release_rebuild` (bounded)."""
+        self.rebuild_hold.clear()
+
+    def release_rebuild(self) -> None:
+        """Let a held rebuild run: the first step after the restore ended, or the trainer saves
+        or waits (it must never wait for a held job)."""
+        self.rebuild_hold.set()
 
     def _phase(self, phase: str) -> None:
         """Where this rank's local job is now (named by the hung-disk vote, :mod:`tierckpt.tiers.hung`)."""
@@ -87,6 +101,7 @@ class TierJobs:
         returns ``{tier: Future → CheckpointRecord}``. ``delta``/``t_wait``: blocking and wait
         seconds of this save, recorded with it; ``identity``: the save every tier's copy records
         (:mod:`tierckpt.history.timeline`)."""
+        self.release_rebuild()
         futures = {}
         for t in tiers:
             job = self._local_job if t == "local" else self._persistent_job
@@ -107,6 +122,7 @@ class TierJobs:
         """Wait for the latest job of each of ``tiers`` (only saves started at ``step`` when
         given); the local tier at most ``local_wait_timeout_s`` when ``bounded``. Returns
         ``{tier: finished}`` for the tiers waited for."""
+        self.release_rebuild()
         out = {}
         for t in tiers:
             lane = self.lanes[t]
@@ -139,6 +155,7 @@ class TierJobs:
         """Wait for every lane (the local tier at most ``local_wait_timeout_s``; none with
         ``poll``: after a preemption's grace period or the exit's own wait) and stop the
         workers; returns the tiers abandoned (their jobs stay uncommitted)."""
+        self.release_rebuild()
         if poll:
             finished = {t: lane.tail.done() for t, lane in self.lanes.items() if lane.tail is not None}
         else:
