@@ -22,8 +22,10 @@ node) keeps one agent per node for the whole allocation, spares included. The ag
 5. forwards a preemption signal it receives itself (Slurm signals every task of a step) to its
    ranks and tells the launcher (``notice``);
 6. exits when told to (``exit``), when the launcher's connection closes, or on SIGKILL — its
-   ranks are killed first in the first two cases and die with their process group otherwise
-   (``PR_SET_PDEATHSIG`` in each child).
+   ranks' process groups are killed first in the first two cases; on SIGKILL each rank dies
+   with it (``PR_SET_PDEATHSIG``) and the launcher kills the ranks' groups, their DataLoader
+   workers included (:meth:`tierckpt.recovery.pool.AgentPool.terminate`), and removes the
+   agent's beacon directory (``ready`` names it).
 
 The protocol is pickled dicts over :mod:`multiprocessing.connection` (HMAC-authenticated with
 the key): trusted processes of one job only.
@@ -53,6 +55,7 @@ _NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def _die_with_agent() -> None:  # pragma: no cover - runs in a cold child between fork and exec
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the agent ignores it; an ignored signal survives exec
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - not Linux: the launcher's kill still reaches the group
@@ -224,7 +227,7 @@ class Agent:
         elif op == "kill":
             self.kill(int(msg["attempt"]))
         elif op == "preload":
-            self._send({"ev": "preloaded", **_preloaded(warm.preload(list(msg["modules"])))})
+            self._send({"ev": "preloaded", **_preloaded(warm.preload(list(msg["modules"])), self.dir)})
         elif op == "exit":
             return False
         return True
@@ -257,8 +260,9 @@ class Agent:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _preloaded(p: warm.Preloaded) -> dict:
-    return {"preload_s": p.seconds, "modules": p.modules, "failed": p.failed, "problems": warm.fork_problems()}
+def _preloaded(p: warm.Preloaded, folder: str) -> dict:
+    return {"preload_s": p.seconds, "modules": p.modules, "failed": p.failed, "problems": warm.fork_problems(),
+            "dir": folder}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     agent.install_signals()
     agent._send({"ev": "hello", "pid": os.getpid(), "host": socket.gethostname(), "t": time.time()})
     names = [] if args.cold else [m.strip() for m in args.preload.split(",") if m.strip()]
-    agent._send({"ev": "ready", **_preloaded(warm.preload(names)), "t": time.time()})
+    agent._send({"ev": "ready", **_preloaded(warm.preload(names), agent.dir), "t": time.time()})
     return agent.run()
 
 

@@ -20,17 +20,23 @@ import logging
 import os
 import queue
 import secrets
+import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 
 from tierckpt.recovery.agent import KEY_ENV
 
 log = logging.getLogger(__name__)
+
+HANDSHAKE_S = 10.0  # seconds a connecting agent gets to complete the HMAC handshake
 
 
 class PoolError(RuntimeError):
@@ -103,8 +109,8 @@ class AgentPool:
 
     def __init__(self, bind: tuple[str, int] = ("127.0.0.1", 0), advertise: str | None = None):
         self.key = secrets.token_bytes(32)
-        self._listener = Listener(bind, family="AF_INET", authkey=self.key)
-        host, port = self._listener.address
+        self._sock = socket.create_server(bind)
+        host, port = self._sock.getsockname()[:2]
         self.address = (advertise or host, port)
         self.handles: dict[int, AgentHandle] = {}
         self._incoming: queue.Queue = queue.Queue()
@@ -114,14 +120,32 @@ class AgentPool:
         self._acceptor.start()
 
     def _accept(self) -> None:
+        """Accept connections; each one's HMAC handshake runs on a thread of its own, so a
+        client that never answers (or fails it) holds up nobody."""
         while not self._closing:
             try:
-                conn = self._listener.accept()
+                raw, _ = self._sock.accept()
             except OSError:
                 if self._closing:
                     return
-                continue  # a failed handshake (a stranger without the key): keep listening
-            self._incoming.put(conn)
+                continue
+            threading.Thread(target=self._handshake, args=(raw,), name="tierckpt-agent-handshake",
+                             daemon=True).start()
+
+    def _handshake(self, raw: socket.socket) -> None:
+        # a kernel receive timeout, not settimeout(): that would make the descriptor non-blocking
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(HANDSHAKE_S), 0))
+        conn = Connection(raw.detach())
+        try:  # what multiprocessing.connection.Listener.accept() does with an authkey
+            deliver_challenge(conn, self.key)
+            answer_challenge(conn, self.key)
+        except (OSError, EOFError, AuthenticationError):
+            conn.close()  # a stranger without the key, or one that went away: keep serving the others
+            return
+        raw2 = socket.socket(fileno=os.dup(conn.fileno()))  # the agent may be quiet for long: no timeout now
+        raw2.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        raw2.close()
+        self._incoming.put(conn)
 
     @property
     def connect_arg(self) -> str:
@@ -230,16 +254,18 @@ class AgentPool:
         h = self.handles.get(slot)
         if h is None:
             return
+        if h.proc is None:  # a remote agent: its pids are another host's; drop the connection
+            self._lost(h)
+            return
         for rank_pid in [*h.pids]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(rank_pid, signal.SIGKILL)
-        pid = h.pid
-        if pid is not None and (h.proc is not None or h.hello is not None):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        if h.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                h.proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(h.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            h.proc.wait(timeout=10)
+        if h.ready is not None and h.ready.get("dir"):  # a killed agent cannot remove its own
+            shutil.rmtree(str(h.ready["dir"]), ignore_errors=True)
         self._lost(h)
 
     def _lost(self, h: AgentHandle) -> None:
@@ -264,7 +290,9 @@ class AgentPool:
             self._lost(h)
         self._closing = True
         with contextlib.suppress(OSError):
-            self._listener.close()
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (a close alone does not)
+        with contextlib.suppress(OSError):
+            self._sock.close()
 
     # -- events --------------------------------------------------------------------------------
     def poll(self, timeout: float = 0.0) -> list[dict]:
@@ -418,6 +446,8 @@ class HangWatch:
                 steps[s] = min(int(r["step"]) for r in ranks)
         if hung:
             return Verdict("hang", tuple(hung), "; ".join(detail), tuple(silent_slots))
+        if not steps:
+            return None  # no rank of the attempt runs any more: nothing to blame
         best = max(steps.values(), default=-1)
         if best > self._best:
             self._best, self._best_at = best, now

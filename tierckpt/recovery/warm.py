@@ -266,6 +266,11 @@ def spawn(spec: RankSpec, close_fds: list[int]) -> int:
     for stream in (sys.stdout, sys.stderr):  # nothing buffered in the agent is written twice
         stream.flush()
     pid = os.fork()
+    if pid != 0:
+        try:  # as a shell does: the group exists once fork returns, before the child ran at all
+            os.setpgid(pid, pid)
+        except OSError:  # the child got there first, or already exec'd/exited
+            pass
     if pid == 0:  # pragma: no cover - runs in the child, whose coverage is not collected
         code = 1
         try:
@@ -276,5 +281,5 @@ def spawn(spec: RankSpec, close_fds: list[int]) -> int:
                     pass
             code = child_main(spec)
         finally:
-            os._exit(code & 0xFF if code >= 0 else 1)
+            os._exit(code & 0xFF)  # as the interpreter: sys.exit(-1) is status 255
     return pid
