@@ -298,6 +298,9 @@ class DemoParams:
     persistent_interval: int = 15
     victim: int = 1
     nodes: int = 2
+    fault: str = "kill"           # "kill": SIGKILL + disk deleted; "stop": SIGSTOP of the node (a frozen host)
+    hang_timeout: float = 10.0    # the launcher's --hang-timeout (the "stop" fault is found by it)
+    cold: bool = False            # launch/local.py --cold: a torchrun per node and attempt (the baseline)
     toml: str = DEFAULT_TOML
     timeout: float = 600.0        # per attempt, seconds
     extra: list[str] = field(default_factory=list)  # more --section.key value overrides
@@ -311,6 +314,15 @@ class DemoParams:
             raise ValueError("--kill-after must be a multiple of --local-interval (a local step)")
         if not 0 < self.kill_after < self.steps:
             raise ValueError("need 0 < --kill-after < --steps")
+        if self.fault not in ("kill", "stop"):
+            raise ValueError(f"--fault must be 'kill' or 'stop', got {self.fault!r}")
+        if self.cold and self.fault == "stop":
+            raise ValueError("--fault stop needs the node agents' hang detection: not with --cold")
+
+    @property
+    def spares(self) -> int:
+        """A frozen host is out: a spare node takes over its id (its disk is not read again)."""
+        return 1 if self.fault == "stop" else 0
 
 
 def _overrides(p: DemoParams, paths: Paths, dump: str, failure: bool) -> list[str]:
@@ -423,6 +435,17 @@ class _FailureInjector:
         if not steps or max(steps) <= p.kill_after or not victims:
             return
         self.t_kill = time.time()
+        if p.fault == "stop":  # the whole node freezes: its agent and its rank
+            agent = launcher.pool.handles[launcher.slots[p.victim]].pid if launcher.pool is not None else None
+            for pid in [*victims, *([agent] if agent else [])]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            self.killed_at = max(r["step"] for r in _jsonl(losses_path))
+            self.ckpt = ckpt
+            _say(self.con, f"    [red]SIGSTOP node {p.victim}[/] (agent and rank) at step {self.killed_at} (local step "
+                           f"{p.kill_after} committed and replicated); {self.t_kill - attempt.t_start:.1f} s after "
+                           "start")
+            return
         for pid in victims:  # SIGKILL node `victim`'s training process …
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -461,7 +484,11 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
 
     def launch(name: str, overrides: list[str], attempts: int):
         job = lo.LocalLauncher(["-m", "titan_plugin.train", "--toml", p.toml, *overrides], nodes=p.nodes,
-                               max_attempts=attempts, log_dir=paths.logs, name=name, env=RUN_ENV)
+                               max_attempts=attempts, log_dir=paths.logs, name=name, env=RUN_ENV,
+                               spares=p.spares if name == "failure" else 0, hang_timeout_s=p.hang_timeout,
+                               warm=not p.cold,
+                               local_root=paths.local_root_template.replace("{job}", JOB_ID)
+                               if name == "failure" else None)
         _LIVE.append(job)
         return job
 
@@ -546,6 +573,9 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
 
     report = {
         "ok": ok,
+        "fault": p.fault,
+        "replaced": {str(n): f"spare slot {s}" for n, s in a2.replaced.items()},
+        "warm": a2.warm,
         "bitwise_equal": bitwise_equal,
         "restore_source": sources,
         "persistent_bytes_read_on_restore": pbytes,
@@ -695,12 +725,21 @@ def main(argv=None) -> int:
     ap.add_argument("--local-interval", type=int, default=d.local_interval, help="checkpoint.local_interval")
     ap.add_argument("--persistent-interval", type=int, default=d.persistent_interval, help="checkpoint.interval")
     ap.add_argument("--victim", type=int, default=d.victim, help="node to kill")
+    ap.add_argument("--fault", choices=("kill", "stop"), default=d.fault,
+                    help="kill: SIGKILL the node's rank and delete its disk; stop: SIGSTOP the whole node (agent and "
+                         "rank), found by the launcher's hang detection and replaced by a spare node")
+    ap.add_argument("--cold", action="store_true",
+                    help="run every attempt cold (launch/local.py --cold: a torchrun per node and attempt), the "
+                         "baseline of the warm restart")
+    ap.add_argument("--hang-timeout", type=float, default=d.hang_timeout,
+                    help="the launcher's --hang-timeout (seconds a node may stop ticking)")
     ap.add_argument("--timeout", type=float, default=d.timeout, help="per attempt, seconds")
     args, extra = ap.parse_known_args(argv)
     if any(not a.startswith("--") for a in extra[:1]):
         ap.error(f"unrecognized arguments: {extra}")
     params = DemoParams(steps=args.steps, kill_after=args.kill_after, local_interval=args.local_interval,
-                        persistent_interval=args.persistent_interval, victim=args.victim,
+                        persistent_interval=args.persistent_interval, victim=args.victim, fault=args.fault,
+                        hang_timeout=args.hang_timeout, cold=args.cold,
                         toml=os.path.abspath(args.toml), timeout=args.timeout, extra=extra)
     try:
         params.check()

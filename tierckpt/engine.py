@@ -129,7 +129,7 @@ class TieredCheckpointer:
         self._resume = Resume(restorer=self._restorer, jobs=self._jobs, gate=self._gate, pool=self._pool,
                               journal=self._journal, timeline=self._timeline, rollback=self._rollback,
                               groups=groups, spare=self._spare, local=self._local is not None)
-        self._recovery = RecoveryTimeline(topo, groups.control, self._ledger)  # the restart's phases, once
+        self._recovery = RecoveryTimeline(topo, groups, self._ledger)  # the restart's phases, once
         exit_hook.register(self)  # a script that ends without close() still finishes its saves
         if topo.is_node_leader:  # once per node
             log.info("tierckpt: node %d/%d (%s), ranks %s, peers %s, local root %s, persistent %s",

@@ -475,7 +475,10 @@ class RecoveryTimeline:
 
     Args:
         topo: the run's topology (rank, node).
-        group: the control group (every rank; the trainer's thread only).
+        groups: the engine's groups; their ``control`` group (every rank; the trainer's thread
+            only) is read at the gather, never kept: ``close()`` destroys it and its gloo threads
+            join only once no reference is left (:func:`tierckpt.cluster.topology.release_groups`).
+            None: no gather (tests).
         ledger: the run's ledger (global rank 0 writes).
 
     Attributes:
@@ -485,8 +488,8 @@ class RecoveryTimeline:
             :func:`tierckpt.recovery.beacon.report_progress`, for its stall detection).
     """
 
-    def __init__(self, topo: Topology, group, ledger: Ledger):
-        self.topo, self.group, self.ledger = topo, group, ledger
+    def __init__(self, topo: Topology, groups, ledger: Ledger):
+        self.topo, self.groups, self.ledger = topo, groups, ledger
         self.record: RecoveryRecord | None = None
         self.steps = 0
         self._done = False
@@ -516,7 +519,7 @@ class RecoveryTimeline:
             stamps["restore_done"] = wall_of(resume.restored_mono)
             stamps["first_step_done"] = first_step
             mine = rank_summary(self.topo.rank, self.topo.node, stamps, launcher_recovery(), notes)
-            merged = gather_reduced(mine, self.group, merge_summaries)
+            merged = gather_reduced(mine, None if self.groups is None else self.groups.control, merge_summaries)
             rec = build_record(merged, res, restart_count())
             self.ledger.append(rec)
         except Exception as e:  # noqa: BLE001 - a measurement must not end training
