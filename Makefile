@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv lint test test-long test-slurm demo demo-elastic demo-spare bench bench-control bench-gpu bench-peers bench-reshard bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
+.PHONY: venv lint test test-long test-slurm demo demo-elastic demo-spare bench bench-control bench-gpu bench-peers bench-reshard bench-recovery bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 test-megatron-lm test-megatron-lm-019
 
 venv: $(STAMP)
 
@@ -74,6 +74,11 @@ $(STAMPP): requirements-peers.txt scripts/setup_venv_peers.sh
 
 bench-peers: venv $(STAMPP)
 	OMP_NUM_THREADS=1 $(VPY) bench/bench_peers.py $(BENCH_ARGS)
+
+# what a lost node costs, kill → next step: the demo's failure once cold (torchrun per attempt) and once
+# with warm node agents, same session (BENCH_ARGS e.g. "--repeats 2 --with-stop --record")
+bench-recovery: venv
+	OMP_NUM_THREADS=1 $(VPY) bench/bench_recovery.py $(BENCH_ARGS)
 
 # issue 4's experiment: torchtitan demo under Poisson failures, fixed vs adaptive (~20 min)
 bench-schedule: venv

@@ -60,6 +60,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -571,6 +572,14 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
     except Exception as e:  # an extra: report it, do not fail the demo on it
         final = {"equal": None, "error": f"{type(e).__name__}: {e}"}
 
+    times = sorted(r["time"] for r in a2_recs)
+    gaps = [b - a for a, b in zip(times[1:], times[2:])]  # steps after the first one after the resume
+    steady = statistics.median(gaps) if gaps else None
+    first_s = None
+    if phases and phases.get("phases"):
+        ph = phases["phases"]
+        if ph.get("first_step_done") and ph.get("restore_done"):
+            first_s = ph["first_step_done"] - ph["restore_done"]
     report = {
         "ok": ok,
         "fault": p.fault,
@@ -580,6 +589,8 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
         "restore_source": sources,
         "persistent_bytes_read_on_restore": pbytes,
         "recovery_seconds": None if recovery is None else round(recovery, 3),
+        "first_step_after_restore_s": None if first_s is None else round(first_s, 3),
+        "steady_step_s": None if steady is None else round(steady, 3),
         "recovery_phases": phases,
         "saves": saves,
         "ledger_runs": ledger_runs,
@@ -615,8 +626,9 @@ def _run(p: DemoParams, paths: Paths, con, t_begin: float) -> dict:
             "replication_factor": 2, "replication_jump": 1, "job_id": JOB_ID,
             "local_root": paths.local_root_template, "persistent_folder": os.path.dirname(paths.ledger),
             "ledger": paths.ledger, "assets": str(assets.root),
-            "launcher": "launch/local.py: one torchrun per simulated node, fresh port and "
-                        "TIERCKPT_RESTART_COUNT per attempt",
+            "launcher": ("launch/local.py --cold: one torchrun per simulated node and attempt" if p.cold else
+                         "launch/local.py: one warm node agent per simulated node, each attempt's ranks forked "
+                         "from it") + "; fresh port and TIERCKPT_RESTART_COUNT per attempt",
             "reference_cmd": ref.node_command(0, r0.port), "failure_cmd": fail.node_command(0, a1.port),
             "ports": {"attempt_1": a1.port, "attempt_2": a2.port},
             "env": {**RUN_ENV, "WORLD_SIZE": str(p.nodes), "LOCAL_WORLD_SIZE": "1"},

@@ -102,7 +102,8 @@ def test_demo_short(tmp_path):
     # TIERCKPT_RECOVERY, every rank-side phase stamped through torchtitan, in order
     ph = report["recovery_phases"]
     assert (ph["kind"], ph["cause"], ph["attempt"], ph["failed_nodes"], ph["warm"]) == (
-        "recovery", "node-failure", 1, [1], False), ph
+        "recovery", "node-failure", 1, [1], True), ph  # both ranks forked by their warm node agents
+    assert report["warm"] is True and report["replaced"] == {}
     assert ph["step"] == rstep and ph["restart_count"] == 1 and ph["origin"] == "failure_noticed"
     secs = list(ph["phases_s"].values())
     assert list(ph["phases_s"]) == ["failure_noticed", "survivors_stopped", "launched", "processes_started",
