@@ -34,7 +34,8 @@ committed checkpoint):
   anyway); steps of the job's own lineage are never deleted for being foreign;
 - a step an explicit rollback superseded (``tierckpt.committed.superseded``) is not torn: it is
   kept until the new timeline writes the same step number again (the rollback can be undone
-  by renaming the marker back);
+  by renaming the marker back and superseding the new timeline's steps, whose manifests
+  otherwise still prove the old ones abandoned);
 - deletion removes the commit marker first, so a half-deleted step is simply uncommitted.
 """
 
