@@ -666,13 +666,15 @@ def check_per_rank_files(copies: list[Copy], base: str) -> list[str]:
 # a new timeline (a fallback or a rollback) over an old one's step numbers (issue 28)
 # --------------------------------------------------------------------------------------------
 def passed_over(c: Copy, to_step: int, keep: str | None, new_run: str | None,
-                keep_order: tuple[int, int] = LEGACY_ORDER) -> bool:
+                keep_order: tuple[int, int] = LEGACY_ORDER, abandoned: dict | set | frozenset = frozenset()) -> bool:
     """Whether copy ``c`` belongs to the timeline a run abandons when it restored save ``keep``
     (``keep_order``) of ``to_step`` and started a new timeline: a copy of a higher step, of a
-    newer save (save order), or another save's copy of ``to_step``, not written by the run
-    itself (``new_run``)."""
+    newer save (save order), another save's copy of ``to_step``, or a copy of a save already
+    ``abandoned`` (:func:`abandoned_saves`), not written by the run itself (``new_run``)."""
     if c.save_id is not None and run_of(c.save_id) == new_run:
         return False
+    if c.save_id in abandoned and c.save_id != keep:
+        return True
     if c.step == to_step:
         return c.save_id != keep
     return c.step > to_step or save_key(c.step, c.save_id, c.order) > save_key(to_step, keep, keep_order)
@@ -718,7 +720,8 @@ def check_new_timeline(before: list[Copy], after: list[Copy], records: list[dict
     now = {c.path: c for c in after}
     keep_order = next((c.order for c in before if c.committed and c.save_id == keep and c.step == to_step),
                       LEGACY_ORDER)
-    abandoned = [c for c in before if c.committed and passed_over(c, to_step, keep, new_run, keep_order)]
+    gone = abandoned_saves(before)
+    abandoned = [c for c in before if c.committed and passed_over(c, to_step, keep, new_run, keep_order, gone)]
     if len(rb) == 1:  # it names what was superseded: abandoned copies only, each one still marked so
         listed = set(rb[0].get("superseded") or [])
         allowed = {copy_label(c) for c in abandoned}
@@ -733,7 +736,7 @@ def check_new_timeline(before: list[Copy], after: list[Copy], records: list[dict
         if a is not None and a.committed and a.save_id == c.save_id:
             out.append(f"abandoned timeline: {c.path} (step {c.step}, save {c.save_id}) is still committed after the "
                        f"new timeline from step {to_step} (save {keep}) committed")
-    kept = [c for c in before if not passed_over(c, to_step, keep, new_run, keep_order)]
+    kept = [c for c in before if not passed_over(c, to_step, keep, new_run, keep_order, gone)]
     out += check_no_loss(kept, after, keep_local=keep_local, keep_persistent=keep_persistent, allow_retention=True)
     last_step, last_sid, _ = saved[-1]
     got = expected_save(after, nodes)
