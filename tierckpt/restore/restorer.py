@@ -156,8 +156,10 @@ class Restorer:
                 local = self.local
                 copies, other = run_bounded(lambda progress: local.survey(), self.read_timeout_s,
                                             f"listing {local.store.url}", name="tierckpt-survey")
+                # what each save descends from, once per save (every copy of a save records the same)
+                descents = {c.save_id: c.descent for c in copies if c.descent is not None}
                 mine = (self.topo.node, [(c.step, c.node, c.rel, c.nodes, c.world_size, c.replica_of, c.save_id,
-                                          c.order, c.descent) for c in copies], other)
+                                          c.order) for c in copies], other, descents)
             except OSError as e:  # a dead or hung local disk (ReadTimeout): this node has nothing local
                 log.warning("tierckpt restore: cannot list node %d's local root: %s", self.topo.node, e)
         pers, pers_error = None, None
@@ -178,16 +180,16 @@ class Restorer:
         for m, _, _ in gathered:
             if m is None:
                 continue
-            holder, copies, other = m
+            holder, copies, other, descents = m
             inv.local.setdefault(holder, set())
-            for step, node, rel, nodes, world, replica_of, sid, order, descent in copies:
+            for step, node, rel, nodes, world, replica_of, sid, order in copies:
                 if replica_of is None:
                     inv.local[holder].add(step)
                 else:
                     inv.replicas.setdefault(replica_of, {}).setdefault(holder, set()).add(step)
                 shape = (nodes, world) if nodes is not None and world is not None else None
                 if node >= 0:
-                    inv.add_copy(step, node, holder, rel, sid, order, shape, descent)
+                    inv.add_copy(step, node, holder, rel, sid, order, shape, descents.get(sid))
                 elif shape is not None:
                     inv.shapes.setdefault(step, shape)
                 inv.dirs.setdefault(step, set()).add((holder, rel))
