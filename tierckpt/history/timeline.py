@@ -120,9 +120,9 @@ def abandoned_saves(saves: Mapping[str | None, tuple[tuple[int, int], Descent | 
     out: dict[str, str | None] = {}
     for sid, (order, d) in sorted(((k, v) for k, v in saves.items() if k is not None),
                                   key=lambda kv: sort_key(kv[0], kv[1][0]), reverse=True):
-        by = next((p for p, pd in live if pd.covers(sid, order)), False)
-        if by is not False:
-            out[sid] = by  # type: ignore[assignment]
+        by = [p for p, pd in live if pd.covers(sid, order)]
+        if by:
+            out[sid] = by[0]
             continue
         if d is not None and d not in seen:
             seen.add(d)
