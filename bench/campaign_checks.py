@@ -16,7 +16,11 @@ Definitions (one function each, pure where possible so that tests can feed them 
   save identities; :mod:`tierckpt.history.timeline`), ordered by the manifest's ``save_order``
   (:func:`tierckpt.history.timeline.save_key`: not by step number; copies without identity by
   step, before every identified save);
-- :func:`expected_save` / :func:`expected_step`: the newest (step, save) in that order for which
+- a save is **abandoned** (:func:`abandoned_saves`) when a later save, itself not abandoned,
+  records (``descends_from``) that its run resumed an older save: every save ordered strictly
+  between that parent and the run's first save (``since``) was passed over;
+- :func:`expected_save` / :func:`expected_step`: the newest (step, save) in that order, not
+  abandoned, for which
   every node of the job has an intact copy of its state written by that same save and saved by
   a job of the same shape (any holder), or an intact persistent step of that save (unless the
   restore may not read the persistent tier); None when none qualifies;
@@ -33,8 +37,8 @@ Definitions (one function each, pure where possible so that tests can feed them 
   step the committed persistent copy — does not drop, except what retention may purge: a
   node-local copy of node n's step s when at least ``keep_local`` newer steps of node n are
   committed afterwards, a persistent step when at least ``keep_persistent`` newer persistent
-  steps are (newer: of newer saves, in save order); retention only counts when a save ran in
-  between (``allow_retention``);
+  steps are (newer: of newer saves, in save order, not abandoned); retention only counts when a
+  save ran in between (``allow_retention``); copies of abandoned saves may go (superseded);
 - :func:`check_redundancy`: after a restore served only from node-local copies, every node's
   restored step has ``factor`` copies on distinct nodes again;
 - :func:`check_new_timeline`: a run that restored an older save (a fallback, a rollback) and saved
@@ -85,6 +89,7 @@ class Copy:
     problems: list[str] = field(default_factory=list)
     save_id: str | None = None  # the save that wrote it (None: legacy or uncommitted)
     order: tuple[int, int] = LEGACY_ORDER  # its save_order
+    descends_from: dict | None = None  # what its save's run had restored (the manifest's value)
 
     def __post_init__(self) -> None:
         self.order = tuple(self.order)  # type: ignore[assignment]  # a list once through JSON
@@ -131,8 +136,9 @@ def inspect(store: Store, rel: str, where: str, holder: int | None, verify: bool
 
     node = num("node") if holder is not None else None
     sid, order = of_manifest(doc)
+    d = doc.get("descends_from")
     return Copy(where, holder, rel, step, node, True, not problems, num("nodes"), num("world_size"), problems,
-                sid, order)
+                sid, order, d if isinstance(d, dict) else None)
 
 
 def scan_disk(base: str, verify: bool = True) -> list[Copy]:
@@ -164,6 +170,29 @@ def copies_from_json(rows: list[dict]) -> list[Copy]:
 # --------------------------------------------------------------------------------------------
 # the restored step
 # --------------------------------------------------------------------------------------------
+def abandoned_saves(copies: list[Copy]) -> dict[str, str]:
+    """{save id: the save proving it abandoned} among the committed ``copies`` (see the module
+    docstring): saves walked newest first by ``save_order``; one whose order lies strictly between
+    a walked, not abandoned save's ``descends_from`` ``save_order`` and ``since`` is abandoned.
+    (The campaign's own reading of the manifests, not the engine's.)"""
+    saves: dict[str, tuple[tuple[int, int], dict | None]] = {}
+    for c in copies:
+        if c.committed and c.save_id is not None and tuple(c.order) != LEGACY_ORDER:
+            if c.save_id not in saves or (saves[c.save_id][1] is None and c.descends_from):
+                saves[c.save_id] = ((c.order[0], c.order[1]), c.descends_from)
+    out: dict[str, str] = {}
+    live: list[tuple[str, tuple, tuple]] = []
+    for sid in sorted(saves, key=lambda x: (saves[x][0], x), reverse=True):
+        order, d = saves[sid]
+        by = next((p for p, lo, hi in live if lo < order < hi), None)
+        if by is not None:
+            out[sid] = by
+        elif d:
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                live.append((sid, tuple(int(x) for x in d["save_order"]), tuple(int(x) for x in d["since"])))
+    return out
+
+
 def expected_save(copies: list[Copy], nodes: int, step: int | None = None, *, world: int | None = None,
                   persistent: bool = True) -> tuple[int, str | None] | None:
     """Newest (step, save) every node of a ``nodes``-node job (``world`` ranks; default one per
@@ -171,11 +200,13 @@ def expected_save(copies: list[Copy], nodes: int, step: int | None = None, *, wo
     written by the save and saved by a job of that shape, on any surviving disk, or (unless not
     ``persistent``: a restore that may not read that tier) an intact persistent step of the save.
     Saves newest first by ``save_order`` (:func:`tierckpt.history.timeline.save_key`, not by
-    step number); only ``step`` when given. None when nothing qualifies."""
+    step number), abandoned saves (:func:`abandoned_saves`) never; only ``step`` when given. None
+    when nothing qualifies."""
     world = nodes if world is None else world
+    gone = abandoned_saves(copies)
     saves: dict[tuple[int, str | None], tuple] = {}
     for c in copies:
-        if c.intact and (step is None or c.step == step):
+        if c.intact and (step is None or c.step == step) and c.save_id not in gone:
             key = save_key(c.step, c.save_id, c.order)
             saves[(c.step, c.save_id)] = max(saves.get((c.step, c.save_id), key), key)
     for s, sid in sorted(saves, key=lambda x: saves[x], reverse=True):
@@ -373,6 +404,7 @@ def check_no_loss(before: list[Copy], after: list[Copy], *, keep_local: int, kee
     ``after``, counted per saved node and step (see the module docstring for retention)."""
     cb = copy_counts([c for c in before if c.holder is None or c.holder not in lost_holders])
     ca = copy_counts(after)
+    gone = abandoned_saves([*before, *after])
 
     def who_of(c: Copy):
         return "pfs" if c.holder is None else c.node
@@ -382,10 +414,12 @@ def check_no_loss(before: list[Copy], after: list[Copy], *, keep_local: int, kee
         if ca[key] >= n:
             continue
         who, step = key
-        if allow_retention:  # retention keeps the newest saves (save order), not the highest steps
+        if all(c.save_id in gone for c in before if c.committed and who_of(c) == who and c.step == step):
+            continue  # copies of an abandoned save: not a resume point, superseded when seen
+        if allow_retention:  # retention keeps the newest saves (save order, abandoned ones not counted)
             lost = max(save_key(c.step, c.save_id, c.order) for c in before
                        if c.committed and who_of(c) == who and c.step == step)
-            newer = {c.step for c in after if c.committed and who_of(c) == who
+            newer = {c.step for c in after if c.committed and who_of(c) == who and c.save_id not in gone
                      and save_key(c.step, c.save_id, c.order) > lost}
             keep = keep_persistent if who == "pfs" else keep_local
             if keep and len(newer) >= keep:
@@ -632,13 +666,15 @@ def check_per_rank_files(copies: list[Copy], base: str) -> list[str]:
 # a new timeline (a fallback or a rollback) over an old one's step numbers (issue 28)
 # --------------------------------------------------------------------------------------------
 def passed_over(c: Copy, to_step: int, keep: str | None, new_run: str | None,
-                keep_order: tuple[int, int] = LEGACY_ORDER) -> bool:
+                keep_order: tuple[int, int] = LEGACY_ORDER, abandoned: dict | set | frozenset = frozenset()) -> bool:
     """Whether copy ``c`` belongs to the timeline a run abandons when it restored save ``keep``
     (``keep_order``) of ``to_step`` and started a new timeline: a copy of a higher step, of a
-    newer save (save order), or another save's copy of ``to_step``, not written by the run
-    itself (``new_run``)."""
+    newer save (save order), another save's copy of ``to_step``, or a copy of a save already
+    ``abandoned`` (:func:`abandoned_saves`), not written by the run itself (``new_run``)."""
     if c.save_id is not None and run_of(c.save_id) == new_run:
         return False
+    if c.save_id in abandoned and c.save_id != keep:
+        return True
     if c.step == to_step:
         return c.save_id != keep
     return c.step > to_step or save_key(c.step, c.save_id, c.order) > save_key(to_step, keep, keep_order)
@@ -684,7 +720,8 @@ def check_new_timeline(before: list[Copy], after: list[Copy], records: list[dict
     now = {c.path: c for c in after}
     keep_order = next((c.order for c in before if c.committed and c.save_id == keep and c.step == to_step),
                       LEGACY_ORDER)
-    abandoned = [c for c in before if c.committed and passed_over(c, to_step, keep, new_run, keep_order)]
+    gone = abandoned_saves(before)
+    abandoned = [c for c in before if c.committed and passed_over(c, to_step, keep, new_run, keep_order, gone)]
     if len(rb) == 1:  # it names what was superseded: abandoned copies only, each one still marked so
         listed = set(rb[0].get("superseded") or [])
         allowed = {copy_label(c) for c in abandoned}
@@ -699,7 +736,7 @@ def check_new_timeline(before: list[Copy], after: list[Copy], records: list[dict
         if a is not None and a.committed and a.save_id == c.save_id:
             out.append(f"abandoned timeline: {c.path} (step {c.step}, save {c.save_id}) is still committed after the "
                        f"new timeline from step {to_step} (save {keep}) committed")
-    kept = [c for c in before if not passed_over(c, to_step, keep, new_run, keep_order)]
+    kept = [c for c in before if not passed_over(c, to_step, keep, new_run, keep_order, gone)]
     out += check_no_loss(kept, after, keep_local=keep_local, keep_persistent=keep_persistent, allow_retention=True)
     last_step, last_sid, _ = saved[-1]
     got = expected_save(after, nodes)

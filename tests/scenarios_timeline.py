@@ -225,13 +225,13 @@ def _fail_supersede(times: int | None):
     manifest_mod.supersede = failing  # type: ignore[assignment]
 
 
-def phase_rollback_failing_supersede(rank, world, base, to_step, saves, victim, times):
+def phase_rollback_failing_supersede(rank, world, base, to_step, saves, victim, times, cfg_kw=None):
     """An explicit rollback to ``to_step`` whose supersede fails on rank ``victim`` (``times``
-    renames, None: all); then saves ``saves`` ([(step, tiers)]) on timeline B, references
-    ``R<step>``; the run ends uncleanly."""
+    renames, None: all; ``victim`` None: nowhere); then saves ``saves`` ([(step, tiers)]) on
+    timeline B, references ``R<step>``; the run ends uncleanly."""
     if rank == victim:
         _fail_supersede(times)
-    eng = TieredCheckpointer(make_config(base), node_id=rank)
+    eng = TieredCheckpointer(make_config(base, **(cfg_kw or {})), node_id=rank)
     res, model, opt = _restore_fresh(eng, rank, step=to_step, rollback=True)
     assert res is not None and res.step == to_step
     assert_bitwise(snapshot(model, opt), _ref(base, f"A{to_step}", rank))
@@ -247,10 +247,10 @@ def phase_rollback_failing_supersede(rank, world, base, to_step, saves, victim, 
     return {"restored": res.step}
 
 
-def phase_restore_then_save_tagged(rank, world, base, new_step, tags=()):
+def phase_restore_then_save_tagged(rank, world, base, new_step, tags=(), cfg_kw=None):
     """A restart: restore (no step), report what it got (as :func:`phase_restore_only`), train
     ``new_step`` on timeline B's batches, save every tier (reference ``R<new_step>``), close."""
-    eng = TieredCheckpointer(make_config(base), node_id=rank)
+    eng = TieredCheckpointer(make_config(base, **(cfg_kw or {})), node_id=rank)
     res, model, opt = _restore_fresh(eng, rank)
     assert res is not None
     snap = snapshot(model, opt)
@@ -264,3 +264,9 @@ def phase_restore_then_save_tagged(rank, world, base, new_step, tags=()):
     _save_ref(base, f"R{new_step}", rank, model, opt)
     eng.close()
     return out
+
+
+def save_id_of(base: str, rel: str) -> str:
+    """The ``save_id`` the manifest of step directory ``rel`` (under ``base``) records."""
+    with open(os.path.join(base, rel, "tierckpt.manifest.json")) as f:
+        return json.load(f)["save_id"]

@@ -74,7 +74,7 @@ def test_ls_lists_every_tier(tree, capsys):
     assert rc == 0
     assert all(
         set(r) == {"tier", "node", "source_node", "step", "committed", "lineage", "foreign", "save_id",
-                   "save_order", "newest", "files", "bytes", "path"}
+                   "save_order", "newest", "abandoned", "files", "bytes", "path"}
         for r in rows
     )
     got = [(r["tier"], r["node"], r["source_node"], r["step"], r["committed"]) for r in rows]
@@ -176,6 +176,35 @@ def test_ls_marks_the_newest_save_by_save_order_not_by_step(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "newest save (*): step 11, save bbbbbbbbbbbb.0" in out, out
     assert "1 committed copies of higher steps belong to older saves" in out and "steps [20]" in out, out
+
+
+def test_ls_marks_abandoned_saves_whatever_their_marker(tmp_path, capsys):
+    """The rollback's step 11 records that its run resumed 10: the still committed 20 (a rename
+    that failed) is an abandoned save, marked as such and never the newest — also once 11 is gone
+    from this root's view of the newest (only its manifest proves it)."""
+    nvme = Store(str(tmp_path / "job" / "nvme" / "node-1"))
+    persist = Store(str(tmp_path / "job" / "pfs"))
+    b = {"save_id": "aaaaaaaaaaaa.0", "save_order": [0, 0], "step": 10, "since": [1, 0]}
+    for store, rel, tier in ((persist, persistent_step, "persistent"), (nvme, local_step, "local")):
+        write_step(store, rel(10), dcp_files(1), tier=tier, step=10, save_id="aaaaaaaaaaaa.0", save_order=[0, 0],
+                   descends_from=None)
+        write_step(store, rel(20), dcp_files(2), tier=tier, step=20, save_id="aaaaaaaaaaaa.1", save_order=[0, 1])
+    write_step(persist, persistent_step(11), dcp_files(3), tier="persistent", step=11, save_id="bbbbbbbbbbbb.0",
+               save_order=[1, 0], descends_from=b)
+    rc, rows = run_json(capsys, "ls", str(tmp_path / "job"))
+    assert rc == 0
+    got = sorted((r["tier"], r["step"], r["abandoned"], r["newest"]) for r in rows)
+    assert got == [("local", 10, None, False), ("local", 20, "bbbbbbbbbbbb.0", False),
+                   ("persistent", 10, None, False), ("persistent", 11, None, True),
+                   ("persistent", 20, "bbbbbbbbbbbb.0", False)], got
+    assert cli.main(["ls", str(tmp_path / "job")]) == 0
+    out = capsys.readouterr().out
+    assert "yes, abandoned" in out and "newest save (*): step 11" in out, out
+    assert "2 committed copies belong to abandoned saves" in out and "aaaaaaaaaaaa.1 (abandoned by bbbbbbbbbbbb.0)" in out
+    assert "belong to older saves" not in out, out  # 20 is abandoned, not merely an older save
+    # a root that does not hold the proving save (one node's disk): today's view, 20 not marked
+    rc, rows = run_json(capsys, "ls", nvme.root)
+    assert {r["step"]: r["abandoned"] for r in rows} == {10: None, 20: None}
 
 
 # -- verify ------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from tests import scenarios_timeline as sc
 from tests.harness import run_world
 
@@ -221,3 +223,83 @@ def test_a_failed_supersede_is_retried_at_the_next_commit_and_recorded(tmp_path)
     res = run_world(sc.phase_restore_only, 2, base, None, ["A20", "R11", "R12"])
     for r in res:
         assert r.value["step"] == 12 and r.value["matches"] == ["R12"] and r.value["attempts"] == 1, r.value
+
+
+STEP11 = {label.replace("/20", "/11"): rel.replace("step-20", "step-11") for label, rel in STEP20.items()}
+
+
+def _revive(base: str, rel: str) -> None:
+    """Rename a superseded marker back: the state a node that died before its own rename leaves."""
+    p = os.path.join(base, rel)
+    os.rename(os.path.join(p, COMMITTED + ".superseded"), os.path.join(p, COMMITTED))
+
+
+@pytest.mark.parametrize("how", ["rename-fails", "died-before-rename"])
+def test_a_double_fault_never_resumes_the_abandoned_save(tmp_path, how):
+    """The rollback to 10 commits 11 on both nodes, but node 1's copies of the abandoned 20 stay
+    committed (its renames fail, or it died before them); then every copy of 11 is corrupt, the
+    persistent one too. Node 1 still holds a complete copy of 20 (its own and its replica of node
+    0), yet the restart resumes 10 — the step the new timeline started from — bitwise on every
+    rank, never 20: 11's manifests record that its run resumed 10, which proves 20 abandoned.
+    The restore record names the corrupt sources and the abandoned save it skipped; the new
+    timeline's first commit supersedes 11 and the leftovers of 20 (a ``fallback`` record)."""
+    base = str(tmp_path)
+    run_world(sc.phase_timeline_a, 2, base, [10, 20])
+    run_world(sc.phase_rollback_failing_supersede, 2, base, 10, [(11, None)], 1 if how == "rename-fails" else None,
+              None)
+    if how == "died-before-rename":
+        for label in NODE1:
+            _revive(base, STEP20[label])
+    for label, rel in STEP20.items():
+        assert _committed(os.path.join(base, rel)) == (label in NODE1), rel
+    a20, r11 = sc.save_id_of(base, STEP20["local node-1/20"]), sc.save_id_of(base, STEP11["local node-0/11"])
+    for rel in STEP11.values():
+        assert sc.corrupt_step_dir(os.path.join(base, rel)) > 0, rel
+    out = run_world(sc.phase_restore_then_save_tagged, 2, base, 12, ["A10", "A20", "R11"])
+    a10 = {r.value["save_id"] for r in out}
+    for r in out:
+        v = r.value
+        assert v["step"] == 10 and v["matches"] == ["A10"] and v["attempts"] > 1, v
+    recs = sc.ledger(base)
+    rest = [x for x in recs if x["kind"] == "restore"][-1]
+    assert rest["step"] == 10 and {rest["save_id"]} == a10, rest
+    assert rest["failures"] and {f["step"] for f in rest["failures"]} == {11}, rest  # why 11 was not resumed
+    assert rest["abandoned"] == [{"step": 20, "save_id": a20, "by": r11}], rest  # why 20 was not tried
+    rb = [x for x in recs if x["kind"] == "rollback"][-1]
+    assert (rb["to_step"], rb["cause"], rb["save_id"], rb["from_step"]) == (10, "fallback", *a10, 11), rb
+    assert set(NODE1) <= set(rb["superseded"]) and set(STEP11) <= set(rb["superseded"]), rb
+    assert "failed" not in rb, rb
+    for rel in list(STEP20.values()) + list(STEP11.values()):
+        assert not _committed(os.path.join(base, rel)), rel
+    res = run_world(sc.phase_restore_only, 2, base, None, ["A10", "A20", "R11", "R12"])
+    for r in res:
+        assert r.value["step"] == 12 and r.value["matches"] == ["R12"] and r.value["attempts"] == 1, r.value
+
+
+def test_retention_with_a_failed_supersede_keeps_the_promised_saves(tmp_path):
+    """keep_latest_k 2 (local and persistent); the rollback to 10 commits 11 while every rename
+    of node 0 and global rank 0 (its local root, its replica of node 1, the persistent root)
+    fails: the abandoned 20 takes no slot, so 10 and 11 are both kept on node 0 and in the
+    persistent root (before: 20 and 11, and the step the new timeline started from deleted).
+    With the new timeline's 11 then corrupt everywhere, the restart resumes 10 from every node's
+    own disk."""
+    base = str(tmp_path)
+    kw = {"keep_latest_k": {"local": 2, "persistent": 2}}
+    run_world(sc.phase_timeline_a, 2, base, [10, 20], kw)
+    run_world(sc.phase_rollback_failing_supersede, 2, base, 10, [(11, None)], 0, None, kw)
+    node0 = ["local node-0/20", "replica node-1@node-0/20", "persistent/20"]
+    for label, rel in STEP20.items():
+        assert _committed(os.path.join(base, rel)) == (label in node0), rel  # node 0's renames all failed
+    rb = [x for x in sc.ledger(base) if x["kind"] == "rollback"]
+    assert len(rb) == 1 and sorted(f.split(":", 1)[0] for f in rb[0]["failed"]) == sorted(node0), rb
+    for rel in ("nvme/node-0/local/step-10", "nvme/node-0/replicas/node-1/step-10", "pfs/step-10",
+                "nvme/node-0/local/step-11", "nvme/node-0/replicas/node-1/step-11", "pfs/step-11",
+                "nvme/node-1/local/step-10", "nvme/node-1/local/step-11"):
+        assert _committed(os.path.join(base, rel)), rel  # the promised two non-abandoned saves
+    for rel in STEP11.values():
+        sc.corrupt_step_dir(os.path.join(base, rel))
+    out = run_world(sc.phase_restore_then_save_tagged, 2, base, 12, ["A10", "A20", "R11"], kw)
+    for r in out:
+        v = r.value
+        assert v["step"] == 10 and v["matches"] == ["A10"], v
+        assert set(v["sources"].values()) == {"own-local"}, v

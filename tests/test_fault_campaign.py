@@ -17,9 +17,9 @@ from tierckpt.io.storage import Store
 
 
 def _commit(root: str, rel: str, *, node: int | None, step: int, nodes: int = 2, save: str | None = None,
-            order: tuple[int, int] | None = None) -> None:
+            order: tuple[int, int] | None = None, descends_from: dict | None = None) -> None:
     """A small committed step directory: .metadata and one data file, manifest and marker
-    (``save``/``order``: the save identity its manifest records)."""
+    (``save``/``order``: the save identity its manifest records; ``descends_from``: its run's parent)."""
     store = Store(root)
     entries = []
     for name, data in ((".metadata", b"meta %d" % step), ("__0_0.distcp", b"data %d %s" % (step, str(node).encode()))):
@@ -32,6 +32,8 @@ def _commit(root: str, rel: str, *, node: int | None, step: int, nodes: int = 2,
         meta.update(node=node, nodes=nodes)
     if save is not None:
         meta.update(save_id=save, save_order=list(order or (0, 0)))
+    if descends_from is not None:
+        meta.update(descends_from=descends_from)
     manifest.commit(store, rel, entries, **meta)
 
 
@@ -379,6 +381,39 @@ def test_expected_save_and_retention_allowance_follow_save_order(tmp_path):
     after = checks.scan_disk(base)
     assert checks.check_no_loss(before, after, keep_local=1, keep_persistent=1, allow_retention=True) == []
     assert checks.check_no_loss(before, after, keep_local=2, keep_persistent=1, allow_retention=True)
+
+
+def test_expected_save_never_counts_an_abandoned_save(tmp_path):
+    """A's 4 and 5; B rolled back to 4 and saved 6, whose manifests record it (``descends_from``);
+    A's 5 is still committed on both nodes (its supersede failed). With B's 6 corrupt on every
+    copy, the expected restore is 4 — never the abandoned 5 — and A's 5 superseded is no loss."""
+    base = str(tmp_path)
+    roots = [os.path.join(base, "nvme", f"node-{n}") for n in (0, 1)]
+    b = {"save_id": "a.0", "save_order": [0, 0], "step": 4, "since": [1, 0]}
+    for n in (0, 1):
+        _commit(roots[n], "local/step-4", node=n, step=4, save="a.0", order=(0, 0))
+        _commit(roots[n], "local/step-5", node=n, step=5, save="a.1", order=(0, 1))
+        _commit(roots[n], "local/step-6", node=n, step=6, save="b.0", order=(1, 0), descends_from=b)
+    copies = checks.scan_disk(base)
+    assert checks.abandoned_saves(copies) == {"a.1": "b.0"}
+    assert checks.expected_save(copies, 2) == (6, "b.0")
+    assert checks.expected_save(copies, 2, step=5) is None  # not even by name
+    for n in (0, 1):
+        with open(os.path.join(roots[n], "local", "step-6", "__0_0.distcp"), "r+b") as f:
+            f.write(b"X")
+    corrupt = checks.scan_disk(base)
+    assert checks.expected_save(corrupt, 2) == (4, "a.0")
+    # without the record (an older manifest) today's rule: the newer save 5
+    legacy = [checks.Copy(**{**c.__dict__, "descends_from": None}) for c in corrupt]
+    assert checks.expected_save(legacy, 2) == (5, "a.1")
+    # a JSON round trip keeps it; superseding the abandoned 5 loses nothing
+    again = checks.copies_from_json([json.loads(json.dumps(c.__dict__)) for c in corrupt])
+    assert checks.abandoned_saves(again) == {"a.1": "b.0"}
+    for n in (0, 1):
+        p = os.path.join(roots[n], "local", "step-5")
+        os.rename(os.path.join(p, "tierckpt.committed"), os.path.join(p, "tierckpt.committed.superseded"))
+    assert checks.check_no_loss(corrupt, checks.scan_disk(base), keep_local=2, keep_persistent=1,
+                                allow_retention=False) == []
 
 
 def test_the_record_names_its_commit_and_every_invariant():

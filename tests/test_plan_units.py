@@ -471,3 +471,176 @@ def test_rollback_tracker_records_what_was_superseded_and_retries_what_failed(tm
     assert len(records) == 2 and not tracker.armed
     for store, rel in ((local, "local/step-20"), (local, "replicas/node-1/step-20"), (pfs, "step-20")):
         assert manifest.read_committed(store, rel) is None and manifest.superseded(store, rel), rel
+
+
+# -- abandoned saves: proven by what each save descends from, not by renames (issue 28) ----------
+def _d(parent, parent_order, step, since):
+    from tierckpt.history.timeline import Descent
+
+    return Descent(parent, parent_order, step, since)
+
+
+def test_a_save_proves_the_saves_between_its_parent_and_its_run_abandoned():
+    from tierckpt.history.timeline import abandoned_saves
+
+    # A saved 10 (A0) and 20 (A1); run B rolled back to 10 and saved 11 (B0), 12 (B1)
+    rb = _d(A0, (0, 0), 10, (1, 0))
+    saves = {A0: ((0, 0), None), A1: ((0, 1), None), B0: ((1, 0), rb), B1: ((1, 1), rb)}
+    assert abandoned_saves(saves) == {A1: B1}  # named by the newest save proving it
+    # a fresh start (or an old manifest) proves nothing; copies without identity are never abandoned
+    assert abandoned_saves({A0: ((0, 0), None), A1: ((0, 1), None), None: ((-1, -1), None)}) == {}
+    legacy_parent = _d(None, (-1, -1), 5, (1, 0))
+    assert abandoned_saves({None: ((-1, -1), None), A1: ((0, 1), None), B0: ((1, 0), legacy_parent)}) == {A1: B0}
+    # the walk is newest first: an abandoned save proves nothing. Run C rolled back to A's 20 (its
+    # rename had failed) after B had abandoned it: C abandons B, and B's proof no longer counts
+    c = _d(A1, (0, 1), 20, (2, 0))
+    saves[C0] = ((2, 0), c)
+    assert abandoned_saves(saves) == {B0: C0, B1: C0}
+    # a rollback inside one run: its saves after the restore prove its own saves in between
+    inrun = _d(A0, (0, 0), 10, (0, 3))
+    got = abandoned_saves({A0: ((0, 0), None), A1: ((0, 1), None), "aaaaaaaaaaaa.2": ((0, 2), None),
+                           "aaaaaaaaaaaa.3": ((0, 3), inrun)})
+    assert got == {A1: "aaaaaaaaaaaa.3", "aaaaaaaaaaaa.2": "aaaaaaaaaaaa.3"}
+    # a live descent given by the caller (this run's own) proves as None
+    assert abandoned_saves({A0: ((0, 0), None), A1: ((0, 1), None)}, proofs=(rb,)) == {A1: None}
+
+
+C0 = "cccccccccccc.0"
+
+
+def test_descends_from_in_the_manifest_and_its_tolerant_reader():
+    from tierckpt.history.timeline import DESCENT_FIELD, SaveIdentity, Timeline, descent_of
+
+    t = Timeline("bbbbbbbbbbbb", 1)
+    assert t.for_step(5).manifest_fields() == {"save_id": "bbbbbbbbbbbb.0", "save_order": [1, 0], DESCENT_FIELD: None}
+    t.restored((10, A0, (0, 0)), abandoned=[A1])
+    ident = t.for_step(11)
+    assert ident.descent == _d(A0, (0, 0), 10, (1, 1)) and ident.abandoned == {A1}
+    doc = json_roundtrip({"tier": "local", "step": 11, **ident.manifest_fields()})
+    assert list(doc) == ["tier", "step", "save_id", "save_order", "descends_from"]
+    assert doc["descends_from"] == {"save_id": A0, "save_order": [0, 0], "step": 10, "since": [1, 1]}
+    assert descent_of(doc) == ident.descent
+    t.restored(None)  # a read-only explicit step: the saves prove nothing
+    assert t.for_step(12).descent is None
+    # older manifests (no field), null, and damaged values prove nothing
+    for bad in ({}, {DESCENT_FIELD: None}, {DESCENT_FIELD: "x"}, {DESCENT_FIELD: {"save_id": A0}},
+                {DESCENT_FIELD: {"save_id": 3, "save_order": [0, 0], "step": 1, "since": [1, 0]}},
+                {DESCENT_FIELD: {"save_id": A0, "save_order": [0], "step": 1, "since": [1, 0]}}, None):
+        assert descent_of(bad) is None, bad
+    assert SaveIdentity("r", 0, 0) == SaveIdentity("r", 0, 0, abandoned=frozenset({"x"}))
+
+
+def json_roundtrip(doc):
+    import json
+
+    return json.loads(json.dumps(doc))
+
+
+def _double_fault() -> Inventory:
+    """:func:`_timelines` with run B's copies recording that B rolled back to A's 10 — and every
+    copy of B's 11 later corrupt (the test marks its sources bad)."""
+    inv = _timelines()
+    inv.descents[B0] = _d(A0, (0, 0), 10, (1, 0))
+    return inv
+
+
+def test_an_abandoned_save_is_never_planned_even_when_the_new_timeline_cannot_be_served():
+    from tierckpt.restore.plan import choose
+
+    inv = _double_fault()
+    assert inv.abandoned() == {A1: B0} and inv.abandoned_saves() == [(20, A1, B0)]
+    assert inv.saves_newest_first() == [(11, B0), (10, A0)] and inv.newest_persistent() == 11
+    c = choose(inv, 2, set(), world_size=2)
+    assert (c.step, c.save_id) == (11, B0), c
+    # every source of B's 11 failed: the plan goes to the step B started from, never A's 20
+    bad = {(n, k, h, 11) for n in (0, 1) for k, h in (("own-local", n), ("peer-replica", 1 - n),
+                                                       ("persistent", None))}
+    bad.add((-1, "in-cluster", None, 11))
+    c = choose(inv, 2, bad, world_size=2)
+    assert (c.step, c.save_id) == (10, A0), c
+    assert choose(inv, 2, bad, world_size=2, kinds=("persistent",)).step == 10
+    # an explicit step names no abandoned save either (as if its markers had been renamed)
+    assert choose(inv, 2, set(), step=20, world_size=2) is None and inv.save_ids(20) == []
+    # the record's reason, and the message when nothing is left
+    from tierckpt.restore.restorer import _no_checkpoint_message, _skipped
+
+    assert _skipped(inv, 10, A0) == [{"step": 20, "save_id": A1, "by": B0}] and _skipped(inv, 11, B0) == []
+    assert f"step 20 (save {A1}, abandoned by save {B0})" in _no_checkpoint_message(20, inv, [])
+
+
+def test_a_leftover_supersede_takes_every_abandoned_save_whatever_its_step():
+    from tierckpt.history.rollback import LEFTOVER, PendingRollback
+
+    inv = _double_fault()
+    inv.add_copy(30, 0, 0, layout.local_step(30), B1, (1, 1), (2, 2), _d(A0, (0, 0), 10, (1, 0)))
+    inv.add_copy(30, 1, 1, layout.local_step(30), B1, (1, 1), (2, 2), _d(A0, (0, 0), 10, (1, 0)))
+    inv.add_copy(15, 1, 1, layout.local_step(15), "aaaaaaaaaaaa.9", (0, 9), (2, 2))  # abandoned too
+    inv.dirs = {s: {(h, rel) for by_n in inv.copies[s].values() for h, rel in by_n.items()} for s in inv.copies}
+    rb = PendingRollback(30, inv, B1, "dddddddddddd", 0, LEFTOVER)
+    assert rb.copies == {1: [(15, layout.local_step(15)), (20, layout.local_step(20)), (20, layout.replica_step(0, 20))]}
+    assert rb.persistent == [20]
+
+
+def test_retention_never_counts_nor_deletes_an_abandoned_save(tmp_path):
+    """keep 2 on a node whose rename of the abandoned 20 failed: the new timeline's 11 and the step
+    it started from (10) are kept, 20 takes no slot (and is left for the next start's supersede)."""
+    from tierckpt.tiers.retention import purge_local
+
+    store = Store(str(tmp_path))
+    b = _d(A0, (0, 0), 10, (1, 0))
+
+    def commit(rel, step, sid, order, descent=None, store=store):
+        store.makedirs(rel)
+        with store.open(f"{rel}/__0_0.distcp", "wb") as f:
+            f.write(b"x%d" % step)
+        manifest.commit(store, rel, [manifest.FileEntry("__0_0.distcp", *_h(store, f"{rel}/__0_0.distcp"))],
+                        tier="local", step=step, node=1, save_id=sid, save_order=list(order),
+                        descends_from=None if descent is None else descent.manifest_value())
+
+    commit("local/step-10", 10, A0, (0, 0))
+    commit("local/step-20", 20, A1, (0, 1))
+    commit("local/step-11", 11, B0, (1, 0), b)
+    assert purge_local(store, 2, InUse()) == {"local": []}
+    commit("local/step-12", 12, B1, (1, 1), b)
+    assert purge_local(store, 2, InUse(), protect={20}) == {"local": [10]}  # protecting it gives it no slot
+    assert manifest.read_committed(store, "local/step-20") is not None  # kept, not counted
+    # the prover on another disk only: the caller's knowledge (the restore's inventory, its own
+    # descent) counts the same; without it (an older run's view) today's rule applies
+    other = Store(str(tmp_path / "other"))
+    commit("replicas/node-0/step-10", 10, A0, (0, 0), store=other)
+    commit("replicas/node-0/step-20", 20, A1, (0, 1), store=other)
+    assert purge_local(other, 1, InUse(), abandoned={A1}) == {"local": [], "node-0": []}
+    assert purge_local(other, 1, InUse(), proofs=(b,)) == {"local": [], "node-0": []}
+    assert purge_local(other, 1, InUse()) == {"local": [], "node-0": [10]}
+
+
+def test_persistent_retention_and_durable_step_skip_abandoned_saves(tmp_path):
+    from tierckpt.tiers.persistent import PersistentTier
+
+    store = Store(str(tmp_path))
+    store.makedirs("")
+    b = _d(A0, (0, 0), 10, (1, 0))
+    _commit_saved(store, "step-10", 10, A0, (0, 0))
+    _commit_saved(store, "step-20", 20, A1, (0, 1))
+    store.makedirs("step-11")
+    with store.open("step-11/__0_0.distcp", "wb") as f:
+        f.write(b"x11")
+    manifest.commit(store, "step-11", [manifest.FileEntry("__0_0.distcp", *_h(store, "step-11/__0_0.distcp"))],
+                    tier="persistent", step=11, save_id=B0, save_order=[1, 0], descends_from=b.manifest_value())
+    for s in (10, 11, 20):
+        store.write_atomic(f"step-{s}/{layout.INPROGRESS}", b"")
+    assert purge_persistent(store, 1, InUse()) == [10]
+    assert manifest.read_committed(store, "step-20") is not None and manifest.read_committed(store, "step-11")
+    tier = PersistentTier.__new__(PersistentTier)
+    tier.store = store
+    assert tier.survey()[11] == (B0, (1, 0), b) and tier.committed_saves()[11] == (B0, (1, 0))
+    # a run that committed 20 then rolled back (in-run) to 10 and saved on: 20 is not durable
+    inrun = _d(A0, (0, 0), 10, (0, 2))
+    assert tier.newest_still_committed([20]) == 20
+    assert tier.newest_still_committed([20], alive=lambda doc: not inrun.covers(*of_manifest(doc))) is None
+
+
+def of_manifest(doc):
+    from tierckpt.history.timeline import of_manifest as real
+
+    return real(doc)

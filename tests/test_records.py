@@ -70,6 +70,12 @@ GOLDEN = [
                    sources={"0": {"source": "seed", "holder": None, "bytes": 5, "seconds": 1.0}}, failures=[]),
      ["step", "seconds", "attempts", "persistent_bytes", "bytes", "sources", "failures", "model_only",
       "checksummed"]),
+    (RestoreRecord(step=10, seconds=9.0, attempts=7, persistent_bytes=0, bytes=6 << 30,
+                   sources={"0": {"source": "own-local", "holder": 0, "bytes": 3 << 30, "seconds": 4.0}},
+                   failures=[{"node": 0, "source": "persistent", "holder": None, "step": 11, "error": "bad"}],
+                   save_id="aaaaaaaaaaaa.0",
+                   abandoned=[{"step": 20, "save_id": "aaaaaaaaaaaa.1", "by": "bbbbbbbbbbbb.0"}]),
+     ["step", "seconds", "attempts", "persistent_bytes", "bytes", "sources", "failures", "save_id", "abandoned"]),
     (ScheduleRecord.of(DECISION, "checkpoint", 40),
      ["trigger", "at_step", "tier", "delta", "M", "R", "p", "tau_s", "tau_steps", "reason", "M_eff", "C", "step_s",
       "tau_model_s", "sources", "delta_blocking"]),
@@ -236,7 +242,8 @@ def test_journal_writes_the_engine_events(tmp_path):
     assert [x["kind"] for x in lines] == ["run_start", "checkpoint", "restore", "schedule", "rollback", "preemption",
                                           "redundancy", "run_end"]
     golden = {r.kind: keys for r, keys in GOLDEN
-              if not getattr(r, "model_only", False) and not (r.kind == "redundancy" and r.reason)}
+              if not getattr(r, "model_only", False) and not getattr(r, "abandoned", None)
+              and not (r.kind == "redundancy" and r.reason)}
     assert [list(x)[4:] for x in lines[2:7]] == [golden[k] for k in ("restore", "schedule", "rollback", "preemption",
                                                                      "redundancy")]
     assert red == RedundancyRecord(step=3, ok=True, nodes=[0], seconds=0.4, bytes=1 << 20)
@@ -260,3 +267,14 @@ def test_recovery_record_reader_is_tolerant():
     assert list(rows)[:len(RECOVERY_PHASES)] == list(RECOVERY_PHASES) and list(rows)[-1] == "later"
     assert rows["failure_noticed"] == 0.0 and rows["launched"] is None and rows["later"] == 1.5
     assert rows["first_step_done"] is None
+
+
+def test_journal_names_the_abandoned_saves_a_restore_skipped(tmp_path):
+    j = RunJournal(_ledger(tmp_path))
+    out = NodeOutcome(node=0, step=10, source=Source("own-local", 0), ok=True, bytes=7, seconds=0.5)
+    skipped = [{"step": 20, "save_id": "aaaaaaaaaaaa.1", "by": "bbbbbbbbbbbb.0"}]
+    j.restore(RestoreResult(step=10, sources={0: out}, attempts=3, failures=[], seconds=1.0, persistent_bytes_read=0,
+                            save_id="aaaaaaaaaaaa.0", abandoned=skipped))
+    (line,) = _lines(tmp_path)
+    assert line["abandoned"] == skipped and list(line)[-2:] == ["save_id", "abandoned"]
+    assert record_from_ledger(line).abandoned == skipped

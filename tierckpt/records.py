@@ -393,14 +393,18 @@ class RestoreRecord(LedgerRecord):
             written only when not empty.
         save_id: the save every node's state came from (:mod:`tierckpt.history.timeline`);
             written only when the copies record one.
+        abandoned: ``[{"step", "save_id", "by"}]`` saves newer than the one restored, still
+            committed, that a later save (``by``) proves abandoned: why the restore never tried
+            them; written only when not empty.
     """
 
     KIND: ClassVar[str] = "restore"
     _READERS = {"step": _count, "seconds": _seconds, "attempts": _count, "persistent_bytes": _count,
                 "bytes": _count, "sources": _dict_or_list, "failures": _list, "model_only": _bool,
-                "checksummed": _bool, "resharded": _dict_or_list, "missing": _list, "save_id": _str}
+                "checksummed": _bool, "resharded": _dict_or_list, "missing": _list, "save_id": _str,
+                "abandoned": _list}
     _READ_DEFAULTS = {"step": None}
-    _OMIT_FALSY = ("model_only", "resharded", "missing")
+    _OMIT_FALSY = ("model_only", "resharded", "missing", "abandoned")
     _OMIT_NONE = ("checksummed", "save_id")
 
     step: int
@@ -415,6 +419,7 @@ class RestoreRecord(LedgerRecord):
     resharded: dict | list | None = None
     missing: list[str] = field(default_factory=list)
     save_id: str | None = None
+    abandoned: list[dict] = field(default_factory=list)
 
     def source_kinds(self) -> list:
         """Each node's source kind, from the current and the older ``sources`` layouts

@@ -31,7 +31,7 @@ from tierckpt.errors import ConfigError
 from tierckpt.history import lineage
 from tierckpt.cli.recovery import recovery_view
 from tierckpt.history.ledger import Ledger, summarize
-from tierckpt.history.timeline import is_legacy, of_manifest, save_key
+from tierckpt.history.timeline import abandoned_saves, descent_of, is_legacy, of_manifest, save_key
 from tierckpt.io import manifest
 from tierckpt.io.layout import LEDGER, LINEAGE, MARKER, parse_node, parse_step
 from tierckpt.io.storage import Store
@@ -250,9 +250,11 @@ def find_steps(root: str, max_depth: int = DEFAULT_MAX_DEPTH) -> list[StepDir]:
 # --------------------------------------------------------------------------------------------
 # ls
 # --------------------------------------------------------------------------------------------
-def _committed_label(s: StepDir, lineage_id: str | None = None) -> str:
+def _committed_label(s: StepDir, lineage_id: str | None = None, abandoned: dict | None = None) -> str:
     if s.committed:
-        return "yes, other lineage" if s.foreign(lineage_id) else "yes"
+        if s.foreign(lineage_id):
+            return "yes, other lineage"
+        return "yes, abandoned" if abandoned and s.save[0] in abandoned else "yes"
     if s.store.exists(f"{s.rel}/{MARKER}.superseded"):
         return "no (superseded by a rollback)"
     return "no (bad marker)" if s.marker_present else "no"
@@ -288,11 +290,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     the save that wrote each committed copy (``save_id``, ``save_order``) and the copies of the
     newest save by agreed order marked (``newest``; ``*`` in the table) — what a restore without
     a step tries first, which is not the highest step number after a rollback or a fallback.
-    With ``--lineage``, committed node-local steps and replicas of another lineage (which
-    restore ignores and the next start deletes) are marked."""
+    Copies of saves that a later save found under the root proves abandoned (``abandoned``: the
+    proving save id; "yes, abandoned" in the table) are never restored nor counted by retention,
+    whatever their marker. With ``--lineage``, committed node-local steps and replicas of another
+    lineage (which restore ignores and the next start deletes) are marked."""
     lineage_id = resolve_lineage(getattr(args, "lineage", None))
     steps = find_steps(args.root, args.max_depth)
-    newest, stale = newest_save(steps, lineage_id)
+    gone = abandoned_of(steps, lineage_id)
+    newest, stale = newest_save(steps, lineage_id, gone)
     head = {id(x) for x in newest}
     rows: list[dict[str, Any]] = []
     for s in steps:
@@ -309,6 +314,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "save_id": s.save[0] if s.committed else None,
                 "save_order": list(s.save[1]) if s.committed and not is_legacy(*s.save) else None,
                 "newest": id(s) in head,
+                "abandoned": gone.get(s.save[0], "") if s.committed and s.save[0] in gone else None,
                 "files": files,
                 "bytes": nbytes,
                 "path": s.path,
@@ -333,7 +339,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         table.add_column(col, **kw)
     for s, r in zip(steps, rows):
         table.add_row(
-            s.tier, s.node_label(), str(s.step), _committed_label(s, lineage_id),
+            s.tier, s.node_label(), str(s.step), _committed_label(s, lineage_id, gone),
             (s.lineage or "-")[:8], s.save_label() + (" *" if id(s) in head else ""), str(r["files"]),
             human_bytes(r["bytes"]), str(r["path"]),
         )
@@ -349,14 +355,35 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if stale:
         con.print(f"{len(stale)} committed copies of higher steps belong to older saves (an abandoned timeline a "
                   f"rollback or fallback has not superseded yet): steps {sorted({x.step for x in stale})}")
+    dead = [s for s in steps if s.committed and not s.foreign(lineage_id) and s.save[0] in gone]
+    if dead:
+        con.print(f"{len(dead)} committed copies belong to abandoned saves (a later save resumed an older one; never "
+                  f"restored, not counted by retention): steps {sorted({x.step for x in dead})}, saves "
+                  + ", ".join(f"{sid} (abandoned by {by})" for sid, by in sorted(gone.items())))
     return EXIT_OK
 
 
-def newest_save(steps: list[StepDir], lineage_id: str | None = None) -> tuple[list[StepDir], list[StepDir]]:
+def abandoned_of(steps: list[StepDir], lineage_id: str | None = None) -> dict[str, str]:
+    """{save id: the save id proving it abandoned} among the committed copies of ``steps``
+    (:func:`tierckpt.history.timeline.abandoned_saves`; other lineages' node-local copies left
+    out)."""
+    saves: dict[str | None, tuple] = {}
+    for s in steps:
+        if s.committed and not s.foreign(lineage_id) and s.save[0] is not None:
+            order, d = s.save[1], descent_of(s.manifest)
+            if s.save[0] not in saves or (saves[s.save[0]][1] is None and d is not None):
+                saves[s.save[0]] = (order, d)
+    return {k: v or "" for k, v in abandoned_saves(saves).items()}
+
+
+def newest_save(steps: list[StepDir], lineage_id: str | None = None,
+                abandoned: dict | set | None = None) -> tuple[list[StepDir], list[StepDir]]:
     """(the committed copies of the newest save by agreed order (:func:`tierckpt.history.
-    timeline.save_key`: not the highest step number), the committed copies of higher steps
-    that belong to older saves) among ``steps``, other lineages' node-local copies left out."""
-    mine = [s for s in steps if s.committed and not s.foreign(lineage_id)]
+    timeline.save_key`: not the highest step number) that is not ``abandoned``, the committed
+    copies of higher steps that belong to older saves, not abandoned) among ``steps``, other
+    lineages' node-local copies left out."""
+    gone = abandoned or ()
+    mine = [s for s in steps if s.committed and not s.foreign(lineage_id) and s.save[0] not in gone]
     if not mine:
         return [], []
     key = max(save_key(s.step, *s.save) for s in mine)

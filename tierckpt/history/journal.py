@@ -114,6 +114,7 @@ class RunJournal:
             failures=[{"node": f.node, "source": f.source.kind, "holder": f.source.holder,
                        "step": f.step, "error": f.error} for f in res.failures],
             resharded=res.resharded, missing=list(res.missing), save_id=getattr(res, "save_id", None),
+            abandoned=list(getattr(res, "abandoned", None) or []),
         ))
 
     def schedule(self, decision, trigger: str, at_step: int | None) -> dict:

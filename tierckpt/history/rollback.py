@@ -22,8 +22,10 @@ timeline's first commit is newer than every copy it passed over, whatever their 
 
 What is passed over is decided by save identity and agreed order, never by comparing the wall
 clocks of different hosts: every copy of a save newer (in agreed order) than the one restored,
-of a higher step, or of another save under the restored step — except the copies this run
-wrote after the restore (a step number it wrote again).
+of a higher step, or of another save under the restored step, and every copy of a save the
+inventory proves abandoned (:func:`tierckpt.history.timeline.abandoned_saves`, whatever its step)
+— except the copies this run wrote after the restore (a step number it wrote again). The
+supersede only tidies up: restore and retention already ignore an abandoned save by identity.
 
 Each node leader supersedes the copies in its own local root (its steps and the replicas it
 holds; bounded by ``restore_read_timeout_s``: a hung disk is a failed rename), global rank 0
@@ -71,6 +73,8 @@ class Inventory(Protocol):
 
     def all_steps(self) -> set[int]: ...
 
+    def abandoned(self) -> dict[str, str | None]: ...
+
 
 class PendingRollback:
     """A new timeline from ``to_step`` (save ``keep``) armed by a restore, executed at this run's
@@ -98,6 +102,7 @@ class PendingRollback:
         self.to_step, self.keep, self.run, self.first_seq, self.cause = to_step, keep, run, first_seq, cause
         orders = getattr(inv, "orders", {}) or {}
         self._keep_key = save_key(to_step, keep, orders.get(keep, LEGACY_ORDER))
+        self._gone = set(inv.abandoned()) - {keep}
         ids = {(h, rel): sid for s, by_save in inv.saves.items() for sid, by_node in by_save.items()
                for by_h in by_node.values() for h, rel in by_h.items()}
         dirs = {s: set(d) for s, d in inv.dirs.items()}
@@ -129,10 +134,13 @@ class PendingRollback:
 
     def passed_over(self, step: int, save_id: str | None, order: tuple[int, int] = LEGACY_ORDER) -> bool:
         """A copy of ``step`` written by ``save_id`` (agreed ``order``) belongs to a timeline this
-        run abandons: a save newer than the one restored, a higher step, or another save under
-        the restored step — unless this run wrote it after the restore."""
+        run abandons: a save newer than the one restored, a higher step, another save under
+        the restored step, or a save the inventory proves abandoned — unless this run wrote it
+        after the restore."""
         if save_id is not None and run_of(save_id) == self.run and seq_of(save_id) >= self.first_seq:
             return False
+        if save_id in self._gone:
+            return True
         if step == self.to_step:
             return save_id != self.keep
         return step > self.to_step or save_key(step, save_id, order) > self._keep_key

@@ -139,7 +139,8 @@ def uncommit(store: Store, step_rel: str) -> None:
 
 def supersede(store: Store, step_rel: str, strict: bool = False) -> bool:
     """Take a committed step out of the timeline after a rollback to an older step: the marker
-    is renamed ``tierckpt.committed.superseded`` (data kept; rename it back to revive it).
+    is renamed ``tierckpt.committed.superseded`` (data kept; rename it back to revive it, once
+    no committed later save proves it abandoned: :mod:`tierckpt.history.timeline`).
     Returns whether a marker was there.
 
     Raises:

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tierckpt.cluster.topology import peers
-from tierckpt.history.timeline import LEGACY_ORDER, save_key, sort_key
+from tierckpt.history.timeline import LEGACY_ORDER, Descent, abandoned_saves, save_key, sort_key
 from tierckpt.io import layout
 
 OWN, REPLICA, CLUSTER, PERSISTENT = "own-local", "peer-replica", "in-cluster", "persistent"
@@ -56,6 +56,8 @@ class Inventory:
         orders: {save id: (generation, seq)} of every save in ``saves`` or ``persistent_ids``.
         persistent_ids: {persistent step: save id of its copy}.
         save_shapes: {(step, save id): (nodes, world size)} of the job that made that save.
+        descents: {save id: :class:`~tierckpt.history.timeline.Descent`} of every save whose
+            copies record what it descends from: which saves are abandoned (:meth:`abandoned`).
         persistent_error: why the persistent tier could not be listed (e.g. a hung shared
             file system: ``ReadTimeout``), or None; the restore does not start fresh then.
     """
@@ -71,6 +73,7 @@ class Inventory:
     orders: dict[str | None, tuple[int, int]] = field(default_factory=dict)
     persistent_ids: dict[int, str | None] = field(default_factory=dict)
     save_shapes: dict[tuple[int, str | None], tuple[int, int]] = field(default_factory=dict)
+    descents: dict[str | None, Descent] = field(default_factory=dict)
     persistent_error: str | None = None
 
     def __post_init__(self) -> None:
@@ -85,32 +88,60 @@ class Inventory:
                     self.copies.setdefault(s, {}).setdefault(m, {})[h] = layout.replica_step(m, s)
 
     def add_copy(self, step: int, node: int, holder: int, rel: str, save_id: str | None = None,
-                 order: tuple[int, int] = LEGACY_ORDER, shape: tuple[int, int] | None = None) -> None:
+                 order: tuple[int, int] = LEGACY_ORDER, shape: tuple[int, int] | None = None,
+                 descent: Descent | None = None) -> None:
         """Record one committed node-local copy of saved node ``node``'s ``step``, held by
         ``holder`` under ``rel``, written by save ``save_id`` (``order``; ``shape``: (nodes,
-        world size) of the job that saved it)."""
+        world size) of the job that saved it; ``descent``: what the save descends from)."""
         self.copies.setdefault(step, {}).setdefault(node, {}).setdefault(holder, rel)
         self.saves.setdefault(step, {}).setdefault(save_id, {}).setdefault(node, {}).setdefault(holder, rel)
         self.orders.setdefault(save_id, tuple(order))  # type: ignore[arg-type]
+        if descent is not None and save_id is not None:
+            self.descents.setdefault(save_id, descent)
         if shape is not None:
             self.shapes.setdefault(step, shape)
             self.save_shapes.setdefault((step, save_id), shape)
 
-    def add_persistent(self, step: int, save_id: str | None = None, order: tuple[int, int] = LEGACY_ORDER) -> None:
+    def add_persistent(self, step: int, save_id: str | None = None, order: tuple[int, int] = LEGACY_ORDER,
+                       descent: Descent | None = None) -> None:
         """Record the committed persistent copy of ``step`` (written by save ``save_id``)."""
         self.persistent.add(step)
         self.persistent_ids[step] = save_id
         self.orders.setdefault(save_id, tuple(order))  # type: ignore[arg-type]
+        if descent is not None and save_id is not None:
+            self.descents.setdefault(save_id, descent)
 
-    def save_ids(self, step: int) -> list[str | None]:
-        """The saves that hold copies of ``step``, newest first (by agreed order, never by
-        time); ``[None]`` for an inventory without save identities."""
+    def abandoned(self) -> dict[str, str | None]:
+        """{save id: the save id proving it abandoned} of every save holding committed copies
+        that a later save, itself not abandoned, proves abandoned
+        (:func:`tierckpt.history.timeline.abandoned_saves`: the saves ordered between the save a
+        run restored and that run's first save). Restore never resumes them (not even by
+        explicit step), retention does not count them, whatever their commit markers say."""
+        return abandoned_saves({sid: (order, self.descents.get(sid)) for sid, order in self.orders.items()})
+
+    def abandoned_saves(self) -> list[tuple[int, str, str | None]]:
+        """``(step, save id, proving save id)`` of every abandoned save's committed copies,
+        newest first (by agreed order)."""
+        gone = self.abandoned()
+        pairs = [(s, sid) for s in self.all_steps() for sid in self._ids(s) if sid in gone]
+        return [(s, sid, gone[sid]) for s, sid in sorted(pairs, key=lambda p: self.key(*p), reverse=True)]
+
+    def _ids(self, step: int) -> set[str | None]:
         ids = set(self.saves.get(step, {}))
         if step in self.persistent:
             ids.add(self.persistent_ids.get(step))
+        return ids
+
+    def save_ids(self, step: int, gone: dict | set | None = None) -> list[str | None]:
+        """The saves that hold copies of ``step``, newest first (by agreed order, never by
+        time), abandoned saves left out (``gone``: :meth:`abandoned`, when already computed);
+        ``[None]`` for an inventory without save identities."""
+        ids = self._ids(step)
         if not ids:
             return [None]
-        return sorted(ids, key=lambda i: sort_key(i, self.orders.get(i, LEGACY_ORDER)), reverse=True)
+        gone = self.abandoned() if gone is None else gone
+        return sorted((i for i in ids if i not in gone), key=lambda i: sort_key(i, self.orders.get(i, LEGACY_ORDER)),
+                      reverse=True)
 
     def key(self, step: int, save_id: str | None) -> tuple:
         """The agreed order of save ``save_id``'s copies of ``step`` (:func:`tierckpt.history.
@@ -120,8 +151,10 @@ class Inventory:
     def saves_newest_first(self) -> list[tuple[int, str | None]]:
         """Every (step, save id) holding a committed copy, newest save first by agreed order —
         not by step number: an abandoned timeline's higher steps come after the new timeline's
-        saves (:mod:`tierckpt.history.timeline`)."""
-        pairs = [(s, sid) for s in self.all_steps() for sid in self.save_ids(s)]
+        saves (:mod:`tierckpt.history.timeline`) — and an abandoned save (:meth:`abandoned`)
+        not at all."""
+        gone = self.abandoned()
+        pairs = [(s, sid) for s in self.all_steps() for sid in self.save_ids(s, gone)]
         return sorted(pairs, key=lambda p: self.key(*p), reverse=True)
 
     def newest_save(self) -> tuple[int, str | None] | None:
@@ -131,8 +164,11 @@ class Inventory:
         return pairs[0] if pairs else None
 
     def newest_persistent(self) -> int | None:
-        """The persistent step of the newest save (by agreed order), None without one."""
-        steps = sorted(self.persistent, key=lambda s: self.key(s, self.persistent_ids.get(s)))
+        """The persistent step of the newest save (by agreed order) that is not abandoned, None
+        without one."""
+        gone = self.abandoned()
+        steps = sorted((s for s in self.persistent if self.persistent_ids.get(s) not in gone),
+                       key=lambda s: self.key(s, self.persistent_ids.get(s)))
         return steps[-1] if steps else None
 
     def view(self, step: int, save_id: str | None) -> Inventory:
@@ -213,7 +249,8 @@ def choose(inv: Inventory, nodes: int, bad: set, step: int | None = None,
     Saves are tried newest first by agreed order (:meth:`Inventory.saves_newest_first`, never by
     step number or time: an abandoned timeline's higher steps whose copies are still committed
     come after the new timeline's saves; legacy copies without identity by step, before them);
-    with ``step``, the saves holding copies of it, newest first. Copies of two saves under one
+    with ``step``, the saves holding copies of it, newest first. A save a later save proves
+    abandoned (:meth:`Inventory.abandoned`) is never a candidate, with or without ``step``. Copies of two saves under one
     step number (a fallback's new timeline next to the old one's leftovers) are never combined. A save of the
     same shape as this job is planned per node (own-local > peer-replica > persistent). When the
     shape differs, or some node has no per-node source left (e.g. a parallelism change at the

@@ -102,6 +102,9 @@ class RestoreResult:
             ``"rank r: <key>: chunk offsets=… sizes=…: k of n elements in-cluster"``.
         save_id: the save every node's state came from (:mod:`tierckpt.history.timeline`;
             None: copies that record no identity).
+        abandoned: ``[{"step", "save_id", "by"}]``: saves newer than the one restored whose copies
+            are still committed but that a later save (``by``, None: this run's own) proves
+            abandoned (:meth:`~tierckpt.restore.plan.Inventory.abandoned`): never tried.
     """
 
     step: int
@@ -113,6 +116,7 @@ class RestoreResult:
     resharded: dict | None = None
     missing: list[str] = field(default_factory=list)
     save_id: str | None = None
+    abandoned: list[dict] = field(default_factory=list)
 
     def source_of(self, node: int) -> str:
         """Source kind node ``node`` was restored from (own-local | peer-replica | persistent)."""
@@ -152,14 +156,16 @@ class Restorer:
                 local = self.local
                 copies, other = run_bounded(lambda progress: local.survey(), self.read_timeout_s,
                                             f"listing {local.store.url}", name="tierckpt-survey")
+                # what each save descends from, once per save (every copy of a save records the same)
+                descents = {c.save_id: c.descent for c in copies if c.descent is not None}
                 mine = (self.topo.node, [(c.step, c.node, c.rel, c.nodes, c.world_size, c.replica_of, c.save_id,
-                                          c.order) for c in copies], other)
+                                          c.order) for c in copies], other, descents)
             except OSError as e:  # a dead or hung local disk (ReadTimeout): this node has nothing local
                 log.warning("tierckpt restore: cannot list node %d's local root: %s", self.topo.node, e)
         pers, pers_error = None, None
         if self.topo.rank == 0 and self.persistent is not None:
             try:  # bounded: a hung shared file system must not hold the restore (nor its peers) forever
-                pers = self.persistent.committed_saves_bounded(self.read_timeout_s)
+                pers = self.persistent.survey_bounded(self.read_timeout_s)
             except ReadTimeout as e:
                 pers_error = f"{type(e).__name__}: {e}"
                 log.warning("tierckpt restore: cannot list the persistent tier: %s", e)
@@ -168,13 +174,13 @@ class Restorer:
         # only node leaders list (rank 0, a leader, adds the persistent steps): leaders exchange
         gathered = gather_leaders((mine, pers, pers_error), self.groups.local_world, self.topo.is_node_leader)
         inv = Inventory(unavailable=set(unavailable), persistent_error=gathered[0][2])
-        for ps, (psid, porder) in (gathered[0][1] or {}).items():
-            inv.add_persistent(ps, psid, porder)
+        for ps, (psid, porder, pdescent) in (gathered[0][1] or {}).items():
+            inv.add_persistent(ps, psid, porder, pdescent)
         foreign = []
         for m, _, _ in gathered:
             if m is None:
                 continue
-            holder, copies, other = m
+            holder, copies, other, descents = m
             inv.local.setdefault(holder, set())
             for step, node, rel, nodes, world, replica_of, sid, order in copies:
                 if replica_of is None:
@@ -183,7 +189,7 @@ class Restorer:
                     inv.replicas.setdefault(replica_of, {}).setdefault(holder, set()).add(step)
                 shape = (nodes, world) if nodes is not None and world is not None else None
                 if node >= 0:
-                    inv.add_copy(step, node, holder, rel, sid, order, shape)
+                    inv.add_copy(step, node, holder, rel, sid, order, shape, descents.get(sid))
                 elif shape is not None:
                     inv.shapes.setdefault(step, shape)
                 inv.dirs.setdefault(step, set()).add((holder, rel))
@@ -284,7 +290,7 @@ class Restorer:
                 res = RestoreResult(step=s, sources=dict(sorted(loaded.items())), attempts=attempt,
                                     failures=failures, seconds=time.perf_counter() - t0,
                                     persistent_bytes_read=pbytes, resharded=self._reshape(choice.view, s),
-                                    missing=missing, save_id=sid)
+                                    missing=missing, save_id=sid, abandoned=_skipped(inv, s, sid))
                 _log_result(res, topo)
                 return res
         self.commit_pending()
@@ -571,6 +577,12 @@ class Restorer:
             record_pulls(self.last_inventory, pulled.step, [m for m in got if m], pulled.save_id)
 
 
+def _skipped(inv: Inventory, step: int, save_id: str | None) -> list[dict]:
+    """The ``abandoned`` field of a result: the abandoned saves newer than the one restored."""
+    key = inv.key(step, save_id)
+    return [{"step": s, "save_id": sid, "by": by} for s, sid, by in inv.abandoned_saves() if inv.key(s, sid) > key]
+
+
 def _no_checkpoint_message(step: int | None, inv: Inventory, failures: list[NodeOutcome]) -> str:
     """Why nothing could be restored, most frequent cause first (the same error on every
     source, e.g. a state that cannot load on this topology, reads as one line)."""
@@ -581,6 +593,10 @@ def _no_checkpoint_message(step: int | None, inv: Inventory, failures: list[Node
     lines = [f"{len(w)}x {cause}  [{', '.join(w[:3])}{', …' if len(w) > 3 else ''}]"
              for cause, w in sorted(causes.items(), key=lambda kv: -len(kv[1]))]
     want = f"step {step}" if step is not None else "any step"
+    gone = inv.abandoned_saves()
+    if gone:
+        lines.append("abandoned saves, never restored (a later save resumed an older one): "
+                     + ", ".join(f"step {s} (save {sid}, abandoned by save {by or 'of this run'})" for s, sid, by in gone))
     return (f"no source could restore {want} on every node (committed steps seen: "
             f"{sorted(inv.all_steps())}); causes:\n  " + "\n  ".join(lines or ["no source holds it"]))
 
@@ -599,3 +615,8 @@ def _log_result(res: RestoreResult, topo: Topology) -> None:
         log.info("tierckpt restore: step %d on %d nodes in %.3fs (%s), %d persistent bytes read, %d attempt(s)",
                  res.step, len(res.sources), res.seconds, ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())),
                  res.persistent_bytes_read, res.attempts)
+        if res.abandoned:
+            log.warning("tierckpt restore: skipped abandoned saves newer than the one restored (still committed, but a "
+                        "later save resumed an older one): %s", ", ".join(
+                            f"step {a['step']} (save {a['save_id']}, abandoned by save {a['by'] or 'of this run'})"
+                            for a in res.abandoned))

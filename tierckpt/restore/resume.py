@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from tierckpt.history.rollback import EXPLICIT, FALLBACK, LEFTOVER
+from tierckpt.history.timeline import LEGACY_ORDER
 from tierckpt.restore import redundancy
 from tierckpt.restore.plan import KINDS, PERSISTENT
 from tierckpt.restore.restorer import RestoreResult
@@ -76,16 +77,21 @@ class Resume:
         if res is None:
             return None
         self.journal.restore(res)
-        self.timeline.restored()
-        if rollback or step is None:
+        inv = self.restorer.last_inventory
+        timeline = rollback or step is None
+        # every save of this run from now on descends from the save restored (its manifests
+        # record it: tierckpt/history/timeline.py), unless this was a read-only explicit step
+        parent = (res.step, res.save_id, inv.orders.get(res.save_id, LEGACY_ORDER)) if timeline else None
+        self.timeline.restored(parent, inv.abandoned())
+        if timeline:
             # a training run from an older save starts a new timeline: by name, or because the
             # newest save could not be served (a fallback); saves passed over — and an abandoned
             # timeline's copies an earlier supersede left committed (leftovers) — are superseded
             # at this run's first commit (tierckpt/history/rollback.py)
-            inv = self.restorer.last_inventory
             cause = EXPLICIT if rollback else LEFTOVER if inv.newest_save() == (res.step, res.save_id) else FALLBACK
             self.rollback.arm(res.step, inv, res.save_id, self.timeline.run, self.timeline.next_seq, cause)
-        self.gate.restored(res.step, all(o.source.kind != PERSISTENT for o in res.sources.values()))
+        self.gate.restored(res.step, all(o.source.kind != PERSISTENT for o in res.sources.values()),
+                           self.timeline.descent)
         if self.gate.schedule is not None:
             self.gate.schedule.after_restore(res.step, groups.local_world)
         self._last_redundancy = None

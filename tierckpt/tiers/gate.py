@@ -25,6 +25,7 @@ from tierckpt.cluster.topology import Groups, Topology
 from tierckpt.errors import ConfigError, TierFailedError
 from tierckpt.history.journal import RunJournal
 from tierckpt.history.rollback import RollbackTracker
+from tierckpt.history.timeline import Descent, of_manifest
 from tierckpt.records import CheckpointRecord
 from tierckpt.sched.cadence import Cadence
 from tierckpt.sched.driver import ScheduleDriver
@@ -55,6 +56,9 @@ class SaveGate:
             committed to its local tier (all-gathered ok flags, or a restore served by the local
             tier); retention keeps it on every node beyond ``keep_latest_k``. None: none known.
         persistent_committed: persistent steps committed by this run, in order (save order).
+        descent: what this run's saves descend from since its last restore (its
+            :class:`~tierckpt.history.timeline.Descent`, None: nothing): a save of this run it
+            proves abandoned (an in-run rollback) is never ``durable_step``.
         schedule: as given.
         saved_any: whether a save started a tier job in this run.
     """
@@ -66,6 +70,7 @@ class SaveGate:
         self.history: list[CheckpointRecord] = []
         self.local_anchor: int | None = None
         self.persistent_committed: list[int] = []
+        self.descent: Descent | None = None
         self.saved_any = False
         self._raised: set[tuple[str, int]] = set()  # failed records already raised (warn_only policy)
         self._jobs: TierJobs | None = None
@@ -201,7 +206,10 @@ class SaveGate:
         the step numbers — a later restore may have rolled back) that still exists (global rank 0
         checks the shared root: it writes ``run_end``; other ranks take the last committed)."""
         if rank == 0:
-            return persistent.newest_still_committed(self.persistent_committed, self.cfg.read_timeout_s)
+            d = self.descent
+            return persistent.newest_still_committed(
+                self.persistent_committed, self.cfg.read_timeout_s,
+                alive=None if d is None else (lambda doc: not d.covers(*of_manifest(doc))))
         return self.persistent_committed[-1] if self.persistent_committed else None
 
     def end_run(self, journal: RunJournal, persistent: PersistentTier, rank: int, clean: bool, reason: str,
@@ -241,10 +249,12 @@ class SaveGate:
                                   f"the ledger's run_end could not be written: {type(ledger_error).__name__}: "
                                   f"{ledger_error}")
 
-    def restored(self, step: int, all_local: bool) -> None:
-        """A restore served ``step``: the local anchor when every node was served node-locally."""
+    def restored(self, step: int, all_local: bool, descent: Descent | None = None) -> None:
+        """A restore served ``step``: the local anchor when every node was served node-locally;
+        ``descent``: what this run's saves descend from from now on (:attr:`descent`)."""
         with self.lock:  # every node's copy of the step sits on some node's local disk
             self.local_anchor = step if all_local else None
+            self.descent = descent
 
     def _remember(self, rec: CheckpointRecord) -> None:
         with self.lock:

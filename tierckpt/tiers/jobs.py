@@ -247,12 +247,13 @@ class TierJobs:
             rec = CheckpointRecord(tier="local", step=step, ok=False, error=f"stats exchange failed: {e}",
                                    blocking_s=delta, wait_s=t_wait, background_s=bg)
         self._phase("retention")
-        self._local_retention()
+        self._local_retention(identity)
         self._phase("done")
         return rec
 
-    def _local_retention(self) -> None:
-        """keep_latest_k on the node's root (node leader), never the local anchor."""
+    def _local_retention(self, identity: SaveIdentity | None = None) -> None:
+        """keep_latest_k on the node's root (node leader), never the local anchor; the saves
+        ``identity`` (this save's) knows abandoned, or proves abandoned, take no slot."""
         assert self.local is not None
         try:
             if self.topo.is_node_leader:
@@ -260,7 +261,7 @@ class TierJobs:
                 retention.purge_local(self.local.store, self.cfg.keep_latest_k["local"], self.in_use,
                                       protect=frozenset(() if anchor is None else (anchor,)),
                                       lineage_id=self.local.lineage, drop_foreign=False,
-                                      adopt_unlabelled=self.local.adopt_unlabelled)
+                                      adopt_unlabelled=self.local.adopt_unlabelled, **_abandoned_kw(identity))
         except Exception as e:
             log.warning("tierckpt: local retention failed: %s", e)
 
@@ -291,10 +292,19 @@ class TierJobs:
                                    blocking_s=delta, wait_s=t_wait, background_s=time.perf_counter() - t0)
         try:
             if self.topo.rank == 0:
-                retention.purge_persistent(self.persistent.store, self.cfg.keep_latest_k["persistent"], self.in_use)
+                retention.purge_persistent(self.persistent.store, self.cfg.keep_latest_k["persistent"], self.in_use,
+                                           **_abandoned_kw(identity))
         except Exception as e:
             log.warning("tierckpt: persistent retention failed: %s", e)
         return rec
+
+
+def _abandoned_kw(identity: SaveIdentity | None) -> dict:
+    """Retention's ``abandoned`` and ``proofs`` from a save's identity (its run's descent is live:
+    this save is newer than every copy retention sees)."""
+    if identity is None:
+        return {}
+    return {"abandoned": identity.abandoned, "proofs": () if identity.descent is None else (identity.descent,)}
 
 
 def merge_stats(parts: list[tuple]) -> tuple:

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from tierckpt.cluster.topology import Topology
 from tierckpt.history import lineage
-from tierckpt.history.timeline import LEGACY_ORDER, SaveIdentity, of_manifest
+from tierckpt.history.timeline import LEGACY_ORDER, Descent, SaveIdentity, descent_of, of_manifest
 from tierckpt.io import layout, manifest
 from tierckpt.io.bounded import Progress, run_bounded
 from tierckpt.io.dcp_io import (
@@ -50,6 +50,7 @@ class Copy:
         replica_of: the node of its ``replicas/node-m`` directory; None when it sits in ``local/``.
         save_id, order: the identity of the save that wrote it (:mod:`tierckpt.history.timeline`;
             None and ``LEGACY_ORDER`` for a copy that records none).
+        descent: what that save descends from (its ``descends_from``), None when none recorded.
     """
 
     step: int
@@ -60,6 +61,7 @@ class Copy:
     replica_of: int | None
     save_id: str | None = None
     order: tuple[int, int] = LEGACY_ORDER
+    descent: Descent | None = None
 
 
 def _node_id(v) -> int:
@@ -154,7 +156,7 @@ class LocalTier:
                 sid, order = of_manifest(doc)
                 copies.append(Copy(step=s, node=_node_id(owner), rel=rel, nodes=_int_or(doc.get("nodes")),
                                    world_size=_int_or(doc.get("world_size")), replica_of=n, save_id=sid,
-                                   order=order))
+                                   order=order, descent=descent_of(doc)))
         return copies, foreign
 
     def scan(self) -> tuple[list[int], dict[int, list[int]], list[tuple[str, str | None]]]:

@@ -30,7 +30,7 @@ from tierckpt.io.dcp_io import (
     hashing_writer,
 )
 from tierckpt.io.planner import PerRankSavePlanner, VerifyingLoadPlanner
-from tierckpt.history.timeline import SaveIdentity, newest_step, of_manifest
+from tierckpt.history.timeline import Descent, SaveIdentity, descent_of, newest_step, of_manifest
 from tierckpt.errors import ReadTimeout
 from tierckpt.io.storage import Store
 from tierckpt.tiers.commit import save_step
@@ -175,11 +175,13 @@ class PersistentTier:
         """Committed steps, ascending."""
         return sorted(self.committed_saves())
 
-    def newest_still_committed(self, steps: list[int], timeout_s: float | None = None) -> int | None:
+    def newest_still_committed(self, steps: list[int], timeout_s: float | None = None,
+                               alive: Callable[[dict], bool] | None = None) -> int | None:
         """The newest of ``steps`` (in the order given, last newest: a run's commits in save
         order, whatever the step numbers) whose directory is still committed (each marker read,
         newest first: retention or a rollback may have taken one out since it was committed);
-        None when none is. What a run's ``durable_step`` may name: a step that exists.
+        None when none is. What a run's ``durable_step`` may name: a step that exists (and,
+        with ``alive``, whose committed manifest ``alive`` accepts: not an abandoned save).
 
         ``timeout_s``: the reads are bounded (:func:`tierckpt.io.bounded.run_bounded`, seconds
         without progress): when the persistent root stops answering (a hung shared file
@@ -193,7 +195,8 @@ class PersistentTier:
                 if progress is not None:
                     progress.tick(self.store.url_of(layout.persistent_step(s)))
                 try:
-                    if manifest.read_committed(self.store, layout.persistent_step(s)) is not None:
+                    doc = manifest.read_committed(self.store, layout.persistent_step(s))
+                    if doc is not None and (alive is None or alive(doc)):
                         return s
                 except OSError:
                     continue
@@ -222,12 +225,21 @@ class PersistentTier:
                 listing is left behind on its daemon thread.
             OSError, ValueError: as :meth:`committed_saves`.
         """
-        return run_bounded(self.committed_saves, timeout_s, f"listing the persistent root {self.store.url}",
+        return {s: v[:2] for s, v in self.survey_bounded(timeout_s).items()}
+
+    def survey_bounded(self, timeout_s: float) -> dict[int, tuple[str | None, tuple[int, int], Descent | None]]:
+        """:meth:`survey` bounded as :meth:`committed_saves_bounded` (same errors)."""
+        return run_bounded(self.survey, timeout_s, f"listing the persistent root {self.store.url}",
                            name="tierckpt-list")
 
     def committed_saves(self, progress=None) -> dict[int, tuple[str | None, tuple[int, int]]]:
         """{committed step: (save_id, order)} (:func:`tierckpt.history.timeline.of_manifest`);
         ``progress`` (:class:`~tierckpt.io.bounded.Progress`): ticked per step directory read."""
+        return {s: v[:2] for s, v in self.survey(progress).items()}
+
+    def survey(self, progress=None) -> dict[int, tuple[str | None, tuple[int, int], Descent | None]]:
+        """{committed step: (save_id, order, descent)} (:func:`tierckpt.history.timeline.of_manifest`,
+        :func:`~tierckpt.history.timeline.descent_of`); ``progress``: as :meth:`committed_saves`."""
         out = {}
         for name in self.store.listdir(""):
             s = layout.parse_step(name)
@@ -235,6 +247,6 @@ class PersistentTier:
                 progress.tick(self.store.url_of(name))
             doc = manifest.read_committed(self.store, layout.persistent_step(s)) if s is not None else None
             if s is not None and doc is not None:
-                out[s] = of_manifest(doc)
+                out[s] = (*of_manifest(doc), descent_of(doc))
         return out
 

@@ -7,6 +7,15 @@ happen yet, or failed), so retention never deletes the step a new timeline just 
 favour of an abandoned (or corrupt) one. Copies without identity (written before save
 identities) are the oldest, by step.
 
+An *abandoned* save (:func:`tierckpt.history.timeline.abandoned_saves`: a later save, itself not
+abandoned, resumed an older one) takes no slot of the k kept and is never protected, whether or
+not its supersede happened: with keep 2, a node whose rename of an abandoned step 20 failed
+keeps the new timeline's step and the step it started from, not 20. Its copy is not deleted
+either (like a superseded one: the next start's restore supersedes it, ``cause: "leftover"``).
+Which saves are abandoned is derived from every committed manifest of the root (each names what
+its save descends from), plus what the caller knows (the restore's inventory, the saving run's
+own descent).
+
 Rules (a retention that deletes the step a restore is reading, or the only complete one, loses a
 committed checkpoint):
 - a step in ``in_use`` (being written or read right now) is never deleted;
@@ -25,7 +34,8 @@ committed checkpoint):
   anyway); steps of the job's own lineage are never deleted for being foreign;
 - a step an explicit rollback superseded (``tierckpt.committed.superseded``) is not torn: it is
   kept until the new timeline writes the same step number again (the rollback can be undone
-  by renaming the marker back);
+  by renaming the marker back and superseding the new timeline's steps, whose manifests
+  otherwise still prove the old ones abandoned);
 - deletion removes the commit marker first, so a half-deleted step is simply uncommitted.
 """
 
@@ -34,8 +44,10 @@ from __future__ import annotations
 import logging
 import threading
 
+from typing import Iterable
+
 from tierckpt.history import lineage
-from tierckpt.history.timeline import of_manifest, save_key
+from tierckpt.history.timeline import Descent, abandoned_saves, descent_of, of_manifest, save_key
 from tierckpt.io import layout, manifest
 from tierckpt.io.storage import Store
 
@@ -68,10 +80,33 @@ class InUse:
             return key in self._held
 
 
+def _docs(store: Store, parent: str) -> dict[int, dict | None]:
+    """{step: committed manifest or None} of the ``step-<N>`` directories under ``parent``."""
+    steps = sorted(s for s in (layout.parse_step(n) for n in store.listdir(parent)) if s is not None)
+    return {s: manifest.read_committed(store, f"{parent}/{layout.step_name(s)}" if parent else layout.step_name(s))
+            for s in steps}
+
+
+def abandoned_in(docs: Iterable[dict | None], known: Iterable[str] = (), proofs: Iterable[Descent] = ()) -> set[str]:
+    """The save ids abandoned among the saves of the committed manifests ``docs``
+    (:func:`tierckpt.history.timeline.abandoned_saves`, ``proofs``: live descents, e.g. the
+    saving run's own), plus ``known`` (abandoned by what the caller saw elsewhere)."""
+    saves: dict[str | None, tuple] = {}
+    for d in docs:
+        if d is None:
+            continue
+        sid, order = of_manifest(d)
+        if sid is not None and sid not in saves:
+            saves[sid] = (order, descent_of(d))
+    return set(abandoned_saves(saves, proofs)) | set(known)
+
+
 def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix: str,
               only_marked_torn: bool = False, protect: frozenset | set = frozenset(),
               lineage_id: str | None = None, drop_foreign: bool = True,
-              adopt_unlabelled: bool = False, drop_superseded: bool = False) -> list[int]:
+              adopt_unlabelled: bool = False, drop_superseded: bool = False,
+              abandoned: set[str] | frozenset[str] | None = None, proofs: Iterable[Descent] = (),
+              docs: dict[int, dict | None] | None = None) -> list[int]:
     """Apply the rules to the ``step-<N>`` directories under ``parent`` of ``store``.
 
     Args:
@@ -86,15 +121,24 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
         adopt_unlabelled: steps recording no lineage belong to ``lineage_id``.
         drop_superseded: delete steps a rollback superseded too (the purge at start of a local
             root: they would otherwise stay until the step number is written again).
+        abandoned: save ids known abandoned (:func:`abandoned_in`); None: derived from this
+            directory's manifests and ``proofs``. Their steps take no slot and are not
+            protected, and are kept (not deleted).
+        docs: this directory's manifests already read (:func:`_docs`), else read here.
     Returns:
         steps deleted.
     """
-    steps = sorted(s for s in (layout.parse_step(n) for n in store.listdir(parent)) if s is not None)
+    docs = _docs(store, parent) if docs is None else docs
+    steps = sorted(docs)
     rel = (lambda s: f"{parent}/{layout.step_name(s)}") if parent else layout.step_name
-    docs = {s: manifest.read_committed(store, rel(s)) for s in steps}
     foreign = {s: lineage.of_manifest(d) for s, d in docs.items()
                if d is not None and lineage.is_foreign(d, lineage_id, adopt_unlabelled)}
-    committed = sorted((s for s in steps if docs[s] is not None and s not in foreign),
+    dead = abandoned_in(docs.values(), proofs=proofs) if abandoned is None else abandoned
+    left = {s for s in steps if docs[s] is not None and s not in foreign and of_manifest(docs[s])[0] in dead}
+    if left:
+        log.info("tierckpt retention: %s: steps %s belong to abandoned saves: not counted, kept until superseded",
+                 store.url_of(parent), sorted(left))
+    committed = sorted((s for s in steps if docs[s] is not None and s not in foreign and s not in left),
                        key=lambda s: save_key(s, *of_manifest(docs[s])))  # oldest save first
     keep = (set(committed[-keep_k:]) | (set(protect) & set(committed))) if keep_k > 0 else set(committed)
     torn = [s for s in steps if docs[s] is None
@@ -125,19 +169,27 @@ def purge_dir(store: Store, parent: str, keep_k: int, in_use: InUse, key_prefix:
 
 def purge_local(store: Store, keep_k: int, in_use: InUse, protect: frozenset | set = frozenset(),
                 lineage_id: str | None = None, drop_foreign: bool = True,
-                adopt_unlabelled: bool = False, drop_superseded: bool = False) -> dict[str, list[int]]:
+                adopt_unlabelled: bool = False, drop_superseded: bool = False,
+                abandoned: Iterable[str] = (), proofs: Iterable[Descent] = ()) -> dict[str, list[int]]:
     """Retention of a node's local root: its own steps and every replica it holds; steps in
     ``protect`` are kept in each of them; steps of a lineage other than ``lineage_id`` are not
-    counted, and deleted when ``drop_foreign`` (see the module docstring)."""
+    counted, and deleted when ``drop_foreign``; abandoned saves (derived from every manifest of
+    the root, ``proofs`` and ``abandoned``, see :func:`abandoned_in`) are not counted, not
+    protected, not deleted (see the module docstring)."""
+    parents = ["local"] + [f"replicas/{n}" for n in store.listdir("replicas") if layout.parse_node(n) is not None]
+    docs = {p: _docs(store, p) for p in parents}
+    mine = [d for p in parents for s, d in docs[p].items()
+            if d is not None and not lineage.is_foreign(d, lineage_id, adopt_unlabelled)]
+    gone = abandoned_in(mine, abandoned, proofs)
+
     def purge(parent: str) -> list[int]:
         return purge_dir(store, parent, keep_k, in_use, "local:", protect=protect, lineage_id=lineage_id,
                          drop_foreign=drop_foreign, adopt_unlabelled=adopt_unlabelled,
-                         drop_superseded=drop_superseded)
+                         drop_superseded=drop_superseded, abandoned=gone, docs=docs[parent])
 
     out = {"local": purge("local")}
-    for name in store.listdir("replicas"):
-        if layout.parse_node(name) is not None:
-            out[name] = purge(f"replicas/{name}")
+    for parent in parents[1:]:
+        out[parent.split("/", 1)[1]] = purge(parent)
     return out
 
 
@@ -158,6 +210,10 @@ def purge_incoming(store: Store) -> list[str]:
     return gone
 
 
-def purge_persistent(store: Store, keep_k: int, in_use: InUse) -> list[int]:
-    """Retention of the persistent root (run by global rank 0 only)."""
-    return purge_dir(store, "", keep_k, in_use, "persistent:", only_marked_torn=True)
+def purge_persistent(store: Store, keep_k: int, in_use: InUse, abandoned: Iterable[str] = (),
+                     proofs: Iterable[Descent] = ()) -> list[int]:
+    """Retention of the persistent root (run by global rank 0 only); abandoned saves as in
+    :func:`purge_local`."""
+    docs = _docs(store, "")
+    return purge_dir(store, "", keep_k, in_use, "persistent:", only_marked_torn=True,
+                     abandoned=abandoned_in(docs.values(), abandoned, proofs), docs=docs)
