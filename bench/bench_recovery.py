@@ -37,6 +37,7 @@ import shlex
 import statistics
 import sys
 import time
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (REPO, os.path.join(REPO, "launch")):
@@ -46,7 +47,7 @@ for p in (REPO, os.path.join(REPO, "launch")):
 import local_demo as demo  # noqa: E402  (launch/local_demo.py)
 
 HISTORY_MD = os.path.join(REPO, "bench", "history", time.strftime("%Y-%m", time.gmtime()) + ".md")
-MODES = {"cold": dict(cold=True), "warm": dict(), "warm-stop": dict(fault="stop")}
+MODES: dict[str, dict[str, Any]] = {"cold": {"cold": True}, "warm": {}, "warm-stop": {"fault": "stop"}}
 WARM_TARGET_S = 4.0   # issue 31: make demo, kill → first step completed
 STOP_TARGET_S = 30.0  # issue 31: a SIGSTOPped node is replaced within 30 s by default
 PHASES = ("survivors_stopped", "launched", "processes_started", "imports_done", "process_group_up", "model_built",
