@@ -103,10 +103,10 @@ def default_preload(command: list[str]) -> list[str]:
     that initialises CUDA or a process group at import."""
     base = ["torch", "torch.distributed.checkpoint", "tierckpt.engine"]
     if command[:2] == ["-m", "titan_plugin.train"]:
-        extra = ["torchtitan.train", "titan_plugin.train", "titan_plugin.manager", "titan_plugin.toml"]
+        extra = ["torchtitan.train", "titan_plugin.manager", "titan_plugin.toml"]
         return base + extra + ["tierckpt_dev.titan", "tierckpt_dev.titan.cpu"]
     if command[:2] == ["-m", "mcore_plugin.pretrain"]:
-        return base + ["megatron.core", "megatron.training", "mcore_plugin.pretrain"]
+        return base + ["megatron.core", "megatron.training", "mcore_plugin.install"]
     return base
 
 
@@ -363,6 +363,8 @@ class LocalLauncher:
         if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
             raise ValueError(f"spares must be an integer >= 0, got {spares!r}")
         self.warm, self.preload = bool(warm), list(preload) if preload is not None else default_preload(command)
+        if command[0] == "-m" and len(command) > 1:  # the entry module runs as __main__: a preloaded copy
+            self.preload = [m for m in self.preload if m != command[1]]  # would be a second one
         self.spares = list(range(nodes, nodes + spares))  # idle slots, taken in order
         self.watch = HangWatch(hang_timeout_s, progress_timeout_s) if warm else None  # ValueError on bad input
         self.agent_ready_timeout_s = agent_ready_timeout_s

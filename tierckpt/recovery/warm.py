@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 
 from tierckpt.recovery import beacon
@@ -187,7 +188,10 @@ def run_argv(argv: list[str]) -> int:
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            with warnings.catch_warnings():  # the agent may have imported it: runpy warns, then runs it anyway
+                warnings.filterwarnings("ignore", message=r".*found in sys\.modules after import of package",
+                                        category=RuntimeWarning)
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
