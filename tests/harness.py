@@ -176,17 +176,27 @@ def run_world(fn, world: int, *args, timeout: float = 240, env: dict | None = No
     return [results[r] for r in range(world)]
 
 
-def load_demo_launcher():
-    """``launch/local_demo.py`` as a module (it is a script, not part of a package)."""
+def load_script(rel: str, name: str):
+    """The repository's script ``rel`` (e.g. ``launch/local.py``, not part of a package) as module
+    ``name``, loaded once and registered first (its dataclasses look their module up)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    name = "tierckpt_local_demo"
-    if name not in sys.modules:  # registered first: its dataclasses look their module up
-        path = Path(__file__).resolve().parent.parent / "launch" / "local_demo.py"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parent.parent / rel
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+def load_demo_launcher():
+    """``launch/local_demo.py`` as a module (it is a script, not part of a package)."""
+    return load_script("launch/local_demo.py", "tierckpt_local_demo")
+
+
+def load_local_launcher():
+    """``launch/local.py`` as a module (under the name launch/local_demo.py gives it too)."""
+    return load_script("launch/local.py", "tierckpt_local_launcher")

@@ -4,21 +4,17 @@ cold ratios, the targets and the verdict, and the table."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+
+from tests.harness import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _bench():
-    name = "tierckpt_bench_recovery"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "bench" / "bench_recovery.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_script("bench/bench_recovery.py", "tierckpt_bench_recovery")
+
+
 
 
 def _report(recovery: float, restore_done: float, restore_s: float, ok: bool = True) -> dict:

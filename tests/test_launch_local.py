@@ -7,14 +7,14 @@ The full torchtitan run through it is ``make demo`` / tests/test_titan_demo.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.harness import load_local_launcher
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,13 +38,9 @@ time.sleep(300 if mode == "hang" else 0.5)
 
 
 def _local():
-    name = "tierckpt_local_launcher"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "launch" / "local.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_local_launcher()
+
+
 
 
 @pytest.fixture(params=["warm", "cold"])

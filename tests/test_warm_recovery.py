@@ -19,15 +19,15 @@ bookkeeping (cause, blamed nodes, spares, warm ranks, ``$TIERCKPT_RECOVERY``):
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.harness import load_local_launcher
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINER = str(REPO / "tests" / "recovery_trainer.py")
@@ -37,13 +37,9 @@ PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "t
 
 
 def _local():
-    name = "tierckpt_local_launcher"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "launch" / "local.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_local_launcher()
+
+
 
 
 def _jsonl(path: Path) -> list[dict]:
