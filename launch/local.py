@@ -156,7 +156,8 @@ def root_cause_exitcode(log_text: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def recovery_info(failed: Attempt, new: Attempt, warm: bool) -> dict | None:
+def recovery_info(failed: Attempt, new: Attempt, warm: bool,
+                  describe: Callable[[int], str] = lambda s: f"spare slot {s}") -> dict | None:
     """The ``TIERCKPT_RECOVERY`` object of attempt ``new`` after attempt ``failed`` (the contract
     of ``tierckpt/recovery/timeline.py``), or None when ``failed`` did not fail (no failure
     noticed).
@@ -165,7 +166,8 @@ def recovery_info(failed: Attempt, new: Attempt, warm: bool) -> dict | None:
     ``"stall"``); ``failed_nodes``: node ids in ``failed`` (the lost ones, the blamed ones);
     ``replaced``: the spares that took over a node id for ``new``; ``warm``: the ranks are forked
     by warm node agents (which also set ``TIERCKPT_PROCESS_STARTED`` at the fork; torchrun's
-    ranks are new processes whose ``/proc`` creation time the engine reads instead)."""
+    ranks are new processes whose ``/proc`` creation time the engine reads instead); ``describe``
+    names a spare's slot (a simulated one here, its host on Slurm)."""
     if failed.failure_noticed is None:
         return None
     nodes = sorted({*(failed.slots.index(s) for s in failed.lost if s in failed.slots), *failed.failed_nodes,
@@ -173,7 +175,7 @@ def recovery_info(failed: Attempt, new: Attempt, warm: bool) -> dict | None:
     return {"attempt": new.index, "cause": failed.cause or ("lost-node" if failed.lost else "node-failure"),
             "failed_nodes": nodes, "failure_noticed": failed.failure_noticed,
             "survivors_stopped": failed.survivors_stopped, "launched": new.t_start, "warm": warm,
-            "replaced": {str(n): f"spare slot {s}" for n, s in sorted(new.replaced.items())}}
+            "replaced": {str(n): describe(s) for n, s in sorted(new.replaced.items())}}
 
 
 def _min_nodes(value: int | None, nodes: int) -> int:
@@ -371,6 +373,7 @@ class LocalLauncher:
         self.pool: AgentPool | None = None
         self._pending_replace: dict[int, int] = {}  # node id -> spare slot, for the next attempt
         self._fits: dict = {}  # node count -> Future of reconfigure(nodes, nproc_per_node) (_prefit)
+        self._moves: dict[int, list[tuple[str, str]]] = {}  # node id -> renames its agent does first (remote hosts)
         os.makedirs(log_dir, exist_ok=True)
 
     # -- commands ------------------------------------------------------------------------------
@@ -412,7 +415,7 @@ class LocalLauncher:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
         a.replaced, self._pending_replace = dict(self._pending_replace), {}
         a.t_start = time.time()
-        a.recovery = recovery_info(self.attempts[-1], a, self.warm) if self.attempts else None
+        a.recovery = recovery_info(self.attempts[-1], a, self.warm, self.describe) if self.attempts else None
         if a.recovery is not None:
             env[RECOVERY_ENV] = json.dumps(a.recovery)
         self.attempts.append(a)
@@ -442,11 +445,20 @@ class LocalLauncher:
             open(path, "w").close()
         a.agent = AgentAttempt(self.pool, a.index, self.slots, self.nproc_per_node, self.watch)
         a.rcs = [None] * self.nodes
-        unreachable = a.agent.start(self.command + a.extra_args, env, master_addr="127.0.0.1", master_port=a.port,
-                                    logs=a.logs, cwd=self.cwd, recovery=a.recovery)
+        unreachable = a.agent.start(self.command + a.extra_args, env, master_addr=self.master_addr(), master_port=a.port,
+                                    logs=a.logs, cwd=self.cwd, recovery=a.recovery, moves=self._moves)
+        self._moves = {}
         for node in unreachable:
             a.rcs[node] = 1
         return a
+
+    def master_addr(self) -> str:
+        """The host node 0's rank 0 listens on (simulated nodes: the loopback)."""
+        return "127.0.0.1"
+
+    def describe(self, slot: int) -> str:
+        """What runs ``slot``, for messages and the recovery record (here: a simulated host)."""
+        return f"spare slot {slot}" if slot >= self.initial_nodes else f"simulated host {slot}"
 
     def _launch_agent(self, slot: int) -> None:
         """Start the node agent of ``slot`` (its log: ``<name>-agent<slot>.log``)."""
@@ -673,9 +685,10 @@ class LocalLauncher:
                         + (f" (worker {'killed by signal ' + str(-code) if code < 0 else 'exit ' + str(code)})"
                            if code is not None else ""))
                 if a.lost:
-                    say(f"node(s) on simulated host(s) {a.lost} lost for good; {self.nodes} node(s) left")
+                    say(f"node(s) on {', '.join(self.describe(s) for s in a.lost)} lost for good; "
+                        f"{self.nodes} node(s) left")
                 for node, spare in self._pending_replace.items():
-                    say(f"spare slot {spare} takes over node {node} ({len(self.spares)} spare(s) left)")
+                    say(f"{self.describe(spare)} takes over node {node} ({len(self.spares)} spare(s) left)")
                 if code == CONFIG_ERROR:
                     say("invalid configuration: not retrying")
                     return CONFIG_ERROR

@@ -305,9 +305,21 @@ tck_init() {
     [[ "$TIERCKPT_SHUTDOWN_TIMEOUT" =~ ^[0-9]+$ ]] && [ "$TIERCKPT_SHUTDOWN_TIMEOUT" -ge 1 ] ||
         tck_die "TIERCKPT_SHUTDOWN_TIMEOUT=$TIERCKPT_SHUTDOWN_TIMEOUT: must be whole seconds >= 1 (more than preemption_grace_s plus one training step)"
     TCK_NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
-    : "${TIERCKPT_MIN_NODES:=$TCK_NNODES}"
-    [[ "$TIERCKPT_MIN_NODES" =~ ^[0-9]+$ ]] && [ "$TIERCKPT_MIN_NODES" -ge 1 ] && [ "$TIERCKPT_MIN_NODES" -le "$TCK_NNODES" ] ||
-        tck_die "TIERCKPT_MIN_NODES=$TIERCKPT_MIN_NODES: must be an integer in 1..$TCK_NNODES (the allocation's nodes)"
+    : "${TIERCKPT_AGENTS:=torchrun}"
+    : "${TIERCKPT_SPARES:=0}"
+    : "${TIERCKPT_HANG_TIMEOUT:=10}"
+    case "$TIERCKPT_AGENTS" in torchrun|warm) ;; *)
+        tck_die "TIERCKPT_AGENTS=$TIERCKPT_AGENTS: allowed values: torchrun (one torchrun per node and attempt), warm (node agents that fork each attempt's ranks)" ;; esac
+    [[ "$TIERCKPT_SPARES" =~ ^[0-9]+$ ]] && [ "$TIERCKPT_SPARES" -lt "$TCK_NNODES" ] ||
+        tck_die "TIERCKPT_SPARES=$TIERCKPT_SPARES: must be an integer in 0..$((TCK_NNODES - 1)) (the allocation has $TCK_NNODES nodes)"
+    [ "$TIERCKPT_SPARES" -eq 0 ] || [ "$TIERCKPT_AGENTS" = warm ] ||
+        tck_die "TIERCKPT_SPARES=$TIERCKPT_SPARES needs TIERCKPT_AGENTS=warm (spares are idle node agents)"
+    [[ "$TIERCKPT_HANG_TIMEOUT" =~ ^[0-9]+([.][0-9]+)?$ ]] ||
+        tck_die "TIERCKPT_HANG_TIMEOUT=$TIERCKPT_HANG_TIMEOUT: must be seconds (0: off, else >= 2)"
+    local train=$((TCK_NNODES - TIERCKPT_SPARES))
+    : "${TIERCKPT_MIN_NODES:=$train}"
+    [[ "$TIERCKPT_MIN_NODES" =~ ^[0-9]+$ ]] && [ "$TIERCKPT_MIN_NODES" -ge 1 ] && [ "$TIERCKPT_MIN_NODES" -le "$train" ] ||
+        tck_die "TIERCKPT_MIN_NODES=$TIERCKPT_MIN_NODES: must be an integer in 1..$train (the allocation's $TCK_NNODES nodes less TIERCKPT_SPARES=$TIERCKPT_SPARES)"
     TCK_STEP_HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tr '\n' ' ')
     TCK_STEP_HOSTS=$(echo $TCK_STEP_HOSTS)  # one space between names, none around
     TCK_NODELIST=""
@@ -319,7 +331,7 @@ tck_init() {
     # torchrun's --shutdown-timeout (the node script passes it), exported so the ranks' start-up
     # check sees what torchrun waits before SIGKILLing them after a notice
     export TIERCKPT_HOME TIERCKPT_PYTHON TIERCKPT_NPROC_PER_NODE TIERCKPT_LOCAL_ROOT TIERCKPT_STATE_DIR \
-        TIERCKPT_SHUTDOWN_TIMEOUT TCK_NNODES MASTER_ADDR TCK_NODELIST TCK_PREV_HOSTS
+        TIERCKPT_SHUTDOWN_TIMEOUT TIERCKPT_AGENTS TIERCKPT_SPARES TCK_NNODES MASTER_ADDR TCK_NODELIST TCK_PREV_HOSTS
     export PYTHONPATH="$TIERCKPT_HOME${PYTHONPATH:+:$PYTHONPATH}"
 }
 
@@ -358,9 +370,62 @@ tck_shrink() {
     return 0
 }
 
+# TIERCKPT_AGENTS=warm: one srun step of node agents for the whole allocation, driven by
+# launch/slurm_agents.py on this host (attempts, spares, hang watch, shrink: see its docstring).
+# Here only what needs the allocation: the notice trap, and the requeue once the agents give up
+# (the hosts it blames excluded). Args: the training command.
+TCK_CTL_PID=""
+tck_warm_notice() {
+    TCK_WOKE=1
+    [ -n "$TCK_NOTICE" ] && return
+    TCK_NOTICE=$1
+    echo "$(date +%s) notice signal=SIG$1 attempt=warm" >> "$TIERCKPT_STATE_DIR/events"
+    tck_log "SIG$1: preemption notice; the node agents forward it to the ranks (SIGTERM)"
+    [ -n "$TCK_CTL_PID" ] && kill -USR1 "$TCK_CTL_PID" 2>/dev/null
+    return 0
+}
+
+tck_run_warm() {
+    local rc blamed hosts ctl
+    hosts=$(tr ' ' , <<< "$TCK_STEP_HOSTS")
+    ctl=("$TIERCKPT_PYTHON" "$TIERCKPT_HOME/launch/slurm_agents.py" --hosts "$hosts" --spares "$TIERCKPT_SPARES"
+         --state-dir "$TIERCKPT_STATE_DIR" --nproc-per-node "$TIERCKPT_NPROC_PER_NODE"
+         --max-attempts "$TIERCKPT_MAX_ATTEMPTS" --min-nodes "$TIERCKPT_MIN_NODES"
+         --local-root "$TIERCKPT_LOCAL_ROOT/node-{node}" --hang-timeout "$TIERCKPT_HANG_TIMEOUT"
+         --notice-grace "$TIERCKPT_SHUTDOWN_TIMEOUT" -- "$@")
+    if [ -n "${TIERCKPT_DRY_RUN:-}" ]; then
+        printf '%q ' "${ctl[@]}"; echo
+        exit 0
+    fi
+    tck_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): warm node agents on $TCK_NNODES nodes ($SLURM_JOB_NODELIST), $TIERCKPT_SPARES spare(s), x $TIERCKPT_NPROC_PER_NODE ranks, local root $TIERCKPT_LOCAL_ROOT, state $TIERCKPT_STATE_DIR"
+    trap 'tck_warm_notice USR1' USR1
+    trap 'tck_warm_notice TERM' TERM
+    [ -n "$TCK_NOTICE" ] && tck_requeue_preempted "SIG$TCK_NOTICE, before the agents started"
+    "${ctl[@]}" &
+    TCK_CTL_PID=$!
+    while :; do
+        TCK_WOKE=""
+        wait "$TCK_CTL_PID"
+        rc=$?
+        [ -z "$TCK_WOKE" ] && break
+    done
+    TCK_CTL_PID=""
+    TCK_LAST_RC=$rc
+    case $rc in
+        0) tck_log "training finished (warm agents)"; exit 0 ;;
+        75) tck_requeue_preempted "${TCK_NOTICE:+SIG$TCK_NOTICE}${TCK_NOTICE:-exit-75}" ;;
+        2) echo "$(date +%s) give-up reason=\"configuration error (worker exit status 2)\"" >> "$TIERCKPT_STATE_DIR/events"
+           tck_log "a worker exited with status 2 (invalid configuration): not retrying"; exit 2 ;;
+    esac
+    blamed=$(cat "$TIERCKPT_STATE_DIR/warm-blamed" 2>/dev/null)
+    # shellcheck disable=SC2086
+    tck_requeue "the warm agents gave up in this allocation (exit $rc)" $blamed
+}
+
 # Run the training command ("$@": what follows torchrun's options, e.g. -m titan_plugin.train …)
 # under the retry loop; exits with its status, or requeues.
 tck_run() {
+    [ "$TIERCKPT_AGENTS" = warm ] && tck_run_warm "$@"
     local attempt=0 counter rc blamed="" unhealthy b pre hosts_run=""
     counter=$TIERCKPT_STATE_DIR/attempts
     tck_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $TCK_NNODES nodes ($SLURM_JOB_NODELIST) x $TIERCKPT_NPROC_PER_NODE ranks, master $MASTER_ADDR, local root $TIERCKPT_LOCAL_ROOT, state $TIERCKPT_STATE_DIR"

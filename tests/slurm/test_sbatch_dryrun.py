@@ -118,6 +118,24 @@ def test_titan_command_line(tmp_path):
         "--checkpoint.persistent_folder", "s3://bucket/run", "--training.steps", "5"]
 
 
+def test_titan_warm_agents_command_line(tmp_path):
+    """TIERCKPT_AGENTS=warm: the batch script runs launch/slurm_agents.py over every host of the
+    allocation, the last TIERCKPT_SPARES of them spares, MIN_NODES counted without them."""
+    r = _run(tmp_path, "titan.sbatch", {"TIERCKPT_LOCAL_ROOT": "/nvme/run", "TIERCKPT_AGENTS": "warm",
+                                        "TIERCKPT_SPARES": "1", "TIERCKPT_HANG_TIMEOUT": "15"},
+             ["--training.steps", "5"])
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(r.stdout.strip().splitlines()[-1])
+    i = cmd.index("--")
+    assert cmd[:2] == [sys.executable, str(REPO / "launch" / "slurm_agents.py")], cmd
+    opts = dict(zip(cmd[2:i:2], cmd[3:i:2]))
+    assert opts == {"--hosts": "gpu01,gpu02", "--spares": "1", "--state-dir": str(tmp_path / ".tierckpt" / "slurm-1234"),
+                    "--nproc-per-node": "1", "--max-attempts": "3", "--min-nodes": "1",
+                    "--local-root": "/nvme/run/node-{node}", "--hang-timeout": "15", "--notice-grace": "90"}, opts
+    assert cmd[i + 1:] == ["-m", "titan_plugin.train", "--toml", str(REPO / "configs" / "titan_demo.toml"),
+                           "--checkpoint.local_root", "/nvme/run/node-{node}", "--training.steps", "5"], cmd
+
+
 def test_titan_shutdown_timeout_is_passed_to_torchrun(tmp_path):
     r = _run(tmp_path, "titan.sbatch", {"TIERCKPT_SHUTDOWN_TIMEOUT": "150"})
     assert r.returncode == 0, r.stderr
@@ -131,7 +149,11 @@ def test_titan_shutdown_timeout_is_passed_to_torchrun(tmp_path):
     ("TIERCKPT_MAX_ATTEMPTS", "0", "TIERCKPT_MAX_ATTEMPTS must be >= 1"),
     ("TIERCKPT_NPROC_PER_NODE", "eight", "TIERCKPT_NPROC_PER_NODE=eight: must be a non-negative integer"),
     ("TIERCKPT_TOML", "/nonexistent.toml", "TIERCKPT_TOML=/nonexistent.toml: no such file"),
-    ("TIERCKPT_MIN_NODES", "3", "TIERCKPT_MIN_NODES=3: must be an integer in 1..2 (the allocation's nodes)"),
+    ("TIERCKPT_MIN_NODES", "3", "TIERCKPT_MIN_NODES=3: must be an integer in 1..2 (the allocation's 2 nodes"),
+    ("TIERCKPT_AGENTS", "hot", "TIERCKPT_AGENTS=hot: allowed values: torchrun"),
+    ("TIERCKPT_SPARES", "2", "TIERCKPT_SPARES=2: must be an integer in 0..1"),
+    ("TIERCKPT_SPARES", "1", "TIERCKPT_SPARES=1 needs TIERCKPT_AGENTS=warm"),
+    ("TIERCKPT_HANG_TIMEOUT", "soon", "TIERCKPT_HANG_TIMEOUT=soon: must be seconds"),
 ])
 def test_titan_bad_variables(tmp_path, var, value, needle):
     r = _run(tmp_path, "titan.sbatch", {var: value})

@@ -41,10 +41,11 @@ TITAN = str(REPO / "launch" / "titan.sbatch")
 
 
 # ------------------------------------------------------------------------------------- helpers
-def submit(cluster, script: str, out: Path, env: dict[str, str], args=(), nodes: int = 2) -> int:
+def submit(cluster, script: str, out: Path, env: dict[str, str], args=(), nodes: int = 2,
+           sbatch_args: tuple[str, ...] = ()) -> int:
     e = cluster.env()
     e.update(env)
-    r = subprocess.run(["sbatch", "--parsable", "-N", str(nodes), "-o", str(out), script, *args],
+    r = subprocess.run(["sbatch", "--parsable", "-N", str(nodes), *sbatch_args, "-o", str(out), script, *args],
                        env=e, cwd=str(REPO), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return int(r.stdout.strip().split(";")[0])
@@ -220,7 +221,7 @@ STEPS, LOCAL_EVERY, KILL_AFTER = 6, 2, 2
 
 
 def _titan_job(cluster, tmp_path, extra_env: dict[str, str], steps: int = STEPS, local_every: int = LOCAL_EVERY,
-               persistent_every: int | None = None):
+               persistent_every: int | None = None, nodes: int = 2, sbatch_args: tuple[str, ...] = ()):
     name = tmp_path.name
     shared = Path(cluster.shared) / name
     run = shared / "run"
@@ -237,7 +238,7 @@ def _titan_job(cluster, tmp_path, extra_env: dict[str, str], steps: int = STEPS,
     from tierckpt_dev.titan.assets import ensure_assets
 
     ensure_assets()  # built once here, not by both ranks
-    jobid = submit(cluster, TITAN, out, env, args)
+    jobid = submit(cluster, TITAN, out, env, args, nodes=nodes, sbatch_args=sbatch_args)
     return jobid, shared, run, out
 
 
@@ -252,11 +253,40 @@ def _jsonl(path: Path) -> list[dict]:
     return out
 
 
+def _ppid(p: int) -> int:
+    try:
+        return int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _agent_family(cluster, host: str) -> list[int]:
+    return [p for p in cluster.namespace_pids(host) if "tierckpt.recovery.agent" in _cmdline(p)
+            and not _cmdline(p).startswith("srun")]
+
+
+def _warm_agent(cluster, host: str) -> list[int]:
+    """The node agent on ``host`` (its ranks are forked from it and share its command line:
+    the agent is the one whose parent is not an agent)."""
+    pids = _agent_family(cluster, host)
+    return [p for p in pids if _ppid(p) not in pids]
+
+
+def _warm_ranks(cluster, host: str) -> list[int]:
+    """The training ranks on ``host``: the agent's children (not their DataLoader workers)."""
+    agents = _warm_agent(cluster, host)
+    return [p for p in _agent_family(cluster, host) if _ppid(p) in agents]
+
+
 def _kill_node1_after_local_step(cluster, jobid, run: Path, out: Path, node_host: str, wipe: str | None = None,
-                                 timeout: float = 240.0) -> tuple[int, int]:
-    """SIGKILL the training process on ``node_host`` once the local step KILL_AFTER is committed
-    and replicated (ledger) and rank 0 logged a later step; optionally wipe a directory (the
-    node's disk) right after. Returns (pid killed, last step logged before the kill)."""
+                                 timeout: float = 240.0, agent: bool = False, warm: bool = False,
+                                 freeze: bool = False) -> tuple[int, int]:
+    """SIGKILL the training process on ``node_host`` (``agent``: its warm node agent, which takes
+    its ranks along: the host is lost) once the local step KILL_AFTER is committed and
+    replicated (ledger) and rank 0 logged a later step; optionally wipe a directory (the
+    node's disk) right after. ``warm``: the rank is a child of the node's agent. Returns (pid
+    killed, last step logged before the kill). ``freeze``: SIGSTOP the warm agent and every
+    process it forked instead (a hung host)."""
     ledger, losses = run / "checkpoint" / "tierckpt-ledger.jsonl", run / "metrics" / "losses.jsonl"
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -267,9 +297,16 @@ def _kill_node1_after_local_step(cluster, jobid, run: Path, out: Path, node_host
         steps = [r["step"] for r in _jsonl(losses)]
         if ck and steps and max(steps) > KILL_AFTER:
             assert ck[0]["ok"] and not ck[0].get("replicas_failed"), ck
-            victims = [p for p in cluster.namespace_pids(node_host)
-                       if "titan_plugin.train" in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)
-                       and not _cmdline(p).startswith("bash")]
+            victims = _warm_agent(cluster, node_host) if agent else _warm_ranks(cluster, node_host) if warm else [
+                p for p in cluster.namespace_pids(node_host)
+                if "titan_plugin.train" in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)
+                and not _cmdline(p).startswith("bash")]
+            if freeze:
+                family = _agent_family(cluster, node_host)
+                assert len(_warm_agent(cluster, node_host)) == 1 and len(family) >= 2, family
+                for p in family:
+                    os.kill(p, signal.SIGSTOP)
+                return family[0], max(steps)
             assert len(victims) == 1, {p: _cmdline(p) for p in victims}
             os.kill(victims[0], signal.SIGKILL)
             if wipe:
@@ -306,12 +343,18 @@ def _check_ledger_and_losses(run: Path, killed_at: int, restart_counts: list[int
     return rest
 
 
-def test_titan_in_allocation_retry_restores_from_replica(slurm_cluster, tmp_path):
+@pytest.mark.parametrize("agents", ["torchrun", "warm"])
+def test_titan_in_allocation_retry_restores_from_replica(slurm_cluster, tmp_path, agents):
+    """Node 1's training process is SIGKILLed and its disk wiped; the next attempt, in the same
+    allocation, restores node 1 from n1's replica. ``warm``: the node agent on n2 survives and
+    forks the new rank from its warm interpreter."""
     t0 = time.time()
-    jobid, shared, run, out = _titan_job(slurm_cluster, tmp_path, {"TIERCKPT_MAX_ATTEMPTS": "2"})
+    jobid, shared, run, out = _titan_job(slurm_cluster, tmp_path, {"TIERCKPT_MAX_ATTEMPTS": "2",
+                                                                   "TIERCKPT_AGENTS": agents})
     # node 1 runs on n2; its disk (everything under the local root) goes with the process
     disk = Path(slurm_cluster.disk("n2")) / tmp_path.name
-    pid, killed_at = _kill_node1_after_local_step(slurm_cluster, jobid, run, out, "n2", wipe=str(disk))
+    pid, killed_at = _kill_node1_after_local_step(slurm_cluster, jobid, run, out, "n2", wipe=str(disk),
+                                                  warm=agents == "warm")
     info = wait_done(slurm_cluster, jobid, 300, out)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "0", (info, _tail(out))
     ev = events(shared / "state")
@@ -320,8 +363,15 @@ def test_titan_in_allocation_retry_restores_from_replica(slurm_cluster, tmp_path
     assert [e for e in ev if e["kind"] == "end"][0]["failed_nodes"] == "n2", ev
     rest = _check_ledger_and_losses(run, killed_at, [0, 1])
     assert {n: v["source"] for n, v in rest["sources"].items()} == {"0": "own-local", "1": "peer-replica"}, rest
+    if agents == "warm":
+        from tierckpt.history.ledger import Ledger, summarize
+        from tierckpt.io.storage import Store
+
+        recs = summarize(Ledger.read(Store(str(run / "checkpoint"))))["recoveries"]
+        assert len(recs) == 1 and recs[0]["warm"] is True and recs[0]["failed_nodes"] == [1], recs
+        assert not recs[0].get("replaced"), recs
     no_leftovers(slurm_cluster)
-    print(f"in-allocation retry: {time.time() - t0:.1f}s")
+    print(f"in-allocation retry ({agents}): {time.time() - t0:.1f}s")
 
 
 def test_titan_requeue_swaps_failed_node_restores_from_replica(slurm_cluster, tmp_path):
@@ -339,6 +389,52 @@ def test_titan_requeue_swaps_failed_node_restores_from_replica(slurm_cluster, tm
     assert {n: v["source"] for n, v in rest["sources"].items()} == {"0": "own-local", "1": "peer-replica"}, rest
     no_leftovers(slurm_cluster)
     print(f"requeue: {time.time() - t0:.1f}s")
+
+
+@pytest.mark.parametrize("how", ["lost", "frozen"])
+def test_titan_warm_agents_spare_takes_over_node(slurm_cluster, tmp_path, how):
+    """TIERCKPT_AGENTS=warm, TIERCKPT_SPARES=1 on 3 nodes. ``lost``: node 1's host (n2) is lost
+    with its disk — its agent, and with it its ranks, SIGKILLed, its NVMe wiped. ``frozen``:
+    n2's agent and ranks are SIGSTOPped (a hung host: nothing exits) and found by the hang watch
+    within TIERCKPT_HANG_TIMEOUT (default 10 s). Inside the same allocation (no requeue) the
+    spare n3 takes over node id 1, its ranks forked warm, and restores node 1's shards from
+    n1's replica; the job stays at 2 nodes, reads no persistent byte, every step run twice has
+    the same loss bitwise, and nothing is left running on n2."""
+    t0 = time.time()
+    jobid, shared, run, out = _titan_job(slurm_cluster, tmp_path, {"TIERCKPT_MAX_ATTEMPTS": "2",
+                                                                   "TIERCKPT_AGENTS": "warm", "TIERCKPT_SPARES": "1"},
+                                         nodes=3, sbatch_args=("--no-kill",))
+    disk = Path(slurm_cluster.disk("n2")) / tmp_path.name
+    if how == "lost":
+        pid, killed_at = _kill_node1_after_local_step(slurm_cluster, jobid, run, out, "n2", wipe=str(disk),
+                                                      agent=True)
+    else:
+        pid, killed_at = _kill_node1_after_local_step(slurm_cluster, jobid, run, out, "n2", freeze=True)
+        t_frozen = time.time()
+    info = wait_done(slurm_cluster, jobid, 300, out)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "0", (info, _tail(out))
+    ev = events(shared / "state")
+    assert [e["kind"] for e in ev] == ["start", "end", "start", "end"], ev
+    assert ev[0]["nodes"] == "n1,n2" and ev[0]["agents"] == "warm" and ev[0]["replaced"] == "-", ev
+    assert ev[1]["failed_nodes"] == "n2" and ev[1]["rc"] != "0", ev
+    assert ev[1]["cause"] == ("hang" if how == "frozen" else "node-failure"), ev
+    if how == "frozen":
+        assert int(ev[1]["time"]) - t_frozen < 30, (ev, t_frozen)  # replaced within 30 s (hang timeout 10 s)
+    assert ev[2]["nodes"] == "n1,n3" and ev[2]["replaced"] == "1:n3" and ev[2]["restart_count"] == "1", ev
+    assert ev[3]["rc"] == "0", ev
+    rest = _check_ledger_and_losses(run, killed_at, [0, 1])
+    assert {n: v["source"] for n, v in rest["sources"].items()} == {"0": "own-local", "1": "peer-replica"}, rest
+    from tierckpt.history.ledger import Ledger, summarize
+    from tierckpt.io.storage import Store
+
+    recs = summarize(Ledger.read(Store(str(run / "checkpoint"))))["recoveries"]
+    assert len(recs) == 1 and recs[0]["warm"] is True and recs[0]["failed_nodes"] == [1], recs
+    assert recs[0]["replaced"] == {"1": "spare n3"}, recs
+    assert recs[0]["total_s"] is not None and recs[0]["total_s"] < 60, recs
+    assert Path(slurm_cluster.disk("n3"), tmp_path.name, "node-1").is_dir()  # the spare's own disk holds node 1 now
+    no_leftovers(slurm_cluster)
+    print(f"warm spare ({how}): failure noticed -> first step {recs[0]['total_s']:.2f} s; "
+          f"whole test {time.time() - t0:.1f}s")
 
 
 # ------------------------------------------------------------------------------- preemption

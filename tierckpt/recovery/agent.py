@@ -1,6 +1,6 @@
 """The node agent: one long-lived process per node that starts, watches and stops its ranks.
 
-    python -m tierckpt.recovery.agent --connect HOST:PORT --slot S [--preload mod,mod,…] [--cold]
+    python -m tierckpt.recovery.agent --connect HOST:PORT (--slot S | --hosts H1,H2,…) [--preload mod,…] [--cold]
 
 (``$TIERCKPT_AGENT_KEY``: the launcher's shared secret, hex.) A launcher
 (:class:`tierckpt.recovery.pool.AgentPool`; ``launch/local.py`` starts one agent per simulated
@@ -34,6 +34,7 @@ the key): trusted processes of one job only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import shutil
@@ -112,10 +113,39 @@ class Agent:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
 
     # -- ranks ---------------------------------------------------------------------------------
+    @staticmethod
+    def move(src: str, dst: str) -> str:
+        """Rename directory ``src`` to ``dst`` on this host (a survivor's node-local root that
+        follows its new node id after a shrink); returns what was done, for the rank log.
+
+        A ``dst`` that exists is another run's or a lost node's leftover on this disk (ids only
+        go down, so a survivor never moves into a live one): it is set aside as
+        ``<dst>.stale-<UNIX seconds>``, never deleted. No ``src``: nothing to carry.
+        """
+        if not os.path.isdir(src):
+            return f"no {src} to move to {dst}"
+        note = ""
+        if os.path.lexists(dst):
+            aside = f"{dst}.stale-{int(time.time())}"
+            os.rename(dst, aside)
+            note = f"; {dst} set aside as {aside}"
+        os.rename(src, dst)
+        return f"moved {src} to {dst}{note}"
+
     def start(self, msg: dict) -> None:
-        """Start the ranks of attempt ``msg["attempt"]`` (``msg["ranks"]``: RankSpec fields)."""
+        """Start the ranks of attempt ``msg["attempt"]`` (``msg["ranks"]``: RankSpec fields),
+        after the renames ``msg["moves"]`` (:meth:`move`)."""
         if self.attempt is not None and self.attempt.live():
             self.kill(self.attempt.index, report=False)
+        moved = []
+        for src, dst in msg.get("moves", ()):
+            try:
+                moved.append(self.move(src, dst))
+            except OSError as e:  # the ranks start anyway: they restore from the replicas
+                moved.append(f"could not move {src} to {dst}: {e}")
+        if moved and msg.get("ranks"):
+            with contextlib.suppress(OSError), open(msg["ranks"][0]["log"], "a") as f:
+                f.write("".join(f"[tierckpt agent {self.slot}] {m}\n" for m in moved))
         index = int(msg["attempt"])
         a = _Attempt(index=index, marks=tempfile.mkdtemp(prefix=f"a{index}-marks-", dir=self.dir))
         problems = [] if self.cold else warm.fork_problems()
@@ -268,7 +298,11 @@ def _preloaded(p: warm.Preloaded, folder: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tierckpt.recovery.agent", description=__doc__.split("\n\n")[0])
     ap.add_argument("--connect", required=True, metavar="HOST:PORT", help="the launcher's address")
-    ap.add_argument("--slot", type=int, required=True, help="this node's slot in the launcher")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--slot", type=int, help="this node's slot in the launcher")
+    which.add_argument("--hosts", metavar="H1,H2,…",
+                       help="the allocation's hosts in slot order: the slot is this host's position "
+                            "($SLURMD_NODENAME, else the short host name), as in one srun step over every node")
     ap.add_argument("--preload", default="", help="comma-separated modules to import before forking ranks")
     ap.add_argument("--cold", action="store_true", help="exec every rank (no warm fork)")
     args = ap.parse_args(argv)
@@ -277,8 +311,16 @@ def main(argv: list[str] | None = None) -> int:
     if not host or not port.isdigit() or not key:
         print(f"tierckpt agent: error: --connect HOST:PORT and ${KEY_ENV} (hex) are needed", file=sys.stderr)
         return 2
+    slot = args.slot
+    if args.hosts is not None:
+        me = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+        hosts = [h.strip() for h in args.hosts.split(",")]
+        if me not in hosts:
+            print(f"tierckpt agent: error: this host ({me}) is not in --hosts {args.hosts}", file=sys.stderr)
+            return 2
+        slot = hosts.index(me)
     conn = Client((host, int(port)), authkey=key)
-    agent = Agent(conn, args.slot, cold=args.cold)
+    agent = Agent(conn, slot, cold=args.cold)
     agent.install_signals()
     agent._send({"ev": "hello", "pid": os.getpid(), "host": socket.gethostname(), "t": time.time()})
     names = [] if args.cold else [m.strip() for m in args.preload.split(",") if m.strip()]

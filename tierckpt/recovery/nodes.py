@@ -89,12 +89,16 @@ class AgentAttempt:
         self.run_id = uuid.uuid4().hex[:12]
 
     def start(self, argv: list[str], base_env: dict[str, str], *, master_addr: str, master_port: int,
-              logs: list[str], cwd: str, recovery: dict | None = None) -> list[int]:
+              logs: list[str], cwd: str, recovery: dict | None = None,
+              moves: dict[int, list[tuple[str, str]]] | None = None) -> list[int]:
         """Ask every node's agent to start its ranks; returns the nodes whose agent could not be
         reached (they count as failed at once).
 
         ``recovery`` (the launcher's phases of the failure before this attempt) goes to every
-        rank as ``$TIERCKPT_RECOVERY`` (JSON; :mod:`tierckpt.recovery.timeline`).
+        rank as ``$TIERCKPT_RECOVERY`` (JSON; :mod:`tierckpt.recovery.timeline`). ``moves``
+        ({node id: [(src, dst)]}) are directory renames a node's agent makes on its own host
+        before it starts the ranks: a survivor renumbered after a shrink takes its node-local
+        root along (:meth:`tierckpt.recovery.agent.Agent.move`).
         """
         env = dict(base_env)
         if recovery is not None:
@@ -106,7 +110,7 @@ class AgentAttempt:
                                       nodes=len(self.slots), master_addr=master_addr, master_port=master_port,
                                       run_id=self.run_id)}
                      for lr in range(self.nproc)]
-            if not self.pool.start(slot, self.index, ranks):
+            if not self.pool.start(slot, self.index, ranks, moves=(moves or {}).get(node, [])):
                 unreachable.append(node)
         return unreachable
 
