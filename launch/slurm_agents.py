@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import os
 import signal
 import socket
@@ -47,20 +46,12 @@ import subprocess
 import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:  # run as a script: launch/ (a namespace package) and tierckpt from the repository
+    sys.path.insert(0, _REPO)
 
+from launch import local  # noqa: E402 - after the path fix above
 
-def _load_local():
-    """launch/local.py as a module (it is a script, not part of a package)."""
-    spec = importlib.util.spec_from_file_location("tierckpt_launch_local", os.path.join(_HERE, "local.py"))
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-local = _load_local()
 AgentPool, PoolError, LaunchError = local.AgentPool, local.PoolError, local.LaunchError
 
 
@@ -144,6 +135,7 @@ class SlurmAgentLauncher(local.LocalLauncher):
 
     def _launch_agent(self, slot: int) -> None:
         """Start ``slot``'s agent again on its host (a step of one task beside the others)."""
+        assert self.pool is not None
         self._srun_agents([self.hosts[slot]], f"{self.name}-agent-%N-{len(self._steps)}.log", ["--overlap"])
         try:
             self.pool.wait_ready([slot], self.agent_start_timeout_s)
@@ -174,7 +166,7 @@ class SlurmAgentLauncher(local.LocalLauncher):
         """SIGKILL a hung agent and its ranks' process groups on their host (srun with
         ``--overlap``, in the background: a dead host never answers)."""
         h = self.pool.handles.get(slot) if self.pool is not None else None
-        if h is None or h.pid is None:
+        if h is None or h.pid is None:  # never connected: nothing of ours runs there
             return
         targets = [str(h.pid), *(f"-{p}" for p in h.pids)]
         with contextlib.suppress(OSError):

@@ -1015,9 +1015,11 @@ class RecordingPool:
         self.calls: list[tuple[int, int, list[dict]]] = []
         self.unreachable = set(unreachable)
         self.handles: dict[int, AgentHandle] = {}
+        self.moves: dict[int, list] = {}
 
-    def start(self, slot, attempt, ranks):
+    def start(self, slot, attempt, ranks, moves=None):
         self.calls.append((slot, attempt, ranks))
+        self.moves[slot] = list(moves or [])
         return slot not in self.unreachable
 
 
@@ -1027,8 +1029,9 @@ def test_attempt_start_env_and_recovery():
     a = AgentAttempt(p, 3, [4, 9], 2)
     t0 = time.time()
     assert a.start(["-m", "train", "--x"], base, master_addr="m", master_port=5, logs=["l0", "l1"], cwd="/w",
-                   recovery={"cause": "rank_exit", "failed_nodes": [1]}) == [1]
+                   recovery={"cause": "rank_exit", "failed_nodes": [1]}, moves={1: [("/n/node-2", "/n/node-1")]}) == [1]
     t1 = time.time()
+    assert p.moves == {4: [], 9: [("/n/node-2", "/n/node-1")]}  # node id 1 runs on slot 9: its renames go there
     assert base == {"PATH": "/bin"}
     assert [(s, i, len(r)) for s, i, r in p.calls] == [(4, 3, 2), (9, 3, 2)]
     ranks = [r for _, _, rs in p.calls for r in rs]

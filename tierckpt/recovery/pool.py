@@ -221,14 +221,14 @@ class AgentPool:
             self._lost(h)
             return False
 
-    def start(self, slot: int, attempt: int, ranks: list[dict], moves: list[tuple[str, str]] = ()) -> bool:
+    def start(self, slot: int, attempt: int, ranks: list[dict], moves: list[tuple[str, str]] | None = None) -> bool:
         """Ask ``slot``'s agent to start ``ranks`` (dicts of RankSpec fields: argv, env, log,
         cwd) as attempt ``attempt``, after renaming ``moves`` (src, dst) on its host; False when
         the agent is unreachable."""
         h = self.handles[slot]
         h.attempt, h.pids, h.statuses, h.ended, h.started_at, h.killed_at = attempt, [], {}, None, None, None
         return self._send(slot, {"op": "start", "attempt": attempt, "ranks": ranks,
-                                 "moves": [list(m) for m in moves]})
+                                 "moves": [list(m) for m in moves or ()]})
 
     def signal(self, slot: int, attempt: int, sig: int) -> bool:
         """Forward ``sig`` to the ranks of ``attempt`` on ``slot``."""
