@@ -130,6 +130,7 @@ tck_requeue() {
 # answers SIGTERM by SIGKILLing its step); the workers make their final save and exit, and the
 # job is requeued instead of retried (tck_run). Args: the signal's name without "SIG".
 TCK_NOTICE=""
+TCK_CTL_PID=""  # TIERCKPT_AGENTS=warm: launch/slurm_agents.py while it runs (tck_forward_notice signals it)
 tck_notice() {
     TCK_WOKE=1
     [ -n "$TCK_NOTICE" ] && return
@@ -143,6 +144,10 @@ tck_notice() {
 # of the running attempt; torchrun forwards it to its workers. Not when Slurm is ending the job:
 # it signals the steps itself, and scancel would retry ("try again later") until KillWait ends.
 tck_forward_notice() {
+    if [ -n "$TCK_NOTICE" ] && [ -n "$TCK_CTL_PID" ]; then  # warm: the agents forward it to the ranks
+        kill -USR1 "$TCK_CTL_PID" 2>/dev/null
+        return 0
+    fi
     [ -n "$TCK_NOTICE" ] && [ -n "${TCK_SRUN_PID:-}" ] || return 0
     local state
     state=$(tck_job_state)
@@ -374,17 +379,6 @@ tck_shrink() {
 # launch/slurm_agents.py on this host (attempts, spares, hang watch, shrink: see its docstring).
 # Here only what needs the allocation: the notice trap, and the requeue once the agents give up
 # (the hosts it blames excluded). Args: the training command.
-TCK_CTL_PID=""
-tck_warm_notice() {
-    TCK_WOKE=1
-    [ -n "$TCK_NOTICE" ] && return
-    TCK_NOTICE=$1
-    echo "$(date +%s) notice signal=SIG$1 attempt=warm" >> "$TIERCKPT_STATE_DIR/events"
-    tck_log "SIG$1: preemption notice; the node agents forward it to the ranks (SIGTERM)"
-    [ -n "$TCK_CTL_PID" ] && kill -USR1 "$TCK_CTL_PID" 2>/dev/null
-    return 0
-}
-
 tck_run_warm() {
     local rc blamed hosts ctl
     hosts=$(tr ' ' , <<< "$TCK_STEP_HOSTS")
@@ -398,8 +392,9 @@ tck_run_warm() {
         exit 0
     fi
     tck_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): warm node agents on $TCK_NNODES nodes ($SLURM_JOB_NODELIST), $TIERCKPT_SPARES spare(s), x $TIERCKPT_NPROC_PER_NODE ranks, local root $TIERCKPT_LOCAL_ROOT, state $TIERCKPT_STATE_DIR"
-    trap 'tck_warm_notice USR1' USR1
-    trap 'tck_warm_notice TERM' TERM
+    TCK_ATTEMPT=warm
+    trap 'tck_notice USR1' USR1
+    trap 'tck_notice TERM' TERM
     [ -n "$TCK_NOTICE" ] && tck_requeue_preempted "SIG$TCK_NOTICE, before the agents started"
     "${ctl[@]}" &
     TCK_CTL_PID=$!

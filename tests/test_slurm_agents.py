@@ -76,6 +76,19 @@ def _kill_agent_of(slot: int, rec: Path):
     return monitor
 
 
+def _run(sa, tmp_path: Path, srun: Path, rec: Path, state: Path, **kw):
+    """Run a SlurmAgentLauncher of WORKER on hosts h1..h3 that loses slot 1's agent in attempt 0;
+    returns it and its log lines (the run must succeed)."""
+    la = sa.SlurmAgentLauncher([str(tmp_path / "worker.py"), str(rec)], hosts=["h1", "h2", "h3"], state_dir=str(state),
+                               srun=str(srun), log_dir=str(tmp_path / "logs"), max_attempts=2, preload=["json"], **kw)
+    lines: list[str] = []
+    try:
+        assert la.run(timeout=120, monitor=_kill_agent_of(1, rec), log=lines.append) == 0, lines
+    finally:
+        la.close_steps()
+    return la, lines
+
+
 def test_spare_takes_over_a_lost_hosts_node_id(tmp_path, srun):
     """hosts h1, h2 + spare h3: h2's agent dies (its rank with it); the next attempt runs node 1
     on h3, same world size, master still h1; events and the recovery object name the spare."""
@@ -83,14 +96,7 @@ def test_spare_takes_over_a_lost_hosts_node_id(tmp_path, srun):
     worker, rec, state = tmp_path / "worker.py", tmp_path / "rec.jsonl", tmp_path / "state"
     worker.write_text(WORKER)
     state.mkdir()
-    la = sa.SlurmAgentLauncher([str(worker), str(rec)], hosts=["h1", "h2", "h3"], spares=1, state_dir=str(state),
-                               srun=str(srun), log_dir=str(tmp_path / "logs"), max_attempts=2,
-                               env={"FAIL": "0/0:hang,0/1:hang"}, preload=["json"])
-    lines: list[str] = []
-    try:
-        assert la.run(timeout=120, monitor=_kill_agent_of(1, rec), log=lines.append) == 0, lines
-    finally:
-        la.close_steps()
+    la, lines = _run(sa, tmp_path, srun, rec, state, spares=1, env={"FAIL": "0/0:hang,0/1:hang"})
     a1, a2 = la.attempts
     assert (a1.slots, a1.failed_nodes, a2.slots, a2.replaced) == ([0, 1], [1], [0, 2], {1: 2}), lines
     second = sorted((r for r in _records(rec) if r["TIERCKPT_RESTART_COUNT"] == "1"), key=lambda r: r["GROUP_RANK"])
@@ -127,15 +133,8 @@ def test_without_spare_a_lost_node_is_dropped_and_survivor_roots_renamed(tmp_pat
         asked.append(nodes)
         return ["--dp", str(nodes)]
 
-    la = sa.SlurmAgentLauncher([str(worker), str(rec)], hosts=["h1", "h2", "h3"], state_dir=str(state),
-                               srun=str(srun), log_dir=str(tmp_path / "logs"), max_attempts=2, min_nodes=2,
-                               local_root=str(nvme / "node-{node}"), reconfigure=reconfigure,
-                               env={"FAIL": "0/0:hang,0/1:hang,0/2:hang"}, preload=["json"])
-    lines: list[str] = []
-    try:
-        assert la.run(timeout=120, monitor=_kill_agent_of(1, rec), log=lines.append) == 0, lines
-    finally:
-        la.close_steps()
+    la, lines = _run(sa, tmp_path, srun, rec, state, min_nodes=2, local_root=str(nvme / "node-{node}"),
+                     reconfigure=reconfigure, env={"FAIL": "0/0:hang,0/1:hang,0/2:hang"})
     a1, a2 = la.attempts
     assert (a1.slots, a2.slots, a2.nodes, asked, a2.extra_args) == ([0, 1, 2], [0, 2], 2, [2], ["--dp", "2"]), lines
     second = sorted((r for r in _records(rec) if r["TIERCKPT_RESTART_COUNT"] == "1"), key=lambda r: r["GROUP_RANK"])
