@@ -15,6 +15,9 @@ Systems (main venv unless said otherwise):
   optimizer step would. Its δ is ``save()`` plus that wait: the time the training thread is
   held, not the time until the copy is complete. ``--overlap-window-ms 0`` is the worst case
   (nothing to overlap with).
+- **tierckpt (trainer priority)**: tierckpt with ``background_nice = 0`` and
+  ``background_io_class = "none"``: its background threads at the trainer's CPU and I/O priority
+  (the default lowers them, :mod:`tierckpt.priority`). Shows in row 4 what the priority buys.
 - **DCP sync**: ``dcp.save``.
 - **DCP async (thread)**: ``dcp.async_save`` with the thread executor (torchtitan's "async").
 - **DCP process+async staging**: ``dcp.async_save`` with the process executor and a persistent
@@ -66,7 +69,8 @@ across repetitions):
 4. the training time one save costs a CPU-bound trainer (:mod:`peers_stepcost`: steps of
    ``--overlap-window-ms`` of matmuls + the wait for staging + an in-place update of the whole
    state; run time minus as many undisturbed steps, the save's background work included), for
-   tierckpt (both modes) and DCP process+async staging, ÷ memcpy.
+   tierckpt (both modes, and at the trainer's priority) and DCP process+async staging, ÷ memcpy and
+   ÷ DCP process+async staging's cost (the target: ≤ 1.0 with the replica and checksums on).
 Every restore is compared bitwise with the saved state (``AssertionError`` otherwise).
 
 Targets (PASS/MISS printed, never an exit status): δ ≤ 1.05× memcpy and ≤ 0.95× lm-resiliency's
@@ -106,11 +110,13 @@ from peers_common import (abba, assert_bitwise, drop_page_cache, gmax, make_stat
 
 MiB = 1 << 20
 PEERS_PY = os.path.join(REPO, ".venv-peers", "bin", "python")
-TARGETS = {"delta_memcpy": 1.05, "delta_lmr": 0.95, "restore_nvrx": 0.8, "restore_lmr_disk": 0.8}
+TARGETS = {"delta_memcpy": 1.05, "delta_lmr": 0.95, "restore_nvrx": 0.8, "restore_lmr_disk": 0.8,
+           "save_cost_dcp_process": 1.0}
 LMR_DISK = "lm-resiliency disk path (side venv)"
 FLOOR = "disk floor"
 RAM_TIER = "tierckpt (RAM local root)"
 OVERLAP = "tierckpt (overlapped)"
+PRIO0 = "tierckpt (trainer priority)"
 ADAPTATIONS = [
     "tierckpt: persistent tier off (tiers=('local',), replication_factor=2)",
     "DCP process+async staging: DefaultStager(use_pinned_memory=False, use_shared_memory=True, "
@@ -182,7 +188,7 @@ def patch_nvrx_for_cpu() -> None:
 class Tier:
     """tierckpt, local tier + replica on the other node."""
 
-    def __init__(self, rank, base, label, local_base=None, window_s=None):
+    def __init__(self, rank, base, label, local_base=None, window_s=None, **overrides):
         from tierckpt.config import TierConfig
         from tierckpt.engine import TieredCheckpointer
 
@@ -191,7 +197,7 @@ class Tier:
         self.cfg = TierConfig(local_root=os.path.join(self.dir, "node-{node}"),
                               persistent_root=os.path.join(base, label + "-ledger"),
                               tiers=("local",), replication_factor=2, job_id="bench-peers",
-                              cpu_staging="blocking" if window_s is None else "overlapped")
+                              cpu_staging="blocking" if window_s is None else "overlapped", **overrides)
         self._cls = TieredCheckpointer
         self.eng = TieredCheckpointer(self.cfg, node_id=rank)
         self.handle = None
@@ -461,7 +467,9 @@ def peers_rank(rank: int, world: int, args: dict) -> dict:
         return gmax(time.perf_counter() - t0)
 
     systems: dict = {"tierckpt": Tier(rank, base, "tierckpt"),
-                     OVERLAP: Tier(rank, base, "tierckpt-overlapped", window_s=args["overlap_window_ms"] / 1e3)}
+                     OVERLAP: Tier(rank, base, "tierckpt-overlapped", window_s=args["overlap_window_ms"] / 1e3),
+                     PRIO0: Tier(rank, base, "tierckpt-trainer-priority", background_nice=0,
+                                 background_io_class="none")}
     if args["local_root_base"]:
         systems[RAM_TIER] = Tier(rank, base, "tierckpt-ram", local_base=args["local_root_base"])
     systems.update({"DCP sync": Dcp(rank, base, "sync"), "DCP async (thread)": Dcp(rank, base, "thread"),
@@ -501,7 +509,7 @@ def peers_rank(rank: int, world: int, args: dict) -> dict:
     out.update(delta_s=delta, memcpy_s=mems)
 
     # 4. the cost of one save to a CPU-bound trainer (bench/peers_stepcost.py)
-    cpu_names = [n for n in ("tierckpt", OVERLAP, "DCP process+async staging") if n in systems]
+    cpu_names = [n for n in ("tierckpt", OVERLAP, PRIO0, "DCP process+async staging") if n in systems]
     if args["cpu_steps"]:
         out["stepcost"] = step_cost(systems, cpu_names, sd, reps=args["cpu_reps"], steps=args["cpu_steps"],
                                     window_s=args["overlap_window_ms"] / 1e3, barrier=dist.barrier,
@@ -724,6 +732,15 @@ def rows(s: dict) -> tuple[list[str], list[list[str]], list[list[str]]]:
         if x is not None:
             targ.append([f"δ {label[name]} ÷ memcpy", f"{x:.2f}", f"≤ {TARGETS['delta_memcpy']}",
                          _pf(x <= TARGETS["delta_memcpy"])])
+    sc = s.get("stepcost")
+    dcpp = "DCP process+async staging"
+    if sc and sc["cost"].get(dcpp):
+        for name in ("tierckpt", OVERLAP, PRIO0):
+            if name in sc["cost"]:
+                x = sc["cost"][name] / sc["cost"][dcpp]
+                targ.append([f"4. save cost {name} ÷ DCP process executor (replica + checksums on)", f"{x:.2f}",
+                             f"≤ {TARGETS['save_cost_dcp_process']}" if name != PRIO0 else "(info)",
+                             _pf(x <= TARGETS["save_cost_dcp_process"]) if name != PRIO0 else "—"])
     if "NVRx local" in s["restore"]:
         x = s["restore"]["tierckpt"] / s["restore"]["NVRx local"]
         targ.append(["restore tierckpt ÷ NVRx local", f"{x:.2f}", f"≤ {TARGETS['restore_nvrx']}",

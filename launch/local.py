@@ -92,7 +92,8 @@ MIN_NODES_ENV = "TIERCKPT_MIN_NODES"
 if REPO not in sys.path:  # run as a script: the repository's packages (tierckpt.recovery)
     sys.path.insert(0, REPO)
 
-from tierckpt.recovery.nodes import RECOVERY_ENV, AgentAttempt  # noqa: E402 - after the path fix above
+from tierckpt import clock  # noqa: E402 - after the path fix above
+from tierckpt.recovery.nodes import RECOVERY_ENV, AgentAttempt  # noqa: E402
 from tierckpt.recovery.pool import AgentPool, HangWatch, PoolError  # noqa: E402
 from tierckpt.recovery.warm import PROCESS_STARTED_ENV  # noqa: E402
 
@@ -414,7 +415,7 @@ class LocalLauncher:
         env["TIERCKPT_RESTART_COUNT"] = str(a.restart_count)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
         a.replaced, self._pending_replace = dict(self._pending_replace), {}
-        a.t_start = time.time()
+        a.t_start = clock.now()
         a.recovery = recovery_info(self.attempts[-1], a, self.warm, self.describe) if self.attempts else None
         if a.recovery is not None:
             env[RECOVERY_ENV] = json.dumps(a.recovery)
@@ -513,7 +514,7 @@ class LocalLauncher:
                 if node not in a.restarted_agents and a.agent.slots[node] not in self.lost:
                     self._agent_died(a, node)  # not a node already lost, replaced or restarted
             if a.survivors_stopped is None:
-                a.survivors_stopped = time.time()
+                a.survivors_stopped = clock.now()
             return
         tree = {i: [p.pid, *descendants(p.pid)] for i, p in enumerate(a.procs) if p.poll() is None}
         for i in tree:
@@ -761,13 +762,13 @@ class LocalLauncher:
 
     def _failed(self, a: Attempt, node: int, cause: str) -> None:
         """Attempt ``a`` failed at ``node``: note when, stop every process, note when."""
-        a.failure_noticed = a.failure_noticed or time.time()
+        a.failure_noticed = a.failure_noticed or clock.now()
         a.failed_node = node if a.failed_node is None else a.failed_node
         a.cause = a.cause or cause
         if node not in a.failed_nodes:
             a.failed_nodes.append(node)
         self._stop_nodes(a)  # srun --kill-on-bad-exit=1
-        a.t_end = time.time()
+        a.t_end = clock.now()
         a.survivors_stopped = a.survivors_stopped or a.t_end
         if a.agent is None:
             with contextlib.suppress(OSError):
@@ -780,10 +781,10 @@ class LocalLauncher:
                 monitor(self, a)
             self._poll_nodes(a)
             if self._notice is not None and a.notice_at is None:
-                a.notice_at = time.time()
+                a.notice_at = clock.now()
                 self._forward_notice(a)
             if a.notice_at is None and PREEMPTED_EXIT in a.rcs:
-                a.notice_at = time.time()  # the notice reached the ranks directly: the others save too
+                a.notice_at = clock.now()  # the notice reached the ranks directly: the others save too
                 if a.agent is not None:  # torchrun's nodes hear it from the ranks; agents forward it
                     a.agent.signal(signal.SIGTERM)
             if a.notice_at is not None:
@@ -801,7 +802,7 @@ class LocalLauncher:
                 self._hung(a, verdict)
                 return 1
             if all(rc == 0 for rc in a.rcs):
-                a.t_end = time.time()
+                a.t_end = clock.now()
                 return 0
             if deadline is not None and time.time() > deadline:
                 self._stop_nodes(a)
@@ -823,7 +824,7 @@ class LocalLauncher:
         for n in a.failed_nodes:
             if a.rcs[n] is None:
                 a.rcs[n] = 1
-        a.t_end = time.time()
+        a.t_end = clock.now()
         a.survivors_stopped = a.survivors_stopped or a.t_end
         a.hang_detail = verdict.detail
 
@@ -838,7 +839,7 @@ class LocalLauncher:
             self._stop_nodes(a)
             for i in running:
                 a.rcs[i] = a.procs[i].returncode if a.agent is None else 1
-        a.t_end = time.time()
+        a.t_end = clock.now()
         a.preempted = all(rc == PREEMPTED_EXIT for rc in a.rcs)
         if a.preempted:
             return PREEMPTED_EXIT

@@ -73,6 +73,7 @@ FLAG_RULES: dict[str, Number] = {
     "--ckpt-plugin-restore-read-timeout": non_negative_seconds(note="0 = the default"),
     "--ckpt-plugin-exit-timeout": RULES["exit_timeout_s"],
     "--ckpt-plugin-simulated-ranks-per-node": RULES["simulated_ranks_per_node"],
+    "--ckpt-plugin-background-nice": RULES["background_nice"],
 }
 
 
@@ -187,6 +188,11 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "blocking (default; inside the save) or overlapped (ShardedTensors of 64 KiB and more "
                         "copied in the background during the next forward/backward; the optimizer step waits "
                         "for them; a write that races the copy fails that save). CUDA tensors are unaffected.")
+    g.add_argument("--ckpt-plugin-background-nice", type=_typed("--ckpt-plugin-background-nice"), default=None,
+                   metavar="N", help="Added to the nice value of the plugin's background threads (writes, "
+                                     "checksums, replication): 0..19, default 10; 0 = the trainer's priority.")
+    g.add_argument("--ckpt-plugin-background-io-class", default=None, metavar="CLASS",
+                   help="I/O class of the same threads: best-effort (default, lowest level), idle or none.")
     g.add_argument("--ckpt-plugin-persistent-keep",
                    type=_typed("--ckpt-plugin-persistent-keep"),
                    default=None, metavar="K", help="Committed persistent steps kept (default 3).")
@@ -259,6 +265,8 @@ class PluginSettings:
             the engine's default, private).
         restore_read_timeout_s: ``TierConfig.restore_read_timeout_s`` (seconds; None = the
             engine's default).
+        background_nice, background_io_class: ``TierConfig``'s fields of those names (None = the
+            engine's defaults, 10 and ``"best-effort"``).
     """
 
     tiers: tuple[str, ...]
@@ -280,6 +288,8 @@ class PluginSettings:
     cpu_staging: str | None = None
     local_permissions: str | None = None
     restore_read_timeout_s: float | None = None
+    background_nice: int | None = None
+    background_io_class: str | None = None
 
 
 # id(args) -> (weak reference to args, settings); Namespace is not hashable (it defines __eq__)
@@ -402,6 +412,8 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         busy_tier_policy=getattr(args, "ckpt_plugin_busy_tier_policy", None),
         cpu_staging=getattr(args, "ckpt_plugin_cpu_staging", None), local_permissions=args.ckpt_plugin_local_permissions,
         restore_read_timeout_s=getattr(args, "ckpt_plugin_restore_read_timeout", None) or None,
+        background_nice=getattr(args, "ckpt_plugin_background_nice", None),
+        background_io_class=getattr(args, "ckpt_plugin_background_io_class", None),
     )
     tier_config_from_args(args, settings)  # the engine's own bounds, with the flag names users typed
     _set_settings(args, settings)
@@ -581,6 +593,8 @@ _FIELD_TO_FLAG = {
     "cpu_staging": "--ckpt-plugin-cpu-staging",
     "local_permissions": "--ckpt-plugin-local-permissions",
     "restore_read_timeout_s": "--ckpt-plugin-restore-read-timeout",
+    "background_nice": "--ckpt-plugin-background-nice",
+    "background_io_class": "--ckpt-plugin-background-io-class",
     "min_steps": "--ckpt-plugin-min-interval",
     "max_steps": "--ckpt-plugin-max-interval",
     "gpu_mtbf_s": "--ckpt-plugin-gpu-mtbf-hours",
@@ -625,6 +639,9 @@ def tier_config_from_args(args: argparse.Namespace, settings: PluginSettings | N
         extra["local_permissions"] = settings.local_permissions
     if settings.restore_read_timeout_s is not None:
         extra["restore_read_timeout_s"] = settings.restore_read_timeout_s
+    for name in ("background_nice", "background_io_class"):
+        if getattr(settings, name) is not None:
+            extra[name] = getattr(settings, name)
     try:
         return TierConfig(
             **extra,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from tierckpt.errors import ConfigError
 from tierckpt.io.perms import modes_of
 from tierckpt.preemption import signal_numbers
+from tierckpt.priority import IO_CLASSES, BackgroundPriority
 from tierckpt.priors import DEFAULT_GPU_MTBF_S, DEFAULT_WEIGHT
 from tierckpt.validators import (Number, boolean, choice, fraction, non_negative_int, non_negative_seconds, optional,
                                  positive_int, positive_number, positive_seconds)
@@ -71,6 +72,7 @@ RULES: dict[str, Number] = {
     "simulated_ranks_per_node": non_negative_int(note="0 = real topology"),
     "intervals": STEPS,  # per tier
     "preemption_grace_s": positive_seconds(max=MAX_WAIT_S),
+    "background_nice": Number(integer=True, min=0, max=19, note="0 = the trainer's priority"),
 }
 """The rule of every numeric :class:`TierConfig` field (:mod:`tierckpt.validators`): the one
 place its bound is written. The adapters check the TOML keys and ``--ckpt-plugin-*`` flags that
@@ -328,6 +330,15 @@ class TierConfig(_KnownFields):
             set exactly whatever the umask: ``"private"`` (default; directories 0700, files
             0600: the job's user only) or ``"group"`` (0750 / 0640: the user's group may read).
             The persistent tier is not affected (the umask and default ACLs decide there).
+        background_nice: added to the nice value of tierckpt's background threads (the tiers'
+            workers and the replication threads they start; 0..19, default 10; 0 = the trainer's
+            priority): under CFS a nice-10 thread competing for a core gets about 1/9 of a
+            nice-0 thread's share (:mod:`tierckpt.priority`). The thread calling ``save()`` and
+            the overlapped staging copy keep the trainer's priority.
+        background_io_class: I/O class of the same threads: ``"best-effort"`` (default, level 7,
+            the lowest of the class), ``"idle"`` (only when the disk is otherwise idle: a trainer
+            reading continuously may starve a save) or ``"none"`` (unchanged). Honoured by the
+            BFQ and CFQ I/O schedulers only.
         simulated_ranks_per_node: > 0 simulates nodes on one machine: node = rank // this
             (tests and demos); 0 derives nodes from the environment (torchrun, Slurm, hostname).
         intervals: ``{tier: steps}`` between saves, for :meth:`TieredCheckpointer.due`; for an
@@ -386,6 +397,8 @@ class TierConfig(_KnownFields):
     warn_only: tuple[str, ...] = ("local",)
     preemption_signals: tuple[str, ...] = ()
     preemption_grace_s: float = 25.0
+    background_nice: int = 10
+    background_io_class: str = "best-effort"
 
     def __post_init__(self) -> None:
         self._check_tiers_and_roots()
@@ -394,6 +407,11 @@ class TierConfig(_KnownFields):
         self._check_preemption()
         self._check_resources()
         self._check_busy_policy()
+
+    @property
+    def background_priority(self) -> BackgroundPriority:
+        """The priority of the background threads (:mod:`tierckpt.priority`)."""
+        return BackgroundPriority(self.background_nice, self.background_io_class)
 
     @property
     def read_timeout_s(self) -> float:
@@ -466,8 +484,9 @@ class TierConfig(_KnownFields):
 
     def _check_resources(self) -> None:
         self._check("simulated_ranks_per_node", "staging_buffers", "collective_timeout_s", "local_wait_timeout_s",
-                    "exit_timeout_s")
+                    "exit_timeout_s", "background_nice")
         choice(self.cpu_staging, "cpu_staging", CPU_STAGING_MODES)
+        choice(self.background_io_class, "background_io_class", IO_CLASSES)
         half = self.collective_timeout_s / 2
         rule = RULES["restore_read_timeout_s"].with_max(half, f"collective_timeout_s / 2 = {half:g}")
         self._put("restore_read_timeout_s", rule(self.restore_read_timeout_s, "restore_read_timeout_s"))

@@ -77,7 +77,7 @@ ADAPTER_SURFACE: tuple[tuple[str, bool], ...] = (
 
 WING_ORDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("errors", "validators", "records", "priors", "handle", "preemption", "loader_signals", "gcpause",
-              "_lazy", "readonly")),
+              "_lazy", "readonly", "priority", "clock")),
     ("cluster", ("cluster",)),
     ("io", ("io",)),
     ("config", ("config",)),

@@ -126,6 +126,7 @@ def build_tier_config(ckpt, persistent_folder: str) -> TierConfig:
             adaptive=tuple(t for t in adaptive if t in tiers), schedule=ScheduleOptions(**sched),
             local_wait_timeout_s=ckpt.local_wait_timeout_s, busy_tier_policy=ckpt.busy_tier_policy,
             cpu_staging=ckpt.cpu_staging, local_permissions=ckpt.local_permissions,
+            background_nice=ckpt.background_nice, background_io_class=ckpt.background_io_class,
             restore_read_timeout_s=own["restore_read_timeout_s"] or None,
             warn_only=tuple(t for t in warn_only if t in tiers),
             preemption_signals=tuple(ckpt.preemption_signals), preemption_grace_s=ckpt.preemption_grace_s,

@@ -101,6 +101,13 @@ class TieredCheckpointManager(CheckpointManager):
         "private" (directories 0700, files 0600) or "group" (0750/0640, the user's group may
         read). The persistent folder follows the umask."""
 
+        background_nice: int = 10
+        """Added to the nice value of the plugin's background threads (local write, checksums,
+        replication, persistent write): 0..19; 0 = the trainer's priority."""
+
+        background_io_class: str = "best-effort"
+        """I/O class of those threads: "best-effort" (lowest level), "idle" or "none"."""
+
         replication_jump: int = 1
         """J: node n's replicas go to n+J, n+2J, … inside its clique (nvidia-resiliency-ext)."""
 

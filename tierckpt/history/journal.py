@@ -12,11 +12,11 @@ import dataclasses
 import logging
 import os
 import socket
-import time
 from typing import Iterable
 
 import torch.distributed as dist
 
+from tierckpt import clock
 from tierckpt.cluster.collectives import first_by_rank, gather_reduced
 from tierckpt.history.ledger import Ledger
 from tierckpt.io.layout import LEDGER
@@ -41,8 +41,9 @@ class RunJournal:
         ledger: the run's ledger (its ``run_id`` and ``job`` stamp every record).
 
     Attributes:
-        started: ``time.time()`` of :meth:`run_start` (None before), the origin of
-            ``run_end.exposure_s``.
+        started: :func:`tierckpt.clock.now` of :meth:`run_start` (None before), the origin of
+            ``run_end.exposure_s`` (a monotonic duration: a wall-clock step in the run does not
+            move it).
     """
 
     def __init__(self, ledger: Ledger):
@@ -52,7 +53,7 @@ class RunJournal:
     def run_start(self, topo, tiers: Iterable[str], lineage: str | None) -> None:
         """Append ``run_start`` for ``topo`` (a :class:`tierckpt.cluster.topology.Topology`:
         world_size, nodes, ranks_per_node, jump, factor) and start the exposure clock."""
-        self.started = time.time()
+        self.started = clock.now()
         self.ledger.append(RunStartRecord(
             world_size=topo.world_size, nodes=topo.nodes, ranks_per_node=topo.ranks_per_node,
             restart_count=restart_count(), host=socket.gethostname(), tiers=list(tiers),
@@ -160,23 +161,24 @@ class RunJournal:
             OSError: ``strict`` and the append failed.
         """
         self.ledger.append(RunEndRecord(
-            clean=clean, exposure_s=time.time() - (self.started or time.time()), reason=reason,
+            clean=clean, exposure_s=clock.now() - (self.started or clock.now()), reason=reason,
             durable_step=durable_step, stuck_tiers=list(stuck_tiers),
             failures=[{"tier": r.tier, "step": r.step, "error": r.error} for r in failures],
             exit=exit, unfinished=list(unfinished)), strict=strict)
 
 
 def process_start_time() -> float | None:
-    """UNIX time this process was created (Linux /proc; None elsewhere). Lets the scheduler's
-    R include interpreter start, imports and model construction, not just the restore."""
+    """UNIX time this process was created, on :mod:`tierckpt.clock` (Linux /proc; None
+    elsewhere). Lets the scheduler's R include interpreter start, imports and model
+    construction, not just the restore. ``starttime`` in ``/proc/self/stat`` counts clock ticks
+    since boot on the boot-time clock (proc(5)), so the value moves with no wall-clock step
+    (``/proc/stat``'s ``btime`` would: the kernel derives it from the wall clock)."""
     try:
         with open("/proc/self/stat") as f:
             # field 22 (starttime, clock ticks since boot) comes after the parenthesised comm
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        return clock.from_boottime(ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
 
 

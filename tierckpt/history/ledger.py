@@ -16,10 +16,10 @@ import json
 import logging
 import os
 import threading
-import time
 from collections import defaultdict
 from typing import Iterable
 
+from tierckpt import clock
 from tierckpt.io.layout import LEDGER
 from tierckpt.io.storage import Store
 from tierckpt.records import (CheckpointRecord, LedgerRecord, RecoveryRecord, RestoreRecord, RunEndRecord, RunStartRecord,
@@ -67,7 +67,7 @@ class Ledger:
         """
         if not isinstance(record, LedgerRecord):
             raise TypeError(f"Ledger.append takes a tierckpt.records.LedgerRecord, got {type(record).__name__}")
-        rec = {"kind": record.kind, "time": time.time(), "run_id": self.run_id, "job": self.job,
+        rec = {"kind": record.kind, "time": clock.now(), "run_id": self.run_id, "job": self.job,
                **record.as_ledger()}
         if not self.enabled:
             return rec

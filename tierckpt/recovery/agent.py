@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, wait
 
+from tierckpt import clock
 from tierckpt.preemption import PREEMPTED_DIR_ENV, PREEMPTED_EXIT, all_local_ranks_preempted
 from tierckpt.recovery import beacon, warm
 
@@ -165,12 +166,12 @@ class Agent:
             a.ranks.append(_Rank(local_rank=lr, pid=pid, beacon=beacon.BeaconReader(path), popen=popen))
         self.attempt = a
         self._send({"ev": "started", "attempt": index, "pids": [r.pid for r in a.ranks], "warm": a.warm,
-                    "problems": problems, "t": time.time()})
+                    "problems": problems, "t": clock.now()})
 
     @staticmethod
     def _exec(spec: warm.RankSpec) -> subprocess.Popen:
         env = dict(spec.env)
-        env[warm.PROCESS_STARTED_ENV] = repr(time.time())
+        env[warm.PROCESS_STARTED_ENV] = repr(clock.now())
         with open(spec.log, "ab") as log:
             return subprocess.Popen([sys.executable, "-m", "tierckpt.recovery.child", *spec.argv], env=env,
                                     cwd=spec.cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -198,7 +199,7 @@ class Agent:
                 if a.live():
                     time.sleep(0.01)
         if report:
-            self._send({"ev": "killed", "attempt": index, "t": time.time()})
+            self._send({"ev": "killed", "attempt": index, "t": clock.now()})
 
     def reap(self) -> None:
         """Collect the exit of every rank that ended; report each, and the attempt's end."""
@@ -223,12 +224,12 @@ class Agent:
             except (ProcessLookupError, PermissionError):
                 pass
             self._send({"ev": "exit", "attempt": a.index, "local_rank": r.local_rank, "status": code,
-                        "t": time.time()})
+                        "t": clock.now()})
             if not a.live():
                 preempted = all_local_ranks_preempted(a.marks)
                 self._send({"ev": "ended", "attempt": a.index, "statuses": [x.status for x in a.ranks],
                             "preempted": preempted or all(x.status == PREEMPTED_EXIT for x in a.ranks),
-                            "t": time.time()})
+                            "t": clock.now()})
 
     def beat(self) -> None:
         """Send a ``beat``: per live rank, seconds since its beacon ticked and its last step."""
@@ -240,7 +241,7 @@ class Agent:
                     b = r.beacon.read()
                     ranks.append({"local_rank": r.local_rank, "alive_age_s": b.alive_age_s, "step": b.step,
                                   "progress_at": b.progress_at})
-        self._send({"ev": "beat", "attempt": None if a is None else a.index, "ranks": ranks, "t": time.time()})
+        self._send({"ev": "beat", "attempt": None if a is None else a.index, "ranks": ranks, "t": clock.now()})
 
     # -- the loop ------------------------------------------------------------------------------
     def _send(self, msg: dict) -> None:
@@ -270,7 +271,7 @@ class Agent:
                     sig, self._notice = self._notice, None
                     if self.attempt is not None:
                         self.signal_ranks(self.attempt.index, signal.SIGTERM)
-                    self._send({"ev": "notice", "sig": int(sig), "t": time.time()})
+                    self._send({"ev": "notice", "sig": int(sig), "t": clock.now()})
                 if wait([self.conn], timeout=0.05):
                     try:
                         msg = self.conn.recv()
@@ -322,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     conn = Client((host, int(port)), authkey=key)
     agent = Agent(conn, slot, cold=args.cold)
     agent.install_signals()
-    agent._send({"ev": "hello", "pid": os.getpid(), "host": socket.gethostname(), "t": time.time()})
+    agent._send({"ev": "hello", "pid": os.getpid(), "host": socket.gethostname(), "t": clock.now()})
     names = [] if args.cold else [m.strip() for m in args.preload.split(",") if m.strip()]
-    agent._send({"ev": "ready", **_preloaded(warm.preload(names), agent.dir), "t": time.time()})
+    agent._send({"ev": "ready", **_preloaded(warm.preload(names), agent.dir), "t": clock.now()})
     return agent.run()
 
 

@@ -35,6 +35,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from tierckpt import clock
+
 log = logging.getLogger(__name__)
 
 BEACON_ENV = "TIERCKPT_BEACON"
@@ -68,7 +70,7 @@ class _RankBeacon:
             struct.pack_into("<Q", self.map, 0, n)
 
     def progress(self, step: int) -> None:
-        struct.pack_into("<qd", self.map, 8, int(step), time.time())
+        struct.pack_into("<qd", self.map, 8, int(step), clock.now())
 
 
 def start_from_env(interval_s: float = DEFAULT_INTERVAL_S) -> bool:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import uuid
 from dataclasses import dataclass
 
+from tierckpt import clock
 from tierckpt.preemption import PREEMPTED_EXIT
 from tierckpt.recovery.pool import AgentPool, HangWatch, Verdict
 
@@ -102,7 +102,7 @@ class AgentAttempt:
         """
         env = dict(base_env)
         if recovery is not None:
-            env[RECOVERY_ENV] = json.dumps({**recovery, "launched": time.time()})
+            env[RECOVERY_ENV] = json.dumps({**recovery, "launched": clock.now()})
         unreachable = []
         for node, slot in enumerate(self.slots):
             ranks = [{"argv": list(argv), "log": logs[node], "cwd": cwd,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 
+from tierckpt import clock
 from tierckpt.recovery.agent import KEY_ENV
 
 log = logging.getLogger(__name__)
@@ -326,7 +327,7 @@ class AgentPool:
                     msg = c.recv()
                 except (EOFError, OSError):
                     self._lost(h)
-                    events.append({"ev": "gone", "slot": h.slot, "t": time.time()})
+                    events.append({"ev": "gone", "slot": h.slot, "t": clock.now()})
                     break
                 self._apply(h, msg)
                 events.append(msg)

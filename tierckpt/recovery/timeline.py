@@ -6,7 +6,8 @@ Contract with the launchers
 ---------------------------
 A launcher (``launch/local.py``; the Slurm scripts and warm node agents alike) sets two
 environment variables for the processes of an attempt; every time is UNIX seconds
-(``time.time()`` of the launcher's host):
+(:func:`tierckpt.clock.now` of the launcher's host: the wall clock read once, then the host's
+monotonic clock, shared with the ranks the launcher starts):
 
 - ``TIERCKPT_PROCESS_STARTED``: when the launcher created this rank's process (fork or exec).
   Unset, or not a finite positive number (a warning naming the variable): the process's
@@ -76,6 +77,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
+from tierckpt import clock
 from tierckpt.cluster.collectives import gather_reduced
 from tierckpt.recovery import beacon
 from tierckpt.history.journal import process_start_time, restart_count
@@ -112,14 +114,11 @@ MAX_NOTES = 20
 
 
 # -- process-wide stamps -----------------------------------------------------------------------
-_anchor = (time.time(), time.monotonic())  # (UNIX s, monotonic s) of one instant of this process
 _stamps: dict[str, float] = {}
 
 
 def _after_fork() -> None:
-    """A forked child (a warm worker's attempt) is a new process: its own stamps, its own anchor."""
-    global _anchor
-    _anchor = (time.time(), time.monotonic())
+    """A forked child (a warm worker's attempt) is a new process: its own stamps."""
     _stamps.clear()
 
 
@@ -128,9 +127,10 @@ if hasattr(os, "register_at_fork"):
 
 
 def wall_of(monotonic_s: float) -> float:
-    """UNIX seconds of a ``time.monotonic()`` reading of this process (through one anchor, so
-    differences between stamps are monotonic-clock durations)."""
-    return _anchor[0] + (monotonic_s - _anchor[1])
+    """UNIX seconds (:func:`tierckpt.clock.now`'s clock, shared by the launcher and the ranks of
+    a host) of a ``time.monotonic()`` reading of this process: differences between stamps are
+    monotonic durations."""
+    return clock.wall_of(monotonic_s)
 
 
 def mark_phase(phase: str, at: float | None = None) -> float:

@@ -35,6 +35,7 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 
+from tierckpt import clock
 from tierckpt.recovery import beacon
 
 log = logging.getLogger(__name__)
@@ -265,7 +266,7 @@ def spawn(spec: RankSpec, close_fds: list[int]) -> int:
         OSError: fork failed.
     """
     env = dict(spec.env)
-    env[PROCESS_STARTED_ENV] = repr(time.time())
+    env[PROCESS_STARTED_ENV] = repr(clock.now())
     spec = RankSpec(argv=spec.argv, env=env, log=spec.log, cwd=spec.cwd)
     for stream in (sys.stdout, sys.stderr):  # nothing buffered in the agent is written twice
         stream.flush()

@@ -19,8 +19,8 @@ from typing import Any, Iterable, Mapping
 
 import logging
 import threading
-import time
 
+from tierckpt import clock
 from tierckpt.config import ScheduleOptions
 from tierckpt.sched.schedule import Decision, Scheduler
 
@@ -83,7 +83,7 @@ class Cadence:
         """Refresh M, R, p from the ledger (rank 0)."""
         if self.scheduler is not None:
             with self._lock:
-                self.scheduler.update_from_ledger(records, current_run_id=run_id, now=time.time())
+                self.scheduler.update_from_ledger(records, current_run_id=run_id, now=clock.now())
 
     def proposal(self) -> tuple[dict[str, int], dict[str, Decision]] | None:
         """Rank 0: (``{tier: tau_steps}`` for adaptive tiers with a decision, decisions)."""

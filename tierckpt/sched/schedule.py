@@ -60,6 +60,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
+from tierckpt.clock import plausible
 from tierckpt.config import TIERS, ScheduleOptions, expand_per_tier, per_tier, validate_tiers
 from tierckpt.errors import ConfigError
 from tierckpt.records import (
@@ -74,6 +75,14 @@ from tierckpt.records import (
 )
 from tierckpt.sched.mtbf import MTBFEstimator
 from tierckpt.validators import non_negative_seconds, positive_seconds
+
+MAX_SAMPLE_S = 86400.0
+"""The largest plausible restart, step, blocking or background sample, seconds (a day). The
+samples a process measures itself are monotonic durations and stay far below; one that spans
+processes or hosts (a ``restore`` record's time minus its run's process start, a ``recovery``
+record's ``total_s``) can meet two clocks that disagree — a ledger written before the records'
+times were monotonic (:mod:`tierckpt.clock`), a host clock stepped between two hosts' stamps.
+Such a sample is left out with a warning instead of multiplying R or τ."""
 
 DEFAULT_DELTA_PRIOR_S = {"local": 5.0, "persistent": 60.0}
 """Blocking time assumed for a tier before its first checkpoint is measured, seconds."""
@@ -343,14 +352,20 @@ def _restarts_and_fallbacks(records: list[LedgerRecord]) -> tuple[list[float], i
         elif isinstance(r, RunEndRecord):
             clean_end[rid] = r.clean
         elif isinstance(r, RecoveryRecord):
-            if r.total_s is not None and rid not in measured:
+            total = plausible(r.total_s, f"the recovery time (total_s) of run {rid}", max_s=MAX_SAMPLE_S)
+            if total is not None and rid not in measured:
                 measured.add(rid)
                 if rid in first_sample:
-                    restarts[first_sample[rid]] = r.total_s
+                    restarts[first_sample[rid]] = total
                 else:
-                    restarts.append(r.total_s)
+                    restarts.append(total)
         elif isinstance(r, RestoreRecord):
-            sample = t - starts[rid] if rid in starts and t is not None and t >= starts[rid] else r.seconds
+            sample = r.seconds  # the restore's own duration: one process's monotonic clock
+            if rid in starts and t is not None and t >= starts[rid]:
+                # spans the launcher's and the trainer's stamps: checked
+                since = plausible(t - starts[rid], f"the restart time of run {rid} (restore time - process start)",
+                                  max_s=MAX_SAMPLE_S)
+                sample = sample if since is None else since
             if sample is not None:
                 if rid not in first_sample and rid not in measured:
                     first_sample[rid] = len(restarts)
@@ -434,6 +449,8 @@ class Scheduler:
                 :meth:`observe_checkpoint` (evenly split), unless ``interference`` is off.
         """
         s = _check(seconds, "step_s", positive=True)
+        if plausible(s, "a step time", max_s=MAX_SAMPLE_S) is None:
+            return
         busy = [t for t in busy if t in self.tiers]
         base = self._step.value
         if not busy or base is None:
@@ -460,6 +477,11 @@ class Scheduler:
         self._tier(tier)
         b = _check(blocking_s, "blocking_s")
         i = self.take_interference(tier) if interference_s is None else _check(interference_s, "interference_s")
+        if plausible(b + i, f"a {tier} save's blocking time + slowdown", max_s=MAX_SAMPLE_S) is None:
+            return
+        if background_s is not None and plausible(background_s, f"a {tier} save's background time",
+                                                  max_s=MAX_SAMPLE_S) is None:
+            background_s = None
         self._blocking[tier].add(b)
         self._delta[tier].add(b + (i if self.interference else 0.0))
         if background_s is not None:
@@ -467,7 +489,10 @@ class Scheduler:
 
     def observe_restart(self, seconds: float) -> None:
         """A restart (relaunch + restore until training resumed) took ``seconds``."""
-        self._restarts.append(_check(seconds, "restart_s"))
+        r = _check(seconds, "restart_s")
+        if plausible(r, "a restart time", max_s=MAX_SAMPLE_S) is None:
+            return
+        self._restarts.append(r)
         self._restart_source = "observed"
 
     def set_mtbf(self, M: float) -> None:

@@ -73,7 +73,7 @@ class TierJobs:
         self._interference = interference
         self.local, self.persistent, self.in_use, self.journal = local, persistent, in_use, journal
         self._on_record, self._local_anchor = on_record, local_anchor
-        self.lanes: dict[str, Lane] = {t: Lane(t) for t in cfg.tiers}
+        self.lanes: dict[str, Lane] = {t: Lane(t, cfg.background_priority) for t in cfg.tiers}
         self.vote = HungDiskVote(self.lanes, cfg, topo, groups, journal)
         self.owner: object = None
         # set: a restore's replica rebuild may run; cleared by the restore until the first

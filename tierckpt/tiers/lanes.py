@@ -20,6 +20,7 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from typing import Callable
 
+from tierckpt.priority import BackgroundPriority
 from tierckpt.records import CheckpointRecord, RedundancyRecord
 from tierckpt.tiers.workers import DaemonWorker
 
@@ -71,9 +72,9 @@ class Lane:
         overdue: a job that outlived one full wait (only polled afterwards), or None.
     """
 
-    def __init__(self, tier: str):
+    def __init__(self, tier: str, priority: BackgroundPriority | None = None):
         self.tier = tier
-        self.worker = DaemonWorker(f"tierckpt-{tier}")
+        self.worker = DaemonWorker(f"tierckpt-{tier}", priority)
         self.save: Future | None = None
         self.step: int | None = None
         self.tail: Future | None = None

@@ -13,6 +13,8 @@ import queue
 import threading
 from concurrent.futures import Future
 
+from tierckpt.priority import BackgroundPriority, lower_current_thread
+
 log = logging.getLogger(__name__)
 
 
@@ -21,10 +23,13 @@ class DaemonWorker:
 
     Args:
         name: the thread's name (shows in stack dumps: ``tierckpt-local``).
+        priority: the CPU and I/O priority the thread lowers itself to before its first job
+            (:mod:`tierckpt.priority`); threads a job starts inherit it. None: unchanged.
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, priority: BackgroundPriority | None = None):
         self.name = name
+        self.priority = priority
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._dead = False  # set (under the lock) by a dying thread, before it drains the queue
@@ -49,6 +54,7 @@ class DaemonWorker:
 
     def _run(self) -> None:
         fut = None
+        lower_current_thread(self.priority)
         try:
             while True:
                 item = self._q.get()
