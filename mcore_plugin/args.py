@@ -117,6 +117,27 @@ def _add_exit_flag(g) -> None:
                                            "they stay uncommitted and the ledger names them (default 600; at most 604800).")
 
 
+def _add_background_args(g) -> None:
+    """How saves run beside training: a busy tier, CPU staging, background priority
+    (``TierConfig.busy_tier_policy``, ``cpu_staging``, ``background_nice``, ``background_io_class``)."""
+    g.add_argument("--ckpt-plugin-busy-tier-policy", choices=("defer", "wait"), default=None,
+                   help="A tier due while its previous save still runs: defer (default; the plugin's "
+                        "local tier skips that iteration and saves at the first one where the running "
+                        "save finished on every rank, recorded in the ledger) or wait (the local tier "
+                        "waits at most --ckpt-plugin-local-wait-timeout). Megatron's persistent path "
+                        "always waits: Megatron records every save it starts as its latest checkpoint.")
+    g.add_argument("--ckpt-plugin-cpu-staging", choices=("blocking", "overlapped"), default=None,
+                   help="How a save copies a state held in host memory (a CPU run): "
+                        "blocking (default; inside the save) or overlapped (ShardedTensors of 64 KiB and more "
+                        "copied in the background during the next forward/backward; the optimizer step waits "
+                        "for them; a write that races the copy fails that save). CUDA tensors are unaffected.")
+    g.add_argument("--ckpt-plugin-background-nice", type=_typed("--ckpt-plugin-background-nice"), default=None,
+                   metavar="N", help="Added to the nice value of the plugin's background threads (writes, "
+                                     "checksums, replication): 0..19, default 10; 0 = the trainer's priority.")
+    g.add_argument("--ckpt-plugin-background-io-class", default=None, metavar="CLASS",
+                   help="I/O class of the same threads: best-effort (default, lowest level), idle or none.")
+
+
 def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--ckpt-plugin-*`` argument group to ``parser`` and return it.
 
@@ -177,22 +198,7 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                            "skips the local tier on every rank (default 300; 0 = no limit; at most 604800).")
     _add_restore_args(g)
     _add_exit_flag(g)
-    g.add_argument("--ckpt-plugin-busy-tier-policy", choices=("defer", "wait"), default=None,
-                   help="A tier due while its previous save still runs: defer (default; the plugin's "
-                        "local tier skips that iteration and saves at the first one where the running "
-                        "save finished on every rank, recorded in the ledger) or wait (the local tier "
-                        "waits at most --ckpt-plugin-local-wait-timeout). Megatron's persistent path "
-                        "always waits: Megatron records every save it starts as its latest checkpoint.")
-    g.add_argument("--ckpt-plugin-cpu-staging", choices=("blocking", "overlapped"), default=None,
-                   help="How a save copies a state held in host memory (a CPU run): "
-                        "blocking (default; inside the save) or overlapped (ShardedTensors of 64 KiB and more "
-                        "copied in the background during the next forward/backward; the optimizer step waits "
-                        "for them; a write that races the copy fails that save). CUDA tensors are unaffected.")
-    g.add_argument("--ckpt-plugin-background-nice", type=_typed("--ckpt-plugin-background-nice"), default=None,
-                   metavar="N", help="Added to the nice value of the plugin's background threads (writes, "
-                                     "checksums, replication): 0..19, default 10; 0 = the trainer's priority.")
-    g.add_argument("--ckpt-plugin-background-io-class", default=None, metavar="CLASS",
-                   help="I/O class of the same threads: best-effort (default, lowest level), idle or none.")
+    _add_background_args(g)
     g.add_argument("--ckpt-plugin-persistent-keep",
                    type=_typed("--ckpt-plugin-persistent-keep"),
                    default=None, metavar="K", help="Committed persistent steps kept (default 3).")

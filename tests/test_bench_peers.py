@@ -67,7 +67,7 @@ def test_bench_runs_end_to_end_main_venv(tmp_path, monkeypatch):
                   "--overlap-window-ms", "200", "--cpu-steps", "2", "--cpu-reps", "1"])
     assert rc == 0
     (s,) = json.loads(out.read_text())
-    assert s["systems"] == ["tierckpt", bp.OVERLAP, "DCP sync", "DCP async (thread)", "DCP process+async staging",
+    assert s["systems"] == ["tierckpt", bp.OVERLAP, bp.PRIO0, "DCP sync", "DCP async (thread)", "DCP process+async staging",
                             "NVRx local"]
     # the modelled forward/backward is not blocking time: δ is save() plus the wait after it
     assert all(d < 0.2 for d in s["raw"]["delta_s"][bp.OVERLAP] + s["raw"]["delta_s"]["DCP process+async staging"])

@@ -479,13 +479,14 @@ class Scheduler:
         i = self.take_interference(tier) if interference_s is None else _check(interference_s, "interference_s")
         if plausible(b + i, f"a {tier} save's blocking time + slowdown", max_s=MAX_SAMPLE_S) is None:
             return
-        if background_s is not None and plausible(background_s, f"a {tier} save's background time",
-                                                  max_s=MAX_SAMPLE_S) is None:
-            background_s = None
+        if background_s is not None:
+            # a negative value is a caller's bug (ConfigError); a huge one is a clock's (left out)
+            background_s = plausible(_check(background_s, "background_s"), f"a {tier} save's background time",
+                                     max_s=MAX_SAMPLE_S)
         self._blocking[tier].add(b)
         self._delta[tier].add(b + (i if self.interference else 0.0))
         if background_s is not None:
-            self._bg[tier].add(_check(background_s, "background_s"))
+            self._bg[tier].add(background_s)
 
     def observe_restart(self, seconds: float) -> None:
         """A restart (relaunch + restore until training resumed) took ``seconds``."""
