@@ -78,20 +78,25 @@ def test_bench_runs_end_to_end_main_venv(tmp_path, monkeypatch):
     # the disk floor is its own repetition, not a restore
     assert set(s["restore"]) == {"tierckpt", "NVRx local"} and 0 < s["floor"] < 60 and len(s["raw"]["floor_s"]) == 1
     assert all(0 < v < 60 for v in s["restore"].values())
-    assert set(s["rss"]) == {"tierckpt", bp.OVERLAP, "DCP sync", "DCP async (thread)", "DCP process+async staging"}
+    assert set(s["rss"]) == {"tierckpt", bp.OVERLAP, bp.PRIO0, "DCP sync", "DCP async (thread)",
+                             "DCP process+async staging"}
     assert s["lmr"] is None and s["lmr_skipped"] == "--skip-lmr"
-    # measurement 4 ran for tierckpt, its overlapped mode and DCP's process executor
+    # measurement 4 ran for tierckpt, its overlapped mode, tierckpt at the trainer's priority and DCP's
+    # process executor
     sc = s["stepcost"]
-    assert set(sc["cost"]) == {"tierckpt", bp.OVERLAP, "DCP process+async staging"}
+    assert set(sc["cost"]) == {"tierckpt", bp.OVERLAP, bp.PRIO0, "DCP process+async staging"}
     assert all(n >= 2 for n in sc["steps"].values()) and 0 < sc["base_step"] < 60
     assert all(math.isfinite(v) for v in sc["cost"].values())
     head, meas, targ = bp.rows(s)
     assert head[1:] == s["systems"]
     assert all(len(r) == len(head) for r in meas)
     assert [r[0] for r in meas][-1] == "4. ÷ memcpy" and meas[-1][head.index("DCP sync")] == "—"
+    row4 = [f"4. save cost {n} ÷ DCP process executor (replica + checksums on)" for n in ("tierckpt", bp.OVERLAP,
+                                                                                          bp.PRIO0)]
     assert [t[0] for t in targ] == ["δ tierckpt ÷ memcpy", "δ tierckpt (overlapped, 200 ms idle host) ÷ memcpy",
-                                    "restore tierckpt ÷ NVRx local"]
-    assert all(t[-1] in ("PASS", "MISS") for t in targ)
+                                    *row4, "restore tierckpt ÷ NVRx local"]
+    assert targ[4][-1] == "—"  # the trainer-priority row is information, not a target
+    assert all(t[-1] in ("PASS", "MISS") for i, t in enumerate(targ) if i != 4)
     assert [p for p in os.listdir(tmp_path) if p.startswith("tierckpt-peers-")] == []
     # --record's text: the memory state at the start and end, and this run's target table
     md = tmp_path / "RESULTS.md"
