@@ -209,19 +209,22 @@ def test_titan_front_end_with_an_s3_persistent_folder(s3_server, tmp_path):
     bucket = s3_server.new_bucket()
     url, tmp = f"s3://{bucket}/run", str(tmp_path)
 
-    def train(steps):
+    def train(steps, *extra, env_endpoint=True):
         cmd = [*titan_train_cmd(2), "--dump_folder", os.path.join(tmp, "run"),
                "--checkpoint.local_root", os.path.join(tmp, "nvme", "node-{node}"), "--training.steps", str(steps),
                "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", "2",
-               "--checkpoint.interval", "2", "--checkpoint.persistent_folder", url]
+               "--checkpoint.interval", "2", "--checkpoint.persistent_folder", url, *extra]
         env = dict(os.environ, OMP_NUM_THREADS="1", **s3_server.env())
+        if not env_endpoint:
+            del env["AWS_ENDPOINT_URL"]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
 
-    train(2)
+    train(2)  # endpoint and keys from the environment
     assert f"run/step-2/{layout.MARKER}" in s3_server.keys(bucket, "run/")
     shutil.rmtree(os.path.join(tmp, "nvme"))  # fresh nodes: only the bucket is left
-    train(3)
+    # the endpoint from [checkpoint.storage_options] (here on the command line) instead
+    train(3, "--checkpoint.storage_options", json.dumps({"endpoint_url": s3_server.endpoint}), env_endpoint=False)
     keys = s3_server.keys(bucket, "run/")
     assert f"run/step-3/{layout.MARKER}" in keys  # the last step is durable
     from tierckpt.history.ledger import Ledger
