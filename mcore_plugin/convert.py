@@ -380,6 +380,7 @@ def pyt_common(url: str) -> dict:
     """Common state stored as megatron-core 0.19's ``common_state`` ShardedObject."""
     key = ShardedObject("common_state", None, (1,), (0,)).unique_key
     pyt = {key: io.BytesIO()}
+    reader: CountingFsspecReader | CountingFileSystemReader
     if "://" in url:
         from tierckpt.io.storage import options_under
 

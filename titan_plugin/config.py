@@ -130,7 +130,7 @@ def build_tier_config(ckpt, persistent_folder: str) -> TierConfig:
             restore_read_timeout_s=own["restore_read_timeout_s"] or None,
             warn_only=tuple(t for t in warn_only if t in tiers),
             preemption_signals=tuple(ckpt.preemption_signals), preemption_grace_s=ckpt.preemption_grace_s,
-            storage_options=getattr(ckpt, "storage_options", None),  # object stores
+            storage_options=getattr(ckpt, "storage_options", None) or {},  # object stores
         )
     except ConfigError as e:
         raise checkpoint_error(e) from None
