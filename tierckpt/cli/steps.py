@@ -34,7 +34,7 @@ from tierckpt.cli.recovery import recovery_view
 from tierckpt.history.ledger import Ledger, summarize
 from tierckpt.history.timeline import abandoned_saves, descent_of, is_legacy, of_manifest, save_key
 from tierckpt.io import manifest
-from tierckpt.io.layout import LEDGER, LINEAGE, MARKER, parse_node, parse_step
+from tierckpt.io.layout import LEDGER, LEDGER_DIR, LINEAGE, MARKER, parse_node, parse_step
 from tierckpt.io.storage import Store
 from tierckpt.records import RecoveryRecord, RestoreRecord
 
@@ -473,7 +473,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # ledger
 # --------------------------------------------------------------------------------------------
 def cmd_ledger(args: argparse.Namespace) -> int:
-    """``tierckpt ledger``: summary of ``<root>/tierckpt-ledger.jsonl``."""
+    """``tierckpt ledger``: summary of the ledger of ``<root>`` (``tierckpt-ledger.jsonl`` and, on
+    object stores, the record objects of ``tierckpt-ledger.d/``)."""
     store = open_root(args.root)
     if not Ledger.exists(store):
         raise CliError(f"no ledger at {store.url_of(LEDGER)} (pass the persistent root)")
@@ -600,7 +601,7 @@ def _register_verify(subparsers) -> None:
 def _register_ledger(subparsers) -> None:
     p = subparsers.add_parser(
         "ledger", help="summarise the ledger of a persistent root",
-        description=f"Summarise ROOT/{LEDGER}: runs and failures, checkpoints per tier, restores, and each "
+        description=f"Summarise ROOT/{LEDGER} (and ROOT/{LEDGER_DIR}/ on object stores): runs and failures, checkpoints per tier, restores, and each "
         "recovery's phases (failure noticed → first step after the restore).",
     )
     _add_root_and_json(p)
