@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import uuid
 
 _CHILD = """
@@ -46,6 +47,7 @@ class S3Server:
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
+        self._err = None
 
     def start(self) -> "S3Server":
         """Start the child and wait for its port.
@@ -59,12 +61,16 @@ class S3Server:
         except ImportError as e:
             raise ServerUnavailable(f"moto[server] / s3fs not installed ({e}); `make venv` installs "
                                     "requirements-dev.txt") from None
+        self._err = tempfile.TemporaryFile()  # moto logs each request there; read only on a failed start
         self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
+                                     stderr=self._err, text=True)
         line = _read_line(self.proc, self.start_timeout_s)
         if not line.startswith("PORT "):
             self.stop()
-            raise ServerUnavailable(f"moto's server did not start (its first line: {line!r})")
+            self._err.seek(0)
+            tail = self._err.read().decode(errors="replace")[-500:]
+            raise ServerUnavailable(f"moto's server did not start within {self.start_timeout_s:g} s "
+                                    f"(stdout {line!r}, stderr ...{tail!r})")
         self.port = int(line.split()[1])
         return self
 
@@ -80,6 +86,9 @@ class S3Server:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
+        if self._err is not None:
+            self._err.close()
+            self._err = None
 
     @property
     def endpoint(self) -> str:

@@ -375,6 +375,21 @@ def test_ledger_append_read_summarize(tmp_path, kind):
             store.rmtree("")
 
 
+def test_ledger_reads_the_file_then_the_record_objects_in_sequence_order(tmp_path):
+    """A root holding both layouts (an object-store ledger copied beside an older file): the
+    file's lines first, then the objects by their sequence number (not their name's text), a
+    torn object skipped; Ledger.exists sees either layout."""
+    store = Store(str(tmp_path))
+    assert not Ledger.exists(store)
+    store.write_atomic(f"{layout.LEDGER_DIR}/10-r-a.json", json.dumps({"kind": "k", "n": 3}).encode())
+    assert Ledger.exists(store)
+    store.write_atomic(f"{layout.LEDGER_DIR}/9-r-b.json", json.dumps({"kind": "k", "n": 2}).encode())
+    store.write_atomic(f"{layout.LEDGER_DIR}/11-r-c.json", b'{"kind": "k", "n"')  # torn
+    store.write_atomic(f"{layout.LEDGER_DIR}/notes.txt", b"not a record")
+    store.write_atomic(layout.LEDGER, (json.dumps({"kind": "k", "n": 1}) + "\n").encode())
+    assert [r["n"] for r in Ledger.read(store)] == [1, 2, 3]
+
+
 def test_ledger_disabled_writes_nothing(tmp_path):
     store = Store(str(tmp_path))
     rec = Ledger(store, enabled=False, run_id="r", job="j").append(RunStartRecord(restart_count=0))
