@@ -303,14 +303,16 @@ def write_record(store: Store, decisions: Mapping[str, Kept], policy: keep.Polic
                     store.url_of(layout.RETENTION), e)
 
 
-def read_record(store: Store) -> dict[str, Kept] | None:
-    """The decisions recorded in ``store``'s ``tierckpt-retention.json`` as ``{parent directory
-    ("" for the persistent root, ``local``, ``replicas/node-<n>``): {step: (save_id, reasons)}}``;
-    ``{}`` when there is none; None when it exists but cannot be read or parsed."""
+def read_record(store: Store, root: str = "") -> dict[str, Kept] | None:
+    """The decisions recorded in the ``tierckpt-retention.json`` of the root ``root`` (relative
+    to ``store``) as ``{parent directory ("" for the persistent root, ``local``,
+    ``replicas/node-<n>``): {step: (save_id, reasons)}}``; ``{}`` when there is none; None when
+    it exists but cannot be read or parsed."""
+    rel = f"{root}/{layout.RETENTION}" if root else layout.RETENTION
     try:
-        if not store.exists(layout.RETENTION):
+        if not store.exists(rel):
             return {}
-        doc = json.loads(store.read_bytes(layout.RETENTION))
+        doc = json.loads(store.read_bytes(rel))
         out: dict[str, Kept] = {}
         for rel, e in doc["kept"].items():
             parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
