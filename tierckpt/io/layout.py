@@ -25,6 +25,7 @@ MARKER = "tierckpt.committed"
 INPROGRESS = "tierckpt.inprogress"  # persistent steps tierckpt started (retention may clean them)
 LEDGER = "tierckpt-ledger.jsonl"
 LINEAGE = "tierckpt-lineage.json"
+RETENTION = "tierckpt-retention.json"  # why retention keeps each step (tierckpt/tiers/retention.py)
 COMMIT_FILES = (MANIFEST, MARKER)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
