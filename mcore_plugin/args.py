@@ -26,6 +26,7 @@ there too, named by flag.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -179,6 +180,26 @@ def _retention_settings(args: argparse.Namespace) -> dict:
     return {k: (tuple(v) if k == "keep_steps" else v) for k, v in out.items() if v is not None}
 
 
+# -- object stores: --ckpt-plugin-storage-options ---------------------------------------------
+def _json_object(text: str) -> dict:
+    """argparse ``type=`` of ``--ckpt-plugin-storage-options``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _add_storage_args(g) -> None:
+    """``--ckpt-plugin-storage-options`` (``TierConfig.storage_options``)."""
+    g.add_argument("--ckpt-plugin-storage-options", type=_json_object, default=None, metavar="JSON",
+                   help="fsspec options of an fsspec-URL --save, as a JSON object (e.g. "
+                        "'{\"endpoint_url\": \"http://s3.local:9000\"}'; URL-prefix keys such as \"s3://b/\" map to "
+                        "their own object). Default: none; s3fs reads AWS_* from the environment.")
+
+
 def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--ckpt-plugin-*`` argument group to ``parser`` and return it.
 
@@ -240,6 +261,7 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_restore_args(g)
     _add_exit_flag(g)
     _add_background_args(g)
+    _add_storage_args(g)
     g.add_argument("--ckpt-plugin-persistent-keep",
                    type=_typed("--ckpt-plugin-persistent-keep"),
                    default=None, metavar="K", help="Committed persistent steps kept (default 3).")
@@ -651,6 +673,7 @@ _FIELD_TO_FLAG = {
     "keep_every_n_steps": "--ckpt-plugin-persistent-keep-every",
     "keep_period": "--ckpt-plugin-persistent-keep-period",
     "keep_steps": "--ckpt-plugin-persistent-keep-steps",
+    "storage_options": "--ckpt-plugin-storage-options",
     "min_steps": "--ckpt-plugin-min-interval",
     "max_steps": "--ckpt-plugin-max-interval",
     "gpu_mtbf_s": "--ckpt-plugin-gpu-mtbf-hours",
@@ -700,6 +723,8 @@ def tier_config_from_args(args: argparse.Namespace, settings: PluginSettings | N
         if getattr(settings, name) is not None:
             extra[name] = getattr(settings, name)
     extra.update(settings.retention)
+    if getattr(args, "ckpt_plugin_storage_options", None):  # object stores
+        extra["storage_options"] = args.ckpt_plugin_storage_options
     try:
         return TierConfig(
             **extra,

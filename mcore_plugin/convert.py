@@ -363,7 +363,9 @@ def read_common(url: str) -> tuple[dict | None, int]:
     if "://" in url:
         import fsspec
 
-        fs, p = fsspec.core.url_to_fs(path)
+        from tierckpt.io.storage import options_under
+
+        fs, p = fsspec.core.url_to_fs(path, **options_under(url))
         if not fs.exists(p):
             return None, 0
         data = fs.cat_file(p)
@@ -378,7 +380,12 @@ def pyt_common(url: str) -> dict:
     """Common state stored as megatron-core 0.19's ``common_state`` ShardedObject."""
     key = ShardedObject("common_state", None, (1,), (0,)).unique_key
     pyt = {key: io.BytesIO()}
-    reader = CountingFsspecReader(url) if "://" in url else CountingFileSystemReader(url)
+    if "://" in url:
+        from tierckpt.io.storage import options_under
+
+        reader = CountingFsspecReader(url, **options_under(url))
+    else:
+        reader = CountingFileSystemReader(url)
     dcp.load(pyt, storage_reader=reader, no_dist=True)
     v = pyt[key]
     if isinstance(v, io.BytesIO):

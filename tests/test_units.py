@@ -357,10 +357,14 @@ def test_ledger_append_read_summarize(tmp_path, kind):
         per = s["checkpoints"]["persistent"]
         assert (per["ok"], per["failed"], per["mean_blocking_s"]) == (0, 1, None)
         assert len(s["restores"]) == 1
-        # a torn tail is skipped on read and terminated by the next append
-        with store.open(layout.LEDGER, "rb") as f:
-            raw = f.read()
-        store.write_atomic(layout.LEDGER, raw + b'{"kind": "run_end", "cle')
+        # a torn tail (a torn record object) is skipped on read and terminated by the next append
+        if kind == "file":
+            with store.open(layout.LEDGER, "rb") as f:
+                raw = f.read()
+            store.write_atomic(layout.LEDGER, raw + b'{"kind": "run_end", "cle')
+        else:  # an object store: one object per record, none rewritten
+            assert not store.exists(layout.LEDGER) and len(store.listdir(layout.LEDGER_DIR)) == 7
+            store.write_atomic(f"{layout.LEDGER_DIR}/000000000007-x-torn.json", b'{"kind": "run_end", "cle')
         assert len(Ledger.read(store)) == 7
         Ledger(store, enabled=True, run_id="c", job="j").append(RunStartRecord(restart_count=2))
         recs = Ledger.read(store)

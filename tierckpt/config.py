@@ -19,6 +19,7 @@ import os
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierckpt.errors import ConfigError
 from tierckpt.io.perms import modes_of
@@ -378,6 +379,13 @@ class TierConfig(_KnownFields):
             trainer exits anyway: the local tier (+ replicas) is waited for first, the persistent
             tier with what is left (Slurm's KillWait and torchrun's shutdown default to 30 s);
             in (0, :data:`MAX_WAIT_S`].
+        storage_options: fsspec options of the persistent root when it is a URL (passed to
+            ``fsspec.core.url_to_fs``, e.g. s3fs's ``endpoint_url``, ``key``, ``secret``,
+            ``profile``, ``client_kwargs``): a mapping of options for every URL, and/or entries
+            whose key is a URL prefix (``"s3://bucket-b/"``) mapping to the options of the URLs
+            under it (:meth:`options_for`). Default: none, so s3fs takes credentials and endpoint
+            from the environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+            ``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...) as for any boto client.
 
     Numeric fields follow :data:`RULES` (``bool``, NaN, ±inf and strings are refused).
     Sequences are normalised to tuples and mappings to :class:`FrozenDict`.
@@ -423,6 +431,8 @@ class TierConfig(_KnownFields):
     preemption_grace_s: float = 25.0
     background_nice: int = 10
     background_io_class: str = "best-effort"
+    # -- object stores --------------------------------------------------------------------
+    storage_options: Mapping[str, Any] = field(default_factory=FrozenDict)
 
     def __post_init__(self) -> None:
         self._check_tiers_and_roots()
@@ -431,6 +441,7 @@ class TierConfig(_KnownFields):
         self._check_preemption()
         self._check_resources()
         self._check_busy_policy()
+        self._put("storage_options", check_storage_options(self.storage_options))
 
     @property
     def background_priority(self) -> BackgroundPriority:
@@ -562,6 +573,10 @@ class TierConfig(_KnownFields):
             job=self.resolved_job_id(), node=node, hostname=hostname or socket.gethostname()
         )
 
+    def options_for(self, url: str) -> dict:
+        """The fsspec options of ``url`` (:func:`options_for`)."""
+        return options_for(self.storage_options, url)
+
     def replace(self, **kw) -> "TierConfig":
         """A copy with fields replaced, validated like a new config.
 
@@ -569,6 +584,59 @@ class TierConfig(_KnownFields):
             ConfigError: as the constructor.
         """
         return dataclasses.replace(self, **kw)
+
+
+# -- object stores: storage_options ---------------------------------------------------------
+def check_storage_options(value, option: str = "storage_options") -> FrozenDict:
+    """``TierConfig.storage_options`` normalised: nested mappings frozen (:class:`FrozenDict`),
+    lists as tuples, so the config stays hashable.
+
+    Raises:
+        ConfigError: naming ``option`` when it is not a mapping with string keys, or when a URL
+            prefix key (one holding ``://``) does not map to a mapping of options.
+    """
+    if value is None:
+        return FrozenDict()
+    if not isinstance(value, Mapping):
+        raise ConfigError(option, f"must be a mapping of fsspec options (e.g. {{\"endpoint_url\": \"http://...\"}}), "
+                                  f"got {value!r}")
+    for key, v in value.items():
+        if not isinstance(key, str):
+            raise ConfigError(option, f"option names must be strings, got {key!r}")
+        if "://" in key and not isinstance(v, Mapping):
+            raise ConfigError(f"{option}.{key}", f"a URL prefix maps to a mapping of options, got {v!r}")
+    return _freeze(value)
+
+
+def _freeze(v):
+    if isinstance(v, Mapping):
+        return FrozenDict({k: _freeze(x) for k, x in v.items()})
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+def _thaw(v):
+    if isinstance(v, Mapping):
+        return {k: _thaw(x) for k, x in v.items()}
+    if isinstance(v, tuple):
+        return [_thaw(x) for x in v]
+    return v
+
+
+def options_for(storage_options: Mapping[str, Any], url: str) -> dict:
+    """The fsspec options of ``url``: the plain entries of ``storage_options`` (keys without
+    ``://``), updated with the options of the longest URL-prefix key ``url`` starts with. A
+    fresh plain dict (nested mappings as dicts, tuples as lists): fsspec may change it.
+
+    Example: ``{"anon": False, "s3://b/": {"endpoint_url": "http://x"}}`` gives
+    ``s3://b/run`` ``{"anon": False, "endpoint_url": "http://x"}``, ``s3://c/run``
+    ``{"anon": False}``."""
+    out = {k: _thaw(v) for k, v in storage_options.items() if "://" not in k}
+    prefixes = sorted((k for k in storage_options if "://" in k and url.startswith(k)), key=len)
+    if prefixes:
+        out.update(_thaw(storage_options[prefixes[-1]]))
+    return out
 
 
 def _check_template(template: str | None, node_private: bool) -> None:

@@ -28,10 +28,10 @@ from tierckpt.history import lineage
 from tierckpt.history.journal import RunJournal
 from tierckpt.history.ledger import Ledger
 from tierckpt.history.timeline import Timeline
-from tierckpt.io import layout, perms
+from tierckpt.io import layout, objstore, perms
 from tierckpt.io.bounded import run_bounded
 from tierckpt.io.perms import modes_of
-from tierckpt.io.storage import Store
+from tierckpt.io.storage import Store, register_options
 from tierckpt.tiers import ram, retention
 from tierckpt.tiers.local_tier import LocalTier
 from tierckpt.tiers.persistent import PersistentIO, PersistentTier
@@ -133,12 +133,12 @@ def open_persistent_root(cfg: TierConfig, rank: int) -> tuple[Store, tuple | Non
     by global rank 0 (None on other ranks, :func:`tierckpt.history.lineage.ensure`), and this
     rank's problem with it (``persistent_root``: also a root that makes no progress for
     ``restore_read_timeout_s`` seconds)."""
-    store = Store(persistent_root(cfg))
+    store = persistent_store(cfg)
     if rank != 0:
         return store, None, None
 
     def open_root(progress) -> tuple:
-        store.makedirs("")
+        objstore.check_root(store)  # creates a directory; a bucket must exist
         return lineage.ensure(store)
 
     try:
@@ -153,6 +153,15 @@ def open_persistent_root(cfg: TierConfig, rank: int) -> tuple[Store, tuple | Non
         return store, None, ConfigError("persistent_root", f"{cfg.persistent_root!r} cannot be created: {e}")
     except ConfigError as e:
         return store, None, e
+
+
+def persistent_store(cfg: TierConfig) -> Store:
+    """The persistent root's :class:`Store`, with its ``storage_options`` (:meth:`TierConfig.options_for`)."""
+    root = persistent_root(cfg)
+    options = cfg.options_for(root)
+    if options and "://" in root:
+        register_options(root, options)  # for hooks handed a step's URL only
+    return Store(root, **options)
 
 
 def persistent_root(cfg: TierConfig) -> str:
@@ -300,7 +309,7 @@ def open_run(cfg: TierConfig, node_id: int | None, persistent_io: PersistentIO |
     world, in_use = groups.local_world, retention.InUse()
     local, err = open_local_tier(cfg, topo, groups.node, in_use)
     pstore, lineage_info, perr = open_persistent_root(cfg, topo.rank) if err is None else \
-        (Store(persistent_root(cfg)), None, None)
+        (persistent_store(cfg), None, None)
     raise_if_any_failed(err or perr, world)
     run_id, (lineage_id, created, adopt) = broadcast_from_first(
         (uuid.uuid4().hex[:12], lineage_info) if topo.rank == 0 else None, world)

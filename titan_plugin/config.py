@@ -141,6 +141,7 @@ def build_tier_config(ckpt, persistent_folder: str) -> TierConfig:
             warn_only=tuple(t for t in warn_only if t in tiers),
             preemption_signals=tuple(ckpt.preemption_signals), preemption_grace_s=ckpt.preemption_grace_s,
             **_retention(ckpt, own),
+            storage_options=getattr(ckpt, "storage_options", None),  # object stores
         )
     except ConfigError as e:
         raise checkpoint_error(e) from None

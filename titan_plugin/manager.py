@@ -133,6 +133,12 @@ class TieredCheckpointManager(CheckpointManager):
         persistent_folder: str = ""
         """Persistent tier directory or fsspec URL; empty = torchtitan's checkpoint folder."""
 
+        # -- object stores ----------------------------------------------------------------
+        storage_options: dict[str, Any] = field(default_factory=dict)
+        """fsspec options of an fsspec-URL persistent_folder (the TOML table
+        [checkpoint.storage_options], e.g. endpoint_url, profile; or URL-prefix keys
+        "s3://bucket/" mapping to their own table). Empty: s3fs reads AWS_* from the environment."""
+
         job_id: str = ""
         """Value of {job} (default SLURM_JOB_ID, else "job")."""
 
@@ -227,6 +233,7 @@ class TieredCheckpointManager(CheckpointManager):
         if not self.enable:
             return
         self.persistent_folder = config.persistent_folder or self.folder
+        self._storage_options = build_tier_config(config, self.persistent_folder).options_for(self.persistent_folder)
         if self.seed_run:
             # one process writing the unsharded model: no local tier, replicas or ledger
             return
@@ -371,7 +378,7 @@ class TieredCheckpointManager(CheckpointManager):
         if curr_step != SEED_STEP:
             raise ConfigError("checkpoint.create_seed_checkpoint",
                               f"a seed is step {SEED_STEP} and ends the run; save({curr_step}) was called")
-        store = Store(self.persistent_folder)
+        store = Store(self.persistent_folder, **self._storage_options)
         committed = [s for s in (layout.parse_step(n) for n in store.listdir(""))
                      if s is not None and manifest.read_committed(store, layout.persistent_step(s))]
         if committed:

@@ -81,6 +81,8 @@ def _describe(tp) -> str:
         return " or ".join(_describe(a) for a in get_args(tp))
     if origin in (list, tuple):
         return "a list"
+    if origin is dict:
+        return "a table"
     if tp is type(None):
         return "none"
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
@@ -122,6 +124,8 @@ def convert(value: Any, tp, path: str, from_cli: bool = False) -> Any:
             raise ConfigError(path, f"expected a list, got {value!r}")
         out = [convert(v, inner, f"{path}[{i}]", from_cli) for i, v in enumerate(value)]
         return out if origin is list else tuple(out)
+    if origin is dict:
+        return _table(value, path, from_cli)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -147,6 +151,26 @@ def convert(value: Any, tp, path: str, from_cli: bool = False) -> Any:
     raise ConfigError(path, f"cannot be set from TOML or the command line (type {tp})")
 
 
+def _table(value: Any, path: str, from_cli: bool) -> dict:
+    """A table-valued key (``checkpoint.storage_options``): a TOML table, or on the command line
+    a JSON object (``--checkpoint.storage_options '{"endpoint_url": "http://..."}'``) or
+    ``--checkpoint.storage_options.<key> VALUE`` (a string).
+
+    Raises:
+        ConfigError: naming ``path``: not a table, or not a JSON object.
+    """
+    if from_cli and isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(path, f"expected a JSON object, got {value!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(path, f"expected a table, got {value!r}")
+    return dict(value)
+
+
 def apply_table(obj, table: dict, prefix: str = "", from_cli: bool = False) -> None:
     """Set ``table``'s keys on the config dataclass ``obj`` (recursively for sub-tables)."""
     fields = _fields(obj)
@@ -157,6 +181,9 @@ def apply_table(obj, table: dict, prefix: str = "", from_cli: bool = False) -> N
             raise ConfigError(path, f"unknown key; allowed keys of [{prefix.rstrip('.') or 'top level'}]: "
                                     f"{', '.join(sorted(fields))}")
         current = getattr(obj, key)
+        if get_origin(hints.get(key)) is dict:  # a table-valued key: later sources add keys
+            setattr(obj, key, {**(current or {}), **convert(value, hints[key], path, from_cli)})
+            continue
         if isinstance(value, dict):
             if not _is_config(current):
                 raise ConfigError(path, f"is not a table; expected {_describe(hints.get(key))}")

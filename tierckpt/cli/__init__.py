@@ -119,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help
         return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+    if getattr(args, "storage_options", None):  # --storage-options: for every URL the command opens
+        from tierckpt.io.storage import register_options
+
+        register_options("", args.storage_options)
     try:
         return int(args.func(args))
     except CliError as e:

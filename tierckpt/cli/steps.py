@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import posixpath
 import re
@@ -487,7 +488,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_ledger(args: argparse.Namespace) -> int:
     """``tierckpt ledger``: summary of ``<root>/tierckpt-ledger.jsonl``."""
     store = open_root(args.root)
-    if not store.exists(LEDGER):
+    if not Ledger.exists(store):
         raise CliError(f"no ledger at {store.url_of(LEDGER)} (pass the persistent root)")
     records = Ledger.read_records(store)
     summary = summarize(records)
@@ -560,6 +561,25 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 def _add_root_and_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("root", help="local path or fsspec URL (s3://bucket/run, memory://x)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--storage-options", type=storage_options_arg, default=None, metavar="JSON",
+                   help="fsspec options of URL roots, a JSON object (e.g. '{\"endpoint_url\": \"http://s3.local:9000\"}'); "
+                        "default: none, s3fs reads AWS_* from the environment")
+
+
+def storage_options_arg(text: str) -> dict:
+    """argparse ``type=`` of ``--storage-options``: a JSON object (:func:`tierckpt.cli.main`
+    registers it for every URL the command opens, :func:`tierckpt.io.storage.register_options`).
+
+    Raises:
+        argparse.ArgumentTypeError: not a JSON object (exit 2).
+    """
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _register_ls(subparsers) -> None:

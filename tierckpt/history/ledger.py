@@ -8,6 +8,15 @@ fields of the record; the kinds, their fields and the schema rules are those of
 A run with ``run_start`` and no ``run_end`` (or ``clean: false``) ended in a failure. Only
 global rank 0 writes. A torn last line (the writer died mid-append) is skipped on read and
 terminated before the next append, so the ledger stays parseable across restarts.
+
+On a local path the ledger is one file, appended in place (``tierckpt-ledger.jsonl``). An object
+store cannot append: rewriting the object at every append would cost O(ledger) bytes per record
+and grow with the run. There each record is its own object,
+``tierckpt-ledger.d/<seq>-<run_id>-<rand>.json`` (one PUT of the record's bytes; ``seq`` is one
+more than the highest the writer found when it first appended, so names sort in append order,
+and the random part keeps two writers from overwriting each other). The reader takes the file
+first (a ledger written before this layout, or on a path), then the objects in ``seq`` order, with
+the same tolerance: an object that does not parse is skipped with a warning.
 """
 
 from __future__ import annotations
@@ -15,12 +24,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
 import threading
 from collections import defaultdict
 from typing import Iterable
 
 from tierckpt import clock
-from tierckpt.io.layout import LEDGER
+from tierckpt.io.layout import LEDGER, LEDGER_DIR
 from tierckpt.io.storage import Store
 from tierckpt.records import (CheckpointRecord, LedgerRecord, RecoveryRecord, RestoreRecord, RunEndRecord, RunStartRecord,
                               parse_records)
@@ -48,6 +59,7 @@ class Ledger:
         # writer of this job's ledger), so the scheduler need not re-read a growing file
         self._base: list[dict] | None = None
         self._appended: list[dict] = []
+        self._seq: int | None = None  # object stores: the next record's sequence number
 
     def append(self, record: LedgerRecord, *, strict: bool = False) -> dict:
         """Append one record (only when enabled), stamped with this writer's time, run and job
@@ -96,11 +108,12 @@ class Ledger:
                 f.write(line.encode())
                 f.flush()
                 os.fsync(f.fileno())
-        else:  # object stores cannot append: rewrite the object
-            old = self.store.read_bytes(LEDGER) if self.store.exists(LEDGER) else b""
-            if old and not old.endswith(b"\n"):
-                old += b"\n"
-            self.store.write_atomic(LEDGER, old + line.encode())
+        else:  # object stores cannot append: one object per record, O(record) bytes
+            if self._seq is None:
+                self._seq = 1 + max((seq for seq, _ in _record_names(self.store)), default=-1)
+            name = f"{LEDGER_DIR}/{self._seq:012d}-{self.run_id}-{secrets.token_hex(4)}.json"
+            self.store.write_atomic(name, line.encode())
+            self._seq += 1
 
     def records(self) -> list[dict]:
         """Every record of the ledger, oldest first, as :meth:`read` would return them: the
@@ -120,27 +133,49 @@ class Ledger:
         return parse_records(Ledger.read(store))
 
     @staticmethod
+    def exists(store: Store) -> bool:
+        """Whether ``store`` holds a ledger (the file, or at least one record object)."""
+        return store.exists(LEDGER) or bool(_record_names(store))
+
+    @staticmethod
     def read(store: Store) -> list[dict]:
-        """All parseable lines as dicts, oldest first. Unparseable lines (a torn tail) and
-        objects without ``kind`` are skipped.
+        """All parseable records as dicts, oldest first: the lines of the file, then the record
+        objects in sequence order (module docstring). Unparseable lines (a torn tail) and
+        objects, and JSON values without ``kind``, are skipped.
 
         Raises:
             OSError: the ledger exists but cannot be read.
         """
-        if not store.exists(LEDGER):
-            return []
-        out = []
-        for i, raw in enumerate(store.read_bytes(LEDGER).splitlines()):
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw)
-            except ValueError:
-                log.warning("tierckpt ledger: skipping unparseable line %d", i + 1)
-                continue
-            if isinstance(rec, dict) and "kind" in rec:
-                out.append(rec)
+        out: list[dict] = []
+        if store.exists(LEDGER):
+            _parse_into(out, store.read_bytes(LEDGER).splitlines(), "line")
+        names = [f"{LEDGER_DIR}/{name}" for _, name in _record_names(store)]
+        if names:
+            blobs = store.read_many(names)
+            _parse_into(out, [blobs[n] for n in names if n in blobs], "record object")
         return out
+
+
+_RECORD_RE = re.compile(r"^(\d+)-[^/]*\.json$")
+
+
+def _record_names(store: Store) -> list[tuple[int, str]]:
+    """``(seq, name)`` of the record objects under ``LEDGER_DIR``, in append order."""
+    found = ((_RECORD_RE.match(n), n) for n in store.listdir(LEDGER_DIR))
+    return sorted((int(m.group(1)), n) for m, n in found if m)
+
+
+def _parse_into(out: list[dict], raws: list[bytes], what: str) -> None:
+    for i, raw in enumerate(raws):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            log.warning("tierckpt ledger: skipping unparseable %s %d", what, i + 1)
+            continue
+        if isinstance(rec, dict) and "kind" in rec:
+            out.append(rec)
 
 
 def _jsonable(o):

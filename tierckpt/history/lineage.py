@@ -20,7 +20,7 @@ import time
 import uuid
 
 from tierckpt.errors import ConfigError
-from tierckpt.io.layout import LEDGER, LINEAGE
+from tierckpt.io.layout import LEDGER, LEDGER_DIR, LINEAGE
 from tierckpt.io.storage import Store
 
 
@@ -66,7 +66,7 @@ def ensure(store: Store) -> tuple[str, bool, bool]:
     lid = read(store)
     if lid is not None:
         return lid, False, adopts_unlabelled(store)
-    adopt = store.exists(LEDGER)
+    adopt = store.exists(LEDGER) or bool(store.listdir(LEDGER_DIR))  # a ledger (either layout)
     doc = {"format": "tierckpt-lineage", "lineage": uuid.uuid4().hex, "created": time.time(),
            "persistent_root": store.url, "adopts_unlabelled": adopt}
     store.write_atomic(LINEAGE, json.dumps(doc).encode())

@@ -24,6 +24,7 @@ MANIFEST = "tierckpt.manifest.json"
 MARKER = "tierckpt.committed"
 INPROGRESS = "tierckpt.inprogress"  # persistent steps tierckpt started (retention may clean them)
 LEDGER = "tierckpt-ledger.jsonl"
+LEDGER_DIR = "tierckpt-ledger.d"  # object stores: one object per record (tierckpt/history/ledger.py)
 LINEAGE = "tierckpt-lineage.json"
 RETENTION = "tierckpt-retention.json"  # why retention keeps each step (tierckpt/tiers/retention.py)
 COMMIT_FILES = (MANIFEST, MARKER)

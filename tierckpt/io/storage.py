@@ -14,13 +14,35 @@ from __future__ import annotations
 
 import os
 import posixpath
-from typing import IO, Iterator
+from typing import IO, Iterator, Mapping
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from tierckpt.io import perms
 from tierckpt.io.perms import Modes
+
+
+_REGISTERED: dict[str, dict] = {}  # URL prefix -> fsspec options (register_options)
+
+
+def register_options(prefix: str, options: Mapping) -> None:
+    """Make ``options`` the fsspec options of every remote :class:`Store` opened without options
+    of its own in this process whose URL lies under ``prefix`` ("" = every URL): the engine
+    registers the persistent root's (``TierConfig.storage_options``) at start-up, the CLI its
+    ``--storage-options``, so code handed only a step's URL (a framework hook reading a side
+    file, a listing of the root's parent) reaches it with the same endpoint and credentials."""
+    _REGISTERED[prefix] = dict(options)
+
+
+def options_under(url: str) -> dict:
+    """A copy of the options :func:`register_options` gave the longest prefix ``url`` lies under
+    ({} when none)."""
+    def under(prefix: str) -> bool:
+        return not prefix or url == prefix or url.startswith(prefix.rstrip("/") + "/")
+
+    prefixes = [p for p in _REGISTERED if under(p)]
+    return dict(_REGISTERED[max(prefixes, key=len)]) if prefixes else {}
 
 
 def _is_local_url(url: str) -> bool:
@@ -36,7 +58,11 @@ class Store:
             included when it creates it, not the root's missing parents); local paths only.
             None: the umask's and default ACLs' bits, and a file :meth:`write_atomic`
             replaces keeps no bit its predecessor lacked.
-        storage_options: passed to ``fsspec.core.url_to_fs`` for remote URLs.
+        storage_options: passed to ``fsspec.core.url_to_fs`` for remote URLs
+            (``TierConfig.options_for``; none given: :func:`options_under` the URL), kept as
+            :attr:`storage_options` for DCP's fsspec reader and writer and for :meth:`sub`;
+            ignored for local paths. fsspec's listings cache is turned off unless they say
+            otherwise.
 
     All ``rel`` arguments are '/'-separated paths relative to ``root``.
     """
@@ -45,12 +71,17 @@ class Store:
         self.url = str(root)
         self.local = _is_local_url(self.url)
         self.modes = modes if self.local else None
+        # other ranks and nodes write under the same root: a cached listing would hide their
+        # steps and probes (fsspec's listings cache is on by default)
+        self.storage_options = {} if self.local else {"use_listings_cache": False,
+                                                      **(storage_options or options_under(self.url))}
         if self.local:
             path = self.url[len("file://"):] if self.url.startswith("file://") else self.url
             self.root = os.path.abspath(path)
             self.fs = LocalFileSystem()
         else:
-            self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options)
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -68,7 +99,9 @@ class Store:
 
     def sub(self, rel: str) -> "Store":
         """A Store rooted at ``rel``."""
-        return Store(self.url_of(rel)) if not self.local else Store(self.path(rel), self.modes)
+        if self.local:
+            return Store(self.path(rel), self.modes)
+        return Store(self.url_of(rel), **self.storage_options)
 
     # -- queries -----------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
@@ -144,6 +177,32 @@ class Store:
         """Whole content of ``rel``."""
         with self.open(rel, "rb") as f:
             return f.read()
+
+    def read_many(self, rels: list[str]) -> dict[str, bytes]:
+        """``{rel: content}`` of the files ``rels`` (remote: fetched concurrently by fsspec's
+        ``cat``); a file missing by the time it is read is left out.
+
+        Raises:
+            OSError: a file could not be read for another reason.
+        """
+        if self.local:
+            out = {}
+            for rel in rels:
+                try:
+                    out[rel] = self.read_bytes(rel)
+                except FileNotFoundError:
+                    pass
+            return out
+        paths = {self.path(rel): rel for rel in rels}
+        got = self.fs.cat(list(paths), on_error="return")
+        out = {}
+        for path, data in got.items():
+            if isinstance(data, FileNotFoundError):
+                continue
+            if isinstance(data, BaseException):
+                raise data
+            out[paths[path]] = data
+        return out
 
     def makedirs(self, rel: str = "") -> None:
         """Create directory ``rel`` and its parents (with the Store's modes); existing is fine."""

@@ -27,6 +27,7 @@ from tierckpt.cluster.topology import Groups, Topology
 from tierckpt.history.journal import RunJournal
 from tierckpt.history.timeline import SaveIdentity
 from tierckpt.staging.pool import StagingSlot
+from tierckpt.io import objstore
 from tierckpt.io.storage import Store
 from tierckpt.records import CheckpointRecord
 from tierckpt.tiers import keep, retention
@@ -335,7 +336,8 @@ def merge_stats(parts: list[tuple]) -> tuple:
 def describe_failure(e: BaseException, store: Store) -> str:
     """One line (at most 2000 characters) naming a failed save's cause: DCP's per-rank failures
     unpacked, and a full file system named (torch's writers can turn ENOSPC into an
-    unrelated-looking error)."""
+    unrelated-looking error), and on an object store a refused request named with the URL
+    (:func:`tierckpt.io.objstore.explain`)."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         # DCP keeps (exception, traceback frames) per rank: name the exception only
@@ -351,4 +353,6 @@ def describe_failure(e: BaseException, store: Store) -> str:
                 msg += f" [{store.url}: file system full: {du.free} of {du.total} bytes free]"
         except OSError:
             pass
+    else:
+        msg = msg[:1800] + objstore.explain(e, store)
     return msg[:2000]

@@ -78,10 +78,12 @@ class PersistentIO:
         return 0
 
 
-def write_dcp(state_dict: dict, url: str, process_group, planner: SavePlanner | None = None) -> Digests:
+def write_dcp(state_dict: dict, url: str, process_group, planner: SavePlanner | None = None,
+              storage_options: dict | None = None) -> Digests:
     """Collective DCP save of ``state_dict`` to the step directory or URL ``url``, fsynced, with
     torch.save's zip CRC32 off (:func:`tierckpt.io.dcp_io.crc32_off`), planned by ``planner``
-    (None: :class:`~tierckpt.io.planner.PerRankSavePlanner`).
+    (None: :class:`~tierckpt.io.planner.PerRankSavePlanner`); ``storage_options``: fsspec's
+    options on URLs (:attr:`tierckpt.io.storage.Store.storage_options`).
 
     Returns:
         checksums of the files this rank hashed while writing (paths only; :data:`Digests`);
@@ -90,7 +92,7 @@ def write_dcp(state_dict: dict, url: str, process_group, planner: SavePlanner | 
         CheckpointException: DCP failed on some rank (every rank raises).
     """
     local = "://" not in url
-    writer = hashing_writer(url) if local else FsspecWriter(url, sync_files=True)
+    writer = hashing_writer(url) if local else FsspecWriter(url, sync_files=True, **(storage_options or {}))
     with crc32_off():
         dcp.save(state_dict, storage_writer=writer, planner=planner or PerRankSavePlanner(),
                  process_group=process_group)
@@ -145,7 +147,7 @@ class PersistentTier:
         url = self.store.url_of(rel)
         digests = _write_side_files(self.store, rel, self.io.side_files(staged, group))
         state_dict, planner = self.io.to_dcp(staged, url, group)
-        digests.update(write_dcp(state_dict, url, group, planner))
+        digests.update(write_dcp(state_dict, url, group, planner, self.store.storage_options))
         return digests
 
     def load(self, state_dict: dict, url: str, group, read_timeout_s: float | None = None) -> int:
@@ -165,7 +167,8 @@ class PersistentTier:
         if not isinstance(planner, VerifyingLoadPlanner):
             raise TypeError(f"{type(self.io).__name__}.load_template must return a VerifyingLoadPlanner, "
                             f"not {type(planner).__name__}")
-        reader = CountingFileSystemReader(url) if "://" not in url else CountingFsspecReader(url)
+        reader = (CountingFileSystemReader(url) if "://" not in url
+                  else CountingFsspecReader(url, **self.store.storage_options))
         if read_timeout_s is not None and isinstance(reader, CountingFileSystemReader):
             reader.fs = BoundedFileSystem(read_timeout_s)
         dcp.load(target, storage_reader=reader, planner=planner, process_group=group)
