@@ -23,6 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch.distributed.tensor import DTensor
 
+from tierckpt.io import dcp_compat  # noqa: F401  (DTensor's private attributes used here are checked first)
+
 # values a staged copy may share with the live state (never mutated in place)
 ATOMIC = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the copy plan copies (not ShardedTensor &c.)

@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from tierckpt.io.dcp_compat import StateDictStager
 from tierckpt.staging.copy_plan import CopyPlan, allocate_like, walk
 from tierckpt.staging.overlap import OVERLAP_MIN_BYTES, Copier, PendingCopy
 
@@ -208,8 +209,6 @@ class StagingSlot:
                         "stager on every such save instead", type(e).__name__, e)
 
     def _stage_cuda(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
-
         if self._stream is None:
             self._stream = torch.cuda.Stream()
             self._cuda_stager = StateDictStager(pin_memory=True, share_memory=False)
