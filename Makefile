@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv lint test test-long test-slurm demo demo-elastic demo-spare bench bench-control bench-gpu bench-peers bench-reshard bench-recovery bench-schedule fault-campaign clean venv-mcore019 test-mcore-019 venv-latest test-latest test-megatron-lm test-megatron-lm-019
+.PHONY: venv lint test test-long test-slurm demo demo-elastic demo-spare bench bench-control bench-gpu bench-peers bench-reshard bench-recovery bench-schedule bench-goodput venv-torchft fault-campaign clean venv-mcore019 test-mcore-019 venv-latest test-latest test-megatron-lm test-megatron-lm-019
 
 venv: $(STAMP)
 
@@ -83,6 +83,20 @@ bench-recovery: venv
 # issue 4's experiment: torchtitan demo under Poisson failures, fixed vs adaptive (~20 min)
 bench-schedule: venv
 	OMP_NUM_THREADS=1 $(VPY) bench/bench_schedule.py $(BENCH_ARGS)
+
+# issue 32: the torchtitan demo under seeded Poisson node failures (kill + wiped disk), ETTR and its
+# waste per system and seed: tierckpt adaptive, tierckpt fixed intervals, torchtitan's stock DCP async,
+# torchft (row kept, not run yet); the shared folder behind a 200 MB/s link (hours at the defaults;
+# BENCH_ARGS e.g. "--mtbf 60 --seeds 1,2,3 --record", or "--quick" for a few minutes)
+bench-goodput: venv
+	OMP_NUM_THREADS=1 $(VPY) bench/bench_goodput.py $(BENCH_ARGS)
+
+# the torchft row's side virtualenv (scripts/setup_venv_torchft.sh; never a dependency of the product)
+VENVFT := .venv-torchft
+venv-torchft: $(VENVFT)/.installed-stamp
+
+$(VENVFT)/.installed-stamp: requirements-torchft.txt scripts/setup_venv_torchft.sh
+	PY=$(PY) scripts/setup_venv_torchft.sh
 
 # issue 15's fault campaign (not part of make test): seeded random faults, restart, restore,
 # invariants checked from the files on disk; exit 1 on any violation (bench/fault_campaign.py)
@@ -163,4 +177,4 @@ test-latest: venv-latest
 	OMP_NUM_THREADS=1 $(VENVL)/bin/python -m pytest $(LATEST_TESTS) -q -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) $(VENV019) $(VENVL) $(VENVP) outputs .pytest_cache
+	rm -rf $(VENV) $(VENV019) $(VENVL) $(VENVP) $(VENVFT) outputs .pytest_cache
