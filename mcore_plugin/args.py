@@ -486,8 +486,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         cpu_staging=getattr(args, "ckpt_plugin_cpu_staging", None), local_permissions=args.ckpt_plugin_local_permissions,
         restore_read_timeout_s=getattr(args, "ckpt_plugin_restore_read_timeout", None) or None,
         background_nice=getattr(args, "ckpt_plugin_background_nice", None),
-        background_io_class=getattr(args, "ckpt_plugin_background_io_class", None),
-        retention=_retention_settings(args),
+        background_io_class=getattr(args, "ckpt_plugin_background_io_class", None), retention=_retention_settings(args),
     )
     tier_config_from_args(args, settings)  # the engine's own bounds, with the flag names users typed
     _set_settings(args, settings)

@@ -11,19 +11,20 @@ version: its reasons are unknown (None).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from tierckpt.tiers.retention import read_record
 
-if TYPE_CHECKING:
-    from tierckpt.cli.steps import StepDir
+StepDir = Any
+"""A :class:`tierckpt.cli.steps.StepDir` (``store``, ``rel``, ``tier``, ``step``, ``committed``,
+``save``); not imported: that module imports this one."""
 
 _DEPTH = {"persistent": 1, "local": 2, "replica": 3}
 """Path components between a step directory and the root that holds its record (``step-N``;
 ``local/step-N``; ``replicas/node-m/step-N``)."""
 
 
-def split_root(s: "StepDir") -> tuple[str, str, int]:
+def split_root(s: StepDir) -> tuple[str, str, int]:
     """(the root holding ``s``'s record, relative to ``s.store``; ``s``'s parent directory inside
     that root, as the record names it; the step)."""
     parts = s.rel.split("/")
@@ -31,7 +32,7 @@ def split_root(s: "StepDir") -> tuple[str, str, int]:
     return "/".join(parts[:-n]), "/".join(parts[-n:-1]), s.step
 
 
-def kept_because(steps: list["StepDir"]) -> dict[int, list[str] | None]:
+def kept_because(steps: list[StepDir]) -> dict[int, list[str] | None]:
     """``{id(step dir): reasons}`` for every committed one of ``steps``: the reasons the last
     retention pass recorded for that save, None when unknown (module docstring)."""
     records: dict[tuple[int, str], dict] = {}
