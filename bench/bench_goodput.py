@@ -19,7 +19,7 @@ checkpointing at a sweep of intervals, and torchft (a row that says why it has n
   sits behind one FIFO link of ``--shared-mb-per-s`` (default 200 MB/s) shared by all nodes;
   node-local disks are unthrottled.
 - **ETTR and waste** (:mod:`bench.goodput.accounting`): from each run's step log,
-  ETTR = final step × t_ref / wall time; the rest of the wall time split into blocking
+  ETTR = final step × t_step / wall time (t_step: the run's own quiet step time); the rest of the wall time split into blocking
   stalls, background slowdown, lost work, restart phases, restore, other.
 
 ``--steps 0`` (default) sizes the runs so that failure-free training lasts
@@ -164,7 +164,8 @@ def setup_text(args, steps: dict, t0: float, loads: tuple[float, float]) -> str:
             f"(persistent tier / torchtitan's checkpoint folder) behind one {args.shared_mb_per_s:g} MB/s link "
             f"shared by both nodes (bench/goodput/throttle.py); local disks unthrottled. Steps per run: "
             f"{', '.join(f'{s} at MTBF {m:g} s' for m, s in steps.items())}; cap {args.cap:g} × steps × t_ref. "
-            f"ETTR = final step × t_ref / wall time (t_ref: failure-free, checkpoint-free run opening each cell); "
+            f"ETTR = final step × t_step / wall time (t_step: the run's own quiet step time, ≥ 3 steps past a save; "
+            f"the cell's failure-free reference run's when too few); "
             f"waste buckets as shares of the wall time (bench/goodput/accounting.py). Elapsed "
             f"{time.time() - t0:.0f} s.")
 

@@ -168,6 +168,11 @@ def test_systems_parse_and_commands(tmp_path):
     kw = dict(dump="/d", nvme="/n", job="j", steps=50)
     ad = systems.command(systems.parse_system("tierckpt-adaptive"), **kw)
     assert ad[:2] == ["-m", "titan_plugin.train"] and "local,persistent" in ad and "50" in ad
+    assert "--checkpoint.gpu_mtbf_hours" not in ad  # default settings: the plugin's prior
+    pr = systems.command(systems.parse_system("tierckpt-adaptive-prior4"), **kw, mtbf_s=60.0, ranks=2)
+    assert float(pr[pr.index("--checkpoint.gpu_mtbf_hours") + 1]) == pytest.approx(4 * 60.0 * 2 / 3600)
+    with pytest.raises(ValueError, match="F > 0"):
+        systems.parse_system("tierckpt-adaptive-prior0")
     fx = systems.command(systems.parse_system("tierckpt-fixed-7"), **kw)
     assert fx[fx.index("--checkpoint.local_interval") + 1] == "7" and "--checkpoint.adaptive" not in fx
     st = systems.command(systems.parse_system("titan-stock-20"), **kw)

@@ -3,8 +3,11 @@
 Definitions (one run of one system, all times UNIX seconds from the trainer's per-step JSONL,
 ``{"step", "time", "pid"}`` per logged step, in log order):
 
-- ``t_ref``: the failure-free, checkpoint-free step time, measured by a reference run in the
-  same campaign cell (the same machine state, as near in time as the campaign allows);
+- ``t_ref``: the failure-free step time without checkpoint work. The bench passes each run's
+  own quiet step time (:func:`quiet_step_s`: steps at least 3 past a save, in the same run),
+  the reference run's median only when a run has too few such steps: on a shared machine
+  the load moves between runs minutes apart, and a reference measured under another load
+  would put that drift into the ETTR (or push it above 1);
 - the run starts at ``t0`` = first logged step − ``t_ref`` and ends at its last logged step:
   wall time ``W``; the useful work is ``final_step × t_ref`` (every step of the final lineage,
   1 … the last step logged, once, at the failure-free speed);

@@ -31,7 +31,7 @@ def _row_cells(r: dict) -> list[str]:
         return [r["system"], f"{r['mtbf_s']:g}", str(r["seed"]), "not run", "–", "–", "–", "–"] + ["–"] * len(BUCKETS) \
             + [r["skipped"]]
     ck = r.get("checkpoints") or {}
-    drift = (f"{r['quiet_step_s'] / r['t_ref']:.2f}" if r.get("quiet_step_s") else "–")
+    drift = (f"{r['quiet_step_s'] / r['t_ref']:.2f}" if r.get("quiet_step_s") else "– (t_ref used)")
     note = "; ".join(filter(None, [
         f"checkpoints {'/'.join(f'{k} {v}' for k, v in ck.items())}" if ck else "",
         f"last τ {r['last_intervals']}" if r.get("last_intervals") else "",

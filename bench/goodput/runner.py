@@ -84,7 +84,8 @@ def run_system(demo, out: str, system: System, plan: FailurePlan, p: RunParams, 
     os.makedirs(shared, exist_ok=True)
     env = {**demo.RUN_ENV, **throttle.env_for(shared, p.shared_bps, os.path.join(out, system.name + ".link"))}
     cap_s = p.cap * p.steps * t_ref
-    launcher = _launcher(lo, system.name, command(system, dump=dump, nvme=nvme, job=job_id, steps=p.steps), out=out,
+    launcher = _launcher(lo, system.name, command(system, dump=dump, nvme=nvme, job=job_id, steps=p.steps,
+                                                     mtbf_s=plan.mtbf_s, ranks=p.nodes), out=out,
                          nodes=p.nodes, attempts=len(plan.due_times(cap_s)) + 2, env=env, timeout_s=p.timeout_s,
                          disks=disks)
     inj = WipingInjector(system.name, os.path.join(dump, "metrics", "losses.jsonl"), list(plan.gaps), t_ref=t_ref,
@@ -150,8 +151,12 @@ def analyse(system: System, dump: str, fails: list[dict], t_ref: float, attempt_
     """One run's ETTR, waste buckets, quiet step time, the useful-steps curve and its facts."""
     recs = bs._read_steps(os.path.join(dump, "metrics", "losses.jsonl"))
     saves, restores, extra = save_steps_and_restores(system, dump, fails, recs, attempt_logs)
-    acc = accounting.account(recs, fails, saves, t_ref, restores)
+    # the run's own quiet step time, not the reference's: on this shared machine the load moves
+    # by ±30 % between runs minutes apart (bench_schedule measures its waste the same way)
+    quiet = accounting.quiet_step_s(recs, saves)
+    t_step = quiet or t_ref
+    acc = accounting.account(recs, fails, saves, t_step, restores)
     curve = accounting.useful_curve(recs, acc["t0"]) if acc["t0"] is not None else ([], [])
-    return {"system": system.name, "kind": system.kind, "t_ref": t_ref, **acc,
-            "quiet_step_s": accounting.quiet_step_s(recs, saves), "saves": len(saves), "failures": len(fails),
+    return {"system": system.name, "kind": system.kind, "t_ref": t_ref, "t_step": t_step, **acc,
+            "quiet_step_s": quiet, "saves": len(saves), "failures": len(fails),
             "curve": {"t": curve[0], "steps": curve[1]}, **extra}

@@ -11,6 +11,11 @@ Names (``--systems``, comma-separated):
   (``--checkpoint.adaptive local,persistent``; the TOML's intervals, local 5 and persistent
   15 steps, are only the starting values; the MTBF and restart priors are the plugin's
   defaults: what a new user gets);
+- ``tierckpt-adaptive-priorF``: the same with the MTBF prior an operator of the compressed
+  cluster would give, F × the injected MTBF (``--checkpoint.gpu_mtbf_hours`` = F × MTBF × ranks,
+  weight 1, learned from the failures; bench_schedule's ``--prior-factor``). The default prior
+  is Llama 3's failure rate (a 2-rank job: M0 ≈ 1.4 years), which no 60 s MTBF outweighs within
+  a run: at a compressed MTBF the default settings alone measure that prior, not the scheduler;
 - ``tierckpt-fixed-K``: tierckpt, local tier + replica every K steps, persistent tier at the
   TOML's 15 steps (the sweep over K: the best of them is the bar adaptive must meet);
 - ``titan-stock-K``: torchtitan's stock ``CheckpointManager`` (DCP ``async_mode="async"`` to
@@ -28,10 +33,10 @@ from dataclasses import dataclass
 from bench import bench_schedule as bs
 
 TOML = bs.TOML
-KINDS = ("tierckpt-adaptive", "tierckpt-fixed-K", "titan-stock-K", "torchft")
-DEFAULT_SYSTEMS = ("tierckpt-adaptive", "tierckpt-fixed-5", "tierckpt-fixed-10", "tierckpt-fixed-20",
+KINDS = ("tierckpt-adaptive", "tierckpt-adaptive-priorF", "tierckpt-fixed-K", "titan-stock-K", "torchft")
+DEFAULT_SYSTEMS = ("tierckpt-adaptive", "tierckpt-adaptive-prior4", "tierckpt-fixed-5", "tierckpt-fixed-10", "tierckpt-fixed-20",
                    "titan-stock-10", "titan-stock-20", "titan-stock-40", "torchft")
-QUICK_SYSTEMS = ("tierckpt-adaptive", "tierckpt-fixed-10", "titan-stock-20", "torchft")
+QUICK_SYSTEMS = ("tierckpt-adaptive", "tierckpt-adaptive-prior4", "tierckpt-fixed-10", "titan-stock-20", "torchft")
 STOCK_PRELOAD = ["torch", "torch.distributed.checkpoint", "tierckpt.engine", "torchtitan.train",
                  "titan_plugin.manager", "titan_plugin.toml", "tierckpt_dev.titan", "tierckpt_dev.titan.cpu"]
 
@@ -39,11 +44,13 @@ STOCK_PRELOAD = ["torch", "torch.distributed.checkpoint", "tierckpt.engine", "to
 @dataclass(frozen=True)
 class System:
     """One system of the campaign: ``name`` as on the command line, ``kind`` (tierckpt,
-    stock, torchft), ``interval`` (steps; None for adaptive and torchft)."""
+    stock, torchft), ``interval`` (steps; None for adaptive and torchft), ``prior_factor``
+    (adaptive with an MTBF prior of that many injected MTBFs; None: the plugin's default)."""
 
     name: str
     kind: str
     interval: int | None = None
+    prior_factor: float | None = None
 
     @property
     def runnable(self) -> bool:
@@ -60,10 +67,13 @@ def parse_system(name: str) -> System:
         return System(name, "tierckpt")
     if name == "torchft":
         return System(name, "torchft")
+    m = re.fullmatch(r"tierckpt-adaptive-prior(\d+(?:\.\d+)?)", name)
+    if m and float(m.group(1)) > 0:
+        return System(name, "tierckpt", prior_factor=float(m.group(1)))
     m = re.fullmatch(r"(tierckpt-fixed|titan-stock)-(\d+)", name)
     if m and int(m.group(2)) >= 1:
         return System(name, "tierckpt" if m.group(1) == "tierckpt-fixed" else "stock", int(m.group(2)))
-    raise ValueError(f"--systems: unknown system {name!r}; allowed: {', '.join(KINDS)} (K: steps >= 1)")
+    raise ValueError(f"--systems: unknown system {name!r}; allowed: {', '.join(KINDS)} (K: steps >= 1, F > 0)")
 
 
 def parse_systems(spec: str) -> list[System]:
@@ -86,8 +96,10 @@ def local_root(nvme: str, job: str) -> str:
     return os.path.join(nvme, job, "node-{node}")
 
 
-def command(system: System, *, dump: str, nvme: str, job: str, steps: int) -> list[str]:
-    """What the launcher runs on every node for ``system`` (after torchrun's options).
+def command(system: System, *, dump: str, nvme: str, job: str, steps: int, mtbf_s: float = 60.0,
+            ranks: int = 2) -> list[str]:
+    """What the launcher runs on every node for ``system`` (after torchrun's options);
+    ``mtbf_s`` (injected) and ``ranks`` size an adaptive system's prior.
 
     Raises:
         ValueError: ``system`` cannot run here (torchft).
@@ -96,6 +108,8 @@ def command(system: System, *, dump: str, nvme: str, job: str, steps: int) -> li
         ov = bs.common_overrides(dump, steps, job, nvme)
         if system.interval is None:
             ov += ["--checkpoint.adaptive", "local,persistent"]
+            if system.prior_factor is not None:  # the prior is per GPU (rank): the job's is that / ranks
+                ov += ["--checkpoint.gpu_mtbf_hours", repr(system.prior_factor * mtbf_s * ranks / 3600.0)]
         else:
             ov += ["--checkpoint.local_interval", str(system.interval)]
         return ["-m", "titan_plugin.train", "--toml", TOML, *ov]
