@@ -75,6 +75,10 @@ FLAG_RULES: dict[str, Number] = {
     "--ckpt-plugin-exit-timeout": RULES["exit_timeout_s"],
     "--ckpt-plugin-simulated-ranks-per-node": RULES["simulated_ranks_per_node"],
     "--ckpt-plugin-background-nice": RULES["background_nice"],
+    # -- retention beyond --ckpt-plugin-persistent-keep (_add_retention_args) --
+    "--ckpt-plugin-persistent-keep-interval": RULES["keep_interval_s"],
+    "--ckpt-plugin-persistent-keep-every": RULES["keep_every_n_steps"],
+    "--ckpt-plugin-persistent-keep-period": RULES["keep_period"],
 }
 
 
@@ -137,6 +141,43 @@ def _add_background_args(g) -> None:
                                      "checksums, replication): 0..19, default 10; 0 = the trainer's priority.")
     g.add_argument("--ckpt-plugin-background-io-class", default=None, metavar="CLASS",
                    help="I/O class of the same threads: best-effort (default, lowest level), idle or none.")
+
+
+def _keep_step(text: str) -> int:
+    """argparse ``type=`` of ``--ckpt-plugin-persistent-keep-steps``: one step (>= 0)."""
+    try:
+        return RULES["keep_steps"].parse(text, "--ckpt-plugin-persistent-keep-steps")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--ckpt-plugin-persistent-keep-steps: ")) from None
+
+
+def _add_retention_args(g) -> None:
+    """The persistent tier's retention beyond the newest k (``TierConfig.keep_interval_s``,
+    ``keep_every_n_steps``, ``keep_period``, ``keep_steps``; :mod:`tierckpt.tiers.keep`)."""
+    g.add_argument("--ckpt-plugin-persistent-keep-interval", type=_typed("--ckpt-plugin-persistent-keep-interval"),
+                   default=None, metavar="SECONDS",
+                   help="Also keep the first persistent step committed in each window of this many seconds "
+                        "(3600: one per hour on the hour), to roll back past a loss spike (default: off).")
+    g.add_argument("--ckpt-plugin-persistent-keep-every", type=_typed("--ckpt-plugin-persistent-keep-every"),
+                   default=None, metavar="STEPS",
+                   help="Also keep the first persistent step saved at or after each multiple of STEPS (default: off).")
+    g.add_argument("--ckpt-plugin-persistent-keep-period", type=_typed("--ckpt-plugin-persistent-keep-period"),
+                   default=None, metavar="STEPS",
+                   help="Keep every persistent step that is a multiple of STEPS forever (Orbax's keep_period; "
+                        "default: off).")
+    g.add_argument("--ckpt-plugin-persistent-keep-steps", type=_keep_step, nargs="+", default=None, metavar="STEP",
+                   help="Persistent steps kept forever (milestones). The picks of these rules are recorded in "
+                        "--save's tierckpt-retention.json and kept across restarts and option changes.")
+
+
+def _retention_settings(args: argparse.Namespace) -> dict:
+    """``TierConfig``'s retention keywords from the ``--ckpt-plugin-persistent-keep-*`` flags given."""
+    out = {name: getattr(args, _dest(flag), None) for name, flag in (
+        ("keep_interval_s", "--ckpt-plugin-persistent-keep-interval"),
+        ("keep_every_n_steps", "--ckpt-plugin-persistent-keep-every"),
+        ("keep_period", "--ckpt-plugin-persistent-keep-period"),
+        ("keep_steps", "--ckpt-plugin-persistent-keep-steps"))}
+    return {k: (tuple(v) if k == "keep_steps" else v) for k, v in out.items() if v is not None}
 
 
 # -- object stores: --ckpt-plugin-storage-options ---------------------------------------------
@@ -224,6 +265,7 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ckpt-plugin-persistent-keep",
                    type=_typed("--ckpt-plugin-persistent-keep"),
                    default=None, metavar="K", help="Committed persistent steps kept (default 3).")
+    _add_retention_args(g)
     g.add_argument("--ckpt-plugin-job-id", default=None, metavar="ID", help=(
         "Value of {job} in the local root; keep it stable across restarts (default: SLURM_JOB_ID, else 'job')."))
     g.add_argument("--ckpt-plugin-simulated-ranks-per-node", default=None, metavar="N",
@@ -295,6 +337,8 @@ class PluginSettings:
             engine's default).
         background_nice, background_io_class: ``TierConfig``'s fields of those names (None = the
             engine's defaults, 10 and ``"best-effort"``).
+        retention: ``TierConfig``'s ``keep_interval_s``, ``keep_every_n_steps``, ``keep_period``
+            and ``keep_steps`` keywords, those given (``--ckpt-plugin-persistent-keep-*``).
     """
 
     tiers: tuple[str, ...]
@@ -318,6 +362,7 @@ class PluginSettings:
     restore_read_timeout_s: float | None = None
     background_nice: int | None = None
     background_io_class: str | None = None
+    retention: dict = field(default_factory=dict)
 
 
 # id(args) -> (weak reference to args, settings); Namespace is not hashable (it defines __eq__)
@@ -441,7 +486,7 @@ def validate_plugin_args(args: argparse.Namespace) -> PluginSettings | None:
         cpu_staging=getattr(args, "ckpt_plugin_cpu_staging", None), local_permissions=args.ckpt_plugin_local_permissions,
         restore_read_timeout_s=getattr(args, "ckpt_plugin_restore_read_timeout", None) or None,
         background_nice=getattr(args, "ckpt_plugin_background_nice", None),
-        background_io_class=getattr(args, "ckpt_plugin_background_io_class", None),
+        background_io_class=getattr(args, "ckpt_plugin_background_io_class", None), retention=_retention_settings(args),
     )
     tier_config_from_args(args, settings)  # the engine's own bounds, with the flag names users typed
     _set_settings(args, settings)
@@ -623,6 +668,10 @@ _FIELD_TO_FLAG = {
     "restore_read_timeout_s": "--ckpt-plugin-restore-read-timeout",
     "background_nice": "--ckpt-plugin-background-nice",
     "background_io_class": "--ckpt-plugin-background-io-class",
+    "keep_interval_s": "--ckpt-plugin-persistent-keep-interval",
+    "keep_every_n_steps": "--ckpt-plugin-persistent-keep-every",
+    "keep_period": "--ckpt-plugin-persistent-keep-period",
+    "keep_steps": "--ckpt-plugin-persistent-keep-steps",
     "storage_options": "--ckpt-plugin-storage-options",
     "min_steps": "--ckpt-plugin-min-interval",
     "max_steps": "--ckpt-plugin-max-interval",
@@ -634,7 +683,8 @@ _FIELD_TO_FLAG = {
 def _flag_error(e: ConfigError) -> ConfigError:
     """``e`` (naming a TierConfig/ScheduleOptions field) renamed to the flag that sets it."""
     field_name = e.option
-    flag = _FIELD_TO_FLAG.get(field_name, _FIELD_TO_FLAG.get(field_name.split(".")[0], field_name))
+    # a mapping entry ("keep_latest_k.local") or a list item ("keep_steps[0]") falls back to its field
+    flag = _FIELD_TO_FLAG.get(field_name, _FIELD_TO_FLAG.get(field_name.split(".")[0].split("[")[0], field_name))
     return ConfigError(flag, str(e).removeprefix(f"{field_name}: "))
 
 
@@ -671,6 +721,7 @@ def tier_config_from_args(args: argparse.Namespace, settings: PluginSettings | N
     for name in ("background_nice", "background_io_class"):
         if getattr(settings, name) is not None:
             extra[name] = getattr(settings, name)
+    extra.update(settings.retention)
     if getattr(args, "ckpt_plugin_storage_options", None):  # object stores
         extra["storage_options"] = args.ckpt_plugin_storage_options
     try:

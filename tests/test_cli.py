@@ -74,7 +74,7 @@ def test_ls_lists_every_tier(tree, capsys):
     assert rc == 0
     assert all(
         set(r) == {"tier", "node", "source_node", "step", "committed", "lineage", "foreign", "save_id",
-                   "save_order", "newest", "abandoned", "files", "bytes", "path"}
+                   "save_order", "newest", "abandoned", "kept_because", "files", "bytes", "path"}
         for r in rows
     )
     got = [(r["tier"], r["node"], r["source_node"], r["step"], r["committed"]) for r in rows]

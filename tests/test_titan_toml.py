@@ -49,6 +49,11 @@ def test_precedence_cli_over_toml_over_registry(tmp_path):
     ("", ["--checkpoint.cpu_staging", "async"], "checkpoint.cpu_staging", "'blocking' or 'overlapped'"),
     ("", ["--checkpoint.restore_read_timeout_s", "-1"], "checkpoint.restore_read_timeout_s", ">= 0 (0 = the default)"),
     ("[nosuchsection]\nx = 1\n", [], "nosuchsection", "unknown key"),
+    ("", ["--checkpoint.keep_interval_s", "-60"], "checkpoint.keep_interval_s", ">= 0 (0 = off)"),
+    ("", ["--checkpoint.keep_every_n_steps", "-1"], "checkpoint.keep_every_n_steps", ">= 0 (0 = off)"),
+    ("[checkpoint]\nkeep_period = 2.5\n", [], "checkpoint.keep_period", "expected an integer"),
+    ("[checkpoint]\nkeep_steps = [120, -1]\n", [], "checkpoint.keep_steps[1]", ">= 0"),
+    ("[checkpoint]\nkeep_steps = 120\n", [], "checkpoint.keep_steps", "expected a list"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, overrides, key, fragment):
     with pytest.raises(ConfigError) as e:
@@ -155,3 +160,16 @@ def test_seed_checkpoint_run_validation(monkeypatch):
     with pytest.raises(ConfigError) as e:
         load_config(demo, ["--checkpoint.create_seed_checkpoint", "true", "--checkpoint.enable", "false"])
     assert e.value.option == "checkpoint.create_seed_checkpoint" and "enable" in str(e.value)
+
+
+def test_retention_keys_reach_the_engine_config(tmp_path):
+    """The [checkpoint] keep_* keys set the persistent tier's rules (tierckpt/tiers/keep.py); 0 is off."""
+    from titan_plugin.config import build_tier_config
+
+    path = _toml(tmp_path, LLAMA + "[checkpoint]\nenable = true\nkeep_latest_k = 2\nkeep_interval_s = 3600\n"
+                 "keep_every_n_steps = 50\nkeep_period = 1000\nkeep_steps = [120, 7]\n")
+    cfg = build_tier_config(load_config(path).checkpoint, "/p")
+    assert (cfg.keep_latest_k["persistent"], cfg.keep_interval_s, cfg.keep_every_n_steps, cfg.keep_period,
+            cfg.keep_steps) == (2, 3600.0, 50, 1000, (7, 120))
+    plain = build_tier_config(load_config(_toml(tmp_path, LLAMA + "[checkpoint]\nenable = true\n")).checkpoint, "/p")
+    assert (plain.keep_interval_s, plain.keep_every_n_steps, plain.keep_period, plain.keep_steps) == (None,) * 3 + ((),)

@@ -61,6 +61,12 @@ RULES: dict[str, Number] = {
     "replication_jump": positive_int(),
     "replication_factor": positive_int(),
     "keep_latest_k": non_negative_int(note="0 keeps all"),  # per tier
+    # -- retention beyond the newest k: the persistent tier's (tierckpt/tiers/keep.py) --
+    "keep_interval_s": optional(positive_seconds(), "off"),
+    "keep_every_n_steps": optional(positive_int(unit="steps"), "off"),
+    "keep_period": optional(positive_int(unit="steps"), "off"),
+    "keep_steps": non_negative_int(unit="steps"),  # each listed step
+    # -- end of retention rules --
     "transfer_chunk_bytes": Number(integer=True, min=4096, unit="bytes", multiple_of=4096,
                                    note="O_DIRECT alignment"),
     "restore_memory_bytes": non_negative_int(unit="bytes", note="0 = restore from disk"),
@@ -268,6 +274,18 @@ class TierConfig(_KnownFields):
         replication_factor: F; copies of each node's local checkpoint, own included (1 = none).
         keep_latest_k: committed steps kept per tier (0 = keep all). Defaults: local 2,
             persistent 3; a mapping giving some tiers keeps the defaults of the others.
+            The local tier keeps its newest k and the local anchor only: node-local disks hold
+            a few steps, and a rollback point or a milestone must outlive the node.
+        keep_interval_s: persistent tier: also keep the first step committed in each window
+            of this many seconds (> 0; e.g. 3600: one per hour on the hour), None: off.
+        keep_every_n_steps: persistent tier: also keep the first step saved at or after each
+            multiple of N steps (N, 2N, ...; N >= 1), None: off.
+        keep_period: persistent tier: keep every step that is a multiple of this forever
+            (>= 1; Orbax's keep_period), None: off.
+        keep_steps: persistent tier: steps kept forever (milestones, >= 0). The picks of these
+            rules are recorded in the root's ``tierckpt-retention.json`` and honoured at every
+            later pass, restarts and option changes included; the step a run restored from is
+            kept for the whole run (:mod:`tierckpt.tiers.keep`).
         job_id: substituted for ``{job}``; default SLURM_JOB_ID (stable across requeues), else
             ``"job"``. torchrun's TORCHELASTIC_RUN_ID is not used: ``--standalone`` makes it
             random per launch, which would hide the previous launch's local checkpoints.
@@ -386,6 +404,12 @@ class TierConfig(_KnownFields):
     replication_jump: int = 1
     replication_factor: int = 2
     keep_latest_k: Mapping[str, int] = field(default_factory=lambda: FrozenDict(DEFAULT_KEEP_LATEST_K))
+    # -- retention beyond the newest k (persistent tier; tierckpt/tiers/keep.py) --
+    keep_interval_s: float | None = None
+    keep_every_n_steps: int | None = None
+    keep_period: int | None = None
+    keep_steps: tuple[int, ...] = ()
+    # -- end of retention fields --
     job_id: str | None = None
     transfer_chunk_bytes: int = 64 << 20
     restore_memory_bytes: int = 32 << 30
@@ -467,7 +491,18 @@ class TierConfig(_KnownFields):
                 )
             keep[tier] = RULES["keep_latest_k"](k, f"keep_latest_k.{tier}")
         self._put("keep_latest_k", FrozenDict(keep))
+        self._check_keep_rules()
         self._check("transfer_chunk_bytes", "restore_memory_bytes")
+
+    def _check_keep_rules(self) -> None:
+        """The persistent tier's rules beyond the newest k (:mod:`tierckpt.tiers.keep`)."""
+        self._check("keep_interval_s", "keep_every_n_steps", "keep_period")
+        steps = self.keep_steps
+        if isinstance(steps, (str, bytes, Mapping)) or not hasattr(steps, "__iter__"):
+            raise ConfigError("keep_steps", f"must be a list of steps ({RULES['keep_steps'].describe()}), "
+                                            f"got {steps!r}")
+        self._put("keep_steps", tuple(sorted({RULES["keep_steps"](s, f"keep_steps[{i}]")
+                                              for i, s in enumerate(steps)})))
 
     def _check_cadence(self) -> None:
         if self.intervals is not None:

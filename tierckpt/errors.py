@@ -104,3 +104,26 @@ class ReadTimeout(TierckptError, TimeoutError):
     """A read of a restore's source made no progress for ``restore_read_timeout_s`` seconds (a
     hung NFS/NVMe read, a file that blocks on open): the source counts as failed, like a
     corrupt one, and the restore falls back to the next source."""
+
+
+class DCPInternalsChanged(TierckptError, ImportError):
+    """The installed torch lacks a name of torch.distributed.checkpoint (DCP) that tierckpt's
+    staging, planners or readers use beyond DCP's documented API (a private module, a planner
+    method, a dataclass field, an attribute a reader sets): raised when tierckpt's DCP-using
+    modules are first imported (:mod:`tierckpt.io.dcp_compat`), before any save or restore, so
+    a torch upgrade fails at start-up, not halfway through a save.
+
+    Attributes:
+        missing: ``["torch.distributed.checkpoint.filesystem._StorageInfo.offset", …]``, every
+            missing name (what each is used for is in the message).
+        torch_version: ``torch.__version__`` of the process.
+    """
+
+    def __init__(self, missing: list[tuple[str, str]], torch_version: str, supported: str):
+        self.missing, self.torch_version = [name for name, _ in missing], torch_version
+        first, used_by = missing[0]
+        more = f" (and {len(missing) - 1} more: {', '.join(self.missing[1:4])}{' …' if len(missing) > 4 else ''})"
+        super().__init__(f"tierckpt: torch {torch_version} has no {first}, which tierckpt's {used_by} relies on"
+                         f"{more if len(missing) > 1 else ''}; torch.distributed.checkpoint's internals changed. "
+                         f"tierckpt is tested on torch {supported}: install one of those "
+                         "(README, 'Supported versions')")

@@ -28,6 +28,10 @@ SECTION_RULES: dict[str, Number] = {
     "restart_prior_s": dataclasses.replace(SCHEDULE_RULES["restart_prior_s"], note="0 = 300 s default"),
     # the engine's bound (<= collective_timeout_s / 2) applies to the value it maps to
     "restore_read_timeout_s": Number(min=0, unit="seconds", note="0 = the default"),
+    # -- retention: TOML has no None, 0 is "off" --
+    "keep_interval_s": Number(min=0, unit="seconds", note="0 = off"),
+    "keep_every_n_steps": non_negative_int(unit="steps", note="0 = off"),
+    "keep_period": non_negative_int(unit="steps", note="0 = off"),
 }
 """Rules of the ``[checkpoint]`` keys that do not map 1:1 onto a ``TierConfig`` /
 ``ScheduleOptions`` value: TOML has no None, so 0 stands for "unset", and ``gpu_mtbf_hours``
@@ -84,6 +88,12 @@ def checkpoint_error(e: ConfigError) -> ConfigError:
     return ConfigError(f"checkpoint.{key}", str(e).removeprefix(f"{field}: "))
 
 
+def _retention(ckpt, own: dict) -> dict:
+    """``TierConfig``'s retention fields from the ``keep_*`` keys (0 = off = None)."""
+    return {"keep_interval_s": own["keep_interval_s"] or None, "keep_every_n_steps": own["keep_every_n_steps"] or None,
+            "keep_period": own["keep_period"] or None, "keep_steps": ckpt.keep_steps}
+
+
 def build_tier_config(ckpt, persistent_folder: str) -> TierConfig:
     """The engine's config for a ``[checkpoint]`` section.
 
@@ -130,6 +140,7 @@ def build_tier_config(ckpt, persistent_folder: str) -> TierConfig:
             restore_read_timeout_s=own["restore_read_timeout_s"] or None,
             warn_only=tuple(t for t in warn_only if t in tiers),
             preemption_signals=tuple(ckpt.preemption_signals), preemption_grace_s=ckpt.preemption_grace_s,
+            **_retention(ckpt, own),
             storage_options=getattr(ckpt, "storage_options", None) or {},  # object stores
         )
     except ConfigError as e:

@@ -96,6 +96,22 @@ class TieredCheckpointManager(CheckpointManager):
         local_keep_latest_k: int = 2
         """Committed local steps (and replicas per peer) kept per node; 0 keeps all."""
 
+        # -- retention beyond keep_latest_k: the persistent tier's (tierckpt/tiers/keep.py) --
+        keep_interval_s: float = 0.0
+        """Also keep the first persistent step committed in each window of this many seconds
+        (3600: one per hour on the hour; 0 = off): a step to roll back to past a loss spike."""
+
+        keep_every_n_steps: int = 0
+        """Also keep the first persistent step saved at or after each multiple of N steps (0 = off)."""
+
+        keep_period: int = 0
+        """Keep every persistent step that is a multiple of this forever (Orbax's keep_period; 0 = off)."""
+
+        keep_steps: list[int] = field(default_factory=list)
+        """Persistent steps kept forever (milestones). The picks of these rules are recorded in
+        the folder's tierckpt-retention.json and kept across restarts and option changes."""
+        # -- end of retention keys --
+
         local_permissions: str = "private"
         """Permissions of everything written under the node-local root, whatever the umask:
         "private" (directories 0700, files 0600) or "group" (0750/0640, the user's group may

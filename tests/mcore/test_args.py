@@ -187,6 +187,10 @@ def test_invalid_combinations_name_the_flag(argv, option, words):
     (["--ckpt-plugin-adaptive", "replica"], "--ckpt-plugin-adaptive"),
     (["--ckpt-plugin-cpu-staging", "async"], "--ckpt-plugin-cpu-staging"),
     (["--ckpt-plugin-restore-read-timeout", "-2"], "--ckpt-plugin-restore-read-timeout"),
+    (["--ckpt-plugin-persistent-keep-interval", "0"], "--ckpt-plugin-persistent-keep-interval"),
+    (["--ckpt-plugin-persistent-keep-every", "0"], "--ckpt-plugin-persistent-keep-every"),
+    (["--ckpt-plugin-persistent-keep-period", "2.5"], "--ckpt-plugin-persistent-keep-period"),
+    (["--ckpt-plugin-persistent-keep-steps", "120", "-1"], "--ckpt-plugin-persistent-keep-steps"),
     # the engine's bounds (TierConfig.local_wait_timeout_s, ScheduleOptions.gpu_mtbf_s), at parse time
     (["--ckpt-plugin-local-wait-timeout", "1e9"], "--ckpt-plugin-local-wait-timeout"),
     (["--ckpt-plugin-gpu-mtbf-hours", "inf"], "--ckpt-plugin-gpu-mtbf-hours"),
@@ -328,3 +332,35 @@ def _validated(argv):
     args = parse(argv)
     validate_plugin_args(args)
     return args
+
+
+def test_retention_flags_reach_the_engine_config():
+    """--ckpt-plugin-persistent-keep-* set the persistent tier's rules (tierckpt/tiers/keep.py);
+    given as a script's defaults (not parsed), a bad value still fails naming the flag."""
+    args = parse(GOOD + ["--ckpt-plugin-persistent-keep", "2", "--ckpt-plugin-persistent-keep-interval", "3600",
+                         "--ckpt-plugin-persistent-keep-every", "50", "--ckpt-plugin-persistent-keep-period", "1000",
+                         "--ckpt-plugin-persistent-keep-steps", "120", "7"])
+    validate_plugin_args(args)
+    cfg = tier_config_from_args(args)
+    assert (cfg.keep_latest_k["persistent"], cfg.keep_interval_s, cfg.keep_every_n_steps, cfg.keep_period,
+            cfg.keep_steps) == (2, 3600.0, 50, 1000, (7, 120))
+    args = parse(GOOD)
+    validate_plugin_args(args)
+    plain = tier_config_from_args(args)
+    assert (plain.keep_interval_s, plain.keep_every_n_steps, plain.keep_period, plain.keep_steps) == (None,) * 3 + ((),)
+    args = parse(GOOD)
+    args.ckpt_plugin_persistent_keep_steps = [120, -4]
+    e = error_of_args(args)
+    assert e.option == "--ckpt-plugin-persistent-keep-steps" and ">= 0" in str(e), str(e)
+    args = parse(GOOD)
+    args.ckpt_plugin_persistent_keep_every = 0
+    e = error_of_args(args)
+    assert e.option == "--ckpt-plugin-persistent-keep-every" and ">= 1" in str(e), str(e)
+    e = error_of(["--save", "/s", "--save-interval", "10", "--ckpt-plugin-persistent-keep-every", "50"])
+    assert e.option == "--ckpt-plugin-persistent-keep-every" and "--ckpt-plugin-enable" in str(e)
+
+
+def error_of_args(args: argparse.Namespace) -> ConfigError:
+    with pytest.raises(ConfigError) as e:
+        validate_plugin_args(args)
+    return e.value

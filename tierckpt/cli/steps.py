@@ -30,6 +30,8 @@ from tierckpt.cli.common import (
 )
 from tierckpt.errors import ConfigError
 from tierckpt.history import lineage
+from tierckpt.cli.kept import kept_because
+from tierckpt.cli.kept import label as kept_label
 from tierckpt.cli.recovery import recovery_view
 from tierckpt.history.ledger import Ledger, summarize
 from tierckpt.history.timeline import abandoned_saves, descent_of, is_legacy, of_manifest, save_key
@@ -294,9 +296,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     Copies of saves that a later save found under the root proves abandoned (``abandoned``: the
     proving save id; "yes, abandoned" in the table) are never restored nor counted by retention,
     whatever their marker. With ``--lineage``, committed node-local steps and replicas of another
-    lineage (which restore ignores and the next start deletes) are marked."""
+    lineage (which restore ignores and the next start deletes) are marked. ``kept_because``
+    ("kept because" in the table): why the last retention pass kept each committed step
+    (:mod:`tierckpt.cli.kept`; None / ``?``: not recorded)."""
     lineage_id = resolve_lineage(getattr(args, "lineage", None))
     steps = find_steps(args.root, args.max_depth)
+    why = kept_because(steps)
     gone = abandoned_of(steps, lineage_id)
     newest, stale = newest_save(steps, lineage_id, gone)
     head = {id(x) for x in newest}
@@ -316,6 +321,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "save_order": list(s.save[1]) if s.committed and not is_legacy(*s.save) else None,
                 "newest": id(s) in head,
                 "abandoned": gone.get(s.save[0], "") if s.committed and s.save[0] in gone else None,
+                "kept_because": why.get(id(s)),
                 "files": files,
                 "bytes": nbytes,
                 "path": s.path,
@@ -332,6 +338,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ("committed", {}),
         ("lineage", {}),
         ("save", {"justify": "right"}),
+        ("kept because", {}),
         ("files", {"justify": "right"}),
         ("bytes", {"justify": "right"}),
         ("path", {"overflow": "fold"}),
@@ -341,11 +348,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for s, r in zip(steps, rows):
         table.add_row(
             s.tier, s.node_label(), str(s.step), _committed_label(s, lineage_id, gone),
-            (s.lineage or "-")[:8], s.save_label() + (" *" if id(s) in head else ""), str(r["files"]),
-            human_bytes(r["bytes"]), str(r["path"]),
+            (s.lineage or "-")[:8], s.save_label() + (" *" if id(s) in head else ""),
+            kept_label(r["kept_because"], s.committed), str(r["files"]), human_bytes(r["bytes"]), str(r["path"]),
         )
     con = _stdout()
     con.print(table)
+    _ls_summary(con, steps, lineage_id, newest, stale, gone)
+    return EXIT_OK
+
+
+def _ls_summary(con, steps: list[StepDir], lineage_id: str | None, newest: list[StepDir], stale: list[StepDir],
+                gone: dict[str, str]) -> None:
+    """The lines under ``ls``'s table: counts, the newest save, stale and abandoned copies."""
     n_c = sum(1 for s in steps if s.committed)
     n_f = sum(1 for s in steps if s.foreign(lineage_id))
     con.print(f"{len(steps)} step directories, {n_c} committed, {len(steps) - n_c} uncommitted"
@@ -361,7 +375,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
         con.print(f"{len(dead)} committed copies belong to abandoned saves (a later save resumed an older one; never "
                   f"restored, not counted by retention): steps {sorted({x.step for x in dead})}, saves "
                   + ", ".join(f"{sid} (abandoned by {by})" for sid, by in sorted(gone.items())))
-    return EXIT_OK
 
 
 def abandoned_of(steps: list[StepDir], lineage_id: str | None = None) -> dict[str, str]:

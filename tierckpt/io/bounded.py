@@ -27,6 +27,7 @@ from typing import Callable, TypeVar
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from tierckpt.errors import ReadTimeout
+from tierckpt.io import dcp_compat  # noqa: F401  (FileSystem's methods overridden here are checked first)
 
 T = TypeVar("T")
 _CHUNK = 8 << 20  # bytes a bounded read reads between two ticks

@@ -18,11 +18,11 @@ import threading
 
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.serialization import get_crc32_options, set_crc32_options
 
 from tierckpt.io import perms
+from tierckpt.io.dcp_compat import FsspecReader
 from tierckpt.io.perms import Modes
 
 

@@ -26,6 +26,7 @@ INPROGRESS = "tierckpt.inprogress"  # persistent steps tierckpt started (retenti
 LEDGER = "tierckpt-ledger.jsonl"
 LEDGER_DIR = "tierckpt-ledger.d"  # object stores: one object per record (tierckpt/history/ledger.py)
 LINEAGE = "tierckpt-lineage.json"
+RETENTION = "tierckpt-retention.json"  # why retention keeps each step (tierckpt/tiers/retention.py)
 COMMIT_FILES = (MANIFEST, MARKER)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")

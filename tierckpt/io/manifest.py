@@ -20,6 +20,7 @@ from typing import Callable
 
 import xxhash
 
+from tierckpt import clock
 from tierckpt.errors import VerificationError
 from tierckpt.io.layout import COMMIT_FILES, INPROGRESS, MANIFEST, MARKER
 from tierckpt.io.storage import Store
@@ -110,8 +111,12 @@ def manifest_bytes(entries: list[FileEntry], **meta) -> bytes:
 def commit(store: Store, step_rel: str, entries: list[FileEntry], **meta) -> dict:
     """Make ``step_rel`` a committed step (see the module docstring for the order).
 
-    The caller has already fsynced the data files. Returns the manifest as a dict.
+    The caller has already fsynced the data files. The manifest records ``committed_s``, the
+    commit's time in UNIX seconds on the monotonic clock (:func:`tierckpt.clock.now`; the
+    retention's time windows, :mod:`tierckpt.tiers.keep`), unless ``meta`` gives one. Returns
+    the manifest as a dict.
     """
+    meta.setdefault("committed_s", clock.now())
     mbytes = manifest_bytes(entries, **meta)
     commit_bytes(store, step_rel, mbytes)
     return json.loads(mbytes)

@@ -29,11 +29,11 @@ import torch
 import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType
-from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from tierckpt.errors import ReadTimeout
 from tierckpt.io import manifest
 from tierckpt.io.bounded import BoundedFile, Progress
+from tierckpt.io.dcp_compat import narrow_tensor_by_index
 from tierckpt.io.dcp_io import CountingFileSystemReader
 from tierckpt.io.storage import Store
 

@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, 
 from torch.distributed.tensor import DTensor
 from torch.serialization import get_crc32_options, set_crc32_options
 
+from tierckpt.io import dcp_compat  # noqa: F401  (DCP's fields used here are checked first)
+
 log = logging.getLogger(__name__)
 
 PREFIX = "__tierckpt_rank__/"

@@ -32,16 +32,15 @@ from typing import Any
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
-    _validate_global_plan,
     create_default_global_save_plan,
 )
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.tensor import DTensor
 
 from tierckpt.errors import TierckptError
 from tierckpt.io import per_rank
+from tierckpt.io.dcp_compat import _create_chunk_list, _validate_global_plan
 
 
 class PlanCoverageError(TierckptError, RuntimeError):

@@ -14,13 +14,12 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
-from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.tensor import DTensor
 
 from tierckpt.io import per_rank
+from tierckpt.io.dcp_compat import _create_chunk_list, _StorageInfo
 from tierckpt.io.planner import VerifyingLoadPlanner
 
 Origins = dict[MetadataIndex, list[tuple[int, _StorageInfo]]]

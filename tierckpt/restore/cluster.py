@@ -48,7 +48,6 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -59,6 +58,7 @@ from tierckpt.cluster.topology import Topology
 from tierckpt.errors import ReadTimeout
 from tierckpt.io import manifest
 from tierckpt.io.bounded import BoundedFileSystem, run_bounded
+from tierckpt.io.dcp_compat import _StorageInfo
 from tierckpt.io.storage import Store
 from tierckpt.restore.chunkmap import ClusterLoadPlanner, MissingChunks, Origins, RankIO, assign_reads, merge_metadata
 

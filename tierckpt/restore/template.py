@@ -27,8 +27,6 @@ import pickle
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
@@ -38,6 +36,7 @@ from tierckpt.cluster.topology import Groups, Topology
 from tierckpt.errors import TemplateMismatchError
 from tierckpt.io import layout, manifest
 from tierckpt.io.bounded import run_bounded
+from tierckpt.io.dcp_compat import _flatten_sharded_tensors, flatten_state_dict
 from tierckpt.io.planner import VerifyingLoadPlanner
 from tierckpt.io.storage import Store
 from tierckpt.restore.chunkmap import merge_metadata

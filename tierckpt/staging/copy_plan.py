@@ -1,11 +1,13 @@
 """The copy plan: refilling a staging slot's host copy of a state dict in place.
 
-The first save of a state dict structure goes through DCP's ``StateDictStager`` (a deep copy
-with host storages cached by source storage). :class:`CopyPlan` then records, leaf by leaf,
-where each live value went in that staged copy, so later saves of the same structure copy
-every tensor with one ``torch._foreach_copy_`` and set the immutable scalars, skipping the
-per-object Python work of the deep copy (most of the blocking time above one memcpy of the
-state: bench/RESULTS.md).
+A slot's first save of a state dict structure of plain CPU tensors, DTensors and scalars
+allocates the host copy (:func:`allocate_like`: one ``torch.empty_like`` per tensor, the
+containers rebuilt) and fills it with the plan; any other structure goes through DCP's
+``StateDictStager`` (a deep copy with host storages cached by source storage), and
+:class:`CopyPlan` then records, leaf by leaf, where each live value went in that copy. Either
+way later saves of the same structure copy every tensor with one ``torch._foreach_copy_`` and
+set the immutable scalars, skipping the per-object Python work of the deep copy (most of the
+blocking time above one memcpy of the state: bench/RESULTS.md).
 
 A state's leaves are plain tensors, DTensors (their local tensors are copied), immutable
 scalars (shared with the live state), and :class:`TensorHolder` objects: framework objects an
@@ -21,9 +23,13 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch.distributed.tensor import DTensor
 
+from tierckpt.io import dcp_compat  # noqa: F401  (DTensor's private attributes used here are checked first)
+
 # values a staged copy may share with the live state (never mutated in place)
 ATOMIC = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the copy plan copies (not ShardedTensor &c.)
+_ATOMIC_SET, _PLAIN_SET = frozenset(ATOMIC), frozenset(PLAIN)  # type lookups by hash, not by == per entry
+_STRIDED = torch.strided
 
 
 @runtime_checkable
@@ -124,9 +130,9 @@ class CopyPlan:
     """
 
     def __init__(self, sig: list, staged: dict, dsts: list[torch.Tensor], src_of: list[tuple[int, str | None]],
-                 setters: list[tuple[Any, Any, int]], holders: list[tuple[Any, int]], names: list[str]):
+                 setters: list[tuple[Any, Any, int]], holders: list[tuple[Any, int]], names: list[str] | None):
         self.sig, self.staged, self.dsts = sig, staged, dsts
-        self.names = names
+        self._names = names
         self.src_of = src_of
         self.setters = setters  # (staged container, key, leaf position) of every immutable scalar leaf
         self.holders = holders  # (staged holder, leaf position)
@@ -174,6 +180,15 @@ class CopyPlan:
         setters = [st for st in setters if st[2] not in objects]
         return cls(sig, staged, dsts, src_of, setters, holders, names)
 
+    @property
+    def names(self) -> list[str]:
+        """Key path of every ``dsts[j]`` (``"optim.state.w.exp_avg"``; messages only, so a plan
+        built by :func:`allocate_like` computes them on first use)."""
+        if self._names is None:
+            paths = _paths(self.staged)
+            self._names = [paths[i] if name is None else f"{paths[i]}.{name}" for i, name in self.src_of]
+        return self._names
+
     def refill(self, leaves: list, defer_min_bytes: int | None = None,
                inline: set[int] | frozenset[int] = frozenset()) -> tuple[list, list, list, list] | None:
         """Copy ``leaves`` (same signature as the plan's) into the staged copy, except the
@@ -211,6 +226,108 @@ class CopyPlan:
             with torch.no_grad():
                 torch._foreach_copy_(*now)
         return later
+
+
+def allocate_like(obj: Any, sig: list, pin_memory: bool = False) -> "CopyPlan | None":
+    """A copy plan over a new, unfilled staged copy of a state dict of plain CPU tensors, CPU
+    DTensors and immutable scalars (``sig`` its :func:`walk` signature): the same containers (new
+    dicts, OrderedDicts, lists, tuples), an uninitialised host tensor of the same dtype and shape
+    for every tensor (``torch.empty_like``: a dense permuted tensor keeps its strides; a
+    DTensor's local tensor, wrapped in a DTensor of the same spec), the scalars shared. None
+    when a leaf is anything else (a device, sparse or quantized tensor, another tensor
+    subclass, an object or :class:`TensorHolder`) or ``obj`` is not a dict: DCP's stager
+    copies that state.
+
+    :meth:`CopyPlan.refill` then fills it, so a slot's first save costs what a later one costs
+    plus one host allocation per tensor, instead of DCP's per-object deep copy (with 20,000
+    small tensors, ~12x the steady save). Each tensor gets its own storage, as from DCP's
+    stager: DCP's writer clones a tensor whose storage is larger than itself, so one flat
+    buffer of views would cost a copy per byte at every write. Unlike DCP's stager, tensors
+    that share a storage (tied weights) get separate host copies: the values written are the
+    same, the host copy is larger by the tied tensors.
+
+    Args:
+        obj: the state dict (nested dicts, OrderedDicts, lists, tuples).
+        sig: ``walk(obj)[0]``.
+        pin_memory: page-locked host tensors (a process with CUDA, as DCP's stager pins).
+    """
+    if type(obj) is not dict and type(obj) is not OrderedDict:
+        return None
+    b = _Allocation(pin_memory)
+    try:
+        staged = b.container(obj)
+    except _NotPlain:
+        return None
+    return CopyPlan(sig, staged, b.dsts, b.src_of, b.setters, [], None)
+
+
+_CONTAINERS = frozenset((dict, OrderedDict, list, tuple))
+
+
+class _NotPlain(Exception):
+    """A leaf :func:`allocate_like` does not allocate (DCP's stager copies the state)."""
+
+
+class _Allocation:
+    """One :func:`allocate_like` pass: containers rebuilt and tensors allocated in :func:`walk`
+    order, in one loop per container. With 20,000 small tensors the per-leaf Python work is the
+    whole first-save overhead, so leaves are handled inline (no call per leaf) and only the
+    rare DTensor takes a method call."""
+
+    def __init__(self, pin_memory: bool):
+        self.dsts: list[torch.Tensor] = []
+        self.src_of: list[tuple[int, str | None]] = []
+        self.setters: list[tuple[Any, Any, int]] = []
+        self.n = 0  # leaves seen
+        # empty_like keeps a dense permuted tensor's strides, at a third of torch.empty(shape,
+        # dtype)'s dispatch cost; a pin_memory keyword costs a third more again, so only with CUDA
+        self.empty = (lambda t: torch.empty_like(t, pin_memory=True)) if pin_memory else torch.empty_like
+
+    def container(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is dict or t is OrderedDict:
+            out: Any = t()
+            items: Any = obj.items()
+        else:
+            out = []
+            items = enumerate(obj)
+        in_tuple = t is tuple
+        empty, dsts, src_of, setters = self.empty, self.dsts, self.src_of, self.setters
+        for k, v in items:
+            tv = type(v)
+            if tv in _PLAIN_SET:
+                if not v.is_cpu or v.layout is not _STRIDED or v.is_quantized:
+                    raise _NotPlain
+                d = empty(v)
+                dsts.append(d)
+                src_of.append((self.n, None))
+                self.n += 1
+            elif tv in _ATOMIC_SET:
+                d = v  # shared; a tuple's item cannot be set later: its plan compares it
+                setters.append((None, v, self.n) if in_tuple else (out, k, self.n))
+                self.n += 1
+            elif tv in _CONTAINERS:
+                d = self.container(v)
+            elif tv is DTensor:
+                d = self.dtensor(v)
+            else:
+                raise _NotPlain
+            if t is dict or t is OrderedDict:
+                out[k] = d
+            else:
+                out.append(d)
+        return tuple(out) if in_tuple else out
+
+    def dtensor(self, x: DTensor) -> DTensor:
+        lt = x._local_tensor
+        if type(lt) not in _PLAIN_SET or not lt.is_cpu or lt.layout is not _STRIDED or lt.is_quantized:
+            raise _NotPlain
+        d = self.empty(lt)
+        self.dsts.append(d)
+        self.src_of.append((self.n, None))
+        self.n += 1
+        return DTensor.from_local(d, x.device_mesh, x.placements, run_check=False, shape=x.shape,
+                                  stride=x.stride())
 
 
 def _paths(obj: Any) -> list[str]:

@@ -60,7 +60,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from tierckpt.staging.copy_plan import CopyPlan, walk
+from tierckpt.io.dcp_compat import StateDictStager
+from tierckpt.staging.copy_plan import CopyPlan, allocate_like, walk
 from tierckpt.staging.overlap import OVERLAP_MIN_BYTES, Copier, PendingCopy
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,10 @@ class StagingSlot:
             if deferred[0]:
                 self._defer(plan, *deferred)
             return plan.staged
+        if sig is not None and sig != self._refused:
+            fresh = self._stage_allocated(state_dict, sig, leaves)
+            if fresh is not None:
+                return fresh
         staged = self.stager.stage(state_dict)
         assert isinstance(staged, dict)  # a synchronous stager returns the copy, never a Future
         if torch.cuda.is_available():
@@ -182,6 +187,16 @@ class StagingSlot:
         except Exception as e:  # noqa: BLE001 - no plan: DCP's full copy every save, as before it
             self._plan_failed(e)
         return staged
+
+    def _stage_allocated(self, state_dict: dict[str, Any], sig: list, leaves: list) -> dict[str, Any] | None:
+        """A first save (or a changed structure) of plain CPU tensors: allocate the host copy
+        (:func:`~tierckpt.staging.copy_plan.allocate_like`), build its plan and fill it, all
+        synchronously; None when the state is not of that kind (DCP's stager copies it)."""
+        plan = allocate_like(state_dict, sig, pin_memory=self.pinned)
+        if plan is None or plan.refill(leaves) is None:
+            return None
+        self._plan = plan
+        return plan.staged
 
     def _plan_failed(self, e: Exception) -> None:
         """Drop the copy plan after ``e`` (raised by a :class:`~tierckpt.staging.copy_plan.TensorHolder`
@@ -194,8 +209,6 @@ class StagingSlot:
                         "stager on every such save instead", type(e).__name__, e)
 
     def _stage_cuda(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
-
         if self._stream is None:
             self._stream = torch.cuda.Stream()
             self._cuda_stager = StateDictStager(pin_memory=True, share_memory=False)

@@ -30,7 +30,7 @@ from tierckpt.staging.pool import StagingSlot
 from tierckpt.io import objstore
 from tierckpt.io.storage import Store
 from tierckpt.records import CheckpointRecord
-from tierckpt.tiers import retention
+from tierckpt.tiers import keep, retention
 from tierckpt.tiers.hung import HungDiskVote
 from tierckpt.tiers.local_tier import LocalTier
 from tierckpt.tiers.persistent import PersistentTier
@@ -248,23 +248,41 @@ class TierJobs:
             rec = CheckpointRecord(tier="local", step=step, ok=False, error=f"stats exchange failed: {e}",
                                    blocking_s=delta, wait_s=t_wait, background_s=bg)
         self._phase("retention")
-        self._local_retention(identity)
+        self._local_retention(identity, rec.ok)
         self._phase("done")
         return rec
 
-    def _local_retention(self, identity: SaveIdentity | None = None) -> None:
+    def _local_retention(self, identity: SaveIdentity | None = None, committed: bool = True) -> None:
         """keep_latest_k on the node's root (node leader), never the local anchor; the saves
-        ``identity`` (this save's) knows abandoned, or proves abandoned, take no slot."""
+        ``identity`` (this save's) knows abandoned, or proves abandoned, take no slot. A save
+        that did not commit (``committed`` False) deletes no committed step: deletion only
+        ever follows a new commit."""
         assert self.local is not None
         try:
             if self.topo.is_node_leader:
                 anchor = self._local_anchor()
-                retention.purge_local(self.local.store, self.cfg.keep_latest_k["local"], self.in_use,
-                                      protect=frozenset(() if anchor is None else (anchor,)),
+                retention.purge_local(self.local.store, self.cfg.keep_latest_k["local"] if committed else 0,
+                                      self.in_use, protect=frozenset(() if anchor is None else (anchor,)),
                                       lineage_id=self.local.lineage, drop_foreign=False,
-                                      adopt_unlabelled=self.local.adopt_unlabelled, **_abandoned_kw(identity))
+                                      adopt_unlabelled=self.local.adopt_unlabelled, record=True,
+                                      **_abandoned_kw(identity))
         except Exception as e:
             log.warning("tierckpt: local retention failed: %s", e)
+
+    def _persistent_retention(self, identity: SaveIdentity | None, committed: bool) -> None:
+        """The persistent tier's rules (global rank 0; :mod:`tierckpt.tiers.keep`), after the
+        save's agreed record: the step this run restored from is kept for the whole run, and a
+        save that did not commit deletes no committed step."""
+        if self.topo.rank != 0:
+            return
+        policy = keep.Policy.of(self.cfg, "persistent") if committed else keep.Policy()
+        descent = identity.descent if identity is not None else None
+        try:
+            retention.purge_persistent(self.persistent.store, policy.latest_k, self.in_use, policy=policy,
+                                       protect={} if descent is None else {descent.step: keep.RESTORED},
+                                       record=True, **_abandoned_kw(identity))
+        except Exception as e:
+            log.warning("tierckpt: persistent retention failed: %s", e)
 
     def _persistent_job(self, staged: dict, step: int, delta: float, t_wait: float, slot: StagingSlot,
                         identity: SaveIdentity | None = None) -> CheckpointRecord:
@@ -291,12 +309,7 @@ class TierJobs:
             log.error("tierckpt: could not record persistent step %d: %s", step, e)
             rec = CheckpointRecord(tier="persistent", step=step, ok=False, error=f"stats exchange failed: {e}",
                                    blocking_s=delta, wait_s=t_wait, background_s=time.perf_counter() - t0)
-        try:
-            if self.topo.rank == 0:
-                retention.purge_persistent(self.persistent.store, self.cfg.keep_latest_k["persistent"], self.in_use,
-                                           **_abandoned_kw(identity))
-        except Exception as e:
-            log.warning("tierckpt: persistent retention failed: %s", e)
+        self._persistent_retention(identity, rec.ok)
         return rec
 
 

@@ -17,11 +17,11 @@ from typing import Callable
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from tierckpt.io import layout, manifest
 from tierckpt.io.bounded import BoundedFileSystem, run_bounded
+from tierckpt.io.dcp_compat import FsspecWriter
 from tierckpt.io.dcp_io import (
     CountingFileSystemReader,
     CountingFsspecReader,
