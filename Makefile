@@ -162,7 +162,7 @@ test-megatron-lm-019: venv-mcore019 $(MLM019_STAMP)
 # internals check and the torchtitan front end (README, "Supported versions": duration).
 VENVL := .venv-latest
 STAMPL := $(VENVL)/.installed-stamp
-LATEST_TESTS ?= tests/mcore tests/test_dcp_compat.py tests/test_public_api.py tests/test_staging.py tests/test_staging_plan.py \
+LATEST_TESTS ?= tests/mcore tests/test_dcp_compat.py tests/test_staging.py tests/test_staging_plan.py \
   tests/test_overlap_staging.py tests/test_restore_dtypes.py tests/test_restore_memory.py tests/test_plan_units.py \
   tests/test_per_rank_units.py tests/test_per_rank_values.py tests/test_cluster_read_bound.py tests/test_restore_hung_read.py \
   tests/test_engine_reshard.py tests/test_recovery.py tests/test_titan_cpu.py tests/test_titan_resume.py tests/test_titan_contract.py \

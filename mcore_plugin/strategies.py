@@ -59,6 +59,7 @@ from .convert import (  # noqa: F401 - re-exported (public names of this module 
     pyt_common,
     split_state_dict,
 )
+from . import metadata
 from .persistent_io import MegatronPersistentIO  # noqa: F401 - re-exported
 from .tiers import (  # noqa: F401 - re-exported
     LOCAL_OPTIM_FORMAT,
@@ -382,11 +383,18 @@ class TieredLoadStrategy(TorchDistLoadShardedStrategy):
         return out
 
     def load_tensors_metadata(self, checkpoint_dir, *args, **kwargs):
-        """Forwarded to the wrapped strategy."""
+        """Forwarded to the wrapped strategy (a ``torch_dist`` one through
+        :func:`mcore_plugin.metadata.tensors_metadata`, which works around megatron-core's
+        ``torch.empty(**properties.__dict__)`` on torch 2.15)."""
+        if isinstance(self.base_strategy, TorchDistLoadShardedStrategy):
+            return metadata.tensors_metadata(self.base_strategy, checkpoint_dir, *args, **kwargs)
         return self.base_strategy.load_tensors_metadata(checkpoint_dir, *args, **kwargs)
 
     def load_sharded_metadata(self, checkpoint_dir, *args, **kwargs):
-        """Forwarded to the wrapped strategy."""
+        """Forwarded to the wrapped strategy (a ``torch_dist`` one through
+        :func:`mcore_plugin.metadata.sharded_metadata`, as above)."""
+        if isinstance(self.base_strategy, TorchDistLoadShardedStrategy):
+            return metadata.sharded_metadata(self.base_strategy, checkpoint_dir, *args, **kwargs)
         return self.base_strategy.load_sharded_metadata(checkpoint_dir, *args, **kwargs)
 
     def check_backend_compatibility(self, loaded_backend):

@@ -149,7 +149,8 @@ def phase_own_copy_read_two_ways(rank, world, base, rpn, k, extra_steps, cfg_kw=
 # -- every dtype, whatever its offset in the file (tests/test_restore_dtypes.py) -------------------
 DTYPES = ("float64", "float32", "float16", "bfloat16", "complex32", "complex64", "complex128", "int8", "int16",
           "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2",
-          "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+          "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+          "bcomplex32")  # only the names the running torch has are used (bcomplex32: torch >= 2.15)
 ODD = (1, 3, 7)  # elements of the int8 neighbour before each tensor, and of the tensor itself
 
 
