@@ -274,4 +274,6 @@ def test_main_records_a_campaign_of_synthetic_runs(tmp_path, monkeypatch):
     assert len(pngs) == 1 and f"]({pngs[0]})" in text
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert len(rep["rows"]) == 8 and rep["rows"][3]["skipped"].startswith("not run")
+    assert bg.main(["--from-report", str(tmp_path / "out")]) == 0  # the same tables, no training
+    assert len(calls) == 6 and history.read_text() == text  # nothing run, nothing recorded without --record
     assert runner.STOCK_RESTORE_RE.search("Finished loading the checkpoint in 1.25 seconds.").group(1) == "1.25"
