@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -120,6 +121,13 @@ def skipped_row(system, mtbf: float, seed: int, why: str) -> dict:
     return {"system": system.name, "mtbf_s": mtbf, "seed": seed, "skipped": why}
 
 
+def failure_reason(text: str) -> str:
+    """A failed run's row text: the launcher's first line and the rank's last exception line."""
+    lines = text.splitlines()
+    errs = [ln.strip() for ln in lines if re.match(r"\s*[\w.]+(Error|Exception): ", ln)]
+    return "failed: " + lines[0][:200] + (f" — {errs[-1][:300]}" if errs else "") if lines else "failed"
+
+
 def run_cell(demo, args, mtbf: float, seed: int, k: int, steps: int | None) -> tuple[list[dict], int]:
     """The reference and every system of one (MTBF, seed) cell; returns (rows, steps)."""
     out = os.path.join(args.out, f"mtbf-{mtbf:g}", f"seed-{seed}")
@@ -143,7 +151,7 @@ def run_cell(demo, args, mtbf: float, seed: int, k: int, steps: int | None) -> t
             r = run_system(demo, out, system, plan, p, ref["t_ref"])
         except RuntimeError as e:
             print(f"[bench-goodput] {system.name}: {e}", file=sys.stderr, flush=True)
-            rows.append(skipped_row(system, mtbf, seed, f"failed: {str(e).splitlines()[0][:200]}"))
+            rows.append(skipped_row(system, mtbf, seed, failure_reason(str(e))))
             continue
         r.update(mtbf_s=mtbf, seed=seed, load_before=load, load_after=os.getloadavg()[0], run_s=time.time() - t0,
                  reference=ref)

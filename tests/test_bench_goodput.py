@@ -185,6 +185,15 @@ def test_systems_parse_and_commands(tmp_path):
     assert systems.local_root("/n", "j") == "/n/j/node-{node}"
 
 
+def test_failure_reason_names_the_ranks_exception():
+    text = ("s: attempt 2 failed without an injected failure (cause node-failure)\n--- log:\n  File x\n"
+            "tierckpt.errors.NoCheckpointError: no source could restore any step on every node\n  2x no copy")
+    assert bg.failure_reason(text) == ("failed: s: attempt 2 failed without an injected failure (cause node-failure)"
+                                       " — tierckpt.errors.NoCheckpointError: no source could restore any step on "
+                                       "every node")
+    assert bg.failure_reason("x") == "failed: x"
+
+
 def test_parse_args_quick_and_errors():
     a = bg.parse_args(["--quick"])
     assert a.mtbfs == [20.0] and a.seed_list == [1] and a.failures_expected == 2.0
