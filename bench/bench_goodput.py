@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -90,6 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="one 20 s MTBF, one seed, four systems, 2 MTBFs")
     ap.add_argument("--out", default=os.path.join(REPO, "outputs", "bench-goodput"), help="output folder")
     ap.add_argument("--record", action="store_true", help="append to bench/history/<YYYY-MM>.md with a PNG")
+    ap.add_argument("--from-report", metavar="OUT", default=None,
+                    help="no training: the tables of OUT/report.json (an earlier or interrupted campaign, the "
+                         "cells it finished); with --record, record them")
     args = ap.parse_args(argv)
     if args.quick:
         given = set(argv if argv is not None else sys.argv[1:])
@@ -117,6 +121,13 @@ def skipped_row(system, mtbf: float, seed: int, why: str) -> dict:
     return {"system": system.name, "mtbf_s": mtbf, "seed": seed, "skipped": why}
 
 
+def failure_reason(text: str) -> str:
+    """A failed run's row text: the launcher's first line and the rank's last exception line."""
+    lines = text.splitlines()
+    errs = [ln.strip() for ln in lines if re.match(r"\s*[\w.]+(Error|Exception): ", ln)]
+    return "failed: " + lines[0][:200] + (f" — {errs[-1][:300]}" if errs else "") if lines else "failed"
+
+
 def run_cell(demo, args, mtbf: float, seed: int, k: int, steps: int | None) -> tuple[list[dict], int]:
     """The reference and every system of one (MTBF, seed) cell; returns (rows, steps)."""
     out = os.path.join(args.out, f"mtbf-{mtbf:g}", f"seed-{seed}")
@@ -140,7 +151,7 @@ def run_cell(demo, args, mtbf: float, seed: int, k: int, steps: int | None) -> t
             r = run_system(demo, out, system, plan, p, ref["t_ref"])
         except RuntimeError as e:
             print(f"[bench-goodput] {system.name}: {e}", file=sys.stderr, flush=True)
-            rows.append(skipped_row(system, mtbf, seed, f"failed: {str(e).splitlines()[0][:200]}"))
+            rows.append(skipped_row(system, mtbf, seed, failure_reason(str(e))))
             continue
         r.update(mtbf_s=mtbf, seed=seed, load_before=load, load_after=os.getloadavg()[0], run_s=time.time() - t0,
                  reference=ref)
@@ -170,22 +181,8 @@ def setup_text(args, steps: dict, t0: float, loads: tuple[float, float]) -> str:
             f"{time.time() - t0:.0f} s.")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    demo = bs._load_demo()
-    shutil.rmtree(args.out, ignore_errors=True)
-    os.makedirs(args.out)
-    t0, load0 = time.time(), os.getloadavg()[0]
-    rows: list[dict] = []
-    steps: dict[float, int] = {}
-    for mtbf in args.mtbfs:
-        for k, seed in enumerate(args.seed_list):
-            cell, steps[mtbf] = run_cell(demo, args, mtbf, seed, k, steps.get(mtbf))
-            rows += cell
-            with open(os.path.join(args.out, "report.json"), "w") as f:  # kept as it grows
-                json.dump({"args": {k: v for k, v in vars(args).items() if k != "system_list"}, "rows": rows}, f,
-                          indent=1, default=str)
-    setup = setup_text(args, steps, t0, (load0, os.getloadavg()[0]))
+def finish(args, argv: list[str] | None, rows: list[dict], setup: str) -> int:
+    """Print the tables, ``--record`` them with the plot; the exit status (see the module doc)."""
     text = report.summary_table(rows) + "\n\n" + report.rows_table(rows)
     print(setup + "\n\n" + text)
     if args.record:
@@ -200,6 +197,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recorded to {history_md()} with {png}")
     checked = [v for ver in report.verdict(rows).values() for v in (ver["stock_ok"], ver["fixed_ok"])]
     return 0 if checked and all(v is True for v in checked) else 1
+
+
+def from_report(args, argv: list[str] | None) -> int:
+    """``--from-report OUT``: the tables (and with ``--record`` the entry) of a campaign's report.json."""
+    with open(os.path.join(args.from_report, "report.json")) as f:
+        rep = json.load(f)
+    rows = rep["rows"]
+    setup = rep.get("setup") or (f"From {args.from_report}/report.json ({len(rows)} rows; the campaign's own "
+                                 f"arguments: {rep.get('args')}).")
+    return finish(args, argv, rows, setup)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_report:
+        return from_report(args, argv)
+    demo = bs._load_demo()
+    shutil.rmtree(args.out, ignore_errors=True)
+    os.makedirs(args.out)
+    t0, load0 = time.time(), os.getloadavg()[0]
+    rows: list[dict] = []
+    steps: dict[float, int] = {}
+    for mtbf in args.mtbfs:
+        for k, seed in enumerate(args.seed_list):
+            cell, steps[mtbf] = run_cell(demo, args, mtbf, seed, k, steps.get(mtbf))
+            rows += cell
+            with open(os.path.join(args.out, "report.json"), "w") as f:  # kept as it grows
+                json.dump({"args": {k: v for k, v in vars(args).items() if k != "system_list"}, "rows": rows}, f,
+                          indent=1, default=str)
+    setup = setup_text(args, steps, t0, (load0, os.getloadavg()[0]))
+    return finish(args, argv, rows, setup)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,15 @@ def test_systems_parse_and_commands(tmp_path):
     assert systems.local_root("/n", "j") == "/n/j/node-{node}"
 
 
+def test_failure_reason_names_the_ranks_exception():
+    text = ("s: attempt 2 failed without an injected failure (cause node-failure)\n--- log:\n  File x\n"
+            "tierckpt.errors.NoCheckpointError: no source could restore any step on every node\n  2x no copy")
+    assert bg.failure_reason(text) == ("failed: s: attempt 2 failed without an injected failure (cause node-failure)"
+                                       " — tierckpt.errors.NoCheckpointError: no source could restore any step on "
+                                       "every node")
+    assert bg.failure_reason("x") == "failed: x"
+
+
 def test_parse_args_quick_and_errors():
     a = bg.parse_args(["--quick"])
     assert a.mtbfs == [20.0] and a.seed_list == [1] and a.failures_expected == 2.0
@@ -274,4 +283,6 @@ def test_main_records_a_campaign_of_synthetic_runs(tmp_path, monkeypatch):
     assert len(pngs) == 1 and f"]({pngs[0]})" in text
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert len(rep["rows"]) == 8 and rep["rows"][3]["skipped"].startswith("not run")
+    assert bg.main(["--from-report", str(tmp_path / "out")]) == 0  # the same tables, no training
+    assert len(calls) == 6 and history.read_text() == text  # nothing run, nothing recorded without --record
     assert runner.STOCK_RESTORE_RE.search("Finished loading the checkpoint in 1.25 seconds.").group(1) == "1.25"
