@@ -122,20 +122,38 @@ def test_corrupt_object_falls_back_to_the_older_step(saved, s3_server, capsys):
         client.put_object(Bucket=bucket, Key=data_key, Body=original)
 
 
-def test_denied_writes_fail_with_a_clear_error_and_the_job_goes_on(s3_server, tmp_path):
+@pytest.mark.parametrize("fault, words", [("deny", "access denied"), ("full", "out of space or over its quota")])
+def test_refused_writes_fail_with_a_clear_error_and_the_job_goes_on(s3_server, tmp_path, capsys, fault, words):
+    """A bucket policy denying PutObject, and a bucket that runs out of space part-way through
+    a save (HTTP 507 XMinioStorageFull): the failed step's TierFailedError names the URL and
+    the cause, training goes on on the local tier, no committed step is lost or changed, and
+    the job commits to the bucket again once it takes writes."""
+    from tierckpt.cli import main
+
     bucket = s3_server.new_bucket()
-    url = f"s3://{bucket}/run"
-    res = run_world(_scn().phase_denied, 2, url, str(tmp_path), bucket, s3_server.endpoint, env=s3_server.env())
+    url, base = f"s3://{bucket}/run", str(tmp_path)
+    res = run_world(_scn().phase_write_refused, 2, url, base, bucket, s3_server.endpoint, fault, env=s3_server.env())
     for r in res:
         out = r.value
         assert out["s1"] == {"local": True, "persistent": True}
         assert out["s2"]["local"][0] is True  # the local tier does not depend on the bucket
         ok, error = out["s2"]["persistent"]
-        assert ok is False and "access denied" in error and url in error, error
+        assert ok is False and words in error and url in error, error
         tier, step, msg = out["raised"]
-        assert (tier, step) == ("persistent", 2) and url in msg, msg
+        assert (tier, step) == ("persistent", 2) and url in msg and words in msg, msg
         assert out["s3"] == {"local": True, "persistent": True}
         assert out["committed"] == [1, 3]
+    if fault == "full":
+        assert "XMinioStorageFull" in res[0].value["s2"]["persistent"][1]
+    # step 1's objects untouched, step 2 never committed, every committed step verifies
+    assert res[0].value["etags_after"] == res[0].value["etags_before"] != {}
+    assert f"run/step-2/{layout.MARKER}" not in s3_server.keys(bucket, "run/")
+    assert main(["verify", url, "--storage-options", json.dumps(s3_server.options())]) == 0
+    capsys.readouterr()
+    if fault == "full":  # and the newest one restores from the bucket alone, bit for bit
+        rest = run_world(_scn().phase_restore, 2, url, base, True, {}, env=s3_server.env())
+        for r in rest:
+            assert (r.value["step"], r.value["kinds"], r.value["equal"]) == (3, ["persistent"], True), r.value
 
 
 def test_missing_bucket_is_a_config_error_naming_the_url(s3_server, tmp_path):
