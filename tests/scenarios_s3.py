@@ -118,8 +118,9 @@ def phase_write_refused(rank, world, url, base, bucket, endpoint, fault):
     return out
 
 
-def phase_missing_bucket(rank, world, url, base):
-    """The engine's start on a bucket that does not exist: the ConfigError's option and text."""
+def phase_start(rank, world, url, base):
+    """The engine's start on ``url`` (persistent tier only): the ConfigError's option and text,
+    or None when it started."""
     from tierckpt.errors import ConfigError
 
     try:

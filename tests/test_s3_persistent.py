@@ -158,36 +158,73 @@ def test_refused_writes_fail_with_a_clear_error_and_the_job_goes_on(s3_server, t
 
 def test_missing_bucket_is_a_config_error_naming_the_url(s3_server, tmp_path):
     url = "s3://tck-no-such-bucket/run"
-    res = run_world(_scn().phase_missing_bucket, 1, url, str(tmp_path), env=s3_server.env())
+    res = run_world(_scn().phase_start, 1, url, str(tmp_path), env=s3_server.env())
     option, msg = res[0].value
     assert option == "persistent_root" and url in msg and "does not exist" in msg and "never creates" in msg
     names = [b["Name"] for b in s3_server.client().list_buckets()["Buckets"]]
     assert "tck-no-such-bucket" not in names  # not created by the start
 
 
-def test_ledger_append_costs_one_object_of_the_record(s3_server):
+def test_access_denied_at_start_is_a_config_error_naming_the_url(tmp_path):
+    """Credentials the server does not accept (moto with IAM authentication on refuses even
+    HeadBucket, as AWS refuses wrong or expired keys): the start stops with a ConfigError
+    naming persistent_root, the URL and what to check."""
+    from tests.s3_server import S3Server, ServerUnavailable
+
+    server = S3Server(auth=True)
+    try:
+        server.start()
+    except ServerUnavailable as e:
+        pytest.skip(f"no S3-API server with authentication: {e}")
+    try:
+        bucket = server.new_bucket()  # the one request before authentication is on
+        url = f"s3://{bucket}/run"
+        res = run_world(_scn().phase_start, 1, url, str(tmp_path), env=server.env())
+        option, msg = res[0].value
+        assert option == "persistent_root" and url in msg and "denied" in msg and "credentials" in msg, msg
+        assert server.stats(bucket)["requests"].get("HEAD bucket", 0) >= 1  # refused at the bucket check
+    finally:
+        server.stop()
+
+
+def test_ledger_append_costs_one_object_of_the_record(s3_server, caplog):
+    """What each of 60 appends sends the server (counted by the server, tests/s3_server.py
+    Meter): one PUT of the record's bytes, no read, the 60th as small as the 1st (a ledger
+    rewritten whole would send 60 times the bytes, a read-modify-write a GET); then the tolerant
+    reader on the bucket: append order across two writers, a torn and a garbage object skipped."""
     from tierckpt.history.ledger import Ledger
     from tierckpt.records import RunStartRecord
 
     bucket = s3_server.new_bucket()
     store = Store(f"s3://{bucket}/run", **s3_server.options())
-    written: list[int] = []
-    reads: list[str] = []
-    put, get = store.write_atomic, store.read_bytes
-    store.write_atomic = lambda rel, data: (written.append(len(data)), put(rel, data))[1]  # type: ignore
-    store.read_bytes = lambda rel: (reads.append(rel), get(rel))[1]  # type: ignore
     led = Ledger(store, enabled=True, run_id="r1", job="j")
+    sent: list[tuple[int, dict]] = []  # per append: bytes PUT, {request kind: count}
     for i in range(60):
+        before = s3_server.stats(bucket)
         led.append(RunStartRecord(restart_count=i % 10))
-    assert reads == []  # an append reads nothing back
-    assert len(written) == 60 and max(written[-10:]) <= max(written[:10]), written  # the 60th costs the 1st's bytes
+        after = s3_server.stats(bucket)
+        kinds = {k: n - before["requests"].get(k, 0) for k, n in after["requests"].items()}
+        sent.append((after["put_bytes"] - before["put_bytes"], {k: n for k, n in kinds.items() if n}))
+    # the first append lists the ledger's prefix (for the next sequence number); none reads an object
+    assert set(sent[0][1]) == {"GET bucket", "PUT object"} and sent[0][1]["PUT object"] == 1, sent[0]
+    assert all(k == {"PUT object": 1} for _, k in sent[1:]), sent
+    nbytes = [b for b, _ in sent]
+    assert 0 < max(nbytes) < 400 and max(nbytes[-10:]) <= max(nbytes[:10]), nbytes
     keys = s3_server.keys(bucket, f"run/{layout.LEDGER_DIR}/")
-    assert len(keys) == 60 and max(keys.values()) < 400 and not s3_server.keys(bucket, f"run/{layout.LEDGER}")
-    # a second writer (the next run) continues the sequence; the reader returns append order
+    assert len(keys) == 60 and sum(keys.values()) == sum(nbytes) and not s3_server.keys(bucket, f"run/{layout.LEDGER}")
+    # a torn record in the middle of the sequence, garbage at its end, a stray name: all skipped
+    client, d = s3_server.client(), f"run/{layout.LEDGER_DIR}"
+    client.put_object(Bucket=bucket, Key=f"{d}/000000000030-x-torn.json", Body=b'{"kind": "run_start", "ti')
+    client.put_object(Bucket=bucket, Key=f"{d}/000000000060-x-junk.json", Body=bytes(range(256)))
+    client.put_object(Bucket=bucket, Key=f"{d}/notes.txt", Body=b'{"kind": "not a record"}')
+    # a second writer (the next run) continues the sequence after the highest it finds
     Ledger(store, enabled=True, run_id="r2", job="j").append(RunStartRecord(restart_count=99))
-    recs = Ledger.read(store)
+    assert f"{d}/000000000061-" in " ".join(s3_server.keys(bucket, d))
+    with caplog.at_level("WARNING", logger="tierckpt.history.ledger"):
+        recs = Ledger.read(store)
     assert [r["restart_count"] for r in recs] == [i % 10 for i in range(60)] + [99]
     assert [r["run_id"] for r in recs[-2:]] == ["r1", "r2"]
+    assert sum("unparseable record object" in m for m in caplog.messages) == 2, caplog.messages
 
 
 def test_storage_options_config_flags_and_toml():
