@@ -78,11 +78,12 @@ class S3Server:
                                      stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
         line = _read_line(self.proc, self.start_timeout_s)
         if not line.startswith("PORT "):
+            code = self.proc.poll()
+            how = f"exited with code {code}" if code is not None else f"reported no port within {self.start_timeout_s:g} s"
+            self._err.seek(0)  # before stop() closes it
+            tail = self._err.read().decode(errors="replace")[-800:]
             self.stop()
-            self._err.seek(0)
-            tail = self._err.read().decode(errors="replace")[-500:]
-            raise ServerUnavailable(f"moto's server did not start within {self.start_timeout_s:g} s "
-                                    f"(stdout {line!r}, stderr ...{tail!r})")
+            raise ServerUnavailable(f"moto's server {how} (stdout {line!r}, stderr ...{tail!r})")
         self.port = int(line.split()[1])
         return self
 

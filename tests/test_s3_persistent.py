@@ -227,6 +227,18 @@ def test_ledger_append_costs_one_object_of_the_record(s3_server, caplog):
     assert sum("unparseable record object" in m for m in caplog.messages) == 2, caplog.messages
 
 
+def test_a_server_that_cannot_start_is_reported_with_its_stderr(monkeypatch):
+    """The reason the fixture's skip gives: the child's exit code and the end of its stderr."""
+    from tests import s3_server as mod
+
+    pytest.importorskip("moto.server", reason="moto[server] not installed (requirements-dev.txt)")
+    pytest.importorskip("s3fs", reason="s3fs not installed (requirements-dev.txt)")
+    monkeypatch.setattr(mod, "__file__", os.path.join(ROOT, "tests", "no-such-server.py"))
+    with pytest.raises(mod.ServerUnavailable) as e:
+        mod.S3Server(start_timeout_s=30).start()
+    assert "exited with code 2" in str(e.value) and "no-such-server.py" in str(e.value), e.value
+
+
 def test_storage_options_config_flags_and_toml():
     cfg = TierConfig(persistent_root="s3://b/run", tiers=("persistent",),
                      storage_options={"anon": False, "s3://b/": {"endpoint_url": "http://x"}, "s3://": {"key": "k"}})
