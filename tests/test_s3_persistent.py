@@ -16,10 +16,11 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
-from tests.harness import ROOT, run_world, titan_train_cmd
+from tests.harness import ROOT, TITAN_TEST_ARGS, TITAN_TOML, free_port, run_world
 from tierckpt.config import TierConfig
 from tierckpt.errors import ConfigError
 from tierckpt.io import layout
@@ -273,15 +274,23 @@ def test_storage_options_config_flags_and_toml():
 
 
 def test_titan_front_end_with_an_s3_persistent_folder(s3_server, tmp_path):
+    """torchtitan's trainer with ``persistent_folder = "s3://..."``: a run saves to the bucket
+    (endpoint from the environment), a second run on fresh nodes resumes from the bucket alone
+    (endpoint from ``[checkpoint.storage_options]``). One process, started as torchrun's worker
+    would be (its environment) without torchrun: the launcher costs seconds and is not what is
+    tested here (tests/test_titan_*.py run torchrun)."""
     bucket = s3_server.new_bucket()
     url, tmp = f"s3://{bucket}/run", str(tmp_path)
 
     def train(steps, *extra, env_endpoint=True):
-        cmd = [*titan_train_cmd(2), "--dump_folder", os.path.join(tmp, "run"),
+        cmd = [sys.executable, "-m", "titan_plugin.train", "--toml", TITAN_TOML, *TITAN_TEST_ARGS,
+               "--dump_folder", os.path.join(tmp, "run"),
                "--checkpoint.local_root", os.path.join(tmp, "nvme", "node-{node}"), "--training.steps", str(steps),
                "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", "2",
-               "--checkpoint.interval", "2", "--checkpoint.persistent_folder", url, *extra]
-        env = dict(os.environ, OMP_NUM_THREADS="1", **s3_server.env())
+               "--checkpoint.interval", "2", "--checkpoint.replication_factor", "1",
+               "--checkpoint.persistent_folder", url, *extra]
+        env = dict(os.environ, OMP_NUM_THREADS="1", **s3_server.env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                   LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         if not env_endpoint:
             del env["AWS_ENDPOINT_URL"]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
