@@ -228,6 +228,45 @@ def test_ledger_append_costs_one_object_of_the_record(s3_server, caplog):
     assert sum("unparseable record object" in m for m in caplog.messages) == 2, caplog.messages
 
 
+def test_explain_names_the_url_and_the_cause_of_a_refused_write():
+    """objstore.explain on a remote root: access denied before out of space; out of space from
+    an errno, a botocore-like response (code or HTTP 507), or only the text s3fs leaves after
+    the error crossed ranks pickled; otherwise just the URL; nothing on a local path."""
+    import errno
+    import pickle
+
+    from tierckpt.io import objstore
+
+    store = Store("memory://tck-explain/run")
+
+    class Answer(Exception):  # what botocore's ClientError carries
+        def __init__(self, code, status):
+            super().__init__(f"An error occurred ({code}) when calling the PutObject operation: no")
+            self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+    def wrapped(cause):  # s3fs's OSError with the ClientError as its cause
+        e = OSError(errno.EIO, str(cause))
+        e.__cause__ = cause
+        return e
+
+    class DCP(Exception):  # DCP's CheckpointException: {rank: (exception, frames)}
+        def __init__(self, failures):
+            super().__init__("ckpt")
+            self.failures = failures
+
+    full = " [memory://tck-explain/run: the object store is out of space or over its quota ({}): "
+    for e, code in ((OSError(errno.ENOSPC, "No space left on device"), "ENOSPC"),
+                    (wrapped(Answer("QuotaExceeded", 403)), "QuotaExceeded"),
+                    (wrapped(Answer("SomethingNew", 507)), "SomethingNew"),
+                    (DCP({1: (pickle.loads(pickle.dumps(wrapped(Answer("XMinioStorageFull", 507)))), [])}),
+                     "XMinioStorageFull")):
+        assert objstore.explain(e, store).startswith(full.format(code)), (e, objstore.explain(e, store))
+    denied = DCP({0: (wrapped(Answer("XMinioStorageFull", 507)), []), 1: (PermissionError("Forbidden"), [])})
+    assert objstore.explain(denied, store).startswith(" [memory://tck-explain/run: access denied: check the")
+    assert objstore.explain(wrapped(Answer("InternalError", 500)), store) == " [memory://tck-explain/run]"
+    assert objstore.explain(OSError(errno.ENOSPC, "full"), Store("/tmp")) == ""
+
+
 def test_a_server_that_cannot_start_is_reported_with_its_stderr(monkeypatch):
     """The reason the fixture's skip gives: the child's exit code and the end of its stderr."""
     from tests import s3_server as mod

@@ -88,8 +88,9 @@ def out_of_space(x: BaseException) -> str | None:
     one), or an object store's answer with a code in :data:`FULL_CODES` or HTTP status 507: a
     botocore ``ClientError`` (s3fs keeps it as the cause of the ``OSError`` it raises) or the
     text s3fs gives that ``OSError``."""
-    if isinstance(x, OSError) and x.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        return errno.errorcode.get(x.errno, str(x.errno))
+    no = x.errno if isinstance(x, OSError) else None
+    if no is not None and no in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return errno.errorcode.get(no, str(no))
     response = getattr(x, "response", None)
     if isinstance(response, dict):
         code = (response.get("Error") or {}).get("Code")
