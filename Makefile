@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv lint test test-long test-slurm demo demo-elastic demo-spare bench bench-control bench-gpu bench-peers bench-reshard bench-recovery bench-schedule bench-goodput venv-torchft fault-campaign clean venv-mcore019 test-mcore-019 venv-latest test-latest test-megatron-lm test-megatron-lm-019
+.PHONY: venv lint test test-long test-slurm demo demo-elastic demo-spare bench bench-control bench-gpu bench-peers bench-reshard bench-recovery bench-schedule bench-goodput bench-small venv-torchft fault-campaign clean venv-mcore019 test-mcore-019 venv-latest test-latest test-megatron-lm test-megatron-lm-019
 
 venv: $(STAMP)
 
@@ -90,6 +90,11 @@ bench-schedule: venv
 # BENCH_ARGS e.g. "--mtbf 60 --seeds 1,2,3 --record", or "--quick" for a few minutes)
 bench-goodput: venv
 	OMP_NUM_THREADS=1 $(VPY) bench/bench_goodput.py $(BENCH_ARGS)
+
+# many small tensors (issue 32 §3): a slot's first save against a steady one, a local-tier save
+# against dcp.save of the same state, 2k and 20k tensors, interleaved (BENCH_ARGS e.g. "--record")
+bench-small: venv
+	OMP_NUM_THREADS=1 $(VPY) bench/bench_small_tensors.py $(BENCH_ARGS)
 
 # the torchft row's side virtualenv (scripts/setup_venv_torchft.sh; never a dependency of the product)
 VENVFT := .venv-torchft

@@ -79,7 +79,11 @@ FLAG_RULES: dict[str, Number] = {
     "--ckpt-plugin-persistent-keep-interval": RULES["keep_interval_s"],
     "--ckpt-plugin-persistent-keep-every": RULES["keep_every_n_steps"],
     "--ckpt-plugin-persistent-keep-period": RULES["keep_period"],
+    "--ckpt-plugin-persistent-keep-steps": RULES["keep_steps"],  # each STEP of the list (nargs="+")
 }
+
+LIST_FLAGS = frozenset({"--ckpt-plugin-persistent-keep-steps"})
+"""Flags of :data:`FLAG_RULES` that take several values (``nargs="+"``): the rule applies to each."""
 
 
 def _dest(flag: str) -> str:
@@ -109,7 +113,13 @@ def _check_flag_values(args: argparse.Namespace) -> None:
     """
     for flag, rule in FLAG_RULES.items():
         value = getattr(args, _dest(flag), None)
-        if value is not None:
+        if value is None:
+            continue
+        if flag in LIST_FLAGS:
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+                raise ConfigError(flag, f"must be a list of {rule.describe()}, got {value!r}")
+            setattr(args, _dest(flag), [rule(v, flag) for v in value])
+        else:
             setattr(args, _dest(flag), rule(value, flag))
 
 
@@ -143,14 +153,6 @@ def _add_background_args(g) -> None:
                    help="I/O class of the same threads: best-effort (default, lowest level), idle or none.")
 
 
-def _keep_step(text: str) -> int:
-    """argparse ``type=`` of ``--ckpt-plugin-persistent-keep-steps``: one step (>= 0)."""
-    try:
-        return RULES["keep_steps"].parse(text, "--ckpt-plugin-persistent-keep-steps")
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--ckpt-plugin-persistent-keep-steps: ")) from None
-
-
 def _add_retention_args(g) -> None:
     """The persistent tier's retention beyond the newest k (``TierConfig.keep_interval_s``,
     ``keep_every_n_steps``, ``keep_period``, ``keep_steps``; :mod:`tierckpt.tiers.keep`)."""
@@ -165,7 +167,7 @@ def _add_retention_args(g) -> None:
                    default=None, metavar="STEPS",
                    help="Keep every persistent step that is a multiple of STEPS forever (Orbax's keep_period; "
                         "default: off).")
-    g.add_argument("--ckpt-plugin-persistent-keep-steps", type=_keep_step, nargs="+", default=None, metavar="STEP",
+    g.add_argument("--ckpt-plugin-persistent-keep-steps", type=_typed("--ckpt-plugin-persistent-keep-steps"), nargs="+", default=None, metavar="STEP",
                    help="Persistent steps kept forever (milestones). The picks of these rules are recorded in "
                         "--save's tierckpt-retention.json and kept across restarts and option changes.")
 

@@ -248,20 +248,22 @@ class TierJobs:
             rec = CheckpointRecord(tier="local", step=step, ok=False, error=f"stats exchange failed: {e}",
                                    blocking_s=delta, wait_s=t_wait, background_s=bg)
         self._phase("retention")
-        self._local_retention(identity, rec.ok)
+        self._local_retention(identity)
         self._phase("done")
         return rec
 
-    def _local_retention(self, identity: SaveIdentity | None = None, committed: bool = True) -> None:
+    def _local_retention(self, identity: SaveIdentity | None = None) -> None:
         """keep_latest_k on the node's root (node leader), never the local anchor; the saves
-        ``identity`` (this save's) knows abandoned, or proves abandoned, take no slot. A save
-        that did not commit (``committed`` False) deletes no committed step: deletion only
-        ever follows a new commit."""
+        ``identity`` (this save's) knows abandoned, or proves abandoned, take no slot.
+
+        It runs after a save that did not commit on every node too: the anchor keeps the job
+        restorable, and a node whose saves keep failing must not make the other nodes' disks
+        fill with every step they write."""
         assert self.local is not None
         try:
             if self.topo.is_node_leader:
                 anchor = self._local_anchor()
-                retention.purge_local(self.local.store, self.cfg.keep_latest_k["local"] if committed else 0,
+                retention.purge_local(self.local.store, self.cfg.keep_latest_k["local"],
                                       self.in_use, protect=frozenset(() if anchor is None else (anchor,)),
                                       lineage_id=self.local.lineage, drop_foreign=False,
                                       adopt_unlabelled=self.local.adopt_unlabelled, record=True,
