@@ -297,8 +297,20 @@ def test_storage_options_config_flags_and_toml():
     p = add_plugin_args(argparse.ArgumentParser())
     assert p.parse_args(["--ckpt-plugin-storage-options", '{"endpoint_url": "http://x"}']).ckpt_plugin_storage_options \
         == {"endpoint_url": "http://x"}
-    with pytest.raises(SystemExit):
-        p.parse_args(["--ckpt-plugin-storage-options", "not json"])
+    for text in ("not json", "[1]"):  # not JSON, not an object: usage errors
+        with pytest.raises(SystemExit):
+            p.parse_args(["--ckpt-plugin-storage-options", text])
+    # set without the parser (Megatron's args_defaults, a script): the flag is named
+    from mcore_plugin.args import tier_config_from_args, validate_plugin_args
+    from tests.mcore.test_args import GOOD, parse
+
+    args = parse([*GOOD, "--ckpt-plugin-storage-options", '{"s3://b/": {"endpoint_url": "http://x"}}'])
+    validate_plugin_args(args)
+    assert tier_config_from_args(args).options_for("s3://b/run") == {"endpoint_url": "http://x"}
+    args.ckpt_plugin_storage_options = "nope"
+    with pytest.raises(ConfigError) as e:
+        validate_plugin_args(args)
+    assert e.value.option == "--ckpt-plugin-storage-options", e.value
     # torchtitan's [checkpoint.storage_options] table, and a key added on the command line
     from titan_plugin.manager import TieredCheckpointManager
     from titan_plugin.toml import apply_table
