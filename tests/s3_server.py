@@ -77,8 +77,13 @@ class S3Server:
         self.proc = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
         line = _read_line(self.proc, self.start_timeout_s)
-        if not line.startswith("PORT "):
-            code = self.proc.poll()
+        if line is None or not line.startswith("PORT "):
+            code = None
+            if line is not None:  # its stdout closed: it is exiting
+                try:
+                    code = self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
             how = f"exited with code {code}" if code is not None else f"reported no port within {self.start_timeout_s:g} s"
             self._err.seek(0)  # before stop() closes it
             tail = self._err.read().decode(errors="replace")[-800:]
@@ -242,7 +247,7 @@ def _serve() -> None:
     server.shutdown()
 
 
-def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+def _read_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
     import selectors
 
     assert proc.stdout is not None
@@ -250,7 +255,7 @@ def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
     sel.register(proc.stdout, selectors.EVENT_READ)
     ready = sel.select(timeout_s)
     sel.close()
-    return proc.stdout.readline().strip() if ready else ""
+    return proc.stdout.readline().strip() if ready else None  # None: nothing within timeout_s
 
 
 def clear_fsspec_cache() -> None:
