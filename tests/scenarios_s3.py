@@ -66,10 +66,14 @@ def phase_restore(rank, world, url, base, wipe_local, cfg_kw):
             "persistent_bytes": res.persistent_bytes_read}
 
 
-def phase_denied(rank, world, url, base, bucket, endpoint):
-    """Step 1 saves; then a bucket policy denies PutObject: step 2's persistent save fails
+def phase_write_refused(rank, world, url, base, bucket, endpoint, fault):
+    """Step 1 saves; then the bucket refuses writes: ``fault="deny"``, a bucket policy denies
+    ``PutObject``; ``fault="full"``, the bucket takes only half of step 1's bytes more (a full
+    drive, tests/s3_server.py), so step 2's save fails part-way. Step 2's persistent save fails
     (the local tier still commits it), the next persistent save raises TierFailedError naming
-    the URL; once the policy is gone the job goes on and commits step 3."""
+    the URL; once writes are allowed again the job goes on and commits step 3. Returns each
+    save's records, the error raised, the committed steps, and (rank 0) step 1's objects'
+    ETags before the fault and at the end."""
     from tests.s3_server import S3Server
     from tierckpt.errors import TierFailedError
 
@@ -82,7 +86,11 @@ def phase_denied(rank, world, url, base, bucket, endpoint):
     out["s1"] = {t: r.ok for t, r in eng.save(1, app_state(model, opt)).wait(timeout=120).items()}
     dist.barrier()
     if rank == 0:
-        server.deny(bucket, ["s3:PutObject"])
+        out["etags_before"] = server.keys(bucket, "run/step-1/", field="ETag")
+        if fault == "deny":
+            server.deny(bucket, ["s3:PutObject"])
+        else:
+            server.budget(bucket, sum(server.keys(bucket, "run/step-1/").values()) // 2)
     dist.barrier()
     train_step(model, opt, 2, rank)
     recs = eng.save(2, app_state(model, opt)).wait(timeout=120)
@@ -95,16 +103,24 @@ def phase_denied(rank, world, url, base, bucket, endpoint):
         out["raised"] = (e.tier, e.step, str(e))
     dist.barrier()
     if rank == 0:
-        server.allow_all(bucket)
+        if fault == "deny":
+            server.allow_all(bucket)
+        else:
+            server.budget(bucket, None)
     dist.barrier()
     out["s3"] = {t: r.ok for t, r in eng.save(3, app_state(model, opt)).wait(timeout=120).items()}
     eng.close()
     out["committed"] = eng.persistent.committed_steps()
+    if rank == 0:
+        out["etags_after"] = server.keys(bucket, "run/step-1/", field="ETag")
+    os.makedirs(os.path.join(base, "ref"), exist_ok=True)
+    torch.save(snapshot(model, opt), os.path.join(base, "ref", f"rank{rank}.pt"))
     return out
 
 
-def phase_missing_bucket(rank, world, url, base):
-    """The engine's start on a bucket that does not exist: the ConfigError's option and text."""
+def phase_start(rank, world, url, base):
+    """The engine's start on ``url`` (persistent tier only): the ConfigError's option and text,
+    or None when it started."""
     from tierckpt.errors import ConfigError
 
     try:

@@ -16,10 +16,11 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
-from tests.harness import ROOT, run_world, titan_train_cmd
+from tests.harness import ROOT, TITAN_TEST_ARGS, TITAN_TOML, free_port, run_world
 from tierckpt.config import TierConfig
 from tierckpt.errors import ConfigError
 from tierckpt.io import layout
@@ -122,54 +123,160 @@ def test_corrupt_object_falls_back_to_the_older_step(saved, s3_server, capsys):
         client.put_object(Bucket=bucket, Key=data_key, Body=original)
 
 
-def test_denied_writes_fail_with_a_clear_error_and_the_job_goes_on(s3_server, tmp_path):
+@pytest.mark.parametrize("fault, words", [("deny", "access denied"), ("full", "out of space or over its quota")])
+def test_refused_writes_fail_with_a_clear_error_and_the_job_goes_on(s3_server, tmp_path, capsys, fault, words):
+    """A bucket policy denying PutObject, and a bucket that runs out of space part-way through
+    a save (HTTP 507 XMinioStorageFull): the failed step's TierFailedError names the URL and
+    the cause, training goes on on the local tier, no committed step is lost or changed, and
+    the job commits to the bucket again once it takes writes."""
+    from tierckpt.cli import main
+
     bucket = s3_server.new_bucket()
-    url = f"s3://{bucket}/run"
-    res = run_world(_scn().phase_denied, 2, url, str(tmp_path), bucket, s3_server.endpoint, env=s3_server.env())
+    url, base = f"s3://{bucket}/run", str(tmp_path)
+    res = run_world(_scn().phase_write_refused, 2, url, base, bucket, s3_server.endpoint, fault, env=s3_server.env())
     for r in res:
         out = r.value
         assert out["s1"] == {"local": True, "persistent": True}
         assert out["s2"]["local"][0] is True  # the local tier does not depend on the bucket
         ok, error = out["s2"]["persistent"]
-        assert ok is False and "access denied" in error and url in error, error
+        assert ok is False and words in error and url in error, error
         tier, step, msg = out["raised"]
-        assert (tier, step) == ("persistent", 2) and url in msg, msg
+        assert (tier, step) == ("persistent", 2) and url in msg and words in msg, msg
         assert out["s3"] == {"local": True, "persistent": True}
         assert out["committed"] == [1, 3]
+    if fault == "full":
+        assert "XMinioStorageFull" in res[0].value["s2"]["persistent"][1]
+    # step 1's objects untouched, step 2 never committed, every committed step verifies
+    assert res[0].value["etags_after"] == res[0].value["etags_before"] != {}
+    assert f"run/step-2/{layout.MARKER}" not in s3_server.keys(bucket, "run/")
+    assert main(["verify", url, "--storage-options", json.dumps(s3_server.options())]) == 0
+    capsys.readouterr()
+    if fault == "full":  # and the newest one restores from the bucket alone, bit for bit
+        rest = run_world(_scn().phase_restore, 2, url, base, True, {}, env=s3_server.env())
+        for r in rest:
+            assert (r.value["step"], r.value["kinds"], r.value["equal"]) == (3, ["persistent"], True), r.value
 
 
 def test_missing_bucket_is_a_config_error_naming_the_url(s3_server, tmp_path):
     url = "s3://tck-no-such-bucket/run"
-    res = run_world(_scn().phase_missing_bucket, 1, url, str(tmp_path), env=s3_server.env())
+    res = run_world(_scn().phase_start, 1, url, str(tmp_path), env=s3_server.env())
     option, msg = res[0].value
     assert option == "persistent_root" and url in msg and "does not exist" in msg and "never creates" in msg
     names = [b["Name"] for b in s3_server.client().list_buckets()["Buckets"]]
     assert "tck-no-such-bucket" not in names  # not created by the start
 
 
-def test_ledger_append_costs_one_object_of_the_record(s3_server):
+def test_access_denied_at_start_is_a_config_error_naming_the_url(tmp_path):
+    """Credentials the server does not accept (moto with IAM authentication on refuses even
+    HeadBucket, as AWS refuses wrong or expired keys): the start stops with a ConfigError
+    naming persistent_root, the URL and what to check."""
+    from tests.s3_server import S3Server, ServerUnavailable
+
+    server = S3Server(auth=True)
+    try:
+        server.start()
+    except ServerUnavailable as e:
+        pytest.skip(f"no S3-API server with authentication: {e}")
+    try:
+        bucket = server.new_bucket()  # the one request before authentication is on
+        url = f"s3://{bucket}/run"
+        res = run_world(_scn().phase_start, 1, url, str(tmp_path), env=server.env())
+        option, msg = res[0].value
+        assert option == "persistent_root" and url in msg and "denied" in msg and "credentials" in msg, msg
+        assert server.stats(bucket)["requests"].get("HEAD bucket", 0) >= 1  # refused at the bucket check
+    finally:
+        server.stop()
+
+
+def test_ledger_append_costs_one_object_of_the_record(s3_server, caplog):
+    """What each of 60 appends sends the server (counted by the server, tests/s3_server.py
+    Meter): one PUT of the record's bytes, no read, the 60th as small as the 1st (a ledger
+    rewritten whole would send 60 times the bytes, a read-modify-write a GET); then the tolerant
+    reader on the bucket: append order across two writers, a torn and a garbage object skipped."""
     from tierckpt.history.ledger import Ledger
     from tierckpt.records import RunStartRecord
 
     bucket = s3_server.new_bucket()
     store = Store(f"s3://{bucket}/run", **s3_server.options())
-    written: list[int] = []
-    reads: list[str] = []
-    put, get = store.write_atomic, store.read_bytes
-    store.write_atomic = lambda rel, data: (written.append(len(data)), put(rel, data))[1]  # type: ignore
-    store.read_bytes = lambda rel: (reads.append(rel), get(rel))[1]  # type: ignore
     led = Ledger(store, enabled=True, run_id="r1", job="j")
+    sent: list[tuple[int, dict]] = []  # per append: bytes PUT, {request kind: count}
     for i in range(60):
+        before = s3_server.stats(bucket)
         led.append(RunStartRecord(restart_count=i % 10))
-    assert reads == []  # an append reads nothing back
-    assert len(written) == 60 and max(written[-10:]) <= max(written[:10]), written  # the 60th costs the 1st's bytes
+        after = s3_server.stats(bucket)
+        kinds = {k: n - before["requests"].get(k, 0) for k, n in after["requests"].items()}
+        sent.append((after["put_bytes"] - before["put_bytes"], {k: n for k, n in kinds.items() if n}))
+    # the first append lists the ledger's prefix (for the next sequence number); none reads an object
+    assert set(sent[0][1]) == {"GET bucket", "PUT object"} and sent[0][1]["PUT object"] == 1, sent[0]
+    assert all(k == {"PUT object": 1} for _, k in sent[1:]), sent
+    nbytes = [b for b, _ in sent]
+    assert 0 < max(nbytes) < 400 and max(nbytes[-10:]) <= max(nbytes[:10]), nbytes
     keys = s3_server.keys(bucket, f"run/{layout.LEDGER_DIR}/")
-    assert len(keys) == 60 and max(keys.values()) < 400 and not s3_server.keys(bucket, f"run/{layout.LEDGER}")
-    # a second writer (the next run) continues the sequence; the reader returns append order
+    assert len(keys) == 60 and sum(keys.values()) == sum(nbytes) and not s3_server.keys(bucket, f"run/{layout.LEDGER}")
+    # a torn record in the middle of the sequence, garbage at its end, a stray name: all skipped
+    client, d = s3_server.client(), f"run/{layout.LEDGER_DIR}"
+    client.put_object(Bucket=bucket, Key=f"{d}/000000000030-x-torn.json", Body=b'{"kind": "run_start", "ti')
+    client.put_object(Bucket=bucket, Key=f"{d}/000000000060-x-junk.json", Body=bytes(range(256)))
+    client.put_object(Bucket=bucket, Key=f"{d}/notes.txt", Body=b'{"kind": "not a record"}')
+    # a second writer (the next run) continues the sequence after the highest it finds
     Ledger(store, enabled=True, run_id="r2", job="j").append(RunStartRecord(restart_count=99))
-    recs = Ledger.read(store)
+    assert f"{d}/000000000061-" in " ".join(s3_server.keys(bucket, d))
+    with caplog.at_level("WARNING", logger="tierckpt.history.ledger"):
+        recs = Ledger.read(store)
     assert [r["restart_count"] for r in recs] == [i % 10 for i in range(60)] + [99]
     assert [r["run_id"] for r in recs[-2:]] == ["r1", "r2"]
+    assert sum("unparseable record object" in m for m in caplog.messages) == 2, caplog.messages
+
+
+def test_explain_names_the_url_and_the_cause_of_a_refused_write():
+    """objstore.explain on a remote root: access denied before out of space; out of space from
+    an errno, a botocore-like response (code or HTTP 507), or only the text s3fs leaves after
+    the error crossed ranks pickled; otherwise just the URL; nothing on a local path."""
+    import errno
+    import pickle
+
+    from tierckpt.io import objstore
+
+    store = Store("memory://tck-explain/run")
+
+    class Answer(Exception):  # what botocore's ClientError carries
+        def __init__(self, code, status):
+            super().__init__(f"An error occurred ({code}) when calling the PutObject operation: no")
+            self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+    def wrapped(cause):  # s3fs's OSError with the ClientError as its cause
+        e = OSError(errno.EIO, str(cause))
+        e.__cause__ = cause
+        return e
+
+    class DCP(Exception):  # DCP's CheckpointException: {rank: (exception, frames)}
+        def __init__(self, failures):
+            super().__init__("ckpt")
+            self.failures = failures
+
+    full = " [memory://tck-explain/run: the object store is out of space or over its quota ({}): "
+    for e, code in ((OSError(errno.ENOSPC, "No space left on device"), "ENOSPC"),
+                    (wrapped(Answer("QuotaExceeded", 403)), "QuotaExceeded"),
+                    (wrapped(Answer("SomethingNew", 507)), "SomethingNew"),
+                    (DCP({1: (pickle.loads(pickle.dumps(wrapped(Answer("XMinioStorageFull", 507)))), [])}),
+                     "XMinioStorageFull")):
+        assert objstore.explain(e, store).startswith(full.format(code)), (e, objstore.explain(e, store))
+    denied = DCP({0: (wrapped(Answer("XMinioStorageFull", 507)), []), 1: (PermissionError("Forbidden"), [])})
+    assert objstore.explain(denied, store).startswith(" [memory://tck-explain/run: access denied: check the")
+    assert objstore.explain(wrapped(Answer("InternalError", 500)), store) == " [memory://tck-explain/run]"
+    assert objstore.explain(OSError(errno.ENOSPC, "full"), Store("/tmp")) == ""
+
+
+def test_a_server_that_cannot_start_is_reported_with_its_stderr(monkeypatch):
+    """The reason the fixture's skip gives: the child's exit code and the end of its stderr."""
+    from tests import s3_server as mod
+
+    pytest.importorskip("moto.server", reason="moto[server] not installed (requirements-dev.txt)")
+    pytest.importorskip("s3fs", reason="s3fs not installed (requirements-dev.txt)")
+    monkeypatch.setattr(mod, "__file__", os.path.join(ROOT, "tests", "no-such-server.py"))
+    with pytest.raises(mod.ServerUnavailable) as e:
+        mod.S3Server(start_timeout_s=30).start()
+    assert "exited with code 2" in str(e.value) and "no-such-server.py" in str(e.value), e.value
 
 
 def test_storage_options_config_flags_and_toml():
@@ -190,8 +297,20 @@ def test_storage_options_config_flags_and_toml():
     p = add_plugin_args(argparse.ArgumentParser())
     assert p.parse_args(["--ckpt-plugin-storage-options", '{"endpoint_url": "http://x"}']).ckpt_plugin_storage_options \
         == {"endpoint_url": "http://x"}
-    with pytest.raises(SystemExit):
-        p.parse_args(["--ckpt-plugin-storage-options", "not json"])
+    for text in ("not json", "[1]"):  # not JSON, not an object: usage errors
+        with pytest.raises(SystemExit):
+            p.parse_args(["--ckpt-plugin-storage-options", text])
+    # set without the parser (Megatron's args_defaults, a script): the flag is named
+    from mcore_plugin.args import tier_config_from_args, validate_plugin_args
+    from tests.mcore.test_args import GOOD, parse
+
+    args = parse([*GOOD, "--ckpt-plugin-storage-options", '{"s3://b/": {"endpoint_url": "http://x"}}'])
+    validate_plugin_args(args)
+    assert tier_config_from_args(args).options_for("s3://b/run") == {"endpoint_url": "http://x"}
+    args.ckpt_plugin_storage_options = "nope"
+    with pytest.raises(ConfigError) as e:
+        validate_plugin_args(args)
+    assert e.value.option == "--ckpt-plugin-storage-options", e.value
     # torchtitan's [checkpoint.storage_options] table, and a key added on the command line
     from titan_plugin.manager import TieredCheckpointManager
     from titan_plugin.toml import apply_table
@@ -206,15 +325,23 @@ def test_storage_options_config_flags_and_toml():
 
 
 def test_titan_front_end_with_an_s3_persistent_folder(s3_server, tmp_path):
+    """torchtitan's trainer with ``persistent_folder = "s3://..."``: a run saves to the bucket
+    (endpoint from the environment), a second run on fresh nodes resumes from the bucket alone
+    (endpoint from ``[checkpoint.storage_options]``). One process, started as torchrun's worker
+    would be (its environment) without torchrun: the launcher costs seconds and is not what is
+    tested here (tests/test_titan_*.py run torchrun)."""
     bucket = s3_server.new_bucket()
     url, tmp = f"s3://{bucket}/run", str(tmp_path)
 
     def train(steps, *extra, env_endpoint=True):
-        cmd = [*titan_train_cmd(2), "--dump_folder", os.path.join(tmp, "run"),
+        cmd = [sys.executable, "-m", "titan_plugin.train", "--toml", TITAN_TOML, *TITAN_TEST_ARGS,
+               "--dump_folder", os.path.join(tmp, "run"),
                "--checkpoint.local_root", os.path.join(tmp, "nvme", "node-{node}"), "--training.steps", str(steps),
                "--checkpoint.busy_tier_policy", "wait", "--checkpoint.local_interval", "2",
-               "--checkpoint.interval", "2", "--checkpoint.persistent_folder", url, *extra]
-        env = dict(os.environ, OMP_NUM_THREADS="1", **s3_server.env())
+               "--checkpoint.interval", "2", "--checkpoint.replication_factor", "1",
+               "--checkpoint.persistent_folder", url, *extra]
+        env = dict(os.environ, OMP_NUM_THREADS="1", **s3_server.env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                   LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         if not env_endpoint:
             del env["AWS_ENDPOINT_URL"]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
