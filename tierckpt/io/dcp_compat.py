@@ -119,6 +119,10 @@ NEEDS: tuple[Need, ...] = (
     Need("torch.distributed._shard._utils", "narrow_tensor_by_index", "memory-first reader (tierckpt.io.memory_read)"),
     Need("torch.distributed.tensor", "DTensor._local_tensor", "staging copy plan (tierckpt.staging.copy_plan)"),
     Need("torch.distributed.tensor", "DTensor._spec", "staging copy plan (tierckpt.staging.copy_plan)"),
+    Need(f"{_CP}.utils", "_DistWrapper", "the local tier's plan-caching save (tierckpt.io.plan_cache)",
+         params=("group", "use_dist", "coordinator_rank")),
+    *(Need(f"{_CP}.utils", f"_DistWrapper.{m}", "the local tier's plan-caching save (tierckpt.io.plan_cache)")
+      for m in ("reduce_scatter", "all_reduce")),
     Need("torch", "_foreach_copy_", "staging copy plan and overlapped staging (tierckpt.staging)"),
 )
 
@@ -191,4 +195,5 @@ from torch.distributed.checkpoint._sharded_tensor_utils import (  # noqa: E402
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager as StateDictStager  # noqa: E402
 from torch.distributed.checkpoint.default_planner import _validate_global_plan as _validate_global_plan  # noqa: E402
 from torch.distributed.checkpoint.filesystem import _StorageInfo as _StorageInfo  # noqa: E402
+from torch.distributed.checkpoint.utils import _DistWrapper as _DistWrapper  # noqa: E402
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list as _create_chunk_list  # noqa: E402
