@@ -308,13 +308,7 @@ class TieredCheckpointer:
                 shape), found before any source is read; on every rank.
             ValueError: ``rollback`` without ``step``, or an unknown source kind.
         """
-        if self._local is not None:  # the restored state may be built differently: plan in full
-            self._local.drop_plan_cache()
-        try:
-            return self._resume.restore(state_dict, step, rollback, sources)
-        finally:
-            if self._local is not None:  # a save the restore drained may have promoted its plans
-                self._local.drop_plan_cache()
+        return self._resume.restore(state_dict, step, rollback, sources)
 
     # -- queries for adapters -------------------------------------------------------------------
     @property

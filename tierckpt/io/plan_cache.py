@@ -220,7 +220,7 @@ def _save(state_dict: dict, writer: Any, planner: PerRankSavePlanner, group: dis
             if isinstance(s, _Brief):
                 if prev is None or s.token != held or len(prev.local_plans) != len(sent):
                     raise PlanCacheMismatch(f"group rank {i} refers to a cached plan the coordinator does not hold")
-                plans.append(dataclasses.replace(prev.local_plans[i], digests=s.digests))
+                plans.append(dataclasses.replace(prev.local_plans[i], digests=s.digests))  # type: ignore[call-arg]
             else:
                 plans.append(s.plan)
         differing = frozenset(per_rank.differing(plans))
