@@ -144,3 +144,47 @@ def test_reused_save_writes_the_full_plans_metadata(outcome):
 
 def test_failed_save_drops_the_cache(outcome):
     assert all(o["failed"] and o["dropped"] for o in outcome), outcome
+
+
+# -- the hashing writer's small-tensor paths (tierckpt.io.dcp_io) ----------------------------------
+def test_tensor_blobs_are_torch_save_bytes():
+    import io
+
+    from tierckpt.io.dcp_io import TensorBlobs, crc32_off
+
+    blobs = TensorBlobs()
+    plain = [torch.randn(8, 8), torch.tensor(2.5), torch.randn(1, 4), torch.empty_strided((1, 4), (1, 1)).normal_(),
+             torch.randn(2, 3).to(torch.bfloat16), torch.arange(6), torch.rand(5) > 0.5,
+             torch.randn(2, 2, dtype=torch.complex64)]
+    other = [torch.randn(4, 4)[1:], torch.randn(3, 4).t(), torch.zeros(0), torch.randn(3, requires_grad=True)]
+    with crc32_off():
+        for t in plain + plain:  # the second round reuses the templates
+            parts = blobs.parts(t)
+            assert parts is not None, (t.shape, t.dtype)
+            ref = io.BytesIO()
+            torch.save(t, ref)
+            assert b"".join(bytes(p) for p in parts) == ref.getvalue(), (t.shape, t.dtype, t.stride())
+        assert all(blobs.parts(t) is None for t in other)
+    assert blobs.parts(torch.randn(8)) is None  # the CRC32 on: torch.save's bytes differ
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (512, 512)], ids=["small-reread", "large-in-stream"])
+def test_hashing_writer_digests_match_the_files(tmp_path, shape):
+    import torch.distributed.checkpoint as dcp
+    import xxhash
+
+    from tierckpt.io.dcp_io import crc32_off, digests_under, hashing_writer
+
+    sd = {f"t{i}": torch.randn(*shape) for i in range(4)} | {"obj": {"a": 1}, "view": torch.randn(9, 9)[2:]}
+    path = str(tmp_path / "ckpt")
+    w = hashing_writer(path)
+    with crc32_off():
+        dcp.save(sd, storage_writer=w, no_dist=True)
+    got = digests_under(w, path)
+    assert set(got) == {n for n in os.listdir(path)}
+    for name, (size, digest) in got.items():
+        data = open(os.path.join(path, name), "rb").read()
+        assert (size, digest) == (len(data), xxhash.xxh3_64_hexdigest(data)), name
+    back = _zeros_like(sd)
+    dcp.load(back, checkpoint_id=path, no_dist=True)
+    assert_bitwise(sd, back)
