@@ -177,6 +177,11 @@ def _mean_item_bytes(plan: SavePlan) -> float:
     return total / max(1, len(plan.items))
 
 
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over all of ``t``'s storage (what ``torch.save`` writes as its data)."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
 TEMPLATE_MAX_BYTES = 1 << 20
 """Largest tensor written from a template: above it ``torch.save``'s fixed ~100 µs is under
 0.1 µs per KiB, and a template costs two tensors of the size."""
@@ -213,8 +218,7 @@ class TensorBlobs:
             tpl = self._templates[key]
         if tpl is None:
             return None
-        data = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())  # the storage's bytes
-        return tpl[0], memoryview(data.numpy()), tpl[1]
+        return tpl[0], memoryview(_storage_bytes(t).numpy()), tpl[1]  # type: ignore[arg-type]
 
     @staticmethod
     def _template(t: torch.Tensor) -> tuple[bytes, bytes] | None:
@@ -224,8 +228,8 @@ class TensorBlobs:
         nb = t.nbytes
         lo = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
         hi = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-        lo.untyped_storage().fill_(0)
-        hi.untyped_storage().fill_(0xFF)
+        _storage_bytes(lo).fill_(0)
+        _storage_bytes(hi).fill_(0xFF)
         a, b = io.BytesIO(), io.BytesIO()
         torch.save(lo, a)
         torch.save(hi, b)
