@@ -196,7 +196,6 @@ def _save(state_dict: dict, writer: Any, planner: PerRankSavePlanner, group: dis
     """One attempt of :func:`save` (DCP's phases ``plan`` and ``write``)."""
     distW = _DistWrapper(group, True, 0)
     committed = cache.committed if cache is not None else None
-    held = committed.token if committed is not None else None
     if cache is not None:
         cache.pending = None
     token = uuid.uuid4().hex
@@ -211,35 +210,12 @@ def _save(state_dict: dict, writer: Any, planner: PerRankSavePlanner, group: dis
         local_box.append(plan)
         if committed is not None and _structure(plan) == committed.local_plan:
             return _Brief(committed.token, getattr(plan, "digests", {}))
-        return _Full(plan, held)
+        return _Full(plan, committed.token if committed is not None else None)
 
     def global_step(sent: list) -> list[_Central]:
-        prev = committed.coordinated if committed is not None else None
-        plans: list[SavePlan] = []
-        for i, s in enumerate(sent):
-            if isinstance(s, _Brief):
-                if prev is None or s.token != held or len(prev.local_plans) != len(sent):
-                    raise PlanCacheMismatch(f"group rank {i} refers to a cached plan the coordinator does not hold")
-                plans.append(dataclasses.replace(prev.local_plans[i], digests=s.digests))  # type: ignore[call-arg]
-            else:
-                plans.append(s.plan)
-        differing = frozenset(per_rank.differing(plans))
-        reuse = prev is not None and differing == prev.differing and all(isinstance(s, _Brief) for s in sent)
-        if reuse:
-            assert prev is not None
-            deduped, central, base_md = prev.deduped, prev.central, prev.metadata
-        else:
-            global_plan, base_md, deduped = planner.structure_plan(plans)
-            central = writer.prepare_global_plan(global_plan)
-        coord_box.append((_Coordinated(plans, differing, deduped, central, base_md),
-                          planner.with_record(base_md, plans, deduped)))
-        out = []
-        for i, c in enumerate(central):
-            # the rank holds the committed save's final plan when it holds its token
-            holds = prev is not None and _token_of(sent[i]) == held and len(prev.central) == len(central)
-            same = holds and (reuse or c == prev.central[i])  # type: ignore[union-attr]
-            out.append(_Central(token, None if same else c, held, reuse))
-        return out
+        replies, coordinated, metadata = _global_plans(sent, committed, planner, writer, token)
+        coord_box.append((coordinated, metadata))
+        return replies
 
     reply: _Central = distW.reduce_scatter("plan", local_step, global_step)
     mine: list[list[WriteResult]] = []
@@ -264,18 +240,8 @@ def _save(state_dict: dict, writer: Any, planner: PerRankSavePlanner, group: dis
         return results
 
     def finish(all_results: list) -> None:
-        assert coord_box
         coordinated, metadata = coord_box[0]
-        prev = committed.coordinated if committed is not None else None
-        full: list[list[WriteResult]] = []
-        for i, r in enumerate(all_results):
-            if isinstance(r, _SameResults):
-                if prev is None or prev.results is None or r.token != held:
-                    raise PlanCacheMismatch(f"group rank {i} refers to cached write results the coordinator "
-                                            "does not hold")
-                full.append(prev.results[i])
-            else:
-                full.append(r)
+        full = _full_results(all_results, committed)
         # a fresh Metadata: the writer sets its storage data and version in place
         writer.finish(metadata=dataclasses.replace(metadata), results=full)
         coordinated.results = full
@@ -285,6 +251,52 @@ def _save(state_dict: dict, writer: Any, planner: PerRankSavePlanner, group: dis
         cache.pending.results = mine[0]
         cache.pending.coordinated = coord_box[0][0] if coord_box else None
         cache.hits += int(reply.reused)
+
+
+def _global_plans(sent: list, committed: _Entry | None, planner: PerRankSavePlanner, writer: Any,
+                  token: str) -> tuple[list[_Central], _Coordinated, Metadata]:
+    """The coordinator's plan phase: the gathered plans rebuilt from the cache, the global plans
+    reused or planned in full, one reply per rank, and this save's metadata (no storage data)."""
+    prev = committed.coordinated if committed is not None else None
+    held = committed.token if committed is not None else None
+    plans: list[SavePlan] = []
+    for i, s in enumerate(sent):
+        if isinstance(s, _Brief):
+            if prev is None or s.token != held or len(prev.local_plans) != len(sent):
+                raise PlanCacheMismatch(f"group rank {i} refers to a cached plan the coordinator does not hold")
+            plans.append(dataclasses.replace(prev.local_plans[i], digests=s.digests))  # type: ignore[call-arg]
+        else:
+            plans.append(s.plan)
+    differing = frozenset(per_rank.differing(plans))
+    reuse = prev is not None and differing == prev.differing and all(isinstance(s, _Brief) for s in sent)
+    if reuse:
+        assert prev is not None
+        deduped, central, base_md = prev.deduped, prev.central, prev.metadata
+    else:
+        global_plan, base_md, deduped = planner.structure_plan(plans)
+        central = writer.prepare_global_plan(global_plan)
+    out = []
+    for i, c in enumerate(central):
+        # the rank holds the committed save's final plan when it holds its token
+        holds = prev is not None and _token_of(sent[i]) == held and len(prev.central) == len(central)
+        same = holds and (reuse or c == prev.central[i])  # type: ignore[union-attr]
+        out.append(_Central(token, None if same else c, held, reuse))
+    return (out, _Coordinated(plans, differing, deduped, central, base_md),
+            planner.with_record(base_md, plans, deduped))
+
+
+def _full_results(all_results: list, committed: _Entry | None) -> list[list[WriteResult]]:
+    """Every rank's write results, the cached ones in place of :class:`_SameResults`."""
+    prev = committed.coordinated if committed is not None else None
+    full: list[list[WriteResult]] = []
+    for i, r in enumerate(all_results):
+        if isinstance(r, _SameResults):
+            if prev is None or prev.results is None or committed is None or r.token != committed.token:
+                raise PlanCacheMismatch(f"group rank {i} refers to cached write results the coordinator does not hold")
+            full.append(prev.results[i])
+        else:
+            full.append(r)
+    return full
 
 
 def _token_of(sent: _Brief | _Full) -> str | None:
