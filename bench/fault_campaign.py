@@ -633,13 +633,13 @@ class Injector:
         orig_atomic, orig_open = Store.write_atomic, Store.open
         orig_makedirs, orig_remove, orig_rmtree, orig_rename = Store.makedirs, Store.remove, Store.rmtree, Store.rename
 
-        def write_atomic(store, rel, data):
+        def write_atomic(store, rel, data, **kw):
             p = store.path(rel)
             inj.arm_commit_fallback(p)
             err = inj.storage_error(p)
             if err is not None:
                 raise err
-            return orig_atomic(store, rel, data)
+            return orig_atomic(store, rel, data, **kw)
 
         def open_(store, rel, mode="rb"):
             if any(c in mode for c in "wa"):

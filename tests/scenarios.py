@@ -173,7 +173,7 @@ def phase_killed_mid_write(rank, world, base, victim_rank):
     SIGKILLs itself with a data file half written."""
     import signal
 
-    from torch.distributed.checkpoint import FileSystemWriter
+    from tierckpt.io.dcp_io import HashingFileSystemWriter as FileSystemWriter  # the tiers' writer
 
     eng = TieredCheckpointer(make_config(base), node_id=rank)
     model, opt = build(seed=0)
@@ -340,7 +340,7 @@ def phase_retention_and_staging(rank, world, base):
     """keep_latest_k per tier, torn-dir cleanup, and staging isolation under a slow writer."""
     import time as _time
 
-    from torch.distributed.checkpoint import FileSystemWriter
+    from tierckpt.io.dcp_io import HashingFileSystemWriter as FileSystemWriter  # the tiers' writer
 
     eng = TieredCheckpointer(make_config(base, keep_latest_k={"local": 2, "persistent": 3}), node_id=rank)
     model, opt = build(seed=0)

@@ -85,7 +85,12 @@ NEEDS: tuple[Need, ...] = (
          members=("fs", "path", "storage_data"), build=(_PATH,)),
     Need(f"{_CP}.filesystem", "FileSystemReader.read_data", "readers (bytes-read counts, memory-first reads)"),
     Need(f"{_CP}.filesystem", "FileSystemWriter", "hashing writer of the local tier (tierckpt.io.dcp_io)",
-         members=("fs",), build=(_PATH,)),
+         members=("fs", "path", "single_file_per_rank", "thread_count", "sync_files", "transforms",
+                  "serialization_format"), build=(_PATH,)),
+    Need(f"{_CP}.filesystem", "_StorageWriterTransforms.transform_save_stream", "hashing writer (tierckpt.io.dcp_io)"),
+    Need(f"{_CP}.filesystem", "SerializationFormat", "hashing writer (tierckpt.io.dcp_io)", fields=("TORCH_SAVE",)),
+    Need(f"{_CP}.filesystem", "DEFAULT_SUFFIX", "hashing writer (tierckpt.io.dcp_io)"),
+    Need("torch.serialization", "_get_storage_alignment", "hashing writer's tensor templates (tierckpt.io.dcp_io)"),
     Need(_FSSPEC, "FsspecWriter", "persistent tier on fsspec URLs", params=("sync_files",)),
     Need(_FSSPEC, "FsspecReader", "persistent tier's reads of fsspec URLs"),
     Need(f"{_CP}.default_planner", "_validate_global_plan", _PLANNER),
@@ -119,6 +124,10 @@ NEEDS: tuple[Need, ...] = (
     Need("torch.distributed._shard._utils", "narrow_tensor_by_index", "memory-first reader (tierckpt.io.memory_read)"),
     Need("torch.distributed.tensor", "DTensor._local_tensor", "staging copy plan (tierckpt.staging.copy_plan)"),
     Need("torch.distributed.tensor", "DTensor._spec", "staging copy plan (tierckpt.staging.copy_plan)"),
+    Need(f"{_CP}.utils", "_DistWrapper", "the local tier's plan-caching save (tierckpt.io.plan_cache)",
+         params=("group", "use_dist", "coordinator_rank")),
+    *(Need(f"{_CP}.utils", f"_DistWrapper.{m}", "the local tier's plan-caching save (tierckpt.io.plan_cache)")
+      for m in ("reduce_scatter", "all_reduce")),
     Need("torch", "_foreach_copy_", "staging copy plan and overlapped staging (tierckpt.staging)"),
 )
 
@@ -191,4 +200,5 @@ from torch.distributed.checkpoint._sharded_tensor_utils import (  # noqa: E402
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager as StateDictStager  # noqa: E402
 from torch.distributed.checkpoint.default_planner import _validate_global_plan as _validate_global_plan  # noqa: E402
 from torch.distributed.checkpoint.filesystem import _StorageInfo as _StorageInfo  # noqa: E402
+from torch.distributed.checkpoint.utils import _DistWrapper as _DistWrapper  # noqa: E402
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list as _create_chunk_list  # noqa: E402

@@ -126,7 +126,9 @@ def commit_bytes(store: Store, step_rel: str, mbytes: bytes) -> None:
     """Commit ``step_rel`` with an existing manifest's exact bytes (replicas and pulled copies
     keep the source's manifest, so one marker check covers every copy)."""
     meta = json.loads(mbytes)
-    store.write_atomic(f"{step_rel}/{MANIFEST}", mbytes)
+    # the marker's directory fsync below makes this rename durable too; a power loss that
+    # keeps the marker and loses the manifest reads as uncommitted (read_committed)
+    store.write_atomic(f"{step_rel}/{MANIFEST}", mbytes, sync_dir=False)
     marker = {
         "format": "tierckpt-marker",
         "version": VERSION,

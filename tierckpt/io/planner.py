@@ -74,19 +74,36 @@ class PerRankSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        global_plan, metadata, deduped = self.structure_plan(all_plans)
+        return global_plan, self.with_record(metadata, all_plans, deduped)
+
+    def structure_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata, list[SavePlan]]:
+        """The validated global plans and metadata of the gathered ``all_plans``, without the
+        per-save record (:meth:`with_record`): what depends only on the plans' structure and
+        on which keys' values differ per rank (:mod:`tierckpt.io.plan_cache` reuses it).
+
+        Returns:
+            ``(global plans, metadata, deduplicated plans)``.
+        Raises:
+            ValueError: the plans fail DCP's (or the subclass's) validation.
+        """
         keys = per_rank.differing(all_plans)
         deduped = self._dedup_save_plans(per_rank.qualify(all_plans, keys))
         global_plan, metadata = create_default_global_save_plan(deduped)
         if self.flatten_state_dict:
             merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
             metadata = dataclasses.replace(metadata, planner_data=merged)
-        qualified = [k for k in metadata.state_dict_metadata if k.startswith(per_rank.PREFIX)]
-        metadata = per_rank.with_record(metadata, per_rank.build_record(all_plans, deduped), qualified)
         errors = self._validation_errors(all_plans, global_plan, metadata)
         if errors:
             summary = "; ".join(errors)
             raise ValueError(f"Failed to validate global plan: {summary[:500]}")
-        return global_plan, metadata
+        return global_plan, metadata, deduped
+
+    def with_record(self, metadata: Metadata, all_plans: list[SavePlan], deduped: list[SavePlan]) -> Metadata:
+        """``metadata`` (of :meth:`structure_plan`) with this save's per-rank record
+        (:func:`tierckpt.io.per_rank.build_record`) from the digests of ``all_plans``."""
+        qualified = [k for k in metadata.state_dict_metadata if k.startswith(per_rank.PREFIX)]
+        return per_rank.with_record(metadata, per_rank.build_record(all_plans, deduped), qualified)
 
     def _validation_errors(self, all_plans: list[SavePlan], global_plan: list[SavePlan], metadata: Metadata) -> list[str]:
         """DCP's bounds, overlap and fill checks (subclasses adapt them)."""

@@ -211,13 +211,18 @@ class Store:
         else:
             self.fs.makedirs(self.path(rel), exist_ok=True)
 
-    def write_atomic(self, rel: str, data: bytes) -> None:
+    def write_atomic(self, rel: str, data: bytes, *, sync: bool = True, sync_dir: bool = True) -> None:
         """Write ``data`` so readers see either nothing or all of it.
 
         Local: write ``rel.tmp`` → fsync → rename → fsync the directory (POSIX rename is
         atomic); the file gets the Store's modes, or without modes is no wider than the file
         it replaces (a user who narrowed it keeps it narrow). Remote: a single put, which
         object stores make visible only when complete.
+
+        ``sync=False``: neither fsync (atomic for readers, not durable across a power loss:
+        for records nothing depends on); ``sync_dir=False``: the file is fsynced, its rename
+        becomes durable with the next fsync of its directory (a caller that writes another
+        file there next and fsyncs the directory then).
         """
         if self.local:
             p = self.path(rel)
@@ -226,10 +231,12 @@ class Store:
                 if self.modes is None:
                     perms.narrow_like(f.fileno(), p)
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                if sync:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, p)
-            fsync_dir(os.path.dirname(p))
+            if sync and sync_dir:
+                fsync_dir(os.path.dirname(p))
         else:
             with self.fs.open(self.path(rel), "wb") as f:
                 f.write(data)

@@ -141,11 +141,14 @@ class TierJobs:
     def drain_for_restore(self) -> list[int]:
         """Wait for the lanes before a restore: the other tiers without limit (the in-cluster
         read uses the persistent tier's group), the local tier at most ``local_wait_timeout_s``
-        (collective vote). Returns the nodes whose local job still runs (the same on every rank)."""
+        (collective vote), and drop the local tier's plan cache. Returns the nodes whose local job
+        still runs (the same on every rank)."""
         self.wait([t for t in self.cfg.tiers if t != "local"], None, bounded=False)
         if "local" not in self.cfg.tiers:
             return []
         stuck = self.vote.stuck_before_restore()
+        if self.local is not None:  # the restored state may be rebuilt differently: plan in full
+            self.local.drop_plan_cache()
         if stuck and self.topo.rank == 0:
             log.warning("tierckpt: restore: a local-tier job is still running on node(s) %s after "
                         "local_wait_timeout_s = %gs; restoring without their local roots", stuck,

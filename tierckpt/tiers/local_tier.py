@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from tierckpt.cluster.topology import Topology
 from tierckpt.history import lineage
 from tierckpt.history.timeline import LEGACY_ORDER, Descent, SaveIdentity, descent_of, of_manifest
-from tierckpt.io import layout, manifest
+from tierckpt.io import layout, manifest, plan_cache
 from tierckpt.io.bounded import Progress, run_bounded
 from tierckpt.io.dcp_io import (
     CountingFileSystemReader,
@@ -29,6 +29,7 @@ from tierckpt.io.dcp_io import (
     hashing_writer,
 )
 from tierckpt.io.memory_read import MemoryReader
+from tierckpt.io.plan_cache import PlanCache
 from tierckpt.io.planner import NodeLocalSavePlanner, VerifyingLoadPlanner
 from tierckpt.io.storage import Store
 from tierckpt.tiers.commit import save_step
@@ -96,6 +97,11 @@ class LocalTier:
         self.group = node_group
         self.lineage = lineage
         self.adopt_unlabelled = False  # steps recording no lineage are this job's (lineage.ensure)
+        self.plan_cache = PlanCache()  # the last committed save's DCP plans (tierckpt.io.plan_cache)
+
+    def drop_plan_cache(self) -> None:
+        """Plan the next save in full (after a restore: the state may be rebuilt differently)."""
+        self.plan_cache.drop()
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, staged: dict, step: int, before_commit: Callable[[], None] | None = None,
@@ -116,14 +122,20 @@ class LocalTier:
         def write() -> dict[str, tuple[int, str]]:
             writer = hashing_writer(self.store.path(rel), self.store.modes, self.store.root)
             with crc32_off():
-                dcp.save(staged, storage_writer=writer, planner=NodeLocalSavePlanner(), process_group=self.group)
+                plan_cache.save(staged, writer, NodeLocalSavePlanner(), self.group, self.plan_cache)
             return digests_under(writer, self.store.path(rel))
 
-        return save_step(self.store, rel, write, self.group, index=topo.local_rank, count=topo.ranks_per_node,
-                         leader=topo.is_node_leader, label=f"local step {step}", tier="local", step=step,
-                         node=topo.node, ranks=topo.local_ranks, world_size=topo.world_size, nodes=topo.nodes,
-                         lineage=self.lineage, before_commit=before_commit,
-                         **(identity.manifest_fields() if identity is not None else {}))
+        try:
+            nbytes = save_step(self.store, rel, write, self.group, index=topo.local_rank, count=topo.ranks_per_node,
+                               leader=topo.is_node_leader, label=f"local step {step}", tier="local", step=step,
+                               node=topo.node, ranks=topo.local_ranks, world_size=topo.world_size, nodes=topo.nodes,
+                               lineage=self.lineage, before_commit=before_commit,
+                               **(identity.manifest_fields() if identity is not None else {}))
+        except BaseException:  # agreed over the group: every rank drops it
+            self.plan_cache.drop()
+            raise
+        self.plan_cache.promote()  # committed on every rank of the node (save_step's agreed commit)
+        return nbytes
 
     # -- inventory -----------------------------------------------------------------------------
     def survey(self) -> tuple[list[Copy], list[tuple[str, str | None]]]:

@@ -226,8 +226,8 @@ def purge_local(store: Store, keep_k: int, in_use: InUse, protect: frozenset | s
     out = {"local": purge("local")}
     for parent in parents[1:]:
         out[parent.split("/", 1)[1]] = purge(parent)
-    if record:
-        write_record(store, decisions, keep.Policy(latest_k=keep_k))
+    if record:  # informational: the local rules pick nothing that must outlive a pass
+        write_record(store, decisions, keep.Policy(latest_k=keep_k), durable=False)
     return out
 
 
@@ -286,18 +286,19 @@ def _step_rel(parent: str, step: int) -> str:
     return f"{parent}/{layout.step_name(step)}" if parent else layout.step_name(step)
 
 
-def write_record(store: Store, decisions: Mapping[str, Kept], policy: keep.Policy) -> None:
+def write_record(store: Store, decisions: Mapping[str, Kept], policy: keep.Policy, durable: bool = True) -> None:
     """Write ``tierckpt-retention.json`` at the root of ``store`` (atomically): ``{"format",
     "version", "updated_s" (UNIX seconds, :func:`tierckpt.clock.now`), "policy"
     (:meth:`tierckpt.tiers.keep.Policy.describe`), "kept": {step directory relative to the root:
     {"step", "save_id", "reasons"}}}`` for ``decisions`` (``{parent directory: decision}``).
-    A failure is a warning: retention goes on (the next pass writes it again)."""
+    A failure is a warning: retention goes on (the next pass writes it again). ``durable=False``:
+    not fsynced (a node root's record, which no later pass depends on)."""
     kept = {_step_rel(parent, s): {"step": s, "save_id": sid, "reasons": list(why)}
             for parent, d in decisions.items() for s, (sid, why) in sorted(d.items())}
     doc = {"format": RECORD_FORMAT, "version": 1, "updated_s": clock.now(), "policy": policy.describe(),
            "kept": kept}
     try:
-        store.write_atomic(layout.RETENTION, json.dumps(doc, indent=1).encode())
+        store.write_atomic(layout.RETENTION, json.dumps(doc, indent=1).encode(), sync=durable)
     except OSError as e:
         log.warning("tierckpt retention: could not record why steps are kept in %s: %s",
                     store.url_of(layout.RETENTION), e)
