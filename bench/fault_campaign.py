@@ -633,13 +633,13 @@ class Injector:
         orig_atomic, orig_open = Store.write_atomic, Store.open
         orig_makedirs, orig_remove, orig_rmtree, orig_rename = Store.makedirs, Store.remove, Store.rmtree, Store.rename
 
-        def write_atomic(store, rel, data, **kw):
+        def write_atomic(store: Store, rel: str, data: bytes, *, sync: bool = True, sync_dir: bool = True) -> None:
             p = store.path(rel)
             inj.arm_commit_fallback(p)
             err = inj.storage_error(p)
             if err is not None:
                 raise err
-            return orig_atomic(store, rel, data, **kw)
+            return orig_atomic(store, rel, data, sync=sync, sync_dir=sync_dir)
 
         def open_(store, rel, mode="rb"):
             if any(c in mode for c in "wa"):
@@ -658,7 +658,8 @@ class Injector:
                 return orig(store, rel, *a)
             return wrapped
 
-        Store.write_atomic, Store.open = write_atomic, open_
+        # an injector in place of the methods (mypy would bind the replacement as a method)
+        Store.write_atomic, Store.open = write_atomic, open_  # type: ignore[assignment]
         Store.makedirs, Store.remove = ro_guard(orig_makedirs), ro_guard(orig_remove)
         Store.rmtree, Store.rename = ro_guard(orig_rmtree), ro_guard(orig_rename)
 
