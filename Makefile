@@ -171,7 +171,7 @@ LATEST_TESTS ?= tests/mcore tests/test_dcp_compat.py tests/test_staging.py tests
   tests/test_overlap_staging.py tests/test_restore_dtypes.py tests/test_restore_memory.py tests/test_plan_units.py \
   tests/test_per_rank_units.py tests/test_per_rank_values.py tests/test_cluster_read_bound.py tests/test_restore_hung_read.py \
   tests/test_engine_reshard.py tests/test_recovery.py tests/test_titan_cpu.py tests/test_titan_resume.py tests/test_titan_contract.py \
-  tests/test_titan_toml.py
+  tests/test_titan_toml.py tests/test_plan_cache.py tests/test_staging_allocate.py
 
 venv-latest: $(STAMPL)
 
