@@ -7,7 +7,8 @@ plus param groups with a tuple and scalars), the shape of a state with many smal
 the same process, interleaved (A B A B …) so load drift on this shared machine does not favour
 one side; each reports the median over ``--reps``:
 
-1. **first / steady staging** (issue 32 §3: target ≤ 2): ``StagingSlot.stage`` of a slot that
+1. **first / steady staging** (issue 32 §3: target ≤ 2): ``StagingSlot.stage`` (with the
+   garbage collector paused, as ``save()`` stages) of a slot that
    never staged this structure (its host copy is allocated, ``tierckpt.staging.copy_plan.
    allocate_like``) against a slot that did (the copy plan refills it). Beside it, DCP's own
    ``DefaultStager.stage`` of the same state (what the first save cost before ``allocate_like``).
@@ -58,6 +59,8 @@ def staging(sd: dict, reps: int) -> dict:
 
     from tierckpt.staging.pool import StagingPool
 
+    from tierckpt.gcpause import collector_paused
+
     fresh = StagingPool(reps)
     warm = StagingPool(1)
     slot = warm.acquire()
@@ -66,12 +69,15 @@ def staging(sd: dict, reps: int) -> dict:
     out: dict[str, list[float]] = {"first": [], "steady": [], "dcp_stager": []}
     for r in range(reps):
         s = fresh._slots[r]
-        t = time.perf_counter()
-        s.stage(sd, users=1)
-        out["first"].append(time.perf_counter() - t)
-        t = time.perf_counter()
-        slot.stage(sd, users=1)
-        out["steady"].append(time.perf_counter() - t)
+        # save() stages with the collector paused (tierckpt/tiers/saving.py): so do these
+        with collector_paused():
+            t = time.perf_counter()
+            s.stage(sd, users=1)
+            out["first"].append(time.perf_counter() - t)
+        with collector_paused():
+            t = time.perf_counter()
+            slot.stage(sd, users=1)
+            out["steady"].append(time.perf_counter() - t)
         if r < 2:  # seconds each at 20,000 tensors: two samples say enough
             t = time.perf_counter()
             dcp_stager.stage(sd)
