@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +80,8 @@ class _Entry:
     """What one save left on a rank for the next one."""
 
     token: str
-    group: Any
+    # weak: the cache must not keep a released group (and its gloo threads) alive after close()
+    group: weakref.ref
     local_plan: SavePlan  # this rank's local plan, digests cleared
     final_plan: SavePlan
     results: list[WriteResult] | None = None
@@ -169,7 +171,7 @@ def save(state_dict: dict, storage_writer: StorageWriter, planner: PerRankSavePl
     Raises:
         CheckpointException: any rank failed (the same on every rank), as ``dcp.save``.
     """
-    if cache is not None and cache.committed is not None and cache.committed.group is not group:
+    if cache is not None and cache.committed is not None and cache.committed.group() is not group:
         cache.drop()
     state_dict = _stateful_to_state_dict(state_dict)
     try:
@@ -233,7 +235,7 @@ def _save(state_dict: dict, writer: Any, planner: PerRankSavePlanner, group: dis
         results = fut.value()
         mine.append(results)
         if cache is not None:
-            cache.pending = _Entry(reply.token, group, _structure(local_box[0]), final)
+            cache.pending = _Entry(reply.token, weakref.ref(group), _structure(local_box[0]), final)
         if (committed is not None and committed.results is not None and reply.base == committed.token
                 and results == committed.results):
             return _SameResults(committed.token)
