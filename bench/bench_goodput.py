@@ -163,12 +163,22 @@ def run_cell(demo, args, mtbf: float, seed: int, k: int, steps: int | None) -> t
     return rows, steps
 
 
-def setup_text(args, steps: dict, t0: float, loads: tuple[float, float]) -> str:
+def load_range(rows: list[dict]) -> str:
+    """The 1-minute load averages the runs of ``rows`` started and ended under, as "a – b" ("" if none)."""
+    loads = [r[k] for r in rows for k in ("load_before", "load_after") if isinstance(r.get(k), (int, float))]
+    return f"{min(loads):.1f} – {max(loads):.1f}" if loads else ""
+
+
+def setup_text(args, steps: dict, t0: float, loads: tuple[float, float], rows: list[dict] | None = None) -> str:
     """The record's setup paragraph: machine, load, model, failures, storage model, sizes."""
     import platform
 
+    per_run = load_range(rows or [])
     return (f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), shared with other agents: load average "
-            f"{loads[0]:.1f} at the start, {loads[1]:.1f} at the end (per run in report.json). torchtitan demo "
+            f"{loads[0]:.1f} at the start, {loads[1]:.1f} at the end"
+            f"{f', {per_run} at the starts and ends of the runs (each run: notes column)' if per_run else ''}; "
+            f"the step time moves with that load, so compare ETTRs and ratios within this campaign only "
+            f"(every ETTR against its own run's quiet step time). torchtitan demo "
             f"(llama3 debug model), 2 simulated nodes × 1 CPU rank, FSDP2 over gloo, warm node agents "
             f"(launch/local.py). Failures: Poisson, MTBF {', '.join(f'{m:g}' for m in args.mtbfs)} s, seeds "
             f"{args.seeds}, the same times for every system; kill + wiped local disk of one node. Shared folder "
@@ -204,8 +214,12 @@ def from_report(args, argv: list[str] | None) -> int:
     with open(os.path.join(args.from_report, "report.json")) as f:
         rep = json.load(f)
     rows = rep["rows"]
+    per_run = load_range(rows)
     setup = rep.get("setup") or (f"From {args.from_report}/report.json ({len(rows)} rows; the campaign's own "
-                                 f"arguments: {rep.get('args')}).")
+                                 f"arguments: {rep.get('args')}). Machine: {os.cpu_count()} CPUs, shared with "
+                                 f"other agents" + (f": load average {per_run} at the starts and ends of the "
+                                                    f"runs (notes column)" if per_run else "") +
+                                 "; compare ETTRs and ratios within this campaign only.")
     return finish(args, argv, rows, setup)
 
 
@@ -219,14 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     t0, load0 = time.time(), os.getloadavg()[0]
     rows: list[dict] = []
     steps: dict[float, int] = {}
+    report_json = os.path.join(args.out, "report.json")
+    saved_args = {k: v for k, v in vars(args).items() if k != "system_list"}
     for mtbf in args.mtbfs:
         for k, seed in enumerate(args.seed_list):
             cell, steps[mtbf] = run_cell(demo, args, mtbf, seed, k, steps.get(mtbf))
             rows += cell
-            with open(os.path.join(args.out, "report.json"), "w") as f:  # kept as it grows
-                json.dump({"args": {k: v for k, v in vars(args).items() if k != "system_list"}, "rows": rows}, f,
-                          indent=1, default=str)
-    setup = setup_text(args, steps, t0, (load0, os.getloadavg()[0]))
+            with open(report_json, "w") as f:  # kept as it grows
+                json.dump({"args": saved_args, "rows": rows}, f, indent=1, default=str)
+    setup = setup_text(args, steps, t0, (load0, os.getloadavg()[0]), rows)
+    with open(report_json, "w") as f:  # complete: --from-report reuses the setup paragraph
+        json.dump({"args": saved_args, "rows": rows, "setup": setup}, f, indent=1, default=str)
     return finish(args, argv, rows, setup)
 
 

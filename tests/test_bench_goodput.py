@@ -269,6 +269,8 @@ def test_main_records_a_campaign_of_synthetic_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(bg, "history_md", lambda: str(history))
     monkeypatch.setattr(bg, "REPO", str(tmp_path))
     monkeypatch.setattr(bg.bs, "_load_demo", lambda: None)
+    loads = iter([1.0] + [1.5, 2.5] * 20)  # the campaign's start, then before and after each run
+    monkeypatch.setattr(bg.os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
     rc = bg.main(["--mtbf", "60", "--seeds", "1,2", "--systems", "tierckpt-adaptive,titan-stock-20,"
                   "tierckpt-fixed-10,torchft", "--out", str(tmp_path / "out"), "--record"])
     assert rc == 0  # adaptive 0.8: ≥ 0.97 × fixed 0.6 on each seed, 1.33× stock (torchft: reported unchecked)
@@ -283,6 +285,8 @@ def test_main_records_a_campaign_of_synthetic_runs(tmp_path, monkeypatch):
     assert len(pngs) == 1 and f"]({pngs[0]})" in text
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert len(rep["rows"]) == 8 and rep["rows"][3]["skipped"].startswith("not run")
+    assert "load 1.5→2.5" in text and "1.5 – 2.5 at the starts and ends of the runs" in text
+    assert "within this campaign only" in text and rep["setup"] in text
     assert bg.main(["--from-report", str(tmp_path / "out")]) == 0  # the same tables, no training
     assert len(calls) == 6 and history.read_text() == text  # nothing run, nothing recorded without --record
     assert runner.STOCK_RESTORE_RE.search("Finished loading the checkpoint in 1.25 seconds.").group(1) == "1.25"

@@ -33,8 +33,15 @@ def test_results_opens_with_the_current_standing_and_links_every_history_file():
     for sec in sections:
         assert "Command" in sec or "command" in sec, sec.splitlines()[0]
         assert "\n|---" in sec, sec.splitlines()[0]
-    files = sorted(os.listdir(HISTORY))
-    assert files and all(re.fullmatch(r"\d{4}-\d{2}\.md", f) for f in files)
+    entries = sorted(os.listdir(HISTORY))
+    files = [f for f in entries if re.fullmatch(r"\d{4}-\d{2}\.md", f)]
+    # besides the months: the plots bench_goodput's --record embeds, each linked from its month
+    plots = [f for f in entries if re.fullmatch(r"goodput-(\d{4})(\d{2})\d{2}-\d{4}\.png", f)]
+    assert files and sorted(files + plots) == entries
+    for png in plots:
+        month = f"{png[8:12]}-{png[12:14]}.md"
+        with open(os.path.join(HISTORY, month)) as f:
+            assert f"]({png})" in f.read(), png
     # the notebook folder is linked; so is every month moved out of RESULTS.md (a month a later
     # --record starts is reachable through the folder until someone links it)
     assert "(history/)" in text

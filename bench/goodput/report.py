@@ -36,6 +36,8 @@ def _row_cells(r: dict) -> list[str]:
         f"checkpoints {'/'.join(f'{k} {v}' for k, v in ck.items())}" if ck else "",
         f"last τ {r['last_intervals']}" if r.get("last_intervals") else "",
         f"quiet step / t_ref {drift}",
+        f"load {r['load_before']:.1f}→{r['load_after']:.1f}" if isinstance(r.get("load_before"), (int, float))
+        and isinstance(r.get("load_after"), (int, float)) else "",
         "INVALID: " + ", ".join(r["bookkeeping"]) if r.get("bookkeeping") else ""]))
     return [r["system"], f"{r['mtbf_s']:g}", str(r["seed"]), "yes" if r.get("finished") else "cap",
             str(r["failures"]), str(r["final_step"]), f"{r['wall_s']:.0f}", f"**{r['ettr']:.3f}**"] + \
