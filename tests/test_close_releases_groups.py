@@ -1,7 +1,7 @@
 """close() joins the engine's gloo threads (tierckpt/cluster/topology.py: release_groups): a gloo
 thread that outlives close() may free a collective's tensors while the interpreter finalises and
 abort the process (SIGABRT, "terminate called without an active exception") after every save
-committed. Counted as this process's OS threads (Linux ``/proc/self/task``)."""
+committed. Counted as this process's OS threads named by gloo (Linux ``/proc/self/task/*/comm``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from tierckpt.engine import TieredCheckpointer
 
 
 def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """This process's gloo threads (torch 2.15 also starts autograd threads lazily: not counted)."""
+    return sum(n.startswith(("gloo", "pt_gloo")) for n in _names())
 
 
 def _names() -> list[str]:
