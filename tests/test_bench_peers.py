@@ -180,13 +180,14 @@ def test_step_cost_counts_the_stall_and_runs_until_the_background_is_done(monkey
     monkeypatch.setattr(ps, "gmax", lambda x: x)  # one process: the slower rank is this one
     sd = pc.make_state(0, 1)
     systems = {"free": _Fake(), "stall": _Fake(stall_s=0.15), "long": _Fake(busy_steps=6)}
-    out = ps.step_cost(systems, list(systems), sd, reps=2, steps=3, window_s=0.01, barrier=lambda: None,
+    out = ps.step_cost(systems, list(systems), sd, reps=3, steps=3, window_s=0.01, barrier=lambda: None,
                        first_step=1)
     cost = {n: pc.med(v) for n, v in out["cost_s"].items()}
     assert 0.1 < cost["stall"] < 0.4, cost
-    assert abs(cost["free"]) < 0.08 and abs(cost["long"]) < 0.08, cost
-    assert out["steps"] == {"free": [3, 3], "stall": [3, 3], "long": [6, 6]}
-    assert out["matmuls_per_step"] >= 1 and out["next_step"] == 1 + 2 * 3
+    # a background that stalls nothing costs ~0 (tolerance: step-time noise on a loaded 2-core machine)
+    assert abs(cost["free"]) < 0.1 and abs(cost["long"]) < 0.1, cost
+    assert out["steps"] == {"free": [3, 3, 3], "stall": [3, 3, 3], "long": [6, 6, 6]}
+    assert out["matmuls_per_step"] >= 1 and out["next_step"] == 1 + 3 * 3
 
 
 def test_memory_state_reads_meminfo():

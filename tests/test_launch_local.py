@@ -31,7 +31,14 @@ plan = dict(x.split(":", 1) for x in os.environ.get("FAIL", "").split(",") if x)
 mode = plan.get(f"{rec['TIERCKPT_RESTART_COUNT']}/{rec['GROUP_RANK']}")
 if mode == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
-if mode == "config":
+if mode == "config":  # once every rank of the attempt has recorded itself (a loaded machine starts them late)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        with open(sys.argv[1]) as f:
+            mine = [json.loads(x) for x in f if x.strip()]
+        if sum(r["TIERCKPT_RESTART_COUNT"] == rec["TIERCKPT_RESTART_COUNT"] for r in mine) >= int(rec["WORLD_SIZE"]):
+            break
+        time.sleep(0.05)
     sys.exit(2)
 time.sleep(300 if mode == "hang" else 0.5)
 """
