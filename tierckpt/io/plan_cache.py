@@ -177,11 +177,11 @@ def save(state_dict: dict, storage_writer: StorageWriter, planner: PerRankSavePl
     try:
         _save(state_dict, storage_writer, planner, group, cache)
     except BaseException as e:  # CheckpointException is a BaseException
-        if cache is None or not _mismatch(e):
-            if cache is not None:
-                cache.drop()
+        if cache is None:
             raise
         cache.drop()  # on every rank: the exception is the same everywhere
+        if not _mismatch(e):
+            raise
         planner = type(planner)()
         _save(state_dict, storage_writer, planner, group, cache)
 
